@@ -1,0 +1,28 @@
+"""unison: one controller drives N worker processes in lockstep (SPMD).
+
+    with unison.Session(num_workers=4) as sess:
+        ref = sess.call(fn, *args)   # every worker runs fn; results stay there, behind a Ref
+        ref.gather()                 # every worker's value, in rank order
+"""
+
+from unison.errors import SessionClosed, UnisonError, WorkerDied, WorkerError
+from unison.refs import Ref
+from unison.session import Session, View
+from unison.worker import group, group_rank, group_size, rank, world_size
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Ref",
+    "Session",
+    "SessionClosed",
+    "UnisonError",
+    "View",
+    "WorkerDied",
+    "WorkerError",
+    "group",
+    "group_rank",
+    "group_size",
+    "rank",
+    "world_size",
+]

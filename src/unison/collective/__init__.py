@@ -1,0 +1,1 @@
+"""Worker-to-worker collectives (shared memory on one host, torch.distributed across hosts)."""

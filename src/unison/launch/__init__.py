@@ -1,0 +1,1 @@
+"""How workers start, are watched and are stopped (``local``: processes on this host)."""

@@ -1,0 +1,140 @@
+"""Message kinds and their encoding, shared by the controller and the workers.
+
+    controller                                   worker
+    ----------                                   ------
+    (CALL,  frees, ref_id, fn_id, args, kwargs) -> regs[ref_id] = fns[fn_id](*args, **kwargs)
+    (DEFINE, frees, fn_id, fn_pickle)           -> fns[fn_id] = loads(fn_pickle)
+    (PUT,   frees, ref_id, value)               -> regs[ref_id] = value
+    (GET,   frees, req_id, ref_id)              -> reply (req_id, OK, regs[ref_id])
+    (SYNC,  frees, req_id)                      -> reply (req_id, OK, [unreported errors])
+    (NOP,   frees)                              -> nothing (carries frees to every worker)
+    (SHUTDOWN, frees)                           -> leave the loop
+                              reply <- (req_id, OK | ERR, payload)
+
+Every message is one tuple, pickled once whatever the number of workers. ``frees`` is a
+tuple of ids to drop before the message runs (or None): that is how dropped Refs are
+batched onto the next message instead of costing a round trip each.
+
+Encoding is pickle protocol 5. The standard pickler is tried first, as it is the fastest;
+anything it cannot take, or that it would send by reference to the controller's ``__main__``
+(which a worker never imports), goes through cloudpickle, by value. A Ref inside the
+arguments pickles as a lookup in the receiving worker's register file.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import cloudpickle
+
+if TYPE_CHECKING:
+    from unison.refs import Ref
+
+CALL, DEFINE, PUT, GET, SYNC, NOP, SHUTDOWN = range(1, 8)
+OK, ERR = 0, 1
+READY_REQ = -1  # the req_id of the hello a worker sends once its loop is up
+
+_MAIN = b"__main__"
+_local = threading.local()
+
+
+def dumps(obj: object) -> bytes:
+    """Pickle for the other side: plain pickle where it is right, cloudpickle where needed."""
+    try:
+        data = pickle.dumps(obj, protocol=5)
+        if _MAIN not in data:
+            return data
+    except Exception:
+        pass
+    refs = getattr(_local, "refs", None)
+    if refs is not None:
+        refs.clear()  # the retry sees every Ref again
+    return cloudpickle.dumps(obj, protocol=5)
+
+
+def dumps_with_refs(obj: object) -> tuple[bytes, list[Ref]]:
+    """Pickle call arguments and say which Refs they hold, so the caller can check them."""
+    refs: list[Ref] = []
+    _local.refs = refs
+    try:
+        return dumps(obj), refs
+    finally:
+        _local.refs = None
+
+
+def loads(data: bytes | memoryview) -> Any:
+    return pickle.loads(data)
+
+
+def ref_reduce(ref: Ref) -> tuple[object, tuple[int]]:
+    """How a Ref pickles: as a lookup, by id, in the register file of the worker that reads it."""
+    refs = getattr(_local, "refs", None)
+    if refs is None:
+        raise TypeError(
+            "a unison Ref can only travel as an argument of a call in the session that made it; "
+            "use ref.get() or ref.gather() to fetch its value"
+        )
+    refs.append(ref)
+    return (_lookup, (ref._id,))
+
+
+# -- worker side of Ref arguments -------------------------------------------------------------
+
+registers: dict[int, Any] = {}
+"""The register file of this process, when it is a worker: id -> object."""
+
+
+class Failed:
+    """What a register holds when the call that should have filled it raised."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: tuple[Any, ...]) -> None:
+        self.error = error
+
+
+def _lookup(ref_id: int) -> Any:
+    try:
+        obj = registers[ref_id]
+    except KeyError:
+        raise LookupError(f"Ref #{ref_id} is not held by this worker (freed already?)") from None
+    if isinstance(obj, Failed):
+        raise ValueError(
+            f"argument Ref #{ref_id} holds no value on this worker: the call that made it "
+            f"raised {obj.error[1]}: {obj.error[2]}"
+        )
+    return obj
+
+
+# -- errors across the process boundary -------------------------------------------------------
+
+
+class RemoteError(Exception):
+    """Stands in for a worker's exception that could not be pickled back."""
+
+
+def pack_error(exc: BaseException, where: str) -> tuple[bytes | None, str, str, str, str]:
+    """A worker-side exception as (pickled exception or None, type, message, traceback, where)."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    exc.__traceback__ = None  # frames hold locals that may not pickle, and they are in tb
+    try:
+        blob: bytes | None = dumps(exc)
+        pickle.loads(blob)
+    except Exception:
+        blob = None
+    return (blob, type(exc).__qualname__, str(exc), tb, where)
+
+
+def unpack_error(error: tuple[Any, ...]) -> BaseException:
+    blob, type_name, message = error[0], error[1], error[2]
+    if blob is not None:
+        try:
+            exc = pickle.loads(blob)
+            if isinstance(exc, BaseException):
+                return exc
+        except Exception:
+            pass
+    return RemoteError(f"{type_name}: {message}")

@@ -1,0 +1,56 @@
+"""Ref: a handle to the objects one call left on each of its workers."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from unison import protocol
+
+if TYPE_CHECKING:
+    from unison.session import Session
+
+
+class Ref:
+    """The result of a call (or put/scatter) on a set of workers, left where it was made.
+
+    Nothing crosses the process boundary until ``get`` or ``gather`` asks for it. Dropping
+    the last reference, or ``free()``, frees the workers' objects with the next message.
+    Passed as an argument to a call of the same session, it becomes each worker's own object.
+    """
+
+    __slots__ = ("__weakref__", "_freed", "_id", "_session", "workers")
+
+    def __init__(self, session: Session, ref_id: int, workers: tuple[int, ...]) -> None:
+        self._session = session
+        self._id = ref_id
+        self._freed = False
+        self.workers = workers
+        """The global ranks that hold this Ref's objects, ascending."""
+
+    def get(self, worker: int | None = None, *, timeout: float | None = None) -> Any:
+        """One worker's value, copied to the controller. ``worker`` is a global rank and
+        defaults to the first of this Ref's workers."""
+        rank = self.workers[0] if worker is None else self._session._check_rank(worker, self)
+        return self._session._fetch(self, (rank,), timeout)[0]
+
+    def gather(self, *, timeout: float | None = None) -> list[Any]:
+        """Every worker's value, as a list in rank order (even for one worker)."""
+        return self._session._fetch(self, self.workers, timeout)
+
+    def free(self) -> None:
+        """Free the workers' objects now (with the next message). Idempotent."""
+        if not self._freed:
+            self._freed = True
+            self._session._release(self._id)
+
+    def __del__(self) -> None:
+        if not self._freed:
+            self._freed = True
+            self._session._release(self._id)
+
+    def __reduce__(self) -> tuple[object, tuple[int]]:
+        return protocol.ref_reduce(self)
+
+    def __repr__(self) -> str:
+        state = " freed" if self._freed else ""
+        return f"<unison.Ref #{self._id} on workers {list(self.workers)}{state}>"

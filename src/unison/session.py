@@ -1,0 +1,648 @@
+"""Session: the controller's face. It turns calls into messages and replies into values.
+
+    sess.call(fn, *args) ---> encode once ---> channel.send(msg, ranks) ---> workers
+          returns Ref at once                   (frees of dropped Refs ride along)
+    ref.gather() ----------> GET to each rank, then wait:
+                              one thread at a time reads the channel and hands every reply
+                              to the request waiting for it (replies of one worker come back
+                              in the order its requests went out); each wait also watches the
+                              workers' pidfds, so a death ends it at once as WorkerDied.
+
+A timeout abandons only the wait: the request stays queued, and its reply is dropped when it
+comes. A death closes the session, stops every worker and leaves the WorkerDied as the
+cause of every later SessionClosed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import os
+import pickle
+import secrets
+import threading
+import time
+import weakref
+
+import cloudpickle
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import BuiltinFunctionType, FunctionType
+from typing import Any
+
+from unison import channel as channels
+from unison import protocol
+from unison.errors import SessionClosed, WorkerDied, WorkerError
+from unison.launch.local import LocalLauncher
+from unison.protocol import CALL, DEFINE, GET, NOP, OK, PUT, SHUTDOWN, SYNC
+from unison.refs import Ref
+
+__all__ = ["Session", "View"]
+
+_FN_CACHE = 512  # functions kept defined on the workers; older ones are freed
+_SLICE = 0.5  # longest single sleep of a wait, so close() and deadlines are noticed
+_names = itertools.count()
+_live: weakref.WeakSet[Session] = weakref.WeakSet()
+
+
+class _Pending:
+    """One request awaiting a reply from each of its ranks."""
+
+    __slots__ = ("remaining", "replies", "req_id")
+
+    def __init__(self, req_id: int, count: int) -> None:
+        self.req_id = req_id
+        self.remaining = count
+        self.replies: dict[int, bytes] = {}
+
+
+class View:
+    """A set of workers of a session, addressed by global rank: ``sess[i]``, ``sess[a:b]``,
+    ``sess.group(g)``, or the whole session. A view is not indexed again."""
+
+    def __init__(self, session: Session, ranks: tuple[int, ...]) -> None:
+        self._session = session
+        self.workers = ranks
+        """The global ranks in this view, ascending."""
+
+    def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Ref:
+        """Run ``fn(*args, **kwargs)`` on every worker of the view; return a Ref at once."""
+        return self._session._call(self.workers, fn, args, kwargs)
+
+    def run(
+        self, fn: Callable[..., Any], /, *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """``call`` then ``gather``: every worker's result, in rank order."""
+        ref = self._session._call(self.workers, fn, args, kwargs)
+        try:
+            return ref.gather(timeout=timeout)
+        finally:
+            ref.free()
+
+    def put(self, value: Any) -> Ref:
+        """The same value on every worker of the view."""
+        return self._session._put(self.workers, [value])
+
+    def scatter(self, values: Sequence[Any]) -> Ref:
+        """One value per worker of the view, in rank order."""
+        values = list(values)
+        if len(values) != len(self.workers):
+            raise ValueError(
+                f"scatter needs one value per worker: got {len(values)} values for "
+                f"{len(self.workers)} workers {list(self.workers)}"
+            )
+        return self._session._put(self.workers, values)
+
+    def sync(self, timeout: float | None = None) -> None:
+        """Wait until every worker of the view has done all it was sent; raise any error from
+        those calls that nobody fetched yet (each error is reported once)."""
+        self._session._sync(self.workers, timeout)
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def __getitem__(self, key: object) -> View:
+        raise TypeError(
+            "a view is not indexed again: index the session itself with global ranks, "
+            "e.g. sess[2] or sess[1:3]"
+        )
+
+    def __repr__(self) -> str:
+        return f"<unison view of workers {list(self.workers)}>"
+
+
+class Session(View):
+    """One controller driving ``num_workers`` worker processes in lockstep.
+
+    Usable from several threads at once; closed by ``close()``, by leaving a ``with`` block,
+    at garbage collection and at interpreter exit.
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        num_groups: int = 1,
+        *,
+        launcher: str = "local",
+        channel: str = "pipe",
+        env: Mapping[int, Mapping[str, str]] | None = None,
+        cpu_affinity: bool | Mapping[int, Iterable[int]] | None = None,
+        start_timeout: float = 60.0,
+    ) -> None:
+        _check_sizes(num_workers, num_groups)
+        if launcher != "local":
+            raise ValueError(f"unknown launcher {launcher!r}: use 'local'")
+        self.num_workers = num_workers
+        self.num_groups = num_groups
+        self.name = f"unison-{os.getpid()}-{next(_names)}-{secrets.token_hex(3)}"
+        super().__init__(self, tuple(range(num_workers)))
+        self._closed = False
+        self._stopping = False
+        self._dead: WorkerDied | None = None
+        self._ids = itertools.count(1)
+        self._frees: collections.deque[int] = collections.deque()
+        self._fns: collections.OrderedDict[Callable[..., Any], int] = collections.OrderedDict()
+        self._expect: list[collections.deque[_Pending]] = [
+            collections.deque() for _ in range(num_workers)
+        ]
+        self._unreported: dict[int, dict[int, tuple[Any, ...]]] = {}
+        self._send_lock = threading.Lock()
+        self._recv_lock = threading.RLock()
+        self._state_lock = threading.Lock()
+        self._cv = threading.Condition(threading.Lock())
+        self._followers = 0
+        self._launcher = LocalLauncher()
+        self._procs = self._launcher.workers
+        self._pidfds: list[int] = []
+        self._chan = channels.create(channel, num_workers, self.name)
+        cpus = _cpu_plan(num_workers, cpu_affinity)
+        envs = _check_env(num_workers, env)
+        try:
+            inits, fds = [], []
+            for rank in range(num_workers):
+                spec, rank_fds = self._chan.endpoint(rank)
+                inits.append({
+                    "rank": rank, "world_size": num_workers, "num_groups": num_groups,
+                    "sys_path": list(sys_path()), "channel": spec, "cpus": cpus.get(rank),
+                })
+                fds.append(rank_fds)
+            ready = _Pending(protocol.READY_REQ, num_workers)
+            for q in self._expect:
+                q.append(ready)
+            self._launcher.start(inits, fds, envs)
+            self._pidfds = [w.pidfd for w in self._procs if w.pidfd is not None]
+            self._chan.started()
+            self._wait(ready, _deadline(start_timeout), "starting")
+        except BaseException:
+            self._shutdown(0)
+            raise
+        _live.add(self)
+
+    # -- views ---------------------------------------------------------------------------------
+
+    def __getitem__(self, key: object) -> View:
+        self._check_open()
+        if isinstance(key, slice):
+            ranks = tuple(range(self.num_workers)[key])
+            if not ranks:
+                raise ValueError(f"sess[{key.start}:{key.stop}] selects no worker of {self.num_workers}")
+            return View(self, ranks)
+        if isinstance(key, int) and not isinstance(key, bool):
+            return View(self, (self._check_rank(key),))
+        raise TypeError(f"index a session with an int rank or a slice, not {type(key).__name__}")
+
+    def group(self, g: int) -> View:
+        """The workers of group ``g``: ranks g*size .. (g+1)*size - 1."""
+        self._check_open()
+        if not isinstance(g, int) or not 0 <= g < self.num_groups:
+            raise ValueError(f"group must be an int in 0..{self.num_groups - 1}, got {g!r}")
+        size = self.num_workers // self.num_groups
+        return View(self, tuple(range(g * size, (g + 1) * size)))
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, timeout: float = 3.0) -> None:
+        """Let calls in flight finish for up to ``timeout`` seconds, then stop every worker.
+        Idempotent."""
+        self._shutdown(timeout)
+
+    def _shutdown(self, grace: float) -> None:
+        with self._state_lock:
+            self._closed = True
+            if self._stopping:
+                return
+            self._stopping = True
+        if grace > 0 and self._dead is None:
+            try:
+                with self._send_lock:
+                    self._chan.send(pickle.dumps((SHUTDOWN, None)), self.workers)
+            except OSError:
+                pass
+        self._launcher.stop(grace)
+        with self._recv_lock:
+            self._chan.close()
+        _live.discard(self)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(timeout=3.0 if exc[0] is None else 0)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.close(timeout=1.0)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<unison.Session {self.name} workers={self.num_workers} {state}>"
+
+    # -- the calls behind Session, View and Ref ------------------------------------------------
+
+    def _call(
+        self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Ref:
+        self._check_open()
+        if not callable(fn):
+            raise TypeError(f"call needs a callable first, got {type(fn).__name__}")
+        blob = None
+        if args or kwargs:
+            blob = self._encode_args(ranks, fn, args, kwargs)
+        ref_id = next(self._ids)
+        with self._send_lock:
+            fn_id, cached = self._fn_id(fn)
+            self._send(CALL, (ref_id, fn_id, blob), ranks)
+            if not cached:
+                self._frees.append(fn_id)  # dropped with the next message, after this call
+        return Ref(self, ref_id, ranks)
+
+    def _put(self, ranks: tuple[int, ...], values: list[Any]) -> Ref:
+        ref_id = next(self._ids)
+        blobs = [self._encode_value(v, what) for v, what in _labelled(values)]
+        with self._send_lock:
+            if len(blobs) == 1:
+                self._send(PUT, (ref_id, blobs[0]), ranks)
+            else:
+                for rank, blob in zip(ranks, blobs):
+                    self._send(PUT, (ref_id, blob), (rank,))
+        return Ref(self, ref_id, ranks)
+
+    def _fetch(self, ref: Ref, ranks: tuple[int, ...], timeout: float | None) -> list[Any]:
+        self._check_open()
+        if ref._session is not self:
+            raise ValueError(f"{ref!r} belongs to another session")
+        if ref._freed:
+            raise ValueError(f"{ref!r} was freed; its value is gone")
+        replies = self._request(GET, (ref._id,), ranks, timeout, "fetching a value")
+        values, errors = [], {}
+        for rank, (status, payload) in zip(ranks, replies):
+            if status == OK:
+                values.append(payload)
+            else:
+                errors[rank] = payload
+        if errors:
+            with self._state_lock:
+                self._unreported.pop(ref._id, None)
+            raise _worker_error(errors)
+        return values
+
+    def _sync(self, ranks: tuple[int, ...], timeout: float | None) -> None:
+        replies = self._request(SYNC, (), ranks, timeout, "syncing")
+        with self._state_lock:
+            for rank, (_, errs) in zip(ranks, replies):
+                for ref_id, err in errs:
+                    self._unreported.setdefault(ref_id, {})[rank] = err
+            if not self._unreported:
+                return
+            errors = self._unreported.pop(min(self._unreported))
+        raise _worker_error(errors)
+
+    def _release(self, ref_id: int) -> None:
+        """Called from Ref.__del__, in any thread: so no lock, just an atomic append."""
+        self._frees.append(ref_id)
+
+    # -- sending -------------------------------------------------------------------------------
+
+    def _send(self, op: int, fields: tuple[Any, ...], ranks: tuple[int, ...]) -> None:
+        """Encode one message and write it to ``ranks``; caller holds the send lock."""
+        self._check_open()
+        frees = None
+        if self._frees:
+            frees = self._take_frees()
+            if len(ranks) != self.num_workers:  # frees must reach every worker
+                self._write(pickle.dumps((NOP, frees)), self.workers)
+                frees = None
+        self._write(pickle.dumps((op, frees, *fields)), ranks)
+
+    def _write(self, data: bytes, ranks: tuple[int, ...]) -> None:
+        try:
+            self._chan.send(data, ranks)
+        except OSError:
+            raise self._find_death("sending a message") from None
+
+    def _take_frees(self) -> tuple[int, ...]:
+        out = []
+        pop = self._frees.popleft
+        while self._frees:
+            out.append(pop())
+        return tuple(out)
+
+    def _fn_id(self, fn: Callable[..., Any]) -> tuple[int, bool]:
+        """The id under which the workers know ``fn``, sending its pickle the first time.
+
+        Plain functions are pickled once (changing one means defining a new one). Bound
+        methods and other callables carry state that may change, so they go every time."""
+        cacheable = isinstance(fn, (FunctionType, BuiltinFunctionType))
+        if cacheable:
+            fn_id = self._fns.get(fn)
+            if fn_id is not None:
+                self._fns.move_to_end(fn)
+                return fn_id, True
+        try:
+            blob = cloudpickle.dumps(fn, protocol=5)
+        except Exception as exc:
+            raise TypeError(f"the function {fn!r} cannot be pickled for the workers: {exc}") from exc
+        fn_id = next(self._ids)
+        self._send(DEFINE, (fn_id, blob), self.workers)
+        if cacheable:
+            self._fns[fn] = fn_id
+            if len(self._fns) > _FN_CACHE:
+                self._frees.append(self._fns.popitem(last=False)[1])
+        return fn_id, cacheable
+
+    def _encode_args(
+        self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> bytes:
+        try:
+            blob, refs = protocol.dumps_with_refs((args, kwargs))
+        except Exception as exc:
+            for what, value in [*((f"argument {i}", a) for i, a in enumerate(args)),
+                                *((f"keyword argument {k!r}", v) for k, v in kwargs.items())]:
+                try:
+                    protocol.dumps_with_refs(value)
+                except Exception as bad:
+                    raise _unpicklable(f"{what} of {_fn_name(fn)}", value, bad) from bad
+            raise _unpicklable(f"the arguments of {_fn_name(fn)}", args, exc) from exc
+        for ref in refs:
+            self._check_ref_arg(ref, ranks)
+        return blob
+
+    def _encode_value(self, value: Any, what: str) -> bytes:
+        try:
+            return protocol.dumps(value)
+        except Exception as exc:
+            raise _unpicklable(what, value, exc) from exc
+
+    def _check_ref_arg(self, ref: Ref, ranks: tuple[int, ...]) -> None:
+        if ref._session is not self:
+            state = " (a closed one)" if ref._session._closed else ""
+            raise ValueError(f"{ref!r} belongs to another session{state}: pass it only to its own")
+        if ref._freed:
+            raise ValueError(f"{ref!r} was freed and cannot be passed to a call")
+        missing = sorted(set(ranks) - set(ref.workers))
+        if missing:
+            raise ValueError(
+                f"{ref!r} is not held by workers {missing} that this call runs on: call on a "
+                f"view of its workers, or put the value there first"
+            )
+
+    # -- waiting for replies -------------------------------------------------------------------
+
+    def _request(
+        self, op: int, fields: tuple[Any, ...], ranks: tuple[int, ...], timeout: float | None,
+        during: str,
+    ) -> list[tuple[int, Any]]:
+        """Send a request to ``ranks`` and return each one's decoded (status, payload)."""
+        deadline = _deadline(timeout)
+        req_id = next(self._ids)
+        pending = _Pending(req_id, len(ranks))
+        with self._send_lock:
+            self._check_open()
+            for r in ranks:
+                self._expect[r].append(pending)
+            try:
+                self._send(op, (req_id, *fields), ranks)
+            except BaseException:
+                for r in ranks:
+                    _discard(self._expect[r], pending)
+                raise
+        self._wait(pending, deadline, during)
+        out = []
+        for r in ranks:
+            try:
+                got_id, status, payload = protocol.loads(pending.replies[r])
+            except Exception as exc:
+                raise TypeError(
+                    f"the reply of worker {r} cannot be unpickled on the controller: {exc}. "
+                    "Make its type importable here, or return plain data."
+                ) from exc
+            assert got_id == req_id, f"reply {got_id} for request {req_id}: out of order"
+            out.append((status, payload))
+        return out
+
+    def _wait(self, pending: _Pending, deadline: float | None, during: str) -> None:
+        try:
+            while pending.remaining:
+                if self._recv_lock.acquire(blocking=False):
+                    try:
+                        self._pump(pending, deadline, during)
+                    finally:
+                        self._recv_lock.release()
+                        if self._followers:
+                            with self._cv:
+                                self._cv.notify_all()
+                else:
+                    self._follow(pending, deadline)
+        except KeyboardInterrupt:
+            self._abort()
+            raise
+
+    def _pump(self, pending: _Pending, deadline: float | None, during: str) -> None:
+        """Read replies for everyone until ``pending`` is complete; caller holds the recv lock."""
+        chan, expect = self._chan, self._expect
+        slice_ = _SLICE if self._pidfds else 0.05
+        while pending.remaining:
+            self._check_open()
+            timeout = slice_ if deadline is None else min(slice_, deadline - time.monotonic())
+            if timeout <= 0:
+                raise _timeout_error(pending, deadline)
+            batch = chan.recv(timeout, self._pidfds)
+            if not batch:
+                self._check_alive(during)
+                continue
+            for rank, data in batch:
+                if data is None:
+                    raise self._find_death(during, rank)
+                p = expect[rank].popleft()
+                p.replies[rank] = data
+                p.remaining -= 1
+            if self._followers:
+                with self._cv:
+                    self._cv.notify_all()
+
+    def _follow(self, pending: _Pending, deadline: float | None) -> None:
+        """Another thread reads the channel: sleep until it hands over our replies."""
+        with self._cv:
+            self._followers += 1
+            try:
+                if pending.remaining:
+                    self._cv.wait(_SLICE if deadline is None else max(0.0, min(_SLICE, deadline - time.monotonic())))
+            finally:
+                self._followers -= 1
+        self._check_open()
+        if pending.remaining and deadline is not None and time.monotonic() >= deadline:
+            raise _timeout_error(pending, deadline)
+
+    # -- liveness ------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            if self._dead is not None:
+                raise SessionClosed(f"the session is closed because {self._dead}") from self._dead
+            raise SessionClosed("the session is closed: open a new Session to go on")
+
+    def _check_alive(self, during: str) -> None:
+        for w in self._procs:
+            if w.exitcode() is not None:
+                raise self._find_death(during, w.rank)
+
+    def _find_death(self, during: str, rank: int | None = None) -> BaseException:
+        """A worker is gone (or its stream broke): close the session and describe the death."""
+        if self._closed and self._dead is not None:
+            return SessionClosed(f"the session is closed because {self._dead}")
+        if self._closed:
+            return SessionClosed("the session is closed: open a new Session to go on")
+        deadline = time.monotonic() + 1.0
+        while rank is None and time.monotonic() < deadline:
+            rank = next((w.rank for w in self._procs if w.exitcode() is not None), None)
+            time.sleep(0.005)
+        if rank is None:
+            rank = 0
+        worker = self._procs[rank]
+        code = worker.wait_exit(1.0)
+        worker.kill()
+        self._dead = WorkerDied(rank, code if code is not None else worker.exitcode(),
+                                worker.output(), during)
+        self._shutdown(0)
+        return self._dead
+
+    def _abort(self) -> None:
+        """Ctrl-C: stop the workers now, quietly."""
+        self._shutdown(0)
+
+    def _check_rank(self, rank: object, ref: Ref | None = None) -> int:
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            raise TypeError(f"a worker is named by an int rank, not {type(rank).__name__}")
+        if ref is not None:
+            if rank not in ref.workers:
+                raise ValueError(f"worker {rank} does not hold {ref!r}: pick one of {list(ref.workers)}")
+            return rank
+        if not -self.num_workers <= rank < self.num_workers:
+            raise ValueError(
+                f"worker index {rank} is out of range for a session of {self.num_workers} workers"
+            )
+        return rank % self.num_workers
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def sys_path() -> list[str]:
+    import sys
+
+    return [os.getcwd() if p == "" else p for p in sys.path]
+
+
+def _check_sizes(num_workers: object, num_groups: object) -> None:
+    for name, v in (("num_workers", num_workers), ("num_groups", num_groups)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if v < 1:
+            raise ValueError(f"{name} must be at least 1, got {v}")
+    assert isinstance(num_workers, int) and isinstance(num_groups, int)
+    if num_workers % num_groups:
+        raise ValueError(
+            f"num_workers ({num_workers}) must be divisible by num_groups ({num_groups}), "
+            "so that every group has the same size"
+        )
+
+
+def _check_env(n: int, env: Mapping[int, Mapping[str, str]] | None) -> dict[int, dict[str, str]]:
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping):
+        raise TypeError("env must map a rank to a dict of environment variables, e.g. {0: {...}}")
+    out = {}
+    for rank, values in env.items():
+        if not isinstance(rank, int) or not 0 <= rank < n:
+            raise ValueError(f"env has key {rank!r}, which is not a rank in 0..{n - 1}")
+        out[rank] = {str(k): str(v) for k, v in values.items()}
+    return out
+
+
+def _cpu_plan(n: int, plan: bool | Mapping[int, Iterable[int]] | None) -> dict[int, list[int]]:
+    if not plan:
+        return {}
+    if plan is True:
+        cpus = sorted(os.sched_getaffinity(0))
+        return {r: [cpus[r % len(cpus)]] for r in range(n)}
+    if not isinstance(plan, Mapping):
+        raise TypeError("cpu_affinity must be True or map a rank to a list of CPU numbers")
+    out = {}
+    for rank, cpus_ in plan.items():
+        if not isinstance(rank, int) or not 0 <= rank < n:
+            raise ValueError(f"cpu_affinity has key {rank!r}, which is not a rank in 0..{n - 1}")
+        out[rank] = [int(c) for c in cpus_]
+    return out
+
+
+def _deadline(timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    if timeout < 0:
+        raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
+    return time.monotonic() + timeout
+
+
+def _timeout_error(pending: _Pending, deadline: float | None) -> TimeoutError:
+    return TimeoutError(
+        f"{pending.remaining} worker(s) had not answered by the deadline. The work goes on and "
+        "the Ref stays valid: wait again (get/gather/sync), or close the session."
+    )
+
+
+def _discard(q: collections.deque[_Pending], p: _Pending) -> None:
+    try:
+        q.remove(p)
+    except ValueError:
+        pass
+
+
+def _labelled(values: list[Any]) -> Iterable[tuple[Any, str]]:
+    if len(values) == 1:
+        yield values[0], "the value to put"
+    else:
+        for i, v in enumerate(values):
+            yield v, f"scatter value {i}"
+
+
+def _unpicklable(what: str, value: object, exc: BaseException) -> TypeError:
+    return TypeError(
+        f"{what} ({type(value).__qualname__}) cannot be pickled: {exc}. Pass a picklable "
+        "value, or build the object on the workers inside the function."
+    )
+
+
+def _fn_name(fn: object) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _worker_error(errors: dict[int, tuple[Any, ...]]) -> WorkerError:
+    ranks = sorted(errors)
+    first = ranks[0]
+    excs = {r: protocol.unpack_error(errors[r]) for r in ranks}
+    _, type_name, message, tb, where = errors[first]
+    text = f"worker {first} raised {type_name}: {message}"
+    if where:
+        text += f" (in {where})"
+    if len(ranks) > 1:
+        text += f"; workers {ranks[1:]} failed too (see .errors)"
+    text += f"\n\nRemote traceback (worker {first}):\n{tb.rstrip()}"
+    err = WorkerError(text, first, excs)
+    err.__cause__ = excs[first]
+    return err
+
+
+@atexit.register
+def _close_all() -> None:
+    for sess in list(_live):
+        try:
+            sess.close(timeout=1.0)
+        except Exception:
+            pass
