@@ -41,32 +41,51 @@ _MAIN = b"__main__"
 _local = threading.local()
 
 
-def dumps(obj: object) -> bytes:
-    """Pickle for the other side: plain pickle where it is right, cloudpickle where needed."""
+OOB_MIN = 1 << 16
+"""Buffers (numpy arrays, PickleBuffers) this large travel out of band, beside the pickle."""
+
+
+def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None) -> bytes:
+    """Pickle for the other side: plain pickle where it is right, cloudpickle where needed.
+
+    With ``buffers``, large pickle-5 buffers are appended there instead of copied in."""
+    callback = None
+    if buffers is not None:
+        start = len(buffers)
+
+        def callback(pb: pickle.PickleBuffer) -> bool:
+            if pb.raw().nbytes < OOB_MIN:
+                return True
+            buffers.append(pb)
+            return False
+
     try:
-        data = pickle.dumps(obj, protocol=5)
+        data = pickle.dumps(obj, protocol=5, buffer_callback=callback)
         if _MAIN not in data:
             return data
     except Exception:
         pass
+    if buffers is not None:
+        del buffers[start:]
     refs = getattr(_local, "refs", None)
     if refs is not None:
         refs.clear()  # the retry sees every Ref again
-    return cloudpickle.dumps(obj, protocol=5)
+    return cloudpickle.dumps(obj, protocol=5, buffer_callback=callback)
 
 
-def dumps_with_refs(obj: object) -> tuple[bytes, list[Ref]]:
-    """Pickle call arguments and say which Refs they hold, so the caller can check them."""
+def dumps_with_refs(obj: object) -> tuple[bytes, list[pickle.PickleBuffer], list[Ref]]:
+    """Pickle call arguments out of band and say which Refs they hold, for checking."""
     refs: list[Ref] = []
+    buffers: list[pickle.PickleBuffer] = []
     _local.refs = refs
     try:
-        return dumps(obj), refs
+        return dumps(obj, buffers), buffers, refs
     finally:
         _local.refs = None
 
 
-def loads(data: bytes | memoryview) -> Any:
-    return pickle.loads(data)
+def loads(data: bytes | memoryview, buffers: list[Any] | None = None) -> Any:
+    return pickle.loads(data, buffers=buffers)
 
 
 def ref_reduce(ref: Ref) -> tuple[object, tuple[int]]:

@@ -39,6 +39,7 @@ from unison.refs import Ref
 
 __all__ = ["Session", "View"]
 
+_NO_BUFFERS: list[pickle.PickleBuffer] = []
 _FN_CACHE = 512  # functions kept defined on the workers; older ones are freed
 _SLICE = 0.5  # longest single sleep of a wait, so close() and deadlines are noticed
 _names = itertools.count()
@@ -124,7 +125,7 @@ class Session(View):
         num_groups: int = 1,
         *,
         launcher: str = "local",
-        channel: str = "pipe",
+        channel: str = "auto",
         env: Mapping[int, Mapping[str, str]] | None = None,
         cpu_affinity: bool | Mapping[int, Iterable[int]] | None = None,
         start_timeout: float = 60.0,
@@ -171,7 +172,7 @@ class Session(View):
                 q.append(ready)
             self._launcher.start(inits, fds, envs)
             self._pidfds = [w.pidfd for w in self._procs if w.pidfd is not None]
-            self._chan.started()
+            self._chan.started(self._pidfds)
             self._wait(ready, _deadline(start_timeout), "starting")
         except BaseException:
             self._shutdown(0)
@@ -250,13 +251,13 @@ class Session(View):
         self._check_open()
         if not callable(fn):
             raise TypeError(f"call needs a callable first, got {type(fn).__name__}")
-        blob = None
+        blob, bufs = None, _NO_BUFFERS
         if args or kwargs:
-            blob = self._encode_args(ranks, fn, args, kwargs)
+            blob, bufs = self._encode_args(ranks, fn, args, kwargs)
         ref_id = next(self._ids)
         with self._send_lock:
             fn_id, cached = self._fn_id(fn)
-            self._send(CALL, (ref_id, fn_id, blob), ranks)
+            self._send(CALL, (ref_id, fn_id, blob), ranks, bufs)
             if not cached:
                 self._frees.append(fn_id)  # dropped with the next message, after this call
         return Ref(self, ref_id, ranks)
@@ -266,10 +267,10 @@ class Session(View):
         blobs = [self._encode_value(v, what) for v, what in _labelled(values)]
         with self._send_lock:
             if len(blobs) == 1:
-                self._send(PUT, (ref_id, blobs[0]), ranks)
+                self._send(PUT, (ref_id, blobs[0][0]), ranks, blobs[0][1])
             else:
-                for rank, blob in zip(ranks, blobs):
-                    self._send(PUT, (ref_id, blob), (rank,))
+                for rank, (blob, bufs) in zip(ranks, blobs):
+                    self._send(PUT, (ref_id, blob), (rank,), bufs)
         return Ref(self, ref_id, ranks)
 
     def _fetch(self, ref: Ref, ranks: tuple[int, ...], timeout: float | None) -> list[Any]:
@@ -308,7 +309,10 @@ class Session(View):
 
     # -- sending -------------------------------------------------------------------------------
 
-    def _send(self, op: int, fields: tuple[Any, ...], ranks: tuple[int, ...]) -> None:
+    def _send(
+        self, op: int, fields: tuple[Any, ...], ranks: tuple[int, ...],
+        buffers: list[pickle.PickleBuffer] = [],  # noqa: B006 (never mutated)
+    ) -> None:
         """Encode one message and write it to ``ranks``; caller holds the send lock."""
         self._check_open()
         frees = None
@@ -317,11 +321,14 @@ class Session(View):
             if len(ranks) != self.num_workers:  # frees must reach every worker
                 self._write(pickle.dumps((NOP, frees)), self.workers)
                 frees = None
-        self._write(pickle.dumps((op, frees, *fields)), ranks)
+        self._write(pickle.dumps((op, frees, *fields)), ranks, buffers)
 
-    def _write(self, data: bytes, ranks: tuple[int, ...]) -> None:
+    def _write(
+        self, data: bytes, ranks: tuple[int, ...],
+        buffers: list[pickle.PickleBuffer] = [],  # noqa: B006 (never mutated)
+    ) -> None:
         try:
-            self._chan.send(data, ranks)
+            self._chan.send(data, ranks, buffers)
         except OSError:
             raise self._find_death("sending a message") from None
 
@@ -358,9 +365,9 @@ class Session(View):
     def _encode_args(
         self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
         kwargs: dict[str, Any],
-    ) -> bytes:
+    ) -> tuple[bytes, list[pickle.PickleBuffer]]:
         try:
-            blob, refs = protocol.dumps_with_refs((args, kwargs))
+            blob, bufs, refs = protocol.dumps_with_refs((args, kwargs))
         except Exception as exc:
             for what, value in [*((f"argument {i}", a) for i, a in enumerate(args)),
                                 *((f"keyword argument {k!r}", v) for k, v in kwargs.items())]:
@@ -371,11 +378,12 @@ class Session(View):
             raise _unpicklable(f"the arguments of {_fn_name(fn)}", args, exc) from exc
         for ref in refs:
             self._check_ref_arg(ref, ranks)
-        return blob
+        return blob, bufs
 
-    def _encode_value(self, value: Any, what: str) -> bytes:
+    def _encode_value(self, value: Any, what: str) -> tuple[bytes, list[pickle.PickleBuffer]]:
         try:
-            return protocol.dumps(value)
+            bufs: list[pickle.PickleBuffer] = []
+            return protocol.dumps(value, bufs), bufs
         except Exception as exc:
             raise _unpicklable(what, value, exc) from exc
 

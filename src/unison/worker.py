@@ -86,10 +86,11 @@ def serve(chan: WorkerChannel) -> None:
     unreported: dict[int, tuple[Any, ...]] = {}
     loads, dumps = protocol.loads, protocol.dumps
     while True:
-        data = chan.recv()
-        if data is None:
+        got = chan.recv()
+        if got is None:
             return
-        msg = loads(data)
+        msg = loads(got[0])
+        bufs = got[1]
         op, frees = msg[0], msg[1]
         if frees:
             for i in frees:
@@ -104,7 +105,7 @@ def serve(chan: WorkerChannel) -> None:
                 if blob is None:
                     regs[ref_id] = fn()  # type: ignore[misc]
                 else:
-                    args, kwargs = loads(blob)
+                    args, kwargs = loads(blob, bufs)
                     regs[ref_id] = fn(*args, **kwargs)  # type: ignore[misc]
             except BaseException as exc:  # SystemExit and friends from user code are errors too
                 err = protocol.pack_error(exc, _name(fn))
@@ -131,7 +132,7 @@ def serve(chan: WorkerChannel) -> None:
                 fns[msg[2]] = Failed(protocol.pack_error(exc, "loading a function"))
         elif op == PUT:
             try:
-                regs[msg[2]] = loads(msg[3])
+                regs[msg[2]] = loads(msg[3], bufs)
             except BaseException as exc:
                 err = protocol.pack_error(exc, "loading a put value")
                 regs[msg[2]] = Failed(err)

@@ -20,6 +20,8 @@ from typing import Any
 
 from unison.channel import Channel, WorkerChannel
 
+_MULTI = b"UB"  # a frame announcing N buffer frames after the message (pickles start b"\x80")
+
 
 class PipeChannel(Channel):
     def __init__(self, num_workers: int) -> None:
@@ -39,15 +41,20 @@ class PipeChannel(Channel):
         cmd_r, rep_w = self._child_fds[rank]
         return {"kind": "pipe", "cmd": cmd_r, "reply": rep_w}, [cmd_r, rep_w]
 
-    def started(self) -> None:
+    def started(self, watch: Sequence[int] = ()) -> None:
         for pair in self._child_fds:
             for fd in pair:
                 _close_fd(fd)
         self._child_fds = []
 
-    def send(self, data: bytes, ranks: Sequence[int]) -> None:
+    def send(self, data: bytes, ranks: Sequence[int], buffers: Sequence[Any] = ()) -> None:
         for r in ranks:
-            self._cmd[r].send_bytes(data)
+            conn = self._cmd[r]
+            if buffers:
+                conn.send_bytes(_MULTI + len(buffers).to_bytes(4, "little"))
+            conn.send_bytes(data)
+            for pb in buffers:
+                conn.send_bytes(pb.raw())
 
     def recv(self, timeout: float | None, watch: Sequence[int] = ()) -> list[tuple[int, bytes | None]]:
         ready = wait([*self._open, *watch], timeout)
@@ -74,17 +81,24 @@ class PipeWorkerChannel(WorkerChannel):
     def __init__(self, spec: dict[str, Any]) -> None:
         self._cmd = Connection(spec["cmd"], writable=False)
         self._reply = Connection(spec["reply"], readable=False)
-        self._inbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[bytes, list[Any]] | None] = queue.SimpleQueue()
         threading.Thread(target=self._drain, name="unison-cmd-reader", daemon=True).start()
 
     def _drain(self) -> None:
+        recv = self._cmd.recv_bytes
         try:
             while True:
-                self._inbox.put(self._cmd.recv_bytes())
+                data = recv()
+                if data[:2] == _MULTI:
+                    count = int.from_bytes(data[2:], "little")
+                    data = recv()
+                    self._inbox.put((data, [recv() for _ in range(count)]))
+                else:
+                    self._inbox.put((data, []))
         except (EOFError, OSError):
             self._inbox.put(None)
 
-    def recv(self) -> bytes | None:
+    def recv(self) -> tuple[bytes, list[Any]] | None:
         return self._inbox.get()
 
     def reply(self, data: bytes) -> None:

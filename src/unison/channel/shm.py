@@ -1,0 +1,407 @@
+"""The shared-memory channel: one command ring written once for all workers, one reply ring
+per worker, and an arena for large buffers.
+
+    controller                          control segment (memfd)                 worker r
+    send(msg, ranks) --> entry [len|nbufs|flags, rank mask, payload, buffer descs]
+                         at cmd_write; cmd_write += size ----------------->  spin/yield, then
+                         wake r only if r sleeps (eventfd) ---------------->  sleep on eventfd;
+                                                                              copy payload out,
+                                                                              cmd_read[r] = pos
+    recv() <------------ reply ring r [len|more, bytes], reply_write[r]  <--  reply(data)
+      spin/yield, then sleep on our eventfd (+ the workers' pidfds);          wakes us only if
+      a worker wakes us only when our "sleeping" flag is up                   we sleep
+
+Ordering. A writer publishes the payload first, then the position that covers it; x86 keeps
+stores in order (TSO), and CPython never reorders them, so a reader that sees the position
+sees the payload. The sleep handshake ("set my flag, re-check the position" against
+"publish the position, check the flag") needs a store-load fence on each side: an
+uncontended lock round trip (a locked instruction) gives it. Every sleep also has a 1 s
+timeout, so a lost wake-up could only cost latency, never a hang. Hosts with weaker memory
+models (ARM) would need real fences around the position stores: use ``channel="pipe"`` there.
+
+Waiting. Spinning with ``sched_yield`` for up to 200 us catches the reply of a quick call
+without a kernel wake-up (tens of us on these machines); past that the waiter sleeps, so an
+idle session costs no CPU. Yielding, not pure spinning, keeps a machine with more workers
+than cores usable.
+
+Messages over a quarter of the ring, and pickle-5 buffers of 64 KiB or more, go through the
+arena (see arena.py) instead of the ring, so no message is ever too large.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import select
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from unison.channel import Channel, WorkerChannel
+from unison.channel.arena import Arena, ArenaReader, counters_size
+
+MAX_WORKERS = 64
+CMD_RING = 1 << 21
+REPLY_RING = 1 << 20
+SPIN = 200e-6
+SLEEP = 1.0
+_LINE = 64
+_WRAP = (1 << 64) - 1
+_OOB = 1  # entry flag: the payload is a descriptor of an arena block
+_MORE = 1 << 32  # reply flag: more chunks of this message follow
+_ENTRY = 16  # command entry header bytes
+_DESC = 24
+
+_fence_lock = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier: a lock round trip is a locked instruction on x86."""
+    _fence_lock.acquire()
+    _fence_lock.release()
+
+
+def _align8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+class _Layout:
+    """Byte offsets in the control segment; the same on both sides."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.cmd_write = 0  # line 0, controller-written
+        self.ctl_sleep = _LINE  # line 1, controller-written
+        worker0 = 2 * _LINE
+        # per worker: line A (worker-written): cmd_read, sleeping, reply_write; line B: reply_read
+        self.cmd_read = [worker0 + 2 * _LINE * r for r in range(n)]
+        self.sleeping = [o + 8 for o in self.cmd_read]
+        self.reply_write = [o + 16 for o in self.cmd_read]
+        self.reply_read = [o + _LINE for o in self.cmd_read]
+        self.counters = worker0 + 2 * _LINE * n
+        self.cmd_ring = self.counters + counters_size(n)
+        self.reply_ring = [self.cmd_ring + CMD_RING + REPLY_RING * r for r in range(n)]
+        self.size = self.cmd_ring + CMD_RING + REPLY_RING * n
+
+
+def _arena_size() -> int:
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 1 << 34
+    return max(1 << 30, min(ram, 1 << 40))
+
+
+class ShmChannel(Channel):
+    """The controller's end."""
+
+    def __init__(self, num_workers: int, name: str) -> None:
+        if num_workers > MAX_WORKERS:
+            raise ValueError(f"the shm channel takes at most {MAX_WORKERS} workers: use channel='pipe'")
+        self.n = num_workers
+        self._lay = lay = _Layout(num_workers)
+        self._fd = os.memfd_create(f"{name}-ctl", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, lay.size)
+        self._mm = mmap.mmap(self._fd, lay.size)
+        self._buf = memoryview(self._mm)
+        self._q = self._buf.cast("Q")
+        counters = self._buf[lay.counters : lay.cmd_ring].cast("I")
+        self.arena = Arena(name, num_workers, counters, _arena_size())
+        self._efd = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(num_workers)]
+        self._ctl_efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wpos = 0
+        self._reply_pos = [0] * num_workers
+        self._partial: list[list[bytes]] = [[] for _ in range(num_workers)]
+        self._backlog: list[tuple[int, bytes | None]] = []
+        self._rx_lock = threading.Lock()
+        self._watch: list[int] = []
+        self._all_mask = (1 << num_workers) - 1
+        self._closed = False
+        # hot-path index tables
+        self._sleep_idx = [o // 8 for o in lay.sleeping]
+        self._rw_idx = [o // 8 for o in lay.reply_write]
+        self._rr_idx = [o // 8 for o in lay.reply_read]
+        self._cr_idx = [o // 8 for o in lay.cmd_read]
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    def endpoint(self, rank: int) -> tuple[dict[str, Any], list[int]]:
+        spec = {"kind": "shm", "rank": rank, "n": self.n, "ctl": self._fd,
+                "arena": self.arena.fd, "efd": self._efd[rank], "ctl_efd": self._ctl_efd}
+        return spec, [self._fd, self.arena.fd, self._efd[rank], self._ctl_efd]
+
+    def started(self, watch: Sequence[int] = ()) -> None:
+        self._watch = list(watch)
+
+    # -- commands ------------------------------------------------------------------------------
+
+    def send(self, data: bytes, ranks: Sequence[int], buffers: Sequence[Any] = ()) -> None:
+        ranks = tuple(ranks)
+        descs = self.arena.place(list(buffers), ranks) if buffers else ()
+        flags = 0
+        payload: bytes | memoryview = data
+        if _ENTRY + len(data) + _DESC * len(descs) > CMD_RING // 4:
+            payload = _pack_descs([self.arena.place_bytes(data, ranks)])
+            flags = _OOB
+        size = _align8(_ENTRY + len(payload) + _DESC * len(descs))
+        pos = self._wpos
+        off = pos % CMD_RING
+        wrap = CMD_RING - off if off + size > CMD_RING else 0
+        q = self._q
+        if (pos + wrap + size) - self._slowest() > CMD_RING:
+            self._wait_space(pos + wrap + size)
+        base = self._lay.cmd_ring
+        if wrap:
+            q[(base + off) // 8] = _WRAP
+            pos += wrap
+            off = 0
+        start = base + off
+        q[start // 8] = len(payload) | (len(descs) << 32) | (flags << 48)
+        q[start // 8 + 1] = self._all_mask if len(ranks) == self.n else _mask(ranks)
+        body = start + _ENTRY
+        self._buf[body : body + len(payload)] = payload
+        if descs:
+            d = body + len(payload)
+            self._buf[d : d + _DESC * len(descs)] = _pack_descs(descs)
+        self._wpos = pos + size
+        q[0] = self._wpos  # publish
+        _fence()
+        sleep_idx, efd = self._sleep_idx, self._efd
+        for r in ranks:
+            if q[sleep_idx[r]]:
+                os.eventfd_write(efd[r], 1)
+
+    def _slowest(self) -> int:
+        q = self._q
+        return min(q[i] for i in self._cr_idx)
+
+    def _wait_space(self, end: int) -> None:
+        """The ring is full: wake every worker, keep draining replies (a worker may be blocked
+        on its own full reply ring), and notice deaths."""
+        delay = 20e-6
+        while end - self._slowest() > CMD_RING:
+            with self._rx_lock:
+                self._backlog.extend(self._collect())
+            for r in range(self.n):
+                if self._q[self._sleep_idx[r]]:
+                    os.eventfd_write(self._efd[r], 1)
+            if self._watch and select.select(self._watch, [], [], 0)[0]:
+                raise BrokenPipeError("a worker died while the command ring was full")
+            time.sleep(delay)
+            delay = min(delay * 2, 5e-3)
+
+    # -- replies -------------------------------------------------------------------------------
+
+    def recv(self, timeout: float | None, watch: Sequence[int] = ()) -> list[tuple[int, bytes | None]]:
+        out = self._take()
+        if out:
+            return out
+        now = time.perf_counter()
+        spin_end = now + (SPIN if timeout is None else min(SPIN, timeout))
+        has_reply = self._has_reply
+        while time.perf_counter() < spin_end:
+            os.sched_yield()
+            if has_reply():
+                return self._take()
+        q = self._q
+        q[1 * _LINE // 8] = 1  # we are going to sleep
+        _fence()
+        try:
+            if not has_reply():
+                wait = SLEEP if timeout is None else max(0.0, timeout - (time.perf_counter() - now))
+                ready = select.select([self._ctl_efd, *watch], [], [], wait)[0]
+                if self._ctl_efd in ready:
+                    _drain_eventfd(self._ctl_efd)
+        finally:
+            q[1 * _LINE // 8] = 0
+        return self._take()
+
+    def _has_reply(self) -> bool:
+        q, pos = self._q, self._reply_pos
+        return any(q[i] != pos[r] for r, i in enumerate(self._rw_idx)) or bool(self._backlog)
+
+    def _take(self) -> list[tuple[int, bytes | None]]:
+        with self._rx_lock:
+            out = self._backlog
+            if out:
+                self._backlog = []
+                out.extend(self._collect())
+                return out
+            return self._collect()
+
+    def _collect(self) -> list[tuple[int, bytes | None]]:
+        """Read every complete reply now in the rings; caller holds the rx lock."""
+        out: list[tuple[int, bytes | None]] = []
+        q, buf, lay = self._q, self._buf, self._lay
+        for r, wi in enumerate(self._rw_idx):
+            pos, end = self._reply_pos[r], q[wi]
+            if pos == end:
+                continue
+            base = lay.reply_ring[r]
+            while pos != end:
+                off = pos % REPLY_RING
+                head = q[(base + off) // 8]
+                if head == _WRAP:
+                    pos += REPLY_RING - off
+                    continue
+                n = head & 0xFFFFFFFF
+                start = base + off + 8
+                chunk = bytes(buf[start : start + n])
+                pos += _align8(8 + n)
+                if head & _MORE:
+                    self._partial[r].append(chunk)
+                    continue
+                if self._partial[r]:
+                    self._partial[r].append(chunk)
+                    chunk = b"".join(self._partial[r])
+                    self._partial[r] = []
+                out.append((r, chunk))
+            self._reply_pos[r] = pos
+            q[self._rr_idx[r]] = pos  # hand the space back
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for fd in (*self._efd, self._ctl_efd):
+            os.close(fd)
+        self.arena.close()
+        self._q.release()
+        self._buf.release()
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+        os.close(self._fd)
+
+
+class ShmWorkerChannel(WorkerChannel):
+    """A worker's end."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.rank = r = spec["rank"]
+        n = spec["n"]
+        self._lay = lay = _Layout(n)
+        self._mm = mmap.mmap(spec["ctl"], lay.size)
+        self._buf = memoryview(self._mm)
+        self._q = self._buf.cast("Q")
+        counters = self._buf[lay.counters : lay.cmd_ring].cast("I")
+        self._arena = ArenaReader(spec["arena"], r, n, counters)
+        self._efd, self._ctl_efd = spec["efd"], spec["ctl_efd"]
+        self._bit = 1 << r
+        self._pos = self._q[lay.cmd_read[r] // 8]
+        self._read_idx = lay.cmd_read[r] // 8
+        self._sleep_idx = lay.sleeping[r] // 8
+        self._rw_idx = lay.reply_write[r] // 8
+        self._rr_idx = lay.reply_read[r] // 8
+        self._rbase = lay.reply_ring[r]
+        self._rpos = self._q[self._rw_idx]
+
+    def recv(self) -> tuple[bytes | memoryview, list[memoryview]] | None:  # type: ignore[override]
+        q, buf, base = self._q, self._buf, self._lay.cmd_ring
+        pos = self._pos
+        while True:
+            if q[0] == pos:
+                self._wait(pos)
+            off = pos % CMD_RING
+            head = q[(base + off) // 8]
+            if head == _WRAP:
+                pos += CMD_RING - off
+                continue
+            n, nbufs, flags = head & 0xFFFFFFFF, (head >> 32) & 0xFFFF, head >> 48
+            size = _align8(_ENTRY + n + _DESC * nbufs)
+            start = base + off
+            if not q[start // 8 + 1] & self._bit:
+                pos += size
+                self._pos = q[self._read_idx] = pos
+                continue
+            body = start + _ENTRY
+            payload: bytes | memoryview = bytes(buf[body : body + n])
+            descs = _unpack_descs(buf[body + n : body + n + _DESC * nbufs], nbufs) if nbufs else ()
+            pos += size
+            self._pos = q[self._read_idx] = pos  # the ring space is free again
+            if flags & _OOB:
+                payload = self._arena.view(_unpack_descs(payload, 1)[0])
+            return payload, [self._arena.view(d) for d in descs]
+
+    def _wait(self, pos: int) -> None:
+        q = self._q
+        spin_end = time.perf_counter() + SPIN
+        while time.perf_counter() < spin_end:
+            os.sched_yield()
+            if q[0] != pos:
+                return
+        q[self._sleep_idx] = 1
+        _fence()
+        try:
+            while q[0] == pos:
+                if select.select([self._efd], [], [], SLEEP)[0]:
+                    _drain_eventfd(self._efd)
+        finally:
+            q[self._sleep_idx] = 0
+
+    def reply(self, data: bytes) -> None:
+        view = memoryview(data)
+        step = REPLY_RING // 2 - 8
+        for i in range(0, max(len(view), 1), step):
+            chunk = view[i : i + step]
+            self._put(chunk, more=i + step < len(view))
+
+    def _put(self, chunk: memoryview, more: bool) -> None:
+        q, buf = self._q, self._buf
+        n = len(chunk)
+        size = _align8(8 + n)
+        pos = self._rpos
+        off = pos % REPLY_RING
+        wrap = REPLY_RING - off if off + size > REPLY_RING else 0
+        delay = 20e-6
+        while pos + wrap + size - q[self._rr_idx] > REPLY_RING:
+            self._wake_controller()
+            time.sleep(delay)  # the controller drains replies whenever it waits
+            delay = min(delay * 2, 5e-3)
+        if wrap:
+            q[(self._rbase + off) // 8] = _WRAP
+            pos += wrap
+            off = 0
+        start = self._rbase + off
+        q[start // 8] = n | (_MORE if more else 0)
+        buf[start + 8 : start + 8 + n] = chunk
+        self._rpos = q[self._rw_idx] = pos + size  # publish
+        self._wake_controller()
+
+    def _wake_controller(self) -> None:
+        _fence()
+        if self._q[1 * _LINE // 8]:
+            os.eventfd_write(self._ctl_efd, 1)
+
+    def close(self) -> None:
+        pass  # the mappings go with the process
+
+
+def _mask(ranks: Sequence[int]) -> int:
+    m = 0
+    for r in ranks:
+        m |= 1 << r
+    return m
+
+
+def _pack_descs(descs: Sequence[tuple[int, int, int]]) -> bytes:
+    out = bytearray()
+    for d in descs:
+        for v in d:
+            out += v.to_bytes(8, "little")
+    return bytes(out)
+
+
+def _unpack_descs(data: bytes | memoryview, count: int) -> list[tuple[int, int, int]]:
+    q = memoryview(data).cast("Q")
+    return [(q[3 * i], q[3 * i + 1], q[3 * i + 2]) for i in range(count)]
+
+
+def _drain_eventfd(fd: int) -> None:
+    try:
+        os.eventfd_read(fd)
+    except BlockingIOError:
+        pass
