@@ -37,6 +37,7 @@ everything it started, gracefully when asked, else at once (terminate, then kill
 from __future__ import annotations
 
 import abc
+import contextlib
 import importlib
 import importlib.util
 import multiprocessing
@@ -226,10 +227,8 @@ class PipeSystem(System):
         if graceful:
             stop = pickle.dumps((_STOP, None))
             for conn in self._conns:
-                try:
+                with contextlib.suppress(OSError):
                     conn.send_bytes(stop)
-                except OSError:
-                    pass
         _stop_processes(self._procs, graceful)
         for conn in self._conns:
             conn.close()
@@ -523,10 +522,8 @@ class MpiSystem(System):
             self._comm.Disconnect()  # collective: only when the workers take part
         else:
             for pid in self._pids:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         self._comm, self._pids = None, []
 
 

@@ -200,6 +200,29 @@ class Session(View):
         size = self.num_workers // self.num_groups
         return View(self, tuple(range(g * size, (g + 1) * size)))
 
+    # -- shared memory -------------------------------------------------------------------------
+
+    def empty(self, shape: int | tuple[int, ...], dtype: Any = float) -> Any:
+        """A numpy array in the session's shared memory.
+
+        Passing it, or any contiguous slice of it, to ``call``, ``put`` or ``scatter`` sends
+        no copy: each worker maps the same memory, writable, so workers can also fill it in
+        place for the controller to read. (Other arrays reach the workers read-only, after one
+        copy.) With the pipe channel it is an ordinary array and is copied like any other."""
+        import numpy as np
+
+        self._check_open()
+        dt = np.dtype(dtype)
+        shape_t = (shape,) if isinstance(shape, int) else tuple(shape)
+        count = int(np.prod(shape_t, dtype=np.int64))
+        arena = getattr(self._chan, "arena", None)
+        if arena is None or count * dt.itemsize == 0:
+            return np.empty(shape_t, dt)
+        with self._send_lock:
+            self._check_open()
+            mm = arena.shared_array(count * dt.itemsize)
+        return np.frombuffer(mm, dt, count).reshape(shape_t)
+
     # -- lifecycle -----------------------------------------------------------------------------
 
     @property

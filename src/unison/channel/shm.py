@@ -111,6 +111,7 @@ class ShmChannel(Channel):
         self._efd = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(num_workers)]
         self._ctl_efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._wpos = 0
+        self._limit = CMD_RING  # cmd_write may grow up to here without re-reading cmd_read
         self._reply_pos = [0] * num_workers
         self._partial: list[list[bytes]] = [[] for _ in range(num_workers)]
         self._backlog: list[tuple[int, bytes | None]] = []
@@ -149,8 +150,11 @@ class ShmChannel(Channel):
         off = pos % CMD_RING
         wrap = CMD_RING - off if off + size > CMD_RING else 0
         q = self._q
-        if (pos + wrap + size) - self._slowest() > CMD_RING:
-            self._wait_space(pos + wrap + size)
+        if pos + wrap + size > self._limit:
+            self._limit = self._slowest() + CMD_RING
+            if pos + wrap + size > self._limit:
+                self._wait_space(pos + wrap + size)
+                self._limit = self._slowest() + CMD_RING
         base = self._lay.cmd_ring
         if wrap:
             q[(base + off) // 8] = _WRAP
@@ -167,10 +171,9 @@ class ShmChannel(Channel):
         self._wpos = pos + size
         q[0] = self._wpos  # publish
         _fence()
-        sleep_idx, efd = self._sleep_idx, self._efd
         for r in ranks:
-            if q[sleep_idx[r]]:
-                os.eventfd_write(efd[r], 1)
+            if q[self._sleep_idx[r]]:
+                os.eventfd_write(self._efd[r], 1)
 
     def _slowest(self) -> int:
         q = self._q
@@ -343,13 +346,16 @@ class ShmWorkerChannel(WorkerChannel):
             q[self._sleep_idx] = 0
 
     def reply(self, data: bytes) -> None:
-        view = memoryview(data)
         step = REPLY_RING // 2 - 8
-        for i in range(0, max(len(view), 1), step):
+        if len(data) <= step:
+            self._put(data, False)
+            return
+        view = memoryview(data)
+        for i in range(0, len(view), step):
             chunk = view[i : i + step]
             self._put(chunk, more=i + step < len(view))
 
-    def _put(self, chunk: memoryview, more: bool) -> None:
+    def _put(self, chunk: bytes | memoryview, more: bool) -> None:
         q, buf = self._q, self._buf
         n = len(chunk)
         size = _align8(8 + n)

@@ -1,0 +1,119 @@
+"""Helpers shared by the tests: process checks and controller scripts run in a subprocess.
+
+Every process a test run starts carries ``UNISON_TEST_RUN=<token>`` in its environment (set
+by conftest.py before any session starts, inherited by workers and controller scripts), so
+leak checks find this run's processes and never another run's.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterable
+
+import psutil
+
+MARKER = "UNISON_TEST_RUN"
+WORKER_CMDLINE = "unison.worker"  # workers run: python -c "from unison.worker import main; main()"
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` is a running process (a zombie counts as gone: it runs no code)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(pids: Iterable[int], timeout: float) -> list[int]:
+    """Wait up to ``timeout`` seconds for every pid to be gone; return those still alive."""
+    pids = list(pids)
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in pids if alive(p)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.02)
+
+
+def wait_dead(pid: int, timeout: float = 5.0) -> None:
+    """Wait until ``pid`` no longer runs (it may stay a zombie until its parent reaps it)."""
+    if wait_gone([pid], timeout):
+        raise AssertionError(f"process {pid} still runs {timeout} s after it was killed")
+
+
+def stray_workers() -> list[psutil.Process]:
+    """Worker processes of this test run that are still running."""
+    token = os.environ.get(MARKER)
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if WORKER_CMDLINE not in " ".join(proc.info["cmdline"] or ()):
+                continue
+            if token is not None and proc.environ().get(MARKER) != token:
+                continue  # another run's worker, not ours
+            found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def kill_all(procs: Iterable[psutil.Process]) -> None:
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def spawn_controller(code: str, **popen_kw: object) -> subprocess.Popen[str]:
+    """Start ``code`` (dedented) as a controller script: ``python -c code``, text pipes,
+    the environment passed through."""
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ),
+        **popen_kw,  # type: ignore[arg-type]
+    )
+
+
+def read_pids(proc: subprocess.Popen[str], timeout: float = 30.0) -> list[int]:
+    """Read the first line a controller script prints: process ids, separated by spaces.
+
+    Reads the pipe's fd byte by byte, so nothing is left in a Python buffer that a later
+    ``communicate()`` would miss."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    line = b""
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        ready = select.select([fd], [], [], max(left, 0))[0] if left > 0 else []
+        chunk = os.read(fd, 1) if ready else b""
+        if not chunk:
+            _, err = stop(proc)
+            raise AssertionError(
+                f"the controller script printed no pids (got {line!r}); stderr:\n{err}"
+            )
+        line += chunk
+    return [int(p) for p in line.split()]
+
+
+def stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """Kill a controller script if it still runs, reap it, and return its (stdout, stderr)."""
+    if proc.poll() is None:
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    out, err = proc.communicate()
+    return out or "", err or ""

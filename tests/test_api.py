@@ -1,0 +1,240 @@
+"""The basic calls of the public API: call, run, put, scatter, sync, get, gather; how
+functions and arguments travel to the workers; the public names."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import unison
+
+# -- functions the workers run, by reference (this module is importable on the workers) ------
+
+
+def add(a, b=0):
+    return a + b
+
+
+def rank_times(k):
+    return unison.rank() * k
+
+
+def describe(x, *, scale=1, **extra):
+    return (x * scale, sorted(extra.items()))
+
+
+def imported_by_reference():
+    # True only when the worker imported this module to find this function, i.e. the
+    # function travelled by reference rather than by value.
+    return __name__ in sys.modules and sys.modules[__name__].imported_by_reference is not None
+
+
+def kinds(x):
+    return type(x).__name__
+
+
+def structure(*args):
+    return args
+
+
+# -- call / get / gather / run ------------------------------------------------------------------
+
+
+def test_call_returns_a_ref_and_gather_returns_every_workers_value(make_session):
+    sess = make_session(3)
+    ref = sess.call(rank_times, 10)
+    assert isinstance(ref, unison.Ref)
+    assert ref.gather() == [0, 10, 20]
+
+
+def test_get_defaults_to_the_first_worker_and_takes_a_rank(make_session):
+    sess = make_session(3)
+    ref = sess.call(rank_times, 10)
+    assert ref.get() == 0
+    assert ref.get(worker=2) == 20
+    assert ref.get(worker=1) == 10
+
+
+def test_a_ref_can_be_fetched_many_times(sess):
+    ref = sess.call(add, 1, 2)
+    assert ref.gather() == [3, 3]
+    assert ref.gather() == [3, 3]
+    assert ref.get(worker=1) == 3
+
+
+def test_run_is_call_then_gather(sess):
+    assert sess.run(add, 20, 22) == [42, 42]
+
+
+def test_kwargs_reach_the_function(sess):
+    assert sess.run(add, 1, b=2) == [3, 3]
+    assert sess.run(describe, 2, scale=5, name="n", flag=True) == [
+        (10, [("flag", True), ("name", "n")]),
+    ] * 2
+
+
+def test_a_function_with_no_arguments(sess):
+    assert sess.run(unison.world_size) == [2, 2]
+
+
+def test_put_places_the_same_value_on_every_worker(sess):
+    value = {"weights": [1.5, 2.5], "name": "w"}
+    ref = sess.put(value)
+    assert ref.gather() == [value, value]
+
+
+def test_scatter_places_one_value_per_worker_in_rank_order(make_session):
+    sess = make_session(3)
+    ref = sess.scatter(["a", "b", "c"])
+    assert ref.gather() == ["a", "b", "c"]
+    assert ref.get(worker=1) == "b"
+
+
+def test_sync_waits_for_every_call_sent(sess, tmp_path):
+    def touch(path):
+        import time
+
+        time.sleep(0.2)
+        with open(os.path.join(path, f"done-{unison.rank()}"), "w"):
+            pass
+
+    sess.call(touch, str(tmp_path))
+    assert sess.sync() is None
+    assert sorted(os.listdir(tmp_path)) == ["done-0", "done-1"]
+
+
+def test_calls_run_on_each_worker_in_the_order_sent(sess):
+    log = sess.put([])
+    for i in range(20):
+        sess.call(list.append, log, i)
+    assert log.gather() == [list(range(20))] * 2
+
+
+def test_numpy_arrays_round_trip(sess):
+    np = pytest.importorskip("numpy")
+    arr = np.arange(100_000, dtype=np.float64).reshape(100, 1000)
+    out = sess.run(np.multiply, sess.put(arr), 2.0)
+    for got in out:
+        np.testing.assert_array_equal(got, arr * 2.0)
+
+
+# -- Refs as arguments ----------------------------------------------------------------------------
+
+
+def test_a_ref_argument_is_replaced_by_each_workers_own_object(sess):
+    ref = sess.scatter([10, 20])
+    assert sess.run(add, ref, 1) == [11, 21]
+    assert sess.run(add, 1, b=ref) == [11, 21]
+
+
+def test_a_ref_argument_nested_in_lists_and_dicts_is_replaced_too(sess):
+    a = sess.scatter(["a0", "a1"])
+    b = sess.put(7)
+    out = sess.run(structure, [a, (b, [a])], {"key": a, "deep": {"b": b}})
+    assert out == [
+        (["a0", (7, ["a0"])], {"key": "a0", "deep": {"b": 7}}),
+        (["a1", (7, ["a1"])], {"key": "a1", "deep": {"b": 7}}),
+    ]
+    # The controller's Refs are untouched by the trip.
+    assert a.gather() == ["a0", "a1"]
+
+
+def test_the_result_of_a_call_feeds_the_next_call_without_leaving_the_workers(sess):
+    first = sess.call(rank_times, 3)
+    second = sess.call(add, first, first)
+    assert second.gather() == [0, 6]
+    assert sess.run(kinds, second) == ["int", "int"]
+
+
+# -- how functions travel ---------------------------------------------------------------------------
+
+
+def test_lambdas_travel_by_value(sess):
+    assert sess.run(lambda x: x * 2 + unison.rank(), 5) == [10, 11]
+
+
+def test_closures_carry_their_captured_values(sess):
+    def make_adder(n):
+        def adder(x):
+            return x + n
+
+        return adder
+
+    assert sess.run(make_adder(100), 1) == [101, 101]
+    assert sess.run(make_adder(200), 1) == [201, 201]
+
+
+def test_functools_partial_and_bound_methods_work(sess):
+    assert sess.run(functools.partial(add, 5), 6) == [11, 11]
+    assert sess.run("-".join, ["a", "b"]) == ["a-b", "a-b"]
+
+
+def test_module_level_functions_travel_by_reference(sess):
+    assert sess.run(math.factorial, 5) == [120, 120]
+    assert sess.run(imported_by_reference) == [True, True]
+
+
+def test_functions_defined_in_a_scripts_main_work_without_a_main_guard(tmp_path):
+    script = tmp_path / "plain_script.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import unison
+
+            OFFSET = 1000
+
+            def work(x):
+                return x + OFFSET + unison.rank()
+
+            class Box:
+                def __init__(self, v):
+                    self.v = v
+
+            with unison.Session(2) as sess:
+                print("result", sess.run(work, 1))
+                print("boxes", [b.v for b in sess.run(Box, 5)])
+            """
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True, text=True, timeout=60, env=dict(os.environ), cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "result [1001, 1002]" in proc.stdout
+    assert "boxes [5, 5]" in proc.stdout
+    # The workers never re-imported the script: it would have printed its results again
+    # (or started sessions of its own).
+    assert proc.stdout.count("result") == 1
+
+
+# -- public names -------------------------------------------------------------------------------------
+
+
+def test_public_names_are_exactly_the_contract():
+    assert sorted(unison.__all__) == [
+        "Ref", "Session", "SessionClosed", "UnisonError", "View", "WorkerDied",
+        "WorkerError", "group", "group_rank", "group_size", "rank", "world_size",
+    ]
+    for name in unison.__all__:
+        assert hasattr(unison, name), name
+
+
+def test_error_types_share_one_base():
+    for cls in (unison.WorkerError, unison.WorkerDied, unison.SessionClosed):
+        assert issubclass(cls, unison.UnisonError)
+    assert issubclass(unison.UnisonError, Exception)
+
+
+@pytest.mark.parametrize(
+    "fn", [unison.rank, unison.world_size, unison.group, unison.group_rank, unison.group_size]
+)
+def test_identity_functions_outside_a_worker_raise_runtime_error(fn):
+    with pytest.raises(RuntimeError):
+        fn()

@@ -1,0 +1,213 @@
+"""Bad arguments are refused at once, on the controller, with ValueError or TypeError that
+say what was wrong; nothing is sent and the session stays usable."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+import pytest
+
+import unison
+from unison import SessionClosed
+
+
+def echo(*args, **kwargs):
+    return args, kwargs
+
+
+# -- Session(...) -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, -1])
+def test_num_workers_below_one_is_a_value_error(n):
+    with pytest.raises(ValueError):
+        unison.Session(n)
+
+
+@pytest.mark.parametrize("n", [2.0, "2", None, True])
+def test_num_workers_that_is_not_an_int_is_a_type_error(n):
+    with pytest.raises(TypeError):
+        unison.Session(n)
+
+
+@pytest.mark.parametrize("n, groups", [(4, 3), (3, 2), (2, 0), (2, -1)])
+def test_num_workers_not_divisible_by_num_groups_is_a_value_error(n, groups):
+    with pytest.raises(ValueError):
+        unison.Session(n, num_groups=groups)
+
+
+def test_an_unknown_launcher_is_a_value_error():
+    with pytest.raises(ValueError):
+        unison.Session(1, launcher="no-such-launcher")
+
+
+@pytest.mark.parametrize("kw", [
+    {"env": {5: {"A": "1"}}},
+    {"cpu_affinity": {7: [0]}},
+])
+def test_settings_for_a_rank_that_does_not_exist_are_a_value_error_and_leak_nothing(kw):
+    fds_before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(ValueError):
+        unison.Session(2, **kw)
+    gc.collect()
+    assert set(os.listdir("/proc/self/fd")) <= fds_before
+
+
+# -- ranks ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("index", [2, 3, -3, 100])
+def test_a_worker_index_out_of_range_is_a_value_error(sess, index):
+    with pytest.raises(ValueError):
+        sess[index]
+
+
+def test_indexing_with_something_else_is_a_type_error(sess):
+    with pytest.raises(TypeError):
+        sess["0"]
+    with pytest.raises(TypeError):
+        sess[1.0]
+
+
+def test_an_empty_slice_is_a_value_error(sess):
+    with pytest.raises(ValueError):
+        sess[2:5]
+
+
+@pytest.mark.parametrize("g", [2, -1])
+def test_a_group_out_of_range_is_a_value_error(make_session, g):
+    sess = make_session(4, num_groups=2)
+    with pytest.raises(ValueError):
+        sess.group(g)
+
+
+@pytest.mark.parametrize("worker", [2, 5, 100])
+def test_get_from_a_worker_out_of_range_is_a_value_error(sess, worker):
+    ref = sess.put(1)
+    with pytest.raises(ValueError):
+        ref.get(worker=worker)
+    assert ref.get(worker=1) == 1
+
+
+# -- scatter --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", [[], [1], [1, 2, 3]])
+def test_scatter_with_the_wrong_number_of_values_is_a_value_error(sess, values):
+    with pytest.raises(ValueError):
+        sess.scatter(values)
+    assert sess.run(unison.rank) == [0, 1]
+
+
+# -- values that cannot be pickled ---------------------------------------------------------------------
+
+
+def test_an_unpicklable_argument_is_a_type_error_naming_its_position(sess):
+    with pytest.raises(TypeError, match="argument 1"):
+        sess.call(echo, "fine", threading.Lock())
+    assert sess.run(unison.rank) == [0, 1]
+
+
+def test_an_unpicklable_keyword_argument_is_a_type_error_naming_it(sess):
+    with pytest.raises(TypeError, match="keyword argument 'x'"):
+        sess.call(echo, 1, x=threading.Lock())
+    assert sess.run(unison.rank) == [0, 1]
+
+
+def test_an_unpicklable_value_to_put_or_scatter_is_a_type_error(sess):
+    with pytest.raises(TypeError):
+        sess.put(threading.Lock())
+    with pytest.raises(TypeError, match="1"):
+        sess.scatter([1, threading.Lock()])
+    assert sess.run(unison.rank) == [0, 1]
+
+
+def test_an_unpicklable_function_is_a_type_error(sess):
+    lock = threading.Lock()
+
+    def holds_a_lock():
+        return lock.locked()
+
+    with pytest.raises(TypeError):
+        sess.call(holds_a_lock)
+    assert sess.run(unison.rank) == [0, 1]
+
+
+# -- Refs that cannot be used here ------------------------------------------------------------------------
+
+
+def test_a_ref_from_another_session_is_a_value_error(make_session):
+    one, other = make_session(2), make_session(2)
+    foreign = other.put(1)
+    with pytest.raises(ValueError):
+        one.call(echo, foreign)
+    with pytest.raises(ValueError):
+        one.call(echo, k=[foreign])
+    assert one.run(unison.rank) == [0, 1]
+    assert foreign.gather() == [1, 1]
+
+
+def test_a_ref_from_a_closed_session_is_refused(make_session):
+    one, other = make_session(2), make_session(2)
+    stale = other.put(1)
+    other.close()
+    with pytest.raises(ValueError):
+        one.call(echo, stale)
+    with pytest.raises(SessionClosed):
+        stale.get()
+    assert one.run(unison.rank) == [0, 1]
+
+
+def test_a_freed_ref_passed_to_a_call_is_a_value_error(sess):
+    ref = sess.put(1)
+    ref.free()
+    with pytest.raises(ValueError):
+        sess.call(echo, ref)
+    assert sess.run(unison.rank) == [0, 1]
+
+
+def test_fetching_a_freed_ref_is_a_value_error(sess):
+    ref = sess.put(1)
+    ref.free()
+    with pytest.raises(ValueError):
+        ref.get()
+    with pytest.raises(ValueError):
+        ref.gather()
+
+
+def test_a_ref_cannot_be_pickled_outside_a_call(sess):
+    import pickle
+
+    ref = sess.put(1)
+    with pytest.raises(TypeError):
+        pickle.dumps(ref)
+
+
+# -- functions and timeouts ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [42, "unison.rank", None])
+def test_a_non_callable_fn_is_a_type_error(sess, fn):
+    with pytest.raises(TypeError):
+        sess.call(fn)
+    with pytest.raises(TypeError):
+        sess.run(fn)
+    with pytest.raises(TypeError):
+        sess[0].call(fn)
+    assert sess.run(unison.rank) == [0, 1]
+
+
+def test_a_negative_timeout_is_a_value_error(sess):
+    ref = sess.put(1)
+    with pytest.raises(ValueError):
+        ref.get(timeout=-1)
+    with pytest.raises(ValueError):
+        ref.gather(timeout=-0.5)
+    with pytest.raises(ValueError):
+        sess.sync(timeout=-1)
+    with pytest.raises(ValueError):
+        sess.run(unison.rank, timeout=-1)
+    assert ref.gather(timeout=10) == [1, 1]
+    assert sess.run(unison.rank) == [0, 1]

@@ -1,0 +1,173 @@
+"""close(): idempotent; lets calls in flight finish for a grace period, then stops the
+workers; happens on leaving a with-block, at garbage collection and at interpreter exit;
+after it every use raises SessionClosed."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from support import wait_gone
+
+import unison
+from unison import SessionClosed
+
+
+def write_after(path, seconds):
+    time.sleep(seconds)
+    with open(os.path.join(path, f"worker-{unison.rank()}"), "w") as f:
+        f.write("done")
+    return unison.rank()
+
+
+def test_close_is_idempotent(sess):
+    pids = sess.run(os.getpid)
+    sess.close()
+    sess.close()
+    sess.close(timeout=0)
+    assert sess.closed
+    assert wait_gone(pids, 2.0) == []
+
+
+def test_close_stops_the_workers(sess):
+    pids = sess.run(os.getpid)
+    sess.close()
+    assert wait_gone(pids, 2.0) == []
+
+
+def test_every_use_after_close_raises_session_closed(sess):
+    ref = sess.put(1)
+    view = sess[0]
+    sess.close()
+    uses = {
+        "call": lambda: sess.call(unison.rank),
+        "run": lambda: sess.run(unison.rank),
+        "put": lambda: sess.put(1),
+        "scatter": lambda: sess.scatter([1, 2]),
+        "sync": lambda: sess.sync(),
+        "get": lambda: ref.get(),
+        "gather": lambda: ref.gather(),
+        "index": lambda: sess[0],
+        "slice": lambda: sess[0:1],
+        "group": lambda: sess.group(0),
+        "view.call": lambda: view.call(unison.rank),
+        "view.run": lambda: view.run(unison.rank),
+        "view.sync": lambda: view.sync(),
+    }
+    for name, use in uses.items():
+        with pytest.raises(SessionClosed):
+            use()
+            pytest.fail(f"{name} worked after close")
+
+
+def test_freeing_and_dropping_refs_after_close_is_harmless(sess):
+    ref, other = sess.put(1), sess.put(2)
+    sess.close()
+    ref.free()
+    ref.free()
+    del other
+    gc.collect()
+
+
+def test_a_with_block_closes_the_session():
+    with unison.Session(2) as sess:
+        pids = sess.run(os.getpid)
+    assert sess.closed
+    assert wait_gone(pids, 2.0) == []
+
+
+def test_a_with_block_closes_the_session_when_the_block_raises():
+    with pytest.raises(KeyError), unison.Session(2) as sess:
+        pids = sess.run(os.getpid)
+        raise KeyError("from the block")
+    assert sess.closed
+    assert wait_gone(pids, 2.0) == []
+
+
+def test_close_lets_a_short_call_in_flight_finish(sess, tmp_path):
+    sess.call(write_after, str(tmp_path), 0.3)
+    sess.close(timeout=5)
+    assert sorted(os.listdir(tmp_path)) == ["worker-0", "worker-1"]
+
+
+def test_close_with_a_default_grace_lets_a_short_call_finish(sess, tmp_path):
+    sess.call(write_after, str(tmp_path), 0.2)
+    sess.close()
+    assert sorted(os.listdir(tmp_path)) == ["worker-0", "worker-1"]
+
+
+def test_close_stops_a_long_call_after_the_grace_period(sess, tmp_path):
+    pids = sess.run(os.getpid)
+    sess.call(write_after, str(tmp_path), 30)
+    start = time.monotonic()
+    sess.close(timeout=0.3)
+    assert time.monotonic() - start < 2.5
+    assert wait_gone(pids, 1.0) == []
+    assert os.listdir(tmp_path) == []
+
+
+def test_close_from_another_thread_wakes_a_waiter_with_session_closed(sess):
+    ref = sess.call(write_after, "/nonexistent", 30)
+    outcome = {}
+
+    def wait():
+        try:
+            ref.gather()
+        except BaseException as exc:
+            outcome["exc"] = exc
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.2)
+    sess.close(timeout=0)
+    waiter.join(5)
+    assert not waiter.is_alive(), "the waiter hung after close()"
+    assert isinstance(outcome.get("exc"), SessionClosed), outcome
+
+
+def test_garbage_collection_closes_the_session():
+    sess = unison.Session(2)
+    pids = sess.run(os.getpid)
+    del sess
+    gc.collect()
+    assert wait_gone(pids, 2.0) == []
+
+
+def test_garbage_collection_closes_a_session_with_calls_in_flight():
+    sess = unison.Session(2)
+    pids = sess.run(os.getpid)
+    sess.call(time.sleep, 30)
+    del sess
+    gc.collect()
+    assert wait_gone(pids, 3.0) == []
+
+
+@pytest.mark.parametrize("tail", [
+    "",
+    "ref = sess.call(time.sleep, 0.1)\n",
+    "ref = sess.call(time.sleep, 30)\n",
+], ids=["idle", "short-call-in-flight", "long-call-in-flight"])
+def test_interpreter_exit_closes_a_session_never_closed(tail):
+    code = textwrap.dedent(
+        """
+        import os, time
+        import unison
+        sess = unison.Session(2)
+        print(*sess.run(os.getpid), flush=True)
+        """
+    ) + tail
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=30, env=dict(os.environ),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2
+    assert wait_gone(pids, 2.0) == []

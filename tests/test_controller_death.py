@@ -1,0 +1,101 @@
+"""The controller is SIGKILLed: it can run no cleanup, yet every worker, and whatever the
+workers started, is gone within 2 seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from support import alive, read_pids
+
+GONE_WITHIN = 2.0  # the contract
+PATIENCE = 3.0  # how long the assertion loop looks, to tell "slow" from "never"
+
+CONTROLLER_IDLE = """
+    import os, sys, time
+    import unison
+    sess = unison.Session(2)
+    print(*sess.run(os.getpid), flush=True)
+    time.sleep(600)
+"""
+
+CONTROLLER_IN_A_LONG_CALL = """
+    import os, sys, time
+    import unison
+    sess = unison.Session(2)
+    print(*sess.run(os.getpid), flush=True)
+    sess.run(time.sleep, 600)
+"""
+
+CONTROLLER_WITH_BUSY_WORKERS = """
+    import os, sys, time
+    import unison
+
+    def spin():
+        while True:
+            pass
+
+    sess = unison.Session(2)
+    print(*sess.run(os.getpid), flush=True)
+    sess.run(spin)
+"""
+
+CONTROLLER_WITH_GRANDCHILDREN = """
+    import os, subprocess, sys, time
+    import unison
+
+    def start_child():
+        child = subprocess.Popen(["sleep", "60"])
+        return [os.getpid(), child.pid]
+
+    sess = unison.Session(2)
+    pids = [p for pair in sess.run(start_child) for p in pair]
+    print(*pids, flush=True)
+    time.sleep(600)
+"""
+
+
+def _kill_and_time(proc, pids):
+    """SIGKILL the controller; return how long each pid took to be gone (None: never)."""
+    assert all(alive(p) for p in pids)
+    os.kill(proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    proc.wait()
+    gone_after = dict.fromkeys(pids)
+    while time.monotonic() - killed < PATIENCE:
+        for p in pids:
+            if gone_after[p] is None and not alive(p):
+                gone_after[p] = time.monotonic() - killed
+        if all(v is not None for v in gone_after.values()):
+            break
+        time.sleep(0.02)
+    return gone_after
+
+
+def _assert_all_gone(gone_after):
+    never = [p for p, t in gone_after.items() if t is None]
+    assert not never, f"still running {PATIENCE} s after the controller died: {never}"
+    slow = {p: round(t, 2) for p, t in gone_after.items() if t > GONE_WITHIN}
+    assert not slow, f"gone, but later than {GONE_WITHIN} s: {slow}"
+
+
+@pytest.mark.parametrize(
+    "script",
+    [CONTROLLER_IDLE, CONTROLLER_IN_A_LONG_CALL, CONTROLLER_WITH_BUSY_WORKERS],
+    ids=["idle", "in-a-long-call", "workers-spinning"],
+)
+def test_workers_exit_when_the_controller_is_killed(controller, script):
+    proc = controller(script)
+    pids = read_pids(proc)
+    assert len(pids) == 2
+    time.sleep(0.2)  # let the long call start on the workers
+    _assert_all_gone(_kill_and_time(proc, pids))
+
+
+def test_processes_the_workers_started_exit_too(controller):
+    proc = controller(CONTROLLER_WITH_GRANDCHILDREN)
+    pids = read_pids(proc)
+    assert len(pids) == 4  # two workers, each with one child
+    _assert_all_gone(_kill_and_time(proc, pids))

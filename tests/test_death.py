@@ -1,0 +1,223 @@
+"""A worker process dies: the wait that notices raises WorkerDied within a second, with the
+rank, the exit code and the last lines it wrote to stderr; the session is closed, every
+later use raises SessionClosed caused by that WorkerDied, and no other worker survives."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+from support import alive, wait_dead, wait_gone
+
+import unison
+from unison import SessionClosed, WorkerDied
+
+DETECT = 1.0  # the contract: WorkerDied within 1 s of the death
+
+
+def sleep_then_rank(seconds):
+    time.sleep(seconds)
+    return unison.rank()
+
+
+def exit_with(code):
+    os._exit(code)
+
+
+def segfault():
+    ctypes.string_at(0)
+
+
+def say_then_exit(text, code):
+    print(text, file=sys.stderr, flush=True)
+    os._exit(code)
+
+
+def _kill_later(pid, delay):
+    """SIGKILL ``pid`` after ``delay`` seconds; returns a dict that gets the kill time."""
+    when = {}
+
+    def kill():
+        when["t"] = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+
+    timer = threading.Timer(delay, kill)
+    timer.daemon = True
+    timer.start()
+    return when, timer
+
+
+def _assert_closed_by(sess, died, ref=None):
+    """Every later use raises SessionClosed whose cause is ``died``."""
+    uses = [
+        lambda: sess.call(unison.rank),
+        lambda: sess.run(unison.rank),
+        lambda: sess.put(1),
+        lambda: sess.scatter([1] * sess.num_workers),
+        lambda: sess.sync(),
+        lambda: sess[0],
+        lambda: sess.group(0),
+    ]
+    if ref is not None:
+        uses += [lambda: ref.get(), lambda: ref.gather()]
+    for use in uses:
+        with pytest.raises(SessionClosed) as info:
+            use()
+        assert info.value.__cause__ is died
+    sess.close()  # closing again is harmless
+
+
+# -- a death while idle ----------------------------------------------------------------------------------
+
+
+def test_a_worker_killed_while_idle_makes_the_next_use_raise_worker_died(sess):
+    pids = sess.run(os.getpid)
+    os.kill(pids[1], signal.SIGKILL)
+    wait_dead(pids[1])
+    start = time.monotonic()
+    with pytest.raises(WorkerDied) as info:
+        sess.call(unison.rank)
+        sess.sync()
+    assert time.monotonic() - start < DETECT
+    assert info.value.worker == 1
+    assert info.value.exitcode == -signal.SIGKILL
+    assert "worker 1" in str(info.value)
+    _assert_closed_by(sess, info.value)
+
+
+def test_a_worker_killed_while_idle_is_noticed_by_sync(sess):
+    pids = sess.run(os.getpid)
+    os.kill(pids[0], signal.SIGKILL)
+    wait_dead(pids[0])
+    with pytest.raises(WorkerDied) as info:
+        sess.sync()
+    assert (info.value.worker, info.value.exitcode) == (0, -9)
+    _assert_closed_by(sess, info.value)
+
+
+# -- a death while the controller waits -------------------------------------------------------------------
+
+
+def test_a_worker_killed_while_the_controller_waits_on_it(sess):
+    pids = sess.run(os.getpid)
+    ref = sess.call(sleep_then_rank, 30)
+    killed, _ = _kill_later(pids[1], 0.3)
+    with pytest.raises(WorkerDied) as info:
+        ref.gather()
+    assert time.monotonic() - killed["t"] < DETECT
+    assert (info.value.worker, info.value.exitcode) == (1, -9)
+    _assert_closed_by(sess, info.value, ref)
+
+
+def test_a_worker_killed_while_the_controller_waits_on_another_worker(sess):
+    pids = sess.run(os.getpid)
+    ref = sess[0].call(sleep_then_rank, 30)
+    killed, _ = _kill_later(pids[1], 0.3)
+    with pytest.raises(WorkerDied) as info:
+        ref.get()
+    assert time.monotonic() - killed["t"] < DETECT
+    assert (info.value.worker, info.value.exitcode) == (1, -9)
+    _assert_closed_by(sess, info.value, ref)
+
+
+def test_a_worker_killed_in_the_middle_of_a_long_call_while_another_is_awaited(make_session):
+    sess = make_session(3)
+    pids = sess.run(os.getpid)
+    ref = sess.call(sleep_then_rank, 30)
+    killed, _ = _kill_later(pids[2], 0.3)
+    with pytest.raises(WorkerDied) as info:
+        ref.get(worker=0)
+    assert time.monotonic() - killed["t"] < DETECT
+    assert (info.value.worker, info.value.exitcode) == (2, -9)
+
+
+def test_a_death_during_sync_is_noticed(sess):
+    pids = sess.run(os.getpid)
+    sess.call(sleep_then_rank, 30)
+    killed, _ = _kill_later(pids[0], 0.3)
+    with pytest.raises(WorkerDied) as info:
+        sess.sync()
+    assert time.monotonic() - killed["t"] < DETECT
+    assert info.value.worker == 0
+
+
+def test_a_death_wakes_every_waiting_thread(make_session):
+    sess = make_session(2)
+    pids = sess.run(os.getpid)
+    refs = [sess[r].call(sleep_then_rank, 30) for r in (0, 1)]
+    outcomes = {}
+
+    def wait(i):
+        try:
+            refs[i].gather()
+        except BaseException as exc:
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=wait, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    _kill_later(pids[1], 0.3)
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads), "a waiter hung after a death"
+    assert all(isinstance(e, (WorkerDied, SessionClosed)) for e in outcomes.values()), outcomes
+    assert any(isinstance(e, WorkerDied) for e in outcomes.values())
+
+
+# -- how it died ----------------------------------------------------------------------------------------
+
+
+def test_a_worker_that_calls_os_exit_reports_its_exit_code(sess):
+    with pytest.raises(WorkerDied) as info:
+        sess[1].run(exit_with, 3)
+    assert (info.value.worker, info.value.exitcode) == (1, 3)
+    assert "3" in str(info.value)
+
+
+def test_a_segfault_reports_sigsegv(sess):
+    with pytest.raises(WorkerDied) as info:
+        sess[0].run(segfault)
+    assert (info.value.worker, info.value.exitcode) == (0, -signal.SIGSEGV)
+    assert "SIGSEGV" in str(info.value)
+
+
+def test_the_message_includes_the_last_lines_written_to_stderr(sess):
+    with pytest.raises(WorkerDied) as info:
+        sess[1].run(say_then_exit, "last words: out of cheese", 7)
+    assert info.value.exitcode == 7
+    assert "last words: out of cheese" in str(info.value)
+
+
+def test_a_death_detected_at_sync_after_os_exit(sess):
+    sess[0].call(exit_with, 4)
+    with pytest.raises(WorkerDied) as info:
+        sess.sync()
+    assert (info.value.worker, info.value.exitcode) == (0, 4)
+    _assert_closed_by(sess, info.value)
+
+
+# -- nothing survives a death ------------------------------------------------------------------------------
+
+
+def test_the_other_workers_are_stopped_after_a_death(make_session):
+    sess = make_session(3)
+    pids = sess.run(os.getpid)
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(WorkerDied):
+        sess.run(sleep_then_rank, 0)
+    assert wait_gone(pids, 1.0) == []
+
+
+def test_a_worker_that_dies_with_a_child_takes_the_child_along(sess):
+    import subprocess
+
+    child = sess[0].run(lambda: subprocess.Popen(["sleep", "60"]).pid)[0]
+    assert alive(child)
+    with pytest.raises(WorkerDied):
+        sess[0].run(exit_with, 1)
+    assert wait_gone([child], 2.0) == []

@@ -1,0 +1,257 @@
+"""A worker's function raises: WorkerError, with the rank, the remote traceback and the
+original exception as its cause; the session stays usable; every error is reported once."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+
+import unison
+from unison import WorkerDied, WorkerError
+
+
+class CustomError(Exception):
+    """An exception type of the user's own, with extra state."""
+
+    def __init__(self, code, text):
+        super().__init__(code, text)
+        self.code = code
+        self.text = text
+
+
+class HoldsALock(Exception):
+    """An exception that cannot be pickled: it holds a lock."""
+
+    def __init__(self):
+        super().__init__("this exception holds a lock")
+        self.lock = threading.Lock()
+
+
+class CannotRebuild(Exception):
+    """An exception that pickles but cannot be rebuilt from its args."""
+
+    def __init__(self, a, b):
+        super().__init__(f"{a}/{b}")
+
+
+def boom(message="boom from the worker"):
+    raise ValueError(message)
+
+
+def fail_on(ranks):
+    if unison.rank() in ranks:
+        raise KeyError(f"rank {unison.rank()} failed")
+    return unison.rank()
+
+
+def raise_custom():
+    raise CustomError(42, "custom text")
+
+
+def raise_unpicklable():
+    raise HoldsALock()
+
+
+def raise_cannot_rebuild():
+    raise CannotRebuild(1, 2)
+
+
+def exit_now():
+    sys.exit(5)
+
+
+def use(x):
+    return x
+
+
+# -- what a WorkerError carries ---------------------------------------------------------------------
+
+
+def test_a_raising_function_gives_worker_error_with_the_lowest_rank(sess):
+    with pytest.raises(WorkerError) as info:
+        sess.run(boom)
+    err = info.value
+    assert err.worker == 0
+    assert sorted(err.errors) == [0, 1]
+    assert all(isinstance(e, ValueError) for e in err.errors.values())
+
+
+def test_the_message_carries_the_remote_traceback(sess):
+    with pytest.raises(WorkerError) as info:
+        sess.call(boom).gather()
+    text = str(info.value)
+    assert "boom" in text  # the function's name, from the traceback
+    assert 'raise ValueError(message)' in text  # the line that raised
+    assert "boom from the worker" in text
+    assert "Traceback" in text
+
+
+def test_the_cause_is_the_original_exception(sess):
+    with pytest.raises(WorkerError) as info:
+        sess.run(boom, "precise message")
+    cause = info.value.__cause__
+    assert type(cause) is ValueError
+    assert str(cause) == "precise message"
+
+
+def test_when_several_ranks_raise_the_error_names_the_lowest_and_keeps_all(make_session):
+    sess = make_session(4)
+    with pytest.raises(WorkerError) as info:
+        sess.run(fail_on, [1, 3])
+    err = info.value
+    assert err.worker == 1
+    assert sorted(err.errors) == [1, 3]
+    assert isinstance(err.errors[3], KeyError)
+    assert "rank 3 failed" in str(err.errors[3])
+    assert "rank 1 failed" in str(err.__cause__)
+
+
+def test_a_custom_exception_class_round_trips(sess):
+    with pytest.raises(WorkerError) as info:
+        sess.run(raise_custom)
+    cause = info.value.__cause__
+    assert type(cause) is CustomError
+    assert (cause.code, cause.text) == (42, "custom text")
+
+
+@pytest.mark.parametrize("fn", [raise_unpicklable, raise_cannot_rebuild])
+def test_an_exception_that_cannot_cross_still_gives_a_worker_error(sess, fn):
+    with pytest.raises(WorkerError) as info:
+        sess.run(fn)
+    err = info.value
+    assert err.worker == 0
+    text = str(err)
+    assert ("HoldsALock" in text) or ("CannotRebuild" in text)
+    assert isinstance(err.__cause__, BaseException)
+    assert sess.run(unison.rank) == [0, 1]
+
+
+def test_an_exception_raised_by_a_lambda_names_it_and_its_line(sess):
+    fn = lambda: 1 / 0  # noqa: E731
+    with pytest.raises(WorkerError) as info:
+        sess.run(fn)
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    # A function sent by value has no source file on the worker, but the traceback still
+    # names the function and the line that raised.
+    assert "in <lambda>" in str(info.value)
+    assert f"line {fn.__code__.co_firstlineno}" in str(info.value)
+
+
+# -- the session survives ------------------------------------------------------------------------------
+
+
+def test_the_session_stays_usable_and_other_objects_are_intact(sess):
+    kept = sess.scatter(["zero", "one"])
+    with pytest.raises(WorkerError):
+        sess.run(boom)
+    assert kept.gather() == ["zero", "one"]
+    assert sess.run(use, kept) == ["zero", "one"]
+    assert sess.sync() is None
+
+
+def test_sys_exit_in_a_worker_function_is_a_worker_error_not_a_death(sess):
+    with pytest.raises(WorkerError) as info:
+        sess.run(exit_now)
+    assert not isinstance(info.value, WorkerDied)
+    assert isinstance(info.value.__cause__, SystemExit)
+    assert sess.run(unison.rank) == [0, 1]
+
+
+def test_keyboard_interrupt_raised_by_a_function_is_a_worker_error(sess):
+    def interrupt():
+        raise KeyboardInterrupt
+
+    with pytest.raises(WorkerError) as info:
+        sess.run(interrupt)
+    assert isinstance(info.value.__cause__, KeyboardInterrupt)
+    assert sess.run(unison.rank) == [0, 1]
+
+
+# -- errors are reported once, and never lost ------------------------------------------------------
+
+
+def test_an_error_surfaces_at_the_first_fetch_and_not_again_at_sync(sess):
+    ref = sess.call(boom)
+    with pytest.raises(WorkerError):
+        ref.gather()
+    assert sess.sync() is None
+
+
+def test_an_error_surfaces_at_get_and_not_again_at_sync(sess):
+    ref = sess[0].call(boom)
+    with pytest.raises(WorkerError):
+        ref.get()
+    assert sess.sync() is None
+
+
+def test_an_error_raised_by_run_is_not_reported_again_at_sync(sess):
+    with pytest.raises(WorkerError):
+        sess.run(boom)
+    assert sess.sync() is None
+
+
+def test_an_unfetched_error_surfaces_at_the_next_sync_and_only_once(sess):
+    ref = sess.call(boom, "nobody fetched this")
+    with pytest.raises(WorkerError) as info:
+        sess.sync()
+    assert "nobody fetched this" in str(info.value)
+    assert info.value.worker == 0
+    assert sess.sync() is None
+    assert sess.sync() is None
+    del ref
+
+
+def test_an_error_of_a_dropped_ref_is_not_lost(sess):
+    sess.call(boom, "dropped at once")  # the Ref is dropped right away
+    with pytest.raises(WorkerError) as info:
+        sess.sync()
+    assert "dropped at once" in str(info.value)
+    assert sess.sync() is None
+
+
+def test_an_error_on_one_view_surfaces_at_a_session_sync(make_session):
+    sess = make_session(3)
+    sess[2].call(boom, "only rank 2")
+    with pytest.raises(WorkerError) as info:
+        sess.sync()
+    assert info.value.worker == 2
+    assert sess.sync() is None
+
+
+def test_several_unfetched_errors_are_each_reported_exactly_once(sess):
+    sess.call(boom, "first failure")
+    sess.call(boom, "second failure")
+    seen = []
+    for _ in range(5):
+        try:
+            sess.sync()
+        except WorkerError as err:
+            seen.append(str(err.__cause__))
+        else:
+            break
+    assert sorted(seen) == ["first failure", "second failure"]
+    assert sess.sync() is None
+
+
+def test_a_failed_calls_ref_used_as_an_argument_fails_the_later_call(sess):
+    bad = sess.call(boom, "upstream failure")
+    later = sess.call(use, bad)
+    with pytest.raises(WorkerError) as info:
+        later.gather()
+    assert "upstream failure" in str(info.value)
+    # The upstream error itself is still there to fetch (or to surface at a sync).
+    with pytest.raises(WorkerError):
+        bad.gather()
+    assert sess.sync() is None
+
+
+def test_a_value_that_cannot_be_pickled_back_fails_at_get_saying_so(sess):
+    ref = sess.call(threading.Lock)
+    assert sess.sync() is None  # the call itself succeeded
+    with pytest.raises((WorkerError, TypeError), match=r"(?i)cannot be pickled"):
+        ref.get()
+    # The object is still on the workers and usable there.
+    assert sess.run(lambda lock: lock.acquire(blocking=False), ref) == [True, True]
+    assert sess.run(unison.rank) == [0, 1]

@@ -1,0 +1,73 @@
+"""Ctrl-C at the controller: it stops with one KeyboardInterrupt traceback (never one per
+worker), and its workers are gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from support import read_pids, wait_gone
+
+IN_A_LONG_CALL = """
+    import os, time
+    import unison
+    sess = unison.Session(2)
+    print(*sess.run(os.getpid), flush=True)
+    sess.run(time.sleep, 60)
+"""
+
+IN_A_LONG_GATHER_OF_SPINNING_WORKERS = """
+    import os
+    import unison
+
+    def spin():
+        while True:
+            pass
+
+    sess = unison.Session(2)
+    print(*sess.run(os.getpid), flush=True)
+    sess.call(spin).gather()
+"""
+
+WHILE_IDLE = """
+    import os, time
+    import unison
+    sess = unison.Session(2)
+    print(*sess.run(os.getpid), flush=True)
+    time.sleep(60)
+"""
+
+IN_A_WITH_BLOCK = """
+    import os, time
+    import unison
+    with unison.Session(2) as sess:
+        print(*sess.run(os.getpid), flush=True)
+        sess.run(time.sleep, 60)
+"""
+
+
+@pytest.mark.parametrize(
+    "script",
+    [IN_A_LONG_CALL, IN_A_LONG_GATHER_OF_SPINNING_WORKERS, WHILE_IDLE, IN_A_WITH_BLOCK],
+    ids=["long-call", "spinning-workers", "idle", "with-block"],
+)
+def test_sigint_stops_the_controller_with_one_traceback_and_no_worker_survives(
+    controller, script
+):
+    proc = controller(script, start_new_session=True)
+    pids = read_pids(proc)
+    time.sleep(0.3)  # the long call is under way
+    os.kill(proc.pid, signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the controller did not stop within 10 s of SIGINT")
+    assert proc.returncode != 0
+    assert "KeyboardInterrupt" in err
+    assert err.count("Traceback") <= 1, err
+    worker_lines = [line for line in err.splitlines() if line.startswith("[worker")]
+    assert not worker_lines, err
+    assert wait_gone(pids, 2.0) == []

@@ -1,0 +1,143 @@
+"""Views: sess[i], sess[a:b], sess[-1], sess.group(g). Worker indices are always global
+ranks, a view is not indexed again, and a Ref lives only on the workers of its view."""
+
+from __future__ import annotations
+
+import pytest
+
+import unison
+
+
+def identity():
+    return {
+        "rank": unison.rank(),
+        "world_size": unison.world_size(),
+        "group": unison.group(),
+        "group_rank": unison.group_rank(),
+        "group_size": unison.group_size(),
+    }
+
+
+def plus(x, y):
+    return x + y
+
+
+@pytest.fixture
+def sess4(make_session):
+    return make_session(4, num_groups=2)
+
+
+def test_one_worker_view_runs_on_that_worker_only(sess4):
+    assert sess4[2].run(unison.rank) == [2]
+    log = sess4.put(0)
+    sess4[1].call(lambda _: None, log)  # nothing else runs anywhere
+    assert sess4.run(unison.rank) == [0, 1, 2, 3]
+
+
+def test_slices_hold_global_ranks(sess4):
+    view = sess4[1:3]
+    assert view.workers == (1, 2)
+    assert len(view) == 2
+    assert view.run(unison.rank) == [1, 2]
+    assert sess4[-2:].run(unison.rank) == [2, 3]
+    assert sess4[::2].run(unison.rank) == [0, 2]
+
+
+def test_negative_index_counts_from_the_end(sess4):
+    assert sess4[-1].run(unison.rank) == [3]
+    assert sess4[-4].run(unison.rank) == [0]
+
+
+def test_groups_are_consecutive_runs_of_ranks(sess4):
+    assert sess4.group(0).run(unison.rank) == [0, 1]
+    assert sess4.group(1).run(unison.rank) == [2, 3]
+
+
+def test_identity_inside_workers(sess4):
+    assert sess4.run(identity) == [
+        {"rank": 0, "world_size": 4, "group": 0, "group_rank": 0, "group_size": 2},
+        {"rank": 1, "world_size": 4, "group": 0, "group_rank": 1, "group_size": 2},
+        {"rank": 2, "world_size": 4, "group": 1, "group_rank": 0, "group_size": 2},
+        {"rank": 3, "world_size": 4, "group": 1, "group_rank": 1, "group_size": 2},
+    ]
+
+
+def test_identity_with_a_single_group(sess):
+    assert [d["group"] for d in sess.run(identity)] == [0, 0]
+    assert [d["group_size"] for d in sess.run(identity)] == [2, 2]
+
+
+def test_ref_get_takes_a_global_rank_and_defaults_to_the_views_first_worker(sess4):
+    ref = sess4[2:4].call(unison.rank)
+    assert ref.workers == (2, 3)
+    assert ref.get() == 2
+    assert ref.get(worker=3) == 3
+    assert sess4.group(1).call(unison.rank).get() == 2
+
+
+def test_ref_get_of_a_worker_outside_the_view_is_a_value_error(sess4):
+    ref = sess4[2:4].call(unison.rank)
+    with pytest.raises(ValueError):
+        ref.get(worker=0)
+    assert ref.gather() == [2, 3]  # nothing was sent, nothing broke
+
+
+def test_gather_returns_a_list_even_for_one_worker(sess4):
+    assert sess4[3].call(unison.rank).gather() == [3]
+    assert sess4[3].put("x").gather() == ["x"]
+
+
+def test_put_scatter_and_sync_on_views(sess4):
+    assert sess4[1:3].put(7).gather() == [7, 7]
+    assert sess4.group(1).scatter(["g2", "g3"]).gather() == ["g2", "g3"]
+    sess4[0].call(plus, 1, 2)
+    assert sess4[0].sync() is None
+    assert sess4.group(1).sync() is None
+
+
+def test_scatter_on_a_view_needs_one_value_per_worker_of_the_view(sess4):
+    with pytest.raises(ValueError):
+        sess4[1:3].scatter([1, 2, 3, 4])
+
+
+@pytest.mark.parametrize("make_view", [
+    lambda s: s[0],
+    lambda s: s[1:3],
+    lambda s: s.group(1),
+])
+def test_a_view_is_not_indexed_again(sess4, make_view):
+    view = make_view(sess4)
+    with pytest.raises(TypeError):
+        view[0]
+    with pytest.raises(TypeError):
+        view[0:1]
+
+
+def test_a_ref_on_a_subset_can_feed_calls_on_that_subset(sess4):
+    ref = sess4[1:3].scatter([10, 20])
+    assert sess4[1:3].run(plus, ref, 1) == [11, 21]
+    assert sess4[2].run(plus, ref, 1) == [21]
+
+
+@pytest.mark.parametrize("target", [
+    lambda s: s,          # the whole session
+    lambda s: s[0],       # a worker that lacks it
+    lambda s: s[2:4],     # a view that only partly overlaps
+])
+def test_passing_a_ref_to_workers_that_do_not_hold_it_is_a_value_error_at_call_time(
+    sess4, target
+):
+    ref = sess4[1:3].put(5)
+    with pytest.raises(ValueError):
+        target(sess4).call(plus, ref, 1)
+    with pytest.raises(ValueError):
+        target(sess4).call(plus, 1, y=[ref])
+    # Nothing was sent: the session and the Ref are fine.
+    assert ref.gather() == [5, 5]
+    assert sess4.run(unison.rank) == [0, 1, 2, 3]
+
+
+def test_views_of_one_session_share_its_workers(sess4):
+    ref = sess4[0:2].scatter(["a", "b"])
+    assert sess4[1].run(str.upper, ref) == ["B"]
+    assert sess4.group(0).run(str.upper, ref) == ["A", "B"]
