@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from support import MARKER, kill_all, spawn_controller, stop, stray_workers
 
 import unison
+from support import MARKER, kill_all, spawn_controller, stop, stray_workers, wait_gone
 
 # Tag every process this run starts (workers inherit the controller's environment), so the
 # leak checks see this run's workers and never those of another run on the same machine.
@@ -44,8 +44,6 @@ def no_stray_workers(request: pytest.FixtureRequest) -> Iterator[None]:
     """After each test (and after its sessions are closed), none of this run's workers may
     still run: a leak is blamed on the test that caused it, then swept."""
     yield
-    from support import wait_gone
-
     left = stray_workers()
     if left:
         left_pids = wait_gone([p.pid for p in left], 3.0)

@@ -7,6 +7,7 @@ leak checks find this run's processes and never another run's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -67,10 +68,8 @@ def stray_workers() -> list[psutil.Process]:
 
 def kill_all(procs: Iterable[psutil.Process]) -> None:
     for proc in procs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def spawn_controller(code: str, **popen_kw: object) -> subprocess.Popen[str]:
@@ -111,9 +110,7 @@ def read_pids(proc: subprocess.Popen[str], timeout: float = 30.0) -> list[int]:
 def stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
     """Kill a controller script if it still runs, reap it, and return its (stdout, stderr)."""
     if proc.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     out, err = proc.communicate()
     return out or "", err or ""

@@ -43,7 +43,7 @@ def structure(*args):
     return args
 
 
-# -- call / get / gather / run ------------------------------------------------------------------
+# -- call / get / gather / run -----------------------------------------------------------------
 
 
 def test_call_returns_a_ref_and_gather_returns_every_workers_value(make_session):
@@ -124,7 +124,7 @@ def test_numpy_arrays_round_trip(sess):
         np.testing.assert_array_equal(got, arr * 2.0)
 
 
-# -- Refs as arguments ----------------------------------------------------------------------------
+# -- Refs as arguments -------------------------------------------------------------------------
 
 
 def test_a_ref_argument_is_replaced_by_each_workers_own_object(sess):
@@ -152,7 +152,7 @@ def test_the_result_of_a_call_feeds_the_next_call_without_leaving_the_workers(se
     assert sess.run(kinds, second) == ["int", "int"]
 
 
-# -- how functions travel ---------------------------------------------------------------------------
+# -- how functions travel ----------------------------------------------------------------------
 
 
 def test_lambdas_travel_by_value(sess):
@@ -214,7 +214,7 @@ def test_functions_defined_in_a_scripts_main_work_without_a_main_guard(tmp_path)
     assert proc.stdout.count("result") == 1
 
 
-# -- public names -------------------------------------------------------------------------------------
+# -- public names ------------------------------------------------------------------------------
 
 
 def test_public_names_are_exactly_the_contract():

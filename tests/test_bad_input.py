@@ -17,7 +17,7 @@ def echo(*args, **kwargs):
     return args, kwargs
 
 
-# -- Session(...) -------------------------------------------------------------------------------------
+# -- Session(...) ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("n", [0, -1])
@@ -55,7 +55,7 @@ def test_settings_for_a_rank_that_does_not_exist_are_a_value_error_and_leak_noth
     assert set(os.listdir("/proc/self/fd")) <= fds_before
 
 
-# -- ranks ---------------------------------------------------------------------------------------------
+# -- ranks -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("index", [2, 3, -3, 100])
@@ -91,7 +91,7 @@ def test_get_from_a_worker_out_of_range_is_a_value_error(sess, worker):
     assert ref.get(worker=1) == 1
 
 
-# -- scatter --------------------------------------------------------------------------------------------
+# -- scatter -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("values", [[], [1], [1, 2, 3]])
@@ -101,7 +101,7 @@ def test_scatter_with_the_wrong_number_of_values_is_a_value_error(sess, values):
     assert sess.run(unison.rank) == [0, 1]
 
 
-# -- values that cannot be pickled ---------------------------------------------------------------------
+# -- values that cannot be pickled -------------------------------------------------------------
 
 
 def test_an_unpicklable_argument_is_a_type_error_naming_its_position(sess):
@@ -135,7 +135,7 @@ def test_an_unpicklable_function_is_a_type_error(sess):
     assert sess.run(unison.rank) == [0, 1]
 
 
-# -- Refs that cannot be used here ------------------------------------------------------------------------
+# -- Refs that cannot be used here -------------------------------------------------------------
 
 
 def test_a_ref_from_another_session_is_a_value_error(make_session):
@@ -185,7 +185,7 @@ def test_a_ref_cannot_be_pickled_outside_a_call(sess):
         pickle.dumps(ref)
 
 
-# -- functions and timeouts ------------------------------------------------------------------------------
+# -- functions and timeouts --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("fn", [42, "unison.rank", None])

@@ -13,9 +13,9 @@ import threading
 import time
 
 import pytest
-from support import wait_gone
 
 import unison
+from support import wait_gone
 from unison import SessionClosed
 
 

@@ -8,6 +8,7 @@ import signal
 import time
 
 import pytest
+
 from support import alive, read_pids
 
 GONE_WITHIN = 2.0  # the contract

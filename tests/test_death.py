@@ -12,9 +12,9 @@ import threading
 import time
 
 import pytest
-from support import alive, wait_dead, wait_gone
 
 import unison
+from support import alive, wait_dead, wait_gone
 from unison import SessionClosed, WorkerDied
 
 DETECT = 1.0  # the contract: WorkerDied within 1 s of the death
@@ -72,7 +72,7 @@ def _assert_closed_by(sess, died, ref=None):
     sess.close()  # closing again is harmless
 
 
-# -- a death while idle ----------------------------------------------------------------------------------
+# -- a death while idle ------------------------------------------------------------------------
 
 
 def test_a_worker_killed_while_idle_makes_the_next_use_raise_worker_died(sess):
@@ -100,7 +100,7 @@ def test_a_worker_killed_while_idle_is_noticed_by_sync(sess):
     _assert_closed_by(sess, info.value)
 
 
-# -- a death while the controller waits -------------------------------------------------------------------
+# -- a death while the controller waits --------------------------------------------------------
 
 
 def test_a_worker_killed_while_the_controller_waits_on_it(sess):
@@ -169,7 +169,7 @@ def test_a_death_wakes_every_waiting_thread(make_session):
     assert any(isinstance(e, WorkerDied) for e in outcomes.values())
 
 
-# -- how it died ----------------------------------------------------------------------------------------
+# -- how it died -------------------------------------------------------------------------------
 
 
 def test_a_worker_that_calls_os_exit_reports_its_exit_code(sess):
@@ -201,7 +201,7 @@ def test_a_death_detected_at_sync_after_os_exit(sess):
     _assert_closed_by(sess, info.value)
 
 
-# -- nothing survives a death ------------------------------------------------------------------------------
+# -- nothing survives a death ------------------------------------------------------------------
 
 
 def test_the_other_workers_are_stopped_after_a_death(make_session):

@@ -66,7 +66,7 @@ def use(x):
     return x
 
 
-# -- what a WorkerError carries ---------------------------------------------------------------------
+# -- what a WorkerError carries ----------------------------------------------------------------
 
 
 def test_a_raising_function_gives_worker_error_with_the_lowest_rank(sess):
@@ -129,7 +129,7 @@ def test_an_exception_that_cannot_cross_still_gives_a_worker_error(sess, fn):
 
 
 def test_an_exception_raised_by_a_lambda_names_it_and_its_line(sess):
-    fn = lambda: 1 / 0  # noqa: E731
+    fn = lambda: 1 / 0
     with pytest.raises(WorkerError) as info:
         sess.run(fn)
     assert isinstance(info.value.__cause__, ZeroDivisionError)
@@ -139,7 +139,7 @@ def test_an_exception_raised_by_a_lambda_names_it_and_its_line(sess):
     assert f"line {fn.__code__.co_firstlineno}" in str(info.value)
 
 
-# -- the session survives ------------------------------------------------------------------------------
+# -- the session survives ----------------------------------------------------------------------
 
 
 def test_the_session_stays_usable_and_other_objects_are_intact(sess):
@@ -169,7 +169,7 @@ def test_keyboard_interrupt_raised_by_a_function_is_a_worker_error(sess):
     assert sess.run(unison.rank) == [0, 1]
 
 
-# -- errors are reported once, and never lost ------------------------------------------------------
+# -- errors are reported once, and never lost --------------------------------------------------
 
 
 def test_an_error_surfaces_at_the_first_fetch_and_not_again_at_sync(sess):

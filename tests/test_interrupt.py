@@ -9,6 +9,7 @@ import subprocess
 import time
 
 import pytest
+
 from support import read_pids, wait_gone
 
 IN_A_LONG_CALL = """

@@ -137,7 +137,7 @@ class Session(View):
         self.num_groups = num_groups
         self.name = f"unison-{os.getpid()}-{next(_names)}-{secrets.token_hex(3)}"
         super().__init__(self, tuple(range(num_workers)))
-        self._closed = False
+        self._closed = True  # until the workers are up
         self._stopping = False
         self._dead: WorkerDied | None = None
         self._ids = itertools.count(1)
@@ -170,6 +170,7 @@ class Session(View):
             ready = _Pending(protocol.READY_REQ, num_workers)
             for q in self._expect:
                 q.append(ready)
+            self._closed = False
             self._launcher.start(inits, fds, envs)
             self._pidfds = [w.pidfd for w in self._procs if w.pidfd is not None]
             self._chan.started(self._pidfds)
@@ -446,8 +447,12 @@ class Session(View):
         self._wait(pending, deadline, during)
         out = []
         for r in ranks:
+            raw = pending.replies[r]
+            if not raw:  # an ack: done, nothing to report
+                out.append((OK, ()))
+                continue
             try:
-                got_id, status, payload = protocol.loads(pending.replies[r])
+                got_id, status, payload = protocol.loads(raw)
             except Exception as exc:
                 raise TypeError(
                     f"the reply of worker {r} cannot be unpickled on the controller: {exc}. "

@@ -123,8 +123,11 @@ def serve(chan: WorkerChannel) -> None:
             else:
                 chan.reply(_reply_value(req_id, ref_id, obj))
         elif op == SYNC:
-            chan.reply(dumps((msg[2], OK, list(unreported.items()))))
-            unreported.clear()
+            if unreported:
+                chan.reply(dumps((msg[2], OK, list(unreported.items()))))
+                unreported.clear()
+            else:
+                chan.ack()
         elif op == DEFINE:
             try:
                 fns[msg[2]] = loads(msg[3])

@@ -70,6 +70,10 @@ class WorkerChannel(ABC):
     def reply(self, data: bytes) -> None:
         """Send one reply to the controller."""
 
+    def ack(self) -> None:
+        """Reply "done, nothing to report": the controller reads it as an empty reply."""
+        self.reply(b"")
+
     @abstractmethod
     def close(self) -> None: ...
 

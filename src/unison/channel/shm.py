@@ -197,9 +197,8 @@ class ShmChannel(Channel):
     # -- replies -------------------------------------------------------------------------------
 
     def recv(self, timeout: float | None, watch: Sequence[int] = ()) -> list[tuple[int, bytes | None]]:
-        out = self._take()
-        if out:
-            return out
+        if self._has_reply():
+            return self._take()
         now = time.perf_counter()
         spin_end = now + (SPIN if timeout is None else min(SPIN, timeout))
         has_reply = self._has_reply
@@ -222,7 +221,10 @@ class ShmChannel(Channel):
 
     def _has_reply(self) -> bool:
         q, pos = self._q, self._reply_pos
-        return any(q[i] != pos[r] for r, i in enumerate(self._rw_idx)) or bool(self._backlog)
+        for r, i in enumerate(self._rw_idx):
+            if q[i] != pos[r]:
+                return True
+        return bool(self._backlog)
 
     def _take(self) -> list[tuple[int, bytes | None]]:
         with self._rx_lock:

@@ -1,0 +1,117 @@
+"""Dropping a Ref, or ref.free(), frees the workers' objects: the frees ride on the next
+message (no round trip of their own), freeing twice is harmless, and nothing accumulates."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+
+import unison
+from unison.worker import object_count
+
+
+def count(sess):
+    """How many objects each worker holds (the call that asks holds none yet)."""
+    return sess.run(object_count)
+
+
+def boom():
+    raise ValueError("no value")
+
+
+def test_a_dropped_ref_is_freed_on_every_worker(sess):
+    baseline = count(sess)
+    ref = sess.put("payload")
+    assert count(sess) == [b + 1 for b in baseline]
+    del ref
+    gc.collect()
+    assert count(sess) == baseline
+
+
+def test_free_frees_at_once(sess):
+    baseline = count(sess)
+    ref = sess.call(lambda: bytearray(1000))
+    assert count(sess) == [b + 1 for b in baseline]
+    ref.free()
+    assert count(sess) == baseline
+    assert "freed" in repr(ref)
+
+
+def test_freeing_twice_is_harmless(sess):
+    baseline = count(sess)
+    ref = sess.scatter([1, 2])
+    ref.free()
+    ref.free()
+    del ref
+    gc.collect()
+    assert count(sess) == baseline
+    assert sess.run(unison.rank) == [0, 1]
+
+
+def test_refs_of_a_view_are_freed_on_its_workers(make_session):
+    sess = make_session(3)
+    baseline = count(sess)
+    ref = sess[1].put("only on 1")
+    assert count(sess) == [baseline[0], baseline[1] + 1, baseline[2]]
+    del ref
+    assert count(sess) == baseline
+
+
+def test_a_thousand_refs_created_and_dropped_leave_nothing_behind(sess):
+    baseline = count(sess)
+    refs = [sess.put(i) for i in range(1000)]
+    assert count(sess) == [b + 1000 for b in baseline]
+    del refs
+    gc.collect()
+    assert count(sess) == baseline
+    for i in range(1000):
+        sess.call(lambda x: x + 1, i)  # each Ref dropped at once
+    assert count(sess) == baseline
+
+
+def test_run_leaves_nothing_behind(sess):
+    baseline = count(sess)
+    for i in range(100):
+        sess.run(lambda x: x, i)
+    assert count(sess) == baseline
+
+
+def test_a_ref_dropped_while_its_call_still_runs_is_freed_after_it(sess):
+    baseline = count(sess)
+    ref = sess.call(time.sleep, 0.3)
+    del ref
+    assert count(sess) == baseline
+
+
+def test_the_ref_of_a_failed_call_is_freed_too(sess):
+    baseline = count(sess)
+    ref = sess.call(boom)
+    with pytest.raises(unison.WorkerError):
+        ref.gather()
+    del ref
+    assert count(sess) == baseline
+    assert sess.sync() is None
+
+
+def test_a_ref_that_timed_out_and_was_dropped_is_freed(sess):
+    baseline = count(sess)
+    ref = sess.call(time.sleep, 0.4)
+    with pytest.raises(TimeoutError):
+        ref.gather(timeout=0.05)
+    del ref
+    assert count(sess) == baseline
+
+
+def test_dropping_refs_never_waits_for_a_busy_worker(sess):
+    # Frees ride on the next message: dropping a Ref sends nothing and waits for nothing,
+    # even while the workers are busy with a long call.
+    baseline = count(sess)
+    sess.call(time.sleep, 1.0)
+    refs = [sess.put(i) for i in range(100)]
+    start = time.monotonic()
+    del refs
+    gc.collect()
+    assert time.monotonic() - start < 0.5
+    assert count(sess) == baseline

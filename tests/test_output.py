@@ -1,0 +1,104 @@
+"""What workers print reaches the controller's stdout and stderr, each line prefixed with
+"[worker r] ", in order per worker and stream, complete once the session is closed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import unison
+
+LINES = 100
+
+PRINTER = """
+    import sys
+    import unison
+
+    def chatter(n):
+        r = unison.rank()
+        for i in range(n):
+            print(f"out {r} {i}")
+            print(f"err {r} {i}", file=sys.stderr)
+
+    sess = unison.Session(3)
+    sess.run(chatter, LINES)
+    sess.close()
+    print("controller done", flush=True)
+"""
+
+
+def _run_controller(code):
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=60, env=dict(os.environ),
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout, proc.stderr
+
+
+def _lines_of(text, rank):
+    prefix = f"[worker {rank}] "
+    return [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
+
+
+def test_every_line_arrives_prefixed_and_in_order_per_worker():
+    out, err = _run_controller(PRINTER.replace("LINES", str(LINES)))
+    for rank in range(3):
+        assert _lines_of(out, rank) == [f"out {rank} {i}" for i in range(LINES)]
+        assert _lines_of(err, rank) == [f"err {rank} {i}" for i in range(LINES)]
+    assert "controller done" in out
+
+
+def test_stdout_and_stderr_are_not_mixed_up():
+    out, err = _run_controller(PRINTER.replace("LINES", "5"))
+    assert not [line for line in out.splitlines() if "err " in line]
+    assert not [line for line in err.splitlines() if "out " in line]
+
+
+def test_every_relayed_line_is_whole():
+    out, err = _run_controller(PRINTER.replace("LINES", str(LINES)))
+    for text in (out, err):
+        for line in text.splitlines():
+            assert line == "controller done" or line.startswith("[worker "), line
+
+
+def test_a_last_line_without_a_newline_is_not_lost():
+    out, _ = _run_controller(
+        """
+        import unison
+        sess = unison.Session(2)
+        sess[1].run(print, "no newline at the end", end="")
+        sess.close()
+        """
+    )
+    assert _lines_of(out, 1) == ["no newline at the end"]
+
+
+def test_output_reaches_the_controllers_streams_by_close(capfd):
+    def say(word):
+        print(word, unison.rank(), flush=True)
+        print(word, "on stderr", unison.rank(), file=sys.stderr, flush=True)
+
+    sess = unison.Session(2)
+    try:
+        sess.run(say, "hello")
+    finally:
+        sess.close()
+    out, err = capfd.readouterr()
+    assert "[worker 0] hello 0" in out.splitlines()
+    assert "[worker 1] hello 1" in out.splitlines()
+    assert "[worker 1] hello on stderr 1" in err.splitlines()
+
+
+def test_output_printed_just_before_an_unclosed_session_exits_is_not_lost():
+    out, _ = _run_controller(
+        """
+        import unison
+        sess = unison.Session(2)
+        sess.run(print, "said at the very end")
+        """
+    )
+    assert _lines_of(out, 0) == ["said at the very end"]
+    assert _lines_of(out, 1) == ["said at the very end"]

@@ -1,0 +1,190 @@
+"""The shared-memory channel: large and many messages, out-of-band buffers, zero-copy
+arrays, block reuse, and the corner cases of the rings (full ring, chunked replies)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import unison
+from unison.channel import shm
+
+
+def _sum(x: np.ndarray) -> float:
+    return float(x.sum())
+
+
+def _writeable(x: np.ndarray) -> bool:
+    return bool(x.flags.writeable)
+
+
+def _sleep(s: float) -> None:
+    time.sleep(s)
+
+
+def _big_bytes(n: int) -> bytes:
+    return bytes(range(256)) * (n // 256)
+
+
+def _arena_top(sess: unison.Session) -> int:
+    return sess._chan.arena._top  # type: ignore[attr-defined]
+
+
+def test_default_channel_is_shm_on_linux(sess: unison.Session) -> None:
+    assert isinstance(sess._chan, shm.ShmChannel)
+
+
+def test_unknown_channel_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown channel 'tcpx'"):
+        unison.Session(1, channel="tcpx")
+
+
+def test_large_array_arrives_intact_and_read_only(sess: unison.Session) -> None:
+    a = np.arange(1 << 22, dtype=np.float64)
+    ref = sess.put(a)
+    assert sess.run(_sum, ref) == [float(a.sum())] * 2
+    # a put array is shared by every worker: none may change what the others see
+    assert sess.run(_writeable, ref) == [False, False]
+
+
+def test_small_array_travels_in_band_and_is_private(sess: unison.Session) -> None:
+    a = np.arange(16, dtype=np.int32)
+    assert sess.run(lambda x: (x.sum(), x.flags.writeable), a) == [(120, True)] * 2
+
+
+def test_message_larger_than_the_ring_takes_the_arena(sess: unison.Session) -> None:
+    blob = _big_bytes(3 * shm.CMD_RING)  # in-band bytes, bigger than the whole ring
+    assert sess.run(len, blob) == [len(blob)] * 2
+    assert sess.run(lambda b: b[:256] == bytes(range(256)), blob) == [True, True]
+
+
+def test_reply_larger_than_the_reply_ring_is_chunked(sess: unison.Session) -> None:
+    n = 3 * shm.REPLY_RING + 12345
+    out = sess.run(_big_bytes, n)
+    assert [len(b) for b in out] == [n // 256 * 256] * 2
+    assert out[0] == out[1] == _big_bytes(n)
+
+
+def test_full_ring_waits_for_busy_workers_without_deadlock(sess: unison.Session) -> None:
+    """Fill the command ring while the workers are busy, with a big reply pending on each:
+    the controller must keep draining replies while it waits for ring space."""
+    sess.call(_sleep, 0.3)
+    big = sess.call(_big_bytes, 2 * shm.REPLY_RING)
+    pending_get = threading.Thread(target=big.gather, daemon=True)
+    pending_get.start()
+    payload = b"x" * (shm.CMD_RING // 8)  # each message takes an eighth of the ring
+    refs = [sess.call(len, payload) for _ in range(40)]
+    assert refs[-1].gather() == [len(payload)] * 2
+    pending_get.join(10)
+    assert not pending_get.is_alive()
+
+
+def test_timed_out_big_reply_does_not_block_later_calls(sess: unison.Session) -> None:
+    ref = sess.call(lambda: (time.sleep(0.3), _big_bytes(2 * shm.REPLY_RING))[1])
+    with pytest.raises(TimeoutError):
+        ref.gather(timeout=0.05)
+    for _ in range(3):
+        assert sess.run(unison.rank) == [0, 1]
+    assert len(ref.get(worker=1)) == 2 * shm.REPLY_RING
+
+
+def test_shared_array_travels_without_copy_and_workers_write_it(sess: unison.Session) -> None:
+    a = sess.empty((2, 1 << 18), np.float32)
+    a[:] = 1.0
+
+    def fill(x: np.ndarray) -> bool:
+        x[unison.rank()] = unison.rank() + 7
+        return bool(x.flags.writeable)
+
+    assert sess.run(fill, a) == [True, True]
+    assert a[0, 0] == 7 and a[1, -1] == 8  # the controller sees the workers' writes
+
+
+def test_slice_of_shared_array_is_zero_copy(sess: unison.Session) -> None:
+    a = sess.empty(1 << 20, np.int64)
+    a[:] = np.arange(a.size)
+    part = a[1 << 19 :]
+    top = _arena_top(sess)
+    assert sess.run(lambda x: int(x[0]), part) == [1 << 19] * 2
+    assert _arena_top(sess) == top  # nothing was copied into a new block
+
+
+def test_arena_blocks_are_reused_after_free(sess: unison.Session) -> None:
+    a = np.ones(1 << 22, np.float32)  # 16 MiB
+    for _ in range(3):
+        sess.put(a).free()
+        sess.sync()
+    top = _arena_top(sess)
+    for _ in range(20):
+        ref = sess.put(a)
+        sess.sync()
+        ref.free()
+    sess.sync()
+    assert _arena_top(sess) <= top + 2 * a.nbytes  # steady state: blocks come back
+
+
+def test_worker_keeping_an_array_keeps_its_block(sess: unison.Session) -> None:
+    a = np.full(1 << 20, 3.0)
+    keep = sess.call(lambda x: x, a)  # the workers' result is the received array itself
+    for _ in range(5):
+        sess.put(np.zeros(1 << 20)).free()
+    sess.sync()
+    assert sess.run(lambda x: float(x[0]), keep) == [3.0, 3.0]
+
+
+def test_scatter_of_large_arrays(sess: unison.Session) -> None:
+    parts = [np.full(1 << 20, float(i)) for i in range(2)]
+    ref = sess.scatter(parts)
+    assert sess.run(lambda x: float(x.mean()), ref) == [0.0, 1.0]
+
+
+def test_pipe_channel_moves_buffers_too(make_session) -> None:  # type: ignore[no-untyped-def]
+    s = make_session(2, channel="pipe")
+    a = np.arange(1 << 20, dtype=np.float32)
+    assert s.run(_sum, a) == [float(a.sum())] * 2
+    assert s.run(len, _big_bytes(1 << 21)) == [1 << 21] * 2
+    b = s.empty(10, np.int8)  # an ordinary array there
+    assert s.run(lambda x: x.shape, b) == [(10,), (10,)]
+
+
+def test_function_is_pickled_once(sess: unison.Session, monkeypatch: pytest.MonkeyPatch) -> None:
+    import cloudpickle
+
+    calls = []
+    real = cloudpickle.dumps
+
+    def counting(obj: object, *a: object, **kw: object) -> bytes:
+        calls.append(obj)
+        return real(obj, *a, **kw)
+
+    monkeypatch.setattr(cloudpickle, "dumps", counting)
+
+    def f(x: int) -> int:
+        return x + 1
+
+    for i in range(50):
+        sess.call(f, i)
+    assert sess.run(f, 1) == [2, 2]
+    assert sum(1 for c in calls if c is f) == 1
+
+
+def test_idle_session_uses_no_cpu(sess: unison.Session) -> None:
+    import psutil
+
+    pids = sess.run(os.getpid)
+    procs = [psutil.Process(p) for p in pids]
+    time.sleep(0.5)
+    before = [sum(p.cpu_times()[:2]) for p in procs]
+    time.sleep(2.0)
+    after = [sum(p.cpu_times()[:2]) for p in procs]
+    for b, a in zip(before, after):
+        assert (a - b) / 2.0 < 0.02  # under 2% of a core (the target is under 1%)
+
+
+def test_no_dev_shm_entry_while_running(sess: unison.Session) -> None:
+    sess.put(np.ones(1 << 20)).free()
+    assert not [n for n in os.listdir("/dev/shm") if "unison" in n]

@@ -1,0 +1,143 @@
+"""One Session used from many threads at once, like the handlers of a server: every result
+is right, nothing deadlocks, and a long wait in one thread does not hold up the others."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import unison
+
+THREADS = 8
+OPS = 50
+
+
+def add(a, b):
+    return a + b
+
+
+def tag(x):
+    return (unison.rank(), x)
+
+
+def sleep_then(seconds, value):
+    time.sleep(seconds)
+    return value
+
+
+def _run_threads(target, count, timeout=60.0):
+    errors = []
+    start = threading.Barrier(count)
+
+    def body(i):
+        try:
+            start.wait()
+            target(i)
+        except BaseException as exc:
+            errors.append((i, exc))
+
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    hung = [t.name for t in threads if t.is_alive()]
+    assert not hung, f"threads deadlocked: {hung}"
+    assert not errors, errors
+
+
+def test_eight_threads_doing_mixed_work_all_get_the_right_results(make_session):
+    sess = make_session(2)
+
+    def worker(tid):
+        rng = random.Random(tid)
+        for i in range(OPS):
+            x = tid * 1000 + i
+            op = rng.randrange(7)
+            if op == 0:
+                assert sess.call(add, x, 1).gather() == [x + 1, x + 1]
+            elif op == 1:
+                assert sess.run(tag, x) == [(0, x), (1, x)]
+            elif op == 2:
+                ref = sess.put(x)
+                assert sess.run(add, ref, ref) == [2 * x, 2 * x]
+            elif op == 3:
+                ref = sess.scatter([x, -x])
+                assert ref.get(worker=1) == -x
+                assert ref.get() == x
+            elif op == 4:
+                sess.call(add, x, x)
+                sess.sync()
+            elif op == 5:
+                r = rng.randrange(2)
+                assert sess[r].run(tag, x) == [(r, x)]
+            else:
+                assert sess.run(lambda v: v * 3 + unison.rank(), x) == [3 * x, 3 * x + 1]
+
+    _run_threads(worker, THREADS)
+    assert sess.run(unison.rank) == [0, 1]
+
+
+def test_a_long_wait_in_one_thread_does_not_block_short_calls_on_other_workers(make_session):
+    sess = make_session(2)
+    done = {}
+
+    def long_waiter():
+        assert sess[0].call(sleep_then, 1.5, "long").get() == "long"
+        done["long"] = time.monotonic()
+
+    def short_calls():
+        time.sleep(0.1)  # the long wait is under way
+        for i in range(20):
+            assert sess[1].run(add, i, 1) == [i + 1]
+        done["short"] = time.monotonic()
+
+    t_long = threading.Thread(target=long_waiter)
+    t_short = threading.Thread(target=short_calls)
+    t_long.start()
+    t_short.start()
+    t_long.join(30)
+    t_short.join(30)
+    assert not t_long.is_alive() and not t_short.is_alive()
+    assert set(done) == {"long", "short"}
+    assert done["short"] < done["long"], "short calls on worker 1 waited behind worker 0"
+
+
+def test_a_waiter_takes_over_reading_when_another_thread_times_out(make_session):
+    sess = make_session(2)
+    results = {}
+    slow_ref = sess[0].call(sleep_then, 5, "never waited for")
+    other_ref = sess[1].call(sleep_then, 0.6, "value")
+
+    def impatient():
+        try:
+            slow_ref.get(timeout=0.2)
+        except TimeoutError:
+            results["impatient"] = "timed out"
+
+    def patient():
+        time.sleep(0.05)
+        results["patient"] = other_ref.get(worker=1)
+
+    threads = [threading.Thread(target=impatient), threading.Thread(target=patient)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == {"impatient": "timed out", "patient": "value"}
+
+
+def test_refs_dropped_from_many_threads_are_all_freed(make_session):
+    sess = make_session(2)
+    baseline = sess.run(unison.worker.object_count)
+
+    def churn(tid):
+        for i in range(50):
+            ref = sess.put((tid, i))
+            if i % 2:
+                ref.free()
+            del ref
+
+    _run_threads(churn, THREADS)
+    assert sess.run(unison.worker.object_count) == baseline
