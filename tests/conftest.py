@@ -53,12 +53,21 @@ def no_stray_workers(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 @pytest.fixture
-def make_session() -> Iterator[Callable[..., unison.Session]]:
+def channel() -> str | None:
+    """The channel sessions of ``make_session`` use: None, the default. A test module that
+    must hold for every channel overrides this fixture with a parametrized one."""
+    return None
+
+
+@pytest.fixture
+def make_session(channel: str | None) -> Iterator[Callable[..., unison.Session]]:
     """``make_session(n, **kw)`` opens a Session that is closed when the test ends, passed
     or failed."""
     sessions: list[unison.Session] = []
 
     def make(num_workers: int = 2, *args: Any, **kw: Any) -> unison.Session:
+        if channel is not None:
+            kw.setdefault("channel", channel)
         sess = unison.Session(num_workers, *args, **kw)
         sessions.append(sess)
         return sess

@@ -72,6 +72,16 @@ def kill_all(procs: Iterable[psutil.Process]) -> None:
             proc.kill()
 
 
+def open_fds() -> set[tuple[str, str]]:
+    """This process's open file descriptors, each with what it points to (so that a number
+    reused for something new counts as new)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            out.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+    return out
+
+
 def spawn_controller(code: str, **popen_kw: object) -> subprocess.Popen[str]:
     """Start ``code`` (dedented) as a controller script: ``python -c code``, text pipes,
     the environment passed through."""

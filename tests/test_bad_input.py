@@ -4,12 +4,12 @@ say what was wrong; nothing is sent and the session stays usable."""
 from __future__ import annotations
 
 import gc
-import os
 import threading
 
 import pytest
 
 import unison
+from support import open_fds
 from unison import SessionClosed
 
 
@@ -48,11 +48,13 @@ def test_an_unknown_launcher_is_a_value_error():
     {"cpu_affinity": {7: [0]}},
 ])
 def test_settings_for_a_rank_that_does_not_exist_are_a_value_error_and_leak_nothing(kw):
-    fds_before = set(os.listdir("/proc/self/fd"))
+    gc.collect()
+    before = open_fds()
     with pytest.raises(ValueError):
         unison.Session(2, **kw)
     gc.collect()
-    assert set(os.listdir("/proc/self/fd")) <= fds_before
+    leaked = open_fds() - before
+    assert not leaked, f"a refused Session left these open: {sorted(leaked)}"
 
 
 # -- ranks -------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import unison
-from support import wait_gone
+from support import open_fds, wait_gone
 from unison import SessionClosed
 
 
@@ -39,6 +39,16 @@ def test_close_stops_the_workers(sess):
     pids = sess.run(os.getpid)
     sess.close()
     assert wait_gone(pids, 2.0) == []
+
+
+def test_close_releases_every_file_descriptor_the_session_opened():
+    gc.collect()
+    before = open_fds()
+    sess = unison.Session(2)
+    sess.run(unison.rank)
+    sess.close()
+    leaked = open_fds() - before
+    assert not leaked, f"left open after close(): {sorted(leaked)}"
 
 
 def test_every_use_after_close_raises_session_closed(sess):
@@ -171,3 +181,32 @@ def test_interpreter_exit_closes_a_session_never_closed(tail):
     pids = [int(p) for p in proc.stdout.split()]
     assert len(pids) == 2
     assert wait_gone(pids, 2.0) == []
+
+
+@pytest.mark.parametrize("channel", ["auto", "pipe"])
+def test_close_is_not_held_up_by_a_thread_blocked_sending_to_a_busy_worker(
+    make_session, channel
+):
+    sess = make_session(2, channel=channel)
+    pids = sess.run(os.getpid)
+    sess.call(time.sleep, 8)  # the workers are busy, so what is sent next piles up
+    outcome = {}
+
+    def flood():
+        try:
+            for _ in range(300):  # 30 MB: more than any channel buffers
+                sess.put(b"x" * 100_000)
+        except BaseException as exc:
+            outcome["exc"] = exc
+
+    sender = threading.Thread(target=flood, daemon=True)
+    sender.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    sess.close(timeout=0.3)
+    took = time.monotonic() - start
+    sender.join(5)
+    assert took < 3.0, f"close(timeout=0.3) took {took:.1f} s"
+    assert wait_gone(pids, 1.0) == []
+    assert not sender.is_alive(), "the sending thread hung after close()"
+    assert isinstance(outcome.get("exc", SessionClosed("")), SessionClosed), outcome

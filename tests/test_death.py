@@ -5,6 +5,7 @@ later use raises SessionClosed caused by that WorkerDied, and no other worker su
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import sys
@@ -14,10 +15,16 @@ import time
 import pytest
 
 import unison
-from support import alive, wait_dead, wait_gone
+from support import alive, open_fds, wait_dead, wait_gone
 from unison import SessionClosed, WorkerDied
 
 DETECT = 1.0  # the contract: WorkerDied within 1 s of the death
+
+@pytest.fixture(params=["auto", "pipe"])
+def channel(request):
+    """These behaviours must hold whatever channel carries the messages."""
+    return request.param
+
 
 
 def sleep_then_rank(seconds):
@@ -169,6 +176,19 @@ def test_a_death_wakes_every_waiting_thread(make_session):
     assert any(isinstance(e, WorkerDied) for e in outcomes.values())
 
 
+def test_a_death_while_the_controller_is_blocked_sending_to_a_busy_worker(sess):
+    pids = sess.run(os.getpid)
+    sess.call(sleep_then_rank, 30)  # what is sent next piles up in the channel
+    killed, _ = _kill_later(pids[0], 0.3)
+    with pytest.raises(WorkerDied) as info:
+        for _ in range(300):  # 30 MB: more than any channel buffers
+            sess.put(b"x" * 100_000)
+        sess.sync()
+    assert time.monotonic() - killed["t"] < DETECT
+    assert (info.value.worker, info.value.exitcode) == (0, -9)
+    _assert_closed_by(sess, info.value)
+
+
 # -- how it died -------------------------------------------------------------------------------
 
 
@@ -221,3 +241,16 @@ def test_a_worker_that_dies_with_a_child_takes_the_child_along(sess):
     with pytest.raises(WorkerDied):
         sess[0].run(exit_with, 1)
     assert wait_gone([child], 2.0) == []
+
+
+def test_a_death_releases_every_file_descriptor_the_session_opened(channel):
+    gc.collect()
+    before = open_fds()
+    sess = unison.Session(2, **({"channel": channel} if channel else {}))
+    try:
+        with pytest.raises(WorkerDied):
+            sess[1].run(exit_with, 2)
+    finally:
+        sess.close()
+    leaked = open_fds() - before
+    assert not leaked, f"left open after a death: {sorted(leaked)}"

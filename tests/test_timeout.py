@@ -9,10 +9,17 @@ import time
 import pytest
 
 import unison
+from unison import WorkerError
 
 SLOW = 0.6  # seconds a slow call sleeps
 SHORT = 0.1  # a timeout well below SLOW
 QUICK = SHORT + 0.5  # how long a timed-out wait may take at most
+
+@pytest.fixture(params=["auto", "pipe"])
+def channel(request):
+    """These behaviours must hold whatever channel carries the messages."""
+    return request.param
+
 
 
 def slow(seconds=SLOW):
@@ -22,6 +29,11 @@ def slow(seconds=SLOW):
 
 def stamp():
     return time.monotonic()
+
+
+def fail_after(seconds, message):
+    time.sleep(seconds)
+    raise ValueError(message)
 
 
 def takes_its_own_timeout(x, timeout):
@@ -123,3 +135,42 @@ def test_a_timeout_in_one_thread_does_not_disturb_a_waiter_in_another(sess):
     assert not waiter.is_alive()
     assert result["long"][0] == 0
     assert other.get(worker=1)[0] == 1
+
+
+# -- a timed-out wait loses no error ---------------------------------------------------------
+
+
+def test_an_error_behind_a_timed_out_sync_surfaces_at_the_next_sync(sess):
+    sess.call(fail_after, 0.3, "failed after the timeout")
+    with pytest.raises(TimeoutError):
+        sess.sync(timeout=0.05)
+    with pytest.raises(WorkerError, match="failed after the timeout"):
+        sess.sync()
+    assert sess.sync() is None
+
+
+def test_an_error_behind_a_timed_out_gather_surfaces_at_the_next_gather(sess):
+    ref = sess.call(fail_after, 0.3, "failed after the timeout")
+    with pytest.raises(TimeoutError):
+        ref.gather(timeout=0.05)
+    with pytest.raises(WorkerError, match="failed after the timeout"):
+        ref.gather()
+    assert sess.sync() is None
+
+
+def test_an_error_behind_a_timed_out_gather_of_a_dropped_ref_surfaces_at_sync(sess):
+    ref = sess.call(fail_after, 0.3, "nobody fetched this")
+    with pytest.raises(TimeoutError):
+        ref.gather(timeout=0.05)
+    del ref  # the timed-out wait fetched nothing, so the error is still unreported
+    with pytest.raises(WorkerError, match="nobody fetched this"):
+        sess.sync()
+    assert sess.sync() is None
+
+
+def test_an_error_behind_a_timed_out_run_surfaces_at_sync(sess):
+    with pytest.raises(TimeoutError):
+        sess.run(fail_after, 0.3, "run gave up waiting", timeout=0.05)
+    with pytest.raises(WorkerError, match="run gave up waiting"):
+        sess.sync()
+    assert sess.sync() is None

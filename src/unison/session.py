@@ -40,7 +40,8 @@ from unison.refs import Ref
 __all__ = ["Session", "View"]
 
 _NO_BUFFERS: list[pickle.PickleBuffer] = []
-_FN_CACHE = 512  # functions kept defined on the workers; older ones are freed
+_FN_CACHE = 512
+_CACHEABLE = frozenset({FunctionType, BuiltinFunctionType})  # functions kept defined on the workers; older ones are freed
 _SLICE = 0.5  # longest single sleep of a wait, so close() and deadlines are noticed
 _names = itertools.count()
 _live: weakref.WeakSet[Session] = weakref.WeakSet()
@@ -155,9 +156,9 @@ class Session(View):
         self._launcher = LocalLauncher()
         self._procs = self._launcher.workers
         self._pidfds: list[int] = []
-        self._chan = channels.create(channel, num_workers, self.name)
         cpus = _cpu_plan(num_workers, cpu_affinity)
         envs = _check_env(num_workers, env)
+        self._chan = channels.create(channel, num_workers, self.name)
         try:
             inits, fds = [], []
             for rank in range(num_workers):
@@ -272,7 +273,8 @@ class Session(View):
         self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Ref:
-        self._check_open()
+        if self._closed:
+            self._check_open()
         if not callable(fn):
             raise TypeError(f"call needs a callable first, got {type(fn).__name__}")
         blob, bufs = None, _NO_BUFFERS
@@ -280,7 +282,12 @@ class Session(View):
             blob, bufs = self._encode_args(ranks, fn, args, kwargs)
         ref_id = next(self._ids)
         with self._send_lock:
-            fn_id, cached = self._fn_id(fn)
+            fn_id = self._fns.get(fn) if type(fn) in _CACHEABLE else None
+            if fn_id is None:
+                fn_id, cached = self._define(fn)
+            else:
+                cached = True
+                self._fns.move_to_end(fn)
             self._send(CALL, (ref_id, fn_id, blob), ranks, bufs)
             if not cached:
                 self._frees.append(fn_id)  # dropped with the next message, after this call
@@ -338,14 +345,18 @@ class Session(View):
         buffers: list[pickle.PickleBuffer] = [],  # noqa: B006 (never mutated)
     ) -> None:
         """Encode one message and write it to ``ranks``; caller holds the send lock."""
-        self._check_open()
+        if self._closed:
+            self._check_open()
         frees = None
         if self._frees:
             frees = self._take_frees()
             if len(ranks) != self.num_workers:  # frees must reach every worker
                 self._write(pickle.dumps((NOP, frees)), self.workers)
                 frees = None
-        self._write(pickle.dumps((op, frees, *fields)), ranks, buffers)
+        try:
+            self._chan.send(pickle.dumps((op, frees, *fields)), ranks, buffers)
+        except OSError:
+            raise self._find_death("sending a message") from None
 
     def _write(
         self, data: bytes, ranks: tuple[int, ...],
@@ -363,17 +374,12 @@ class Session(View):
             out.append(pop())
         return tuple(out)
 
-    def _fn_id(self, fn: Callable[..., Any]) -> tuple[int, bool]:
-        """The id under which the workers know ``fn``, sending its pickle the first time.
+    def _define(self, fn: Callable[..., Any]) -> tuple[int, bool]:
+        """Send ``fn``'s pickle to every worker; return its id, and whether it stays cached.
 
         Plain functions are pickled once (changing one means defining a new one). Bound
         methods and other callables carry state that may change, so they go every time."""
-        cacheable = isinstance(fn, (FunctionType, BuiltinFunctionType))
-        if cacheable:
-            fn_id = self._fns.get(fn)
-            if fn_id is not None:
-                self._fns.move_to_end(fn)
-                return fn_id, True
+        cacheable = type(fn) in _CACHEABLE
         try:
             blob = cloudpickle.dumps(fn, protocol=5)
         except Exception as exc:
@@ -431,11 +437,12 @@ class Session(View):
         during: str,
     ) -> list[tuple[int, Any]]:
         """Send a request to ``ranks`` and return each one's decoded (status, payload)."""
-        deadline = _deadline(timeout)
+        deadline = None if timeout is None else _deadline(timeout)
         req_id = next(self._ids)
         pending = _Pending(req_id, len(ranks))
         with self._send_lock:
-            self._check_open()
+            if self._closed:
+                self._check_open()
             for r in ranks:
                 self._expect[r].append(pending)
             try:
@@ -484,7 +491,8 @@ class Session(View):
         chan, expect = self._chan, self._expect
         slice_ = _SLICE if self._pidfds else 0.05
         while pending.remaining:
-            self._check_open()
+            if self._closed:
+                self._check_open()
             timeout = slice_ if deadline is None else min(slice_, deadline - time.monotonic())
             if timeout <= 0:
                 raise _timeout_error(pending, deadline)

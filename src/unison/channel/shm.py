@@ -51,15 +51,20 @@ _WRAP = (1 << 64) - 1
 _OOB = 1  # entry flag: the payload is a descriptor of an arena block
 _MORE = 1 << 32  # reply flag: more chunks of this message follow
 _ENTRY = 16  # command entry header bytes
+_CTL_SLEEP = _LINE // 8  # index of the controller's sleeping flag
+_NO_VIEWS: list[memoryview] = []
 _DESC = 24
 
 _fence_lock = threading.Lock()
+_acquire, _release = _fence_lock.acquire, _fence_lock.release
+_CMD_MASK = CMD_RING - 1
+_INLINE_MAX = CMD_RING // 4  # larger messages go through the arena
 
 
 def _fence() -> None:
     """A full memory barrier: a lock round trip is a locked instruction on x86."""
-    _fence_lock.acquire()
-    _fence_lock.release()
+    _acquire()
+    _release()
 
 
 def _align8(n: int) -> int:
@@ -106,8 +111,8 @@ class ShmChannel(Channel):
         self._mm = mmap.mmap(self._fd, lay.size)
         self._buf = memoryview(self._mm)
         self._q = self._buf.cast("Q")
-        counters = self._buf[lay.counters : lay.cmd_ring].cast("I")
-        self.arena = Arena(name, num_workers, counters, _arena_size())
+        self._counters = self._buf[lay.counters : lay.cmd_ring].cast("I")
+        self.arena = Arena(name, num_workers, self._counters, _arena_size())
         self._efd = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(num_workers)]
         self._ctl_efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._wpos = 0
@@ -124,6 +129,9 @@ class ShmChannel(Channel):
         self._rw_idx = [o // 8 for o in lay.reply_write]
         self._rr_idx = [o // 8 for o in lay.reply_read]
         self._cr_idx = [o // 8 for o in lay.cmd_read]
+        self._cmd_base = lay.cmd_ring
+        self._masks = {tuple(range(num_workers)): self._all_mask}
+        self._masks.update({(r,): 1 << r for r in range(num_workers)})
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -139,41 +147,58 @@ class ShmChannel(Channel):
 
     def send(self, data: bytes, ranks: Sequence[int], buffers: Sequence[Any] = ()) -> None:
         ranks = tuple(ranks)
-        descs = self.arena.place(list(buffers), ranks) if buffers else ()
+        if buffers or len(data) > _INLINE_MAX:
+            self._send_large(data, ranks, buffers)
+        else:
+            self._publish(data, b"", 0, ranks)
+
+    def _send_large(self, data: bytes, ranks: tuple[int, ...], buffers: Sequence[Any]) -> None:
+        descs = self.arena.place(list(buffers), ranks) if buffers else []
         flags = 0
-        payload: bytes | memoryview = data
-        if _ENTRY + len(data) + _DESC * len(descs) > CMD_RING // 4:
-            payload = _pack_descs([self.arena.place_bytes(data, ranks)])
+        if len(data) > _INLINE_MAX:
+            data = _pack_descs([self.arena.place_bytes(data, ranks)])
             flags = _OOB
-        size = _align8(_ENTRY + len(payload) + _DESC * len(descs))
+        self._publish(data, _pack_descs(descs), len(descs) | (flags << 16), ranks)
+
+    def _publish(self, payload: bytes, descs: bytes, meta: int, ranks: tuple[int, ...]) -> None:
+        """Write one entry at the ring's head and make it visible; wake sleeping targets."""
+        n = len(payload)
+        size = (_ENTRY + 7 + n + len(descs)) & ~7
         pos = self._wpos
-        off = pos % CMD_RING
-        wrap = CMD_RING - off if off + size > CMD_RING else 0
+        off = pos & _CMD_MASK
+        if off + size > CMD_RING or pos + size > self._limit:
+            pos, off = self._make_room(pos, off, size)
         q = self._q
-        if pos + wrap + size > self._limit:
-            self._limit = self._slowest() + CMD_RING
-            if pos + wrap + size > self._limit:
-                self._wait_space(pos + wrap + size)
-                self._limit = self._slowest() + CMD_RING
-        base = self._lay.cmd_ring
-        if wrap:
-            q[(base + off) // 8] = _WRAP
-            pos += wrap
-            off = 0
-        start = base + off
-        q[start // 8] = len(payload) | (len(descs) << 32) | (flags << 48)
-        q[start // 8 + 1] = self._all_mask if len(ranks) == self.n else _mask(ranks)
+        start = self._cmd_base + off
+        q[start >> 3] = n | (meta << 32)
+        mask = self._masks.get(ranks)
+        q[(start >> 3) + 1] = _mask(ranks) if mask is None else mask
         body = start + _ENTRY
-        self._buf[body : body + len(payload)] = payload
+        self._buf[body : body + n] = payload
         if descs:
-            d = body + len(payload)
-            self._buf[d : d + _DESC * len(descs)] = _pack_descs(descs)
-        self._wpos = pos + size
-        q[0] = self._wpos  # publish
-        _fence()
+            self._buf[body + n : body + n + len(descs)] = descs
+        self._wpos = pos = pos + size
+        q[0] = pos  # publish: the entry is complete before its position is seen
+        _acquire()  # a full fence between publishing and reading the sleeping flags
+        _release()
+        sleep_idx = self._sleep_idx
         for r in ranks:
-            if q[self._sleep_idx[r]]:
+            if q[sleep_idx[r]]:
                 os.eventfd_write(self._efd[r], 1)
+
+    def _make_room(self, pos: int, off: int, size: int) -> tuple[int, int]:
+        """Skip to the ring's start if the entry would cross its end, and wait for space."""
+        wrap = CMD_RING - off if off + size > CMD_RING else 0
+        end = pos + wrap + size
+        if end > self._limit:
+            self._limit = self._slowest() + CMD_RING
+            if end > self._limit:
+                self._wait_space(end)
+                self._limit = self._slowest() + CMD_RING
+        if wrap:
+            self._q[(self._cmd_base + off) >> 3] = _WRAP
+            return pos + wrap, 0
+        return pos, off
 
     def _slowest(self) -> int:
         q = self._q
@@ -207,7 +232,7 @@ class ShmChannel(Channel):
             if has_reply():
                 return self._take()
         q = self._q
-        q[1 * _LINE // 8] = 1  # we are going to sleep
+        q[_CTL_SLEEP] = 1  # we are going to sleep
         _fence()
         try:
             if not has_reply():
@@ -216,7 +241,7 @@ class ShmChannel(Channel):
                 if self._ctl_efd in ready:
                     _drain_eventfd(self._ctl_efd)
         finally:
-            q[1 * _LINE // 8] = 0
+            q[_CTL_SLEEP] = 0
         return self._take()
 
     def _has_reply(self) -> bool:
@@ -273,12 +298,13 @@ class ShmChannel(Channel):
         for fd in (*self._efd, self._ctl_efd):
             os.close(fd)
         self.arena.close()
+        self._counters.release()
         self._q.release()
         self._buf.release()
         try:
             self._mm.close()
         except BufferError:
-            pass
+            pass  # only if someone still holds a view; the mapping then goes with it
         os.close(self._fd)
 
 
@@ -303,31 +329,35 @@ class ShmWorkerChannel(WorkerChannel):
         self._rr_idx = lay.reply_read[r] // 8
         self._rbase = lay.reply_ring[r]
         self._rpos = self._q[self._rw_idx]
+        self._cmd_base = lay.cmd_ring
 
     def recv(self) -> tuple[bytes | memoryview, list[memoryview]] | None:  # type: ignore[override]
-        q, buf, base = self._q, self._buf, self._lay.cmd_ring
+        q, base = self._q, self._cmd_base
         pos = self._pos
         while True:
             if q[0] == pos:
                 self._wait(pos)
-            off = pos % CMD_RING
-            head = q[(base + off) // 8]
+            off = pos & _CMD_MASK
+            i = (base + off) >> 3
+            head = q[i]
             if head == _WRAP:
                 pos += CMD_RING - off
                 continue
-            n, nbufs, flags = head & 0xFFFFFFFF, (head >> 32) & 0xFFFF, head >> 48
-            size = _align8(_ENTRY + n + _DESC * nbufs)
-            start = base + off
-            if not q[start // 8 + 1] & self._bit:
+            n, meta = head & 0xFFFFFFFF, head >> 32
+            nbufs = meta & 0xFFFF
+            size = (_ENTRY + 7 + n + _DESC * nbufs) & ~7
+            if not q[i + 1] & self._bit:
                 pos += size
                 self._pos = q[self._read_idx] = pos
                 continue
-            body = start + _ENTRY
-            payload: bytes | memoryview = bytes(buf[body : body + n])
-            descs = _unpack_descs(buf[body + n : body + n + _DESC * nbufs], nbufs) if nbufs else ()
-            pos += size
-            self._pos = q[self._read_idx] = pos  # the ring space is free again
-            if flags & _OOB:
+            body = base + off + _ENTRY
+            payload: bytes | memoryview = self._buf[body : body + n].tobytes()
+            if not meta:
+                self._pos = q[self._read_idx] = pos + size  # the ring space is free again
+                return payload, _NO_VIEWS
+            descs = _unpack_descs(self._buf[body + n : body + n + _DESC * nbufs], nbufs)
+            self._pos = q[self._read_idx] = pos + size
+            if meta >> 16 & _OOB:
                 payload = self._arena.view(_unpack_descs(payload, 1)[0])
             return payload, [self._arena.view(d) for d in descs]
 
@@ -379,9 +409,23 @@ class ShmWorkerChannel(WorkerChannel):
         self._rpos = q[self._rw_idx] = pos + size  # publish
         self._wake_controller()
 
+    def ack(self) -> None:
+        q = self._q
+        pos = self._rpos
+        off = pos & (REPLY_RING - 1)
+        if off + 8 > REPLY_RING or pos + 8 - q[self._rr_idx] > REPLY_RING:
+            self._put(b"", False)
+            return
+        q[(self._rbase + off) >> 3] = 0  # an empty entry: the ack
+        self._rpos = q[self._rw_idx] = pos + 8
+        _acquire()
+        _release()
+        if q[_CTL_SLEEP]:
+            os.eventfd_write(self._ctl_efd, 1)
+
     def _wake_controller(self) -> None:
         _fence()
-        if self._q[1 * _LINE // 8]:
+        if self._q[_CTL_SLEEP]:
             os.eventfd_write(self._ctl_efd, 1)
 
     def close(self) -> None:
