@@ -73,8 +73,14 @@ def make_session(channel: str | None) -> Iterator[Callable[..., unison.Session]]
         return sess
 
     yield make
+    errors = []
     for sess in reversed(sessions):
-        sess.close(timeout=0)
+        try:
+            sess.close(timeout=0)
+        except Exception as exc:  # close every session before reporting
+            errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 @pytest.fixture

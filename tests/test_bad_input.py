@@ -93,6 +93,14 @@ def test_get_from_a_worker_out_of_range_is_a_value_error(sess, worker):
     assert ref.get(worker=1) == 1
 
 
+def test_get_from_a_worker_named_by_something_other_than_an_int_is_a_type_error(sess):
+    ref = sess.put(1)
+    with pytest.raises(TypeError):
+        ref.get(worker="1")
+    with pytest.raises(TypeError):
+        ref.get(worker=True)
+
+
 # -- scatter -----------------------------------------------------------------------------------
 
 

@@ -69,6 +69,8 @@ def test_every_use_after_close_raises_session_closed(sess):
         "view.call": lambda: view.call(unison.rank),
         "view.run": lambda: view.run(unison.rank),
         "view.sync": lambda: view.sync(),
+        "view.put": lambda: view.put(1),
+        "view.scatter": lambda: view.scatter([1]),
     }
     for name, use in uses.items():
         with pytest.raises(SessionClosed):
@@ -141,16 +143,18 @@ def test_close_from_another_thread_wakes_a_waiter_with_session_closed(sess):
     assert isinstance(outcome.get("exc"), SessionClosed), outcome
 
 
-def test_garbage_collection_closes_the_session():
-    sess = unison.Session(2)
+@pytest.mark.parametrize("channel", ["auto", "pipe"])
+def test_garbage_collection_closes_the_session(channel):
+    sess = unison.Session(2, channel=channel)
     pids = sess.run(os.getpid)
     del sess
     gc.collect()
     assert wait_gone(pids, 2.0) == []
 
 
-def test_garbage_collection_closes_a_session_with_calls_in_flight():
-    sess = unison.Session(2)
+@pytest.mark.parametrize("channel", ["auto", "pipe"])
+def test_garbage_collection_closes_a_session_with_calls_in_flight(channel):
+    sess = unison.Session(2, channel=channel)
     pids = sess.run(os.getpid)
     sess.call(time.sleep, 30)
     del sess
@@ -163,12 +167,13 @@ def test_garbage_collection_closes_a_session_with_calls_in_flight():
     "ref = sess.call(time.sleep, 0.1)\n",
     "ref = sess.call(time.sleep, 30)\n",
 ], ids=["idle", "short-call-in-flight", "long-call-in-flight"])
-def test_interpreter_exit_closes_a_session_never_closed(tail):
+@pytest.mark.parametrize("channel", ["auto", "pipe"])
+def test_interpreter_exit_closes_a_session_never_closed(tail, channel):
     code = textwrap.dedent(
-        """
+        f"""
         import os, time
         import unison
-        sess = unison.Session(2)
+        sess = unison.Session(2, channel={channel!r})
         print(*sess.run(os.getpid), flush=True)
         """
     ) + tail

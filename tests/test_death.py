@@ -110,12 +110,13 @@ def test_a_worker_killed_while_idle_is_noticed_by_sync(sess):
 # -- a death while the controller waits --------------------------------------------------------
 
 
-def test_a_worker_killed_while_the_controller_waits_on_it(sess):
+@pytest.mark.parametrize("timeout", [None, 20], ids=["no-timeout", "with-timeout"])
+def test_a_worker_killed_while_the_controller_waits_on_it(sess, timeout):
     pids = sess.run(os.getpid)
     ref = sess.call(sleep_then_rank, 30)
     killed, _ = _kill_later(pids[1], 0.3)
     with pytest.raises(WorkerDied) as info:
-        ref.gather()
+        ref.gather(timeout=timeout)
     assert time.monotonic() - killed["t"] < DETECT
     assert (info.value.worker, info.value.exitcode) == (1, -9)
     _assert_closed_by(sess, info.value, ref)
@@ -219,6 +220,26 @@ def test_a_death_detected_at_sync_after_os_exit(sess):
         sess.sync()
     assert (info.value.worker, info.value.exitcode) == (0, 4)
     _assert_closed_by(sess, info.value)
+
+
+def test_a_worker_that_dies_while_starting_makes_session_raise_worker_died():
+    start = time.monotonic()
+    with pytest.raises(WorkerDied) as info:
+        unison.Session(2, cpu_affinity={1: [99999]})  # the worker cannot pin itself: exits
+    assert time.monotonic() - start < 10
+    assert info.value.worker == 1
+    assert info.value.exitcode not in (None, 0)
+    assert "sched_setaffinity" in str(info.value)  # its traceback, from its stderr
+
+
+def test_close_after_an_unnoticed_death_does_not_raise(sess):
+    pids = sess.run(os.getpid)
+    os.kill(pids[1], signal.SIGKILL)
+    wait_dead(pids[1])
+    start = time.monotonic()
+    sess.close()
+    assert time.monotonic() - start < 4.0
+    assert wait_gone(pids, 1.0) == []
 
 
 # -- nothing survives a death ------------------------------------------------------------------

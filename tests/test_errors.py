@@ -139,6 +139,28 @@ def test_an_exception_raised_by_a_lambda_names_it_and_its_line(sess):
     assert f"line {fn.__code__.co_firstlineno}" in str(info.value)
 
 
+def test_worker_errors_can_be_pickled_with_their_details(sess):
+    import pickle
+
+    with pytest.raises(WorkerError) as info:
+        sess.run(fail_on, [0, 1])
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert type(copy) is WorkerError
+    assert copy.worker == 0
+    assert sorted(copy.errors) == [0, 1]
+    assert str(copy) == str(info.value)
+
+
+def test_a_healthy_workers_value_of_a_partly_failed_call_can_be_fetched(sess):
+    ref = sess.call(fail_on, [0])
+    assert ref.get(worker=1) == 1
+    # Worker 0's failure has not been fetched: it surfaces at the next sync.
+    with pytest.raises(WorkerError) as info:
+        sess.sync()
+    assert info.value.worker == 0
+    assert sess.sync() is None
+
+
 # -- the session survives ----------------------------------------------------------------------
 
 

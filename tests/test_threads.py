@@ -149,3 +149,52 @@ def test_refs_dropped_from_many_threads_are_all_freed(make_session):
 
     _run_threads(churn, THREADS)
     assert sess.run(unison.worker.object_count) == baseline
+
+
+def fail(i):
+    raise ValueError(f"failure {i}")
+
+
+def test_concurrent_syncs_report_each_error_exactly_once(make_session):
+    sess = make_session(2)
+    for i in range(10):
+        sess.call(fail, i)  # never fetched: each must surface at some sync, once
+    seen = []
+    lock = threading.Lock()
+
+    def syncer(_):
+        for _ in range(30):
+            try:
+                sess.sync()
+            except unison.WorkerError as err:
+                with lock:
+                    seen.append(str(err.__cause__))
+
+    _run_threads(syncer, THREADS)
+    assert sorted(seen) == sorted(f"failure {i}" for i in range(10))
+    assert sess.sync() is None
+
+
+def test_close_while_threads_are_busy_ends_every_thread_with_session_closed(make_session):
+    sess = make_session(2)
+    outcomes = {}
+    started = threading.Barrier(THREADS + 1)
+
+    def busy(tid):
+        started.wait()
+        try:
+            while True:
+                sess.run(sleep_then, 0.01, tid)
+        except BaseException as exc:
+            outcomes[tid] = exc
+
+    threads = [threading.Thread(target=busy, args=(i,), daemon=True) for i in range(THREADS)]
+    for t in threads:
+        t.start()
+    started.wait()
+    time.sleep(0.3)
+    sess.close(timeout=0.5)
+    for t in threads:
+        t.join(5)
+    assert not [t for t in threads if t.is_alive()], "threads hung after close()"
+    assert all(isinstance(e, unison.SessionClosed) for e in outcomes.values()), outcomes

@@ -5,6 +5,20 @@
         ref.gather()                 # every worker's value, in rank order
 """
 
+from unison.collective import (
+    CollectiveError,
+    allgather,
+    allreduce,
+    barrier,
+    broadcast,
+    gather,
+    recv,
+    recv_from_prev_group,
+    reduce_scatter,
+    scatter,
+    send,
+    send_to_next_group,
+)
 from unison.errors import SessionClosed, UnisonError, WorkerDied, WorkerError
 from unison.refs import Ref
 from unison.session import Session, View
@@ -13,6 +27,7 @@ from unison.worker import group, group_rank, group_size, rank, world_size
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollectiveError",
     "Ref",
     "Session",
     "SessionClosed",
@@ -20,9 +35,20 @@ __all__ = [
     "View",
     "WorkerDied",
     "WorkerError",
+    "allgather",
+    "allreduce",
+    "barrier",
+    "broadcast",
+    "gather",
     "group",
     "group_rank",
     "group_size",
     "rank",
+    "recv",
+    "recv_from_prev_group",
+    "reduce_scatter",
+    "scatter",
+    "send",
+    "send_to_next_group",
     "world_size",
 ]

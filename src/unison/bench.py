@@ -119,8 +119,8 @@ class Plan:
 
 
 FULL = Plan(
-    latency=Loop(warmup=100, min_iters=200, max_iters=5000, budget_s=0.8),
-    put_small=Loop(warmup=3, min_iters=10, max_iters=200, budget_s=0.4),
+    latency=Loop(warmup=100, min_iters=200, max_iters=5000, budget_s=0.6),
+    put_small=Loop(warmup=3, min_iters=10, max_iters=200, budget_s=0.3),
     put_large=Loop(warmup=1, min_iters=3, max_iters=20, budget_s=0.8),
     start_reps=3,
     idle_settle_s=1.0,

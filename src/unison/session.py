@@ -33,6 +33,7 @@ from typing import Any
 from unison import channel as channels
 from unison import protocol
 from unison.errors import SessionClosed, WorkerDied, WorkerError
+from unison.collective import shm as collective_shm
 from unison.launch.local import LocalLauncher
 from unison.protocol import CALL, DEFINE, GET, NOP, OK, PUT, SHUTDOWN, SYNC
 from unison.refs import Ref
@@ -50,12 +51,15 @@ _live: weakref.WeakSet[Session] = weakref.WeakSet()
 class _Pending:
     """One request awaiting a reply from each of its ranks."""
 
-    __slots__ = ("remaining", "replies", "req_id")
+    __slots__ = ("abandoned", "ref_id", "remaining", "replies", "req_id", "salvaged")
 
-    def __init__(self, req_id: int, count: int) -> None:
+    def __init__(self, req_id: int, count: int, ref_id: int = 0) -> None:
         self.req_id = req_id
+        self.ref_id = ref_id  # for GET: whose value (or error) the replies carry
         self.remaining = count
         self.replies: dict[int, bytes] = {}
+        self.abandoned = False  # its wait timed out: errors in late replies must be kept
+        self.salvaged: set[int] = set()
 
 
 class View:
@@ -129,6 +133,7 @@ class Session(View):
         channel: str = "auto",
         env: Mapping[int, Mapping[str, str]] | None = None,
         cpu_affinity: bool | Mapping[int, Iterable[int]] | None = None,
+        collectives: str = "shm",
         start_timeout: float = 60.0,
     ) -> None:
         _check_sizes(num_workers, num_groups)
@@ -153,12 +158,18 @@ class Session(View):
         self._state_lock = threading.Lock()
         self._cv = threading.Condition(threading.Lock())
         self._followers = 0
+        self._coll_fd = -1
         self._launcher = LocalLauncher()
         self._procs = self._launcher.workers
         self._pidfds: list[int] = []
         cpus = _cpu_plan(num_workers, cpu_affinity)
         envs = _check_env(num_workers, env)
+        if collectives not in ("shm", "torch"):
+            raise ValueError(f"unknown collectives backend {collectives!r}: use 'shm' or 'torch'")
         self._chan = channels.create(channel, num_workers, self.name)
+        self._coll_fd, _ = collective_shm.create(self.name, num_workers, num_groups)
+        coll_spec = {"fd": self._coll_fd, "backend": collectives,
+                     "torch_address": _free_address() if collectives == "torch" else None}
         try:
             inits, fds = [], []
             for rank in range(num_workers):
@@ -166,8 +177,9 @@ class Session(View):
                 inits.append({
                     "rank": rank, "world_size": num_workers, "num_groups": num_groups,
                     "sys_path": list(sys_path()), "channel": spec, "cpus": cpus.get(rank),
+                    "collective": coll_spec,
                 })
-                fds.append(rank_fds)
+                fds.append([*rank_fds, self._coll_fd])
             ready = _Pending(protocol.READY_REQ, num_workers)
             for q in self._expect:
                 q.append(ready)
@@ -251,6 +263,9 @@ class Session(View):
         self._launcher.stop(grace)
         with self._recv_lock:
             self._chan.close()
+        if self._coll_fd >= 0:
+            os.close(self._coll_fd)
+            self._coll_fd = -1
         _live.discard(self)
 
     def __enter__(self) -> Session:
@@ -288,7 +303,8 @@ class Session(View):
             else:
                 cached = True
                 self._fns.move_to_end(fn)
-            self._send(CALL, (ref_id, fn_id, blob), ranks, bufs)
+            self._send(CALL, (ref_id, fn_id, blob, None if ranks == self.workers else ranks),
+                       ranks, bufs)
             if not cached:
                 self._frees.append(fn_id)  # dropped with the next message, after this call
         return Ref(self, ref_id, ranks)
@@ -439,7 +455,7 @@ class Session(View):
         """Send a request to ``ranks`` and return each one's decoded (status, payload)."""
         deadline = None if timeout is None else _deadline(timeout)
         req_id = next(self._ids)
-        pending = _Pending(req_id, len(ranks))
+        pending = _Pending(req_id, len(ranks), fields[0] if op == GET else 0)
         with self._send_lock:
             if self._closed:
                 self._check_open()
@@ -451,7 +467,11 @@ class Session(View):
                 for r in ranks:
                     _discard(self._expect[r], pending)
                 raise
-        self._wait(pending, deadline, during)
+        try:
+            self._wait(pending, deadline, during)
+        except TimeoutError:
+            self._abandon(pending)
+            raise
         out = []
         for r in ranks:
             raw = pending.replies[r]
@@ -506,9 +526,38 @@ class Session(View):
                 p = expect[rank].popleft()
                 p.replies[rank] = data
                 p.remaining -= 1
+                if p.abandoned:
+                    self._salvage(p, rank)
             if self._followers:
                 with self._cv:
                     self._cv.notify_all()
+
+    def _abandon(self, pending: _Pending) -> None:
+        """A wait timed out: keep the errors that its replies carry, now or when they come,
+        for the next sync (the worker counts them as reported once it has replied)."""
+        with self._state_lock:
+            pending.abandoned = True
+        for rank in list(pending.replies):
+            self._salvage(pending, rank)
+
+    def _salvage(self, pending: _Pending, rank: int) -> None:
+        with self._state_lock:
+            if rank in pending.salvaged:
+                return
+            pending.salvaged.add(rank)
+        raw = pending.replies[rank]
+        if not raw:
+            return
+        try:
+            _, status, payload = protocol.loads(raw)
+        except Exception:
+            return  # a value that cannot be unpickled here carries no error
+        with self._state_lock:
+            if pending.ref_id and status != OK:
+                self._unreported.setdefault(pending.ref_id, {})[rank] = payload
+            elif not pending.ref_id:
+                for ref_id, err in payload:
+                    self._unreported.setdefault(ref_id, {})[rank] = err
 
     def _follow(self, pending: _Pending, deadline: float | None) -> None:
         """Another thread reads the channel: sleep until it hands over our replies."""
@@ -548,6 +597,8 @@ class Session(View):
             time.sleep(0.005)
         if rank is None:
             rank = 0
+        if self._coll_fd >= 0:
+            collective_shm.abort(self._coll_fd, rank)  # peers waiting in a collective give up
         worker = self._procs[rank]
         code = worker.wait_exit(1.0)
         worker.kill()
@@ -581,6 +632,15 @@ def sys_path() -> list[str]:
     import sys
 
     return [os.getcwd() if p == "" else p for p in sys.path]
+
+
+def _free_address() -> str:
+    """A loopback address with a free port, for torch.distributed's rendezvous."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
 
 
 def _check_sizes(num_workers: object, num_groups: object) -> None:

@@ -27,8 +27,9 @@ import sys
 import threading
 from typing import Any
 
-from unison import protocol
+from unison import collective, protocol
 from unison.channel import WorkerChannel, connect
+from unison.collective.shm import ShmCollectives
 from unison.protocol import CALL, DEFINE, ERR, GET, OK, PUT, SHUTDOWN, SYNC, Failed
 
 __all__ = ["group", "group_rank", "group_size", "object_count", "rank", "world_size"]
@@ -79,8 +80,9 @@ def object_count() -> int:
 # -- the loop ----------------------------------------------------------------------------------
 
 
-def serve(chan: WorkerChannel) -> None:
-    """Run messages until SHUTDOWN, or until the controller is gone."""
+def serve(chan: WorkerChannel, coll: ShmCollectives | None = None) -> None:
+    """Run messages until SHUTDOWN, or until the controller is gone. ``coll`` learns which
+    call runs, so that collectives can tell a peer that left the call from a slow one."""
     regs = protocol.registers
     fns: dict[int, Any] = {}
     unreported: dict[int, tuple[Any, ...]] = {}
@@ -99,6 +101,8 @@ def serve(chan: WorkerChannel) -> None:
         if op == CALL:
             ref_id, fn_id, blob = msg[2], msg[3], msg[4]
             fn = fns.get(fn_id)
+            if coll is not None:
+                coll.begin(ref_id, msg[5])
             try:
                 if isinstance(fn, Failed):
                     raise RuntimeError(f"the function could not be loaded on this worker: {fn.error[2]}")
@@ -111,6 +115,8 @@ def serve(chan: WorkerChannel) -> None:
                 err = protocol.pack_error(exc, _name(fn))
                 regs[ref_id] = Failed(err)
                 unreported[ref_id] = err
+            if coll is not None:
+                coll.end(ref_id)
         elif op == GET:
             req_id, ref_id = msg[2], msg[3]
             obj = regs.get(ref_id, _MISSING)
@@ -212,9 +218,10 @@ def main() -> None:
     r, n, g = init["rank"], init["world_size"], init["num_groups"]
     gsize = n // g
     _identity.update(rank=r, world_size=n, group=r // gsize, group_rank=r % gsize, group_size=gsize)
+    coll = collective.setup(init.get("collective"), r, n, g)
     chan = connect(init["channel"])
     chan.reply(protocol.dumps((protocol.READY_REQ, OK, os.getpid())))
     try:
-        serve(chan)
+        serve(chan, coll)
     finally:
         chan.close()

@@ -1,1 +1,129 @@
-"""Worker-to-worker collectives (shared memory on one host, torch.distributed across hosts)."""
+"""Worker-to-worker collectives, called inside a function that the workers run.
+
+    unison.allreduce(x, op="sum")        every worker gets x0 op x1 op ... (rank order)
+    unison.allgather(x)                  [x0, x1, ...] on every worker
+    unison.broadcast(x, src=0)           x of worker src, on every worker
+    unison.scatter(xs, src=0)            xs[r] (from worker src) on worker r
+    unison.gather(x, dst=0)              [x0, x1, ...] on worker dst, None elsewhere
+    unison.reduce_scatter(x, op="sum")   share r (np.array_split along axis 0) of the allreduce
+    unison.barrier()
+    unison.send(x, dst); unison.recv(src)            point to point, by global rank
+    unison.send_to_next_group(x); unison.recv_from_prev_group()   pipeline stages
+
+``group=True`` keeps a collective inside the worker's group (src/dst are then ranks in the
+group). Every collective returns new objects and leaves its input unchanged.
+
+Backends: shared memory (default: numpy arrays of any dtype and shape, CPU torch tensors,
+numbers, and any picklable object for the moving collectives); torch.distributed
+(``Session(collectives="torch")``, and always for CUDA tensors: gloo on CPU, NCCL on CUDA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from unison.collective.shm import CollectiveError, ShmCollectives
+
+__all__ = [
+    "CollectiveError", "allgather", "allreduce", "barrier", "broadcast", "gather", "recv",
+    "recv_from_prev_group", "reduce_scatter", "scatter", "send", "send_to_next_group",
+]
+
+_local: ShmCollectives | None = None
+_torch: Any = None  # TorchCollectives, made on a worker when the session asks for it
+_torch_default = False
+
+
+def setup(spec: dict[str, Any] | None, rank: int, n: int, groups: int) -> ShmCollectives | None:
+    """Called once by the worker at start with the session's collective spec."""
+    global _local, _torch, _torch_default
+    if spec is None:
+        return None
+    _local = ShmCollectives(spec["fd"], rank, n, groups)
+    if spec.get("torch_address"):
+        from unison.collective.torch import TorchCollectives
+
+        _torch = TorchCollectives(_local, spec["torch_address"], spec.get("timeout", 300.0))
+        _torch_default = spec.get("backend") == "torch"
+    return _local
+
+
+def _backend(*values: Any) -> Any:
+    if _local is None:
+        raise RuntimeError(
+            "unison collectives only work inside a function that a unison worker runs "
+            "(pass the function to sess.call or sess.run)"
+        )
+    if _torch is not None and (_torch_default or any(getattr(v, "is_cuda", False) for v in values)):
+        return _torch
+    if any(getattr(v, "is_cuda", False) for v in values):
+        raise CollectiveError("CUDA tensors need the torch backend: Session(collectives='torch')")
+    return _local
+
+
+def allreduce(x: Any, op: str = "sum", *, group: bool = False) -> Any:
+    """x0 op x1 op ... over the workers (sum, prod, min, max or mean), on every worker."""
+    return _backend(x).allreduce(x, op, group)
+
+
+def allgather(x: Any, *, group: bool = False) -> list[Any]:
+    """Every worker's x, as a list in rank order, on every worker."""
+    return list(_backend(x).allgather(x, group))
+
+
+def broadcast(x: Any, src: int = 0, *, group: bool = False) -> Any:
+    """Worker ``src``'s x on every worker (the others' x is ignored, and may be None)."""
+    return _backend(x).broadcast(x, src, group)
+
+
+def scatter(xs: Sequence[Any] | None, src: int = 0, *, group: bool = False) -> Any:
+    """Element r of worker ``src``'s list, on worker r (the others pass None)."""
+    return _backend(*(xs or ())).scatter(xs, src, group)
+
+
+def gather(x: Any, dst: int = 0, *, group: bool = False) -> list[Any] | None:
+    """Every worker's x, as a list in rank order, on worker ``dst``; None on the others."""
+    return _backend(x).gather(x, dst, group)  # type: ignore[no-any-return]
+
+
+def reduce_scatter(x: Any, op: str = "sum", *, group: bool = False) -> Any:
+    """Share r (``np.array_split`` along axis 0) of the reduction, on worker r."""
+    return _backend(x).reduce_scatter(x, op, group)
+
+
+def barrier(*, group: bool = False) -> None:
+    """Wait until every worker (of the group) got here."""
+    _backend().barrier(group)
+
+
+def send(x: Any, dst: int) -> None:
+    """Send x to worker ``dst`` (global rank). Returns once x is copied out."""
+    _backend(x).send(x, dst)
+
+
+def recv(src: int) -> Any:
+    """The next object worker ``src`` sent to this worker."""
+    return _backend().recv(src)
+
+
+def send_to_next_group(x: Any) -> None:
+    """Send x to the worker of the same group rank in the next group (a pipeline stage)."""
+    me = _require()
+    if me.rank + me.gsize >= me.n:
+        raise ValueError("the last group has no next group to send to")
+    me.send(x, me.rank + me.gsize)
+
+
+def recv_from_prev_group() -> Any:
+    """The next object sent by the same group rank in the previous group."""
+    me = _require()
+    if me.rank < me.gsize:
+        raise ValueError("the first group has no previous group to receive from")
+    return me.recv(me.rank - me.gsize)
+
+
+def _require() -> ShmCollectives:
+    _backend()
+    assert _local is not None
+    return _local

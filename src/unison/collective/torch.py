@@ -1,0 +1,151 @@
+"""Collectives through torch.distributed: gloo for CPU tensors, NCCL for CUDA tensors.
+
+    first use in a call, on every worker:  init_process_group("gloo", tcp://host:port)
+    (the session chose the port)           NCCL group and per-group subgroups made lazily,
+                                           in the same order on every worker
+    each collective:  shared-memory arrival barrier first (where the workers share a host),
+                      then the torch op
+
+The user never calls init_process_group. The shared-memory barrier before each op means a
+peer that raised or returned early fails the collective at once, instead of leaving the
+others blocked in gloo or NCCL until their timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from typing import Any
+
+from unison.collective.shm import CollectiveError, ShmCollectives, _member, _op
+
+
+class TorchCollectives:
+    """One worker's torch.distributed backend; ``local`` supplies the barriers and the
+    call context (scopes, peers)."""
+
+    def __init__(self, local: ShmCollectives, address: str, timeout_s: float) -> None:
+        self.local = local
+        self.address = address
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._groups: dict[tuple[str, int], Any] = {}
+        self._ready = False
+
+    def _dist(self) -> Any:
+        import torch.distributed as dist
+
+        if not self._ready:
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", init_method=f"tcp://{self.address}",
+                                        rank=self.local.rank, world_size=self.local.n,
+                                        timeout=self.timeout)
+            self._ready = True
+        return dist
+
+    def _pg(self, dist: Any, backend: str, group: bool) -> Any:
+        """The process group for a backend and scope, made on first use by every worker."""
+        key = (backend, self.local.rank // self.local.gsize if group else -1)
+        pg = self._groups.get(key)
+        if pg is None:
+            if not group and backend == "gloo":
+                pg = dist.group.WORLD
+            elif not group:
+                pg = dist.new_group(backend=backend)
+            else:
+                size = self.local.gsize
+                for g in range(self.local.groups):  # every worker makes every group, in order
+                    made = dist.new_group(list(range(g * size, (g + 1) * size)), backend=backend)
+                    self._groups[(backend, g)] = made
+                pg = self._groups[key]
+            self._groups[key] = pg
+        return pg
+
+    def _enter(self, group: bool, tensors: Sequence[Any]) -> tuple[Any, Any, tuple[int, ...]]:
+        """Arrive at a shared-memory barrier, then return (dist, process group, ranks)."""
+        self.local.barrier(group)
+        _, ranks = self.local.scope(group)
+        dist = self._dist()
+        cuda = any(getattr(t, "is_cuda", False) for t in tensors)
+        return dist, self._pg(dist, "nccl" if cuda else "gloo", group), ranks
+
+    def allreduce(self, x: Any, op: str, group: bool) -> Any:
+        _op(op)
+        t = _tensor(x)
+        dist, pg, ranks = self._enter(group, [t])
+        out = t.clone()
+        reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
+                     "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
+                     "max": dist.ReduceOp.MAX}[op]
+        if op == "mean" and not out.is_floating_point():
+            out = out.double()
+        dist.all_reduce(out, op=reduce_op, group=pg)
+        if op == "mean":
+            out /= len(ranks)
+        return out
+
+    def reduce_scatter(self, x: Any, op: str, group: bool) -> Any:
+        full = self.allreduce(x, op, group)  # gloo has no reduce_scatter
+        _, ranks = self.local.scope(group)
+        k = ranks.index(self.local.rank)
+        return full.tensor_split(len(ranks))[k].clone()
+
+    def allgather(self, x: Any, group: bool) -> list[Any]:
+        t = _tensor(x)
+        dist, pg, ranks = self._enter(group, [t])
+        out = [t.new_empty(t.shape) for _ in ranks]
+        dist.all_gather(out, t.contiguous(), group=pg)
+        return out
+
+    def broadcast(self, x: Any, src: int, group: bool) -> Any:
+        t = _tensor(x)
+        dist, pg, ranks = self._enter(group, [t])
+        out = t.clone()
+        dist.broadcast(out, _member(ranks, src, group, "src"), group=pg)
+        return out
+
+    def scatter(self, xs: Sequence[Any] | None, src: int, group: bool) -> Any:
+        _, ranks = self.local.scope(group)
+        src_rank = _member(ranks, src, group, "src")
+        if self.local.rank == src_rank:
+            if xs is None or len(xs) != len(ranks):
+                raise ValueError(f"scatter on the source needs one value per worker ({len(ranks)})")
+            mine = [_tensor(v) for v in xs]
+            like = mine[ranks.index(src_rank)]
+        else:
+            like = None
+        # the receivers learn the shape through shared memory, then torch moves the data
+        like = self.local.broadcast(None if like is None else (like.shape, like.dtype), src, group)
+        import torch
+
+        dist, pg, _ = self._enter(group, [])
+        out = torch.empty(like[0], dtype=like[1])
+        dist.scatter(out, mine if self.local.rank == src_rank else None, src=src_rank, group=pg)
+        return out
+
+    def gather(self, x: Any, dst: int, group: bool) -> list[Any] | None:
+        t = _tensor(x)
+        dist, pg, ranks = self._enter(group, [t])
+        dst_rank = _member(ranks, dst, group, "dst")
+        out = [t.new_empty(t.shape) for _ in ranks] if self.local.rank == dst_rank else None
+        dist.gather(t.contiguous(), out, dst=dst_rank, group=pg)
+        return out
+
+    def barrier(self, group: bool) -> None:
+        self.local.barrier(group)
+
+    def send(self, x: Any, dst: int) -> None:
+        self.local.send(x, dst)  # point to point on one host: the shared-memory mailbox
+
+    def recv(self, src: int) -> Any:
+        return self.local.recv(src)
+
+
+def _tensor(x: Any) -> Any:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x
+    try:
+        return torch.as_tensor(x)
+    except Exception as exc:
+        raise CollectiveError(f"the torch backend takes tensors or arrays, not {type(x).__name__}") from exc
