@@ -142,7 +142,7 @@ class Session(View):
         self.num_workers = num_workers
         self.num_groups = num_groups
         self.name = f"unison-{os.getpid()}-{next(_names)}-{secrets.token_hex(3)}"
-        super().__init__(self, tuple(range(num_workers)))
+        self.workers = tuple(range(num_workers))
         self._closed = True  # until the workers are up
         self._stopping = False
         self._dead: WorkerDied | None = None
@@ -153,7 +153,7 @@ class Session(View):
             collections.deque() for _ in range(num_workers)
         ]
         self._unreported: dict[int, dict[int, tuple[Any, ...]]] = {}
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.RLock()
         self._recv_lock = threading.RLock()
         self._state_lock = threading.Lock()
         self._cv = threading.Condition(threading.Lock())
@@ -192,6 +192,12 @@ class Session(View):
             self._shutdown(0)
             raise
         _live.add(self)
+
+    @property
+    def _session(self) -> Session:  # type: ignore[override]
+        """A session is the view of all its workers (a property: no reference cycle, so the
+        session is closed as soon as the last reference to it goes)."""
+        return self
 
     # -- views ---------------------------------------------------------------------------------
 
@@ -254,14 +260,18 @@ class Session(View):
             if self._stopping:
                 return
             self._stopping = True
-        if grace > 0 and self._dead is None:
+        deadline = time.monotonic() + grace
+        # a thread blocked sending (to busy workers) holds the send lock: don't wait past grace
+        if grace > 0 and self._dead is None and self._send_lock.acquire(timeout=grace):
             try:
-                with self._send_lock:
-                    self._chan.send(pickle.dumps((SHUTDOWN, None)), self.workers)
+                self._chan.send(pickle.dumps((SHUTDOWN, None)), self.workers)
             except OSError:
                 pass
-        self._launcher.stop(grace)
-        with self._recv_lock:
+            finally:
+                self._send_lock.release()
+        self._launcher.stop(max(0.0, deadline - time.monotonic()))
+        # the workers are gone, so a sender still inside the channel fails out of it at once
+        with self._send_lock, self._recv_lock:
             self._chan.close()
         if self._coll_fd >= 0:
             os.close(self._coll_fd)

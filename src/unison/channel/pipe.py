@@ -72,7 +72,10 @@ class PipeChannel(Channel):
 
     def close(self) -> None:
         for conn in (*self._cmd, *self._replies):
-            conn.close()
+            try:
+                conn.close()
+            except OSError:
+                pass  # already closed by its own finalizer (garbage collection of a cycle)
         self._open = []
         self.started()
 
