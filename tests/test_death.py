@@ -214,6 +214,20 @@ def test_the_message_includes_the_last_lines_written_to_stderr(sess):
     assert "last words: out of cheese" in str(info.value)
 
 
+def say_a_lot_then_exit(lines):
+    for i in range(lines):
+        print(f"line {i} of the worker's last words", file=sys.stderr, flush=True)
+    os._exit(9)
+
+
+def test_the_message_keeps_the_last_lines_of_a_long_stderr(sess):
+    with pytest.raises(WorkerDied) as info:
+        sess[0].run(say_a_lot_then_exit, 200)
+    text = str(info.value)
+    assert "line 199 of the worker's last words" in text
+    assert "line 0 of the worker's last words" not in text  # the tail, not everything
+
+
 def test_a_death_detected_at_sync_after_os_exit(sess):
     sess[0].call(exit_with, 4)
     with pytest.raises(WorkerDied) as info:

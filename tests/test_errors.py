@@ -3,6 +3,9 @@ original exception as its cause; the session stays usable; every error is report
 
 from __future__ import annotations
 
+import importlib
+import os
+import subprocess
 import sys
 import threading
 
@@ -36,6 +39,13 @@ class CannotRebuild(Exception):
         super().__init__(f"{a}/{b}")
 
 
+class BrokenStr(Exception):
+    """An exception whose str() itself raises."""
+
+    def __str__(self):
+        raise RuntimeError("str() of this exception fails")
+
+
 def boom(message="boom from the worker"):
     raise ValueError(message)
 
@@ -56,6 +66,10 @@ def raise_unpicklable():
 
 def raise_cannot_rebuild():
     raise CannotRebuild(1, 2)
+
+
+def raise_broken_str():
+    raise BrokenStr()
 
 
 def exit_now():
@@ -126,6 +140,36 @@ def test_an_exception_that_cannot_cross_still_gives_a_worker_error(sess, fn):
     assert ("HoldsALock" in text) or ("CannotRebuild" in text)
     assert isinstance(err.__cause__, BaseException)
     assert sess.run(unison.rank) == [0, 1]
+
+
+def test_an_exception_whose_str_fails_still_gives_a_worker_error(sess):
+    with pytest.raises(WorkerError) as info:
+        sess.run(raise_broken_str)
+    assert not isinstance(info.value, WorkerDied)
+    assert "BrokenStr" in str(info.value)
+    assert sess.run(unison.rank) == [0, 1]
+
+
+def test_an_exception_class_defined_in_a_scripts_main_round_trips(tmp_path):
+    script = tmp_path / "script_with_its_own_error.py"
+    script.write_text(
+        "import unison\n"
+        "class MyError(Exception):\n"
+        "    pass\n"
+        "def fail():\n"
+        "    raise MyError('raised in a worker')\n"
+        "with unison.Session(2) as sess:\n"
+        "    try:\n"
+        "        sess.run(fail)\n"
+        "    except unison.WorkerError as err:\n"
+        "        print('caught', isinstance(err.__cause__, MyError), err.__cause__)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True, text=True, timeout=60, env=dict(os.environ), cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "caught True raised in a worker" in proc.stdout
 
 
 def test_an_exception_raised_by_a_lambda_names_it_and_its_line(sess):
@@ -266,6 +310,24 @@ def test_a_failed_calls_ref_used_as_an_argument_fails_the_later_call(sess):
     # The upstream error itself is still there to fetch (or to surface at a sync).
     with pytest.raises(WorkerError):
         bad.gather()
+    assert sess.sync() is None
+
+
+def make_worker_only_object(path, module):
+    sys.path.insert(0, path)
+    return importlib.import_module(module).Thing()
+
+
+def test_a_value_that_cannot_be_unpickled_on_the_controller_fails_at_get_saying_so(
+    sess, tmp_path
+):
+    module = f"unison_test_worker_only_{os.getpid()}"
+    (tmp_path / f"{module}.py").write_text("class Thing:\n    pass\n")
+    ref = sess.call(make_worker_only_object, str(tmp_path), module)
+    assert sess.sync() is None  # the call itself succeeded
+    with pytest.raises((WorkerError, TypeError), match=r"(?i)unpickl|cannot be"):
+        ref.get()
+    assert sess.run(unison.rank) == [0, 1]
     assert sess.sync() is None
 
 

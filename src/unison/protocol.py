@@ -70,7 +70,8 @@ def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None) -> byte
     refs = getattr(_local, "refs", None)
     if refs is not None:
         refs.clear()  # the retry sees every Ref again
-    return cloudpickle.dumps(obj, protocol=5, buffer_callback=callback)
+    out: bytes = cloudpickle.dumps(obj, protocol=5, buffer_callback=callback)
+    return out
 
 
 def dumps_with_refs(obj: object) -> tuple[bytes, list[pickle.PickleBuffer], list[Ref]]:
@@ -139,8 +140,9 @@ def pack_error(exc: BaseException, where: str) -> tuple[bytes | None, str, str, 
     """A worker-side exception as (pickled exception or None, type, message, traceback, where)."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     exc.__traceback__ = None  # frames hold locals that may not pickle, and they are in tb
+    blob: bytes | None
     try:
-        blob: bytes | None = dumps(exc)
+        blob = dumps(exc)
         pickle.loads(blob)
     except Exception:
         blob = None

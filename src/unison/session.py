@@ -24,16 +24,16 @@ import secrets
 import threading
 import time
 import weakref
-
-import cloudpickle
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import BuiltinFunctionType, FunctionType
 from typing import Any
 
+import cloudpickle
+
 from unison import channel as channels
-from unison import protocol
-from unison.errors import SessionClosed, WorkerDied, WorkerError
+from unison import collective, protocol
 from unison.collective import shm as collective_shm
+from unison.errors import SessionClosed, WorkerDied, WorkerError
 from unison.launch.local import LocalLauncher
 from unison.protocol import CALL, DEFINE, GET, NOP, OK, PUT, SHUTDOWN, SYNC
 from unison.refs import Ref
@@ -41,8 +41,8 @@ from unison.refs import Ref
 __all__ = ["Session", "View"]
 
 _NO_BUFFERS: list[pickle.PickleBuffer] = []
-_FN_CACHE = 512
-_CACHEABLE = frozenset({FunctionType, BuiltinFunctionType})  # functions kept defined on the workers; older ones are freed
+_FN_CACHE = 512  # functions kept defined on the workers; older ones are freed
+_CACHEABLE = frozenset({FunctionType, BuiltinFunctionType})
 _SLICE = 0.5  # longest single sleep of a wait, so close() and deadlines are noticed
 _names = itertools.count()
 _live: weakref.WeakSet[Session] = weakref.WeakSet()
@@ -206,7 +206,9 @@ class Session(View):
         if isinstance(key, slice):
             ranks = tuple(range(self.num_workers)[key])
             if not ranks:
-                raise ValueError(f"sess[{key.start}:{key.stop}] selects no worker of {self.num_workers}")
+                raise ValueError(
+                    f"sess[{key.start}:{key.stop}] selects no worker of {self.num_workers}"
+                )
             return View(self, ranks)
         if isinstance(key, int) and not isinstance(key, bool):
             return View(self, (self._check_rank(key),))
@@ -219,6 +221,31 @@ class Session(View):
             raise ValueError(f"group must be an int in 0..{self.num_groups - 1}, got {g!r}")
         size = self.num_workers // self.num_groups
         return View(self, tuple(range(g * size, (g + 1) * size)))
+
+    # -- Disco's idioms: data through one worker, then over the collectives --------------------
+
+    def broadcast_from(self, value: Any, src: int = 0) -> Ref:
+        """Send ``value`` to worker ``src`` alone, then broadcast it from there to every worker
+        over the collectives (NCCL for CUDA tensors with collectives="torch")."""
+        src = self._check_rank(src)
+        return self.call(collective.broadcast, self._one_on(src, value), src)
+
+    def scatter_from(self, values: Sequence[Any], src: int = 0) -> Ref:
+        """Send the list ``values`` to worker ``src`` alone, then scatter it from there:
+        worker r ends up with ``values[r]``."""
+        src = self._check_rank(src)
+        values = list(values)
+        if len(values) != self.num_workers:
+            raise ValueError(f"scatter_from needs one value per worker ({self.num_workers})")
+        return self.call(collective.scatter, self._one_on(src, values), src)
+
+    def gather_to(self, ref: Ref, dst: int = 0) -> Ref:
+        """Gather every worker's object of ``ref`` to worker ``dst``, as a list in rank
+        order (None on the others); fetch it with ``.get(worker=dst)``."""
+        return self.call(collective.gather, ref, self._check_rank(dst))
+
+    def _one_on(self, rank: int, value: Any) -> Ref:
+        return self.scatter([value if r == rank else None for r in self.workers])
 
     # -- shared memory -------------------------------------------------------------------------
 
@@ -409,7 +436,9 @@ class Session(View):
         try:
             blob = cloudpickle.dumps(fn, protocol=5)
         except Exception as exc:
-            raise TypeError(f"the function {fn!r} cannot be pickled for the workers: {exc}") from exc
+            raise TypeError(
+                f"the function {fn!r} cannot be pickled for the workers: {exc}"
+            ) from exc
         fn_id = next(self._ids)
         self._send(DEFINE, (fn_id, blob), self.workers)
         if cacheable:
@@ -575,7 +604,8 @@ class Session(View):
             self._followers += 1
             try:
                 if pending.remaining:
-                    self._cv.wait(_SLICE if deadline is None else max(0.0, min(_SLICE, deadline - time.monotonic())))
+                    left = _SLICE if deadline is None else deadline - time.monotonic()
+                    self._cv.wait(max(0.0, min(_SLICE, left)))
             finally:
                 self._followers -= 1
         self._check_open()
@@ -626,7 +656,9 @@ class Session(View):
             raise TypeError(f"a worker is named by an int rank, not {type(rank).__name__}")
         if ref is not None:
             if rank not in ref.workers:
-                raise ValueError(f"worker {rank} does not hold {ref!r}: pick one of {list(ref.workers)}")
+                raise ValueError(
+                    f"worker {rank} does not hold {ref!r}: pick one of {list(ref.workers)}"
+                )
             return rank
         if not -self.num_workers <= rank < self.num_workers:
             raise ValueError(

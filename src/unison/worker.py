@@ -105,7 +105,9 @@ def serve(chan: WorkerChannel, coll: ShmCollectives | None = None) -> None:
                 coll.begin(ref_id, msg[5])
             try:
                 if isinstance(fn, Failed):
-                    raise RuntimeError(f"the function could not be loaded on this worker: {fn.error[2]}")
+                    raise RuntimeError(
+                        f"the function could not be loaded on this worker: {fn.error[2]}"
+                    )
                 if blob is None:
                     regs[ref_id] = fn()  # type: ignore[misc]
                 else:

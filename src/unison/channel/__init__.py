@@ -46,7 +46,9 @@ class Channel(ABC):
         in ``ranks`` (ascending). Raises OSError if a worker is gone."""
 
     @abstractmethod
-    def recv(self, timeout: float | None, watch: Sequence[int] = ()) -> list[tuple[int, bytes | None]]:
+    def recv(
+        self, timeout: float | None, watch: Sequence[int] = ()
+    ) -> list[tuple[int, bytes | None]]:
         """Replies available now, waiting up to ``timeout`` for the first one.
 
         Returns ``(rank, data)`` pairs, with ``data=None`` once a worker's stream has ended.

@@ -56,7 +56,9 @@ class PipeChannel(Channel):
             for pb in buffers:
                 conn.send_bytes(pb.raw())
 
-    def recv(self, timeout: float | None, watch: Sequence[int] = ()) -> list[tuple[int, bytes | None]]:
+    def recv(
+        self, timeout: float | None, watch: Sequence[int] = ()
+    ) -> list[tuple[int, bytes | None]]:
         ready = wait([*self._open, *watch], timeout)
         out: list[tuple[int, bytes | None]] = []
         for conn in ready:

@@ -103,7 +103,9 @@ class ShmChannel(Channel):
 
     def __init__(self, num_workers: int, name: str) -> None:
         if num_workers > MAX_WORKERS:
-            raise ValueError(f"the shm channel takes at most {MAX_WORKERS} workers: use channel='pipe'")
+            raise ValueError(
+                f"the shm channel takes at most {MAX_WORKERS} workers: use channel='pipe'"
+            )
         self.n = num_workers
         self._lay = lay = _Layout(num_workers)
         self._fd = os.memfd_create(f"{name}-ctl", os.MFD_CLOEXEC)
@@ -221,7 +223,9 @@ class ShmChannel(Channel):
 
     # -- replies -------------------------------------------------------------------------------
 
-    def recv(self, timeout: float | None, watch: Sequence[int] = ()) -> list[tuple[int, bytes | None]]:
+    def recv(
+        self, timeout: float | None, watch: Sequence[int] = ()
+    ) -> list[tuple[int, bytes | None]]:
         if self._has_reply():
             return self._take()
         now = time.perf_counter()
@@ -331,7 +335,7 @@ class ShmWorkerChannel(WorkerChannel):
         self._rpos = self._q[self._rw_idx]
         self._cmd_base = lay.cmd_ring
 
-    def recv(self) -> tuple[bytes | memoryview, list[memoryview]] | None:  # type: ignore[override]
+    def recv(self) -> tuple[bytes | memoryview, list[Any]] | None:
         q, base = self._q, self._cmd_base
         pos = self._pos
         while True:

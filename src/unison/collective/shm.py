@@ -28,7 +28,6 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -110,7 +109,9 @@ class ShmCollectives:
         self._index = [0, 0]  # collectives so far in this call: world, group
         self._sends: dict[int, int] = {}
         self._recvs: dict[int, int] = {}
-        self._lock = threading.Lock()
+        first = rank // self.gsize * self.gsize
+        self._scopes = {False: tuple(range(n)), True: tuple(range(first, first + self.gsize))}
+        self._views: dict[tuple[int, str, int], np.ndarray] = {}
 
     # -- called by the worker loop around each call ------------------------------------------
 
@@ -129,11 +130,7 @@ class ShmCollectives:
         """(which generation counter, the ranks taking part) for a collective."""
         if self._call == 0:
             raise RuntimeError("unison collectives only work inside a function a worker runs")
-        if group:
-            first = self.rank // self.gsize * self.gsize
-            ranks = tuple(range(first, first + self.gsize))
-        else:
-            ranks = tuple(range(self.n))
+        ranks = self._scopes[group]
         if self._call_ranks is not None and not set(ranks) <= set(self._call_ranks):
             raise CollectiveError(
                 f"this call runs on workers {list(self._call_ranks)}, but a "
@@ -196,11 +193,14 @@ class ShmCollectives:
         if op == "mean" and arr.dtype.kind in "biu":
             arr = arr.astype(np.float64)  # as numpy's mean does
         out = np.empty_like(arr)
-        flat_in, flat_out = arr.reshape(-1), out.reshape(-1)
-        step = max(1, SLOT // max(arr.itemsize, 1))
-        for lo in range(0, max(flat_in.size, 1), step):
-            self._allreduce_flat(flat_in[lo : lo + step], flat_out[lo : lo + step], ufunc,
-                                 which, ranks)
+        if arr.nbytes <= SLOT:
+            self._allreduce_flat(arr.reshape(-1), out.reshape(-1), ufunc, which, ranks)
+        else:
+            flat_in, flat_out = arr.reshape(-1), out.reshape(-1)
+            step = SLOT // arr.itemsize
+            for lo in range(0, flat_in.size, step):
+                self._allreduce_flat(flat_in[lo : lo + step], flat_out[lo : lo + step], ufunc,
+                                     which, ranks)
         if op == "mean":
             out = _mean(out, len(ranks), arr.dtype)
         return restore(out)
@@ -270,7 +270,13 @@ class ShmCollectives:
         return [mine if j == self.rank else self._view(self.lay.slot[j], a) for j in ranks]
 
     def _view(self, offset: int, like: np.ndarray) -> np.ndarray:
-        return np.frombuffer(self._buf, like.dtype, like.size, offset)
+        key = (offset, like.dtype.str, like.size)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) > 256:
+                self._views.clear()
+            view = self._views[key] = np.frombuffer(self._buf, like.dtype, like.size, offset)
+        return view
 
     # -- moving objects ------------------------------------------------------------------------
 
@@ -286,7 +292,7 @@ class ShmCollectives:
         return _decode(got[src_rank])
 
     def scatter(self, xs: Sequence[Any] | None, src: int, group: bool) -> Any:
-        which, ranks = self.scope(group)
+        _, ranks = self.scope(group)
         src_rank = _member(ranks, src, group, "src")
         if self.rank == src_rank:
             if xs is None or len(xs) != len(ranks):
@@ -298,7 +304,7 @@ class ShmCollectives:
         return self.recv(src_rank)
 
     def gather(self, x: Any, dst: int, group: bool) -> list[Any] | None:
-        which, ranks = self.scope(group)
+        _, ranks = self.scope(group)
         dst_rank = _member(ranks, dst, group, "dst")
         if self.rank != dst_rank:
             self.send(x, dst_rank)
@@ -344,7 +350,9 @@ class ShmCollectives:
 
     def send(self, x: Any, dst: int) -> None:
         if not 0 <= dst < self.n or dst == self.rank:
-            raise ValueError(f"send needs a destination rank in 0..{self.n - 1} other than {self.rank}")
+            raise ValueError(
+                f"send needs a destination rank in 0..{self.n - 1} other than {self.rank}"
+            )
         self._check_peer(dst)
         q = self._q
         sent, acked = self.lay.sent[self.rank][dst] // 8, self.lay.acked[self.rank][dst] // 8
@@ -472,7 +480,9 @@ def _as_array(x: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
 
         if isinstance(x, torch.Tensor):
             if x.device.type != "cpu":
-                raise TypeError("the shared-memory backend takes CPU tensors; use collectives='torch'")
+                raise TypeError(
+                    "the shared-memory backend takes CPU tensors; use collectives='torch'"
+                )
             arr = np.ascontiguousarray(x.detach().numpy())
             return arr, torch.from_numpy
     if isinstance(x, np.ndarray):
@@ -496,7 +506,8 @@ def _reduce_into(out: np.ndarray, parts: Sequence[np.ndarray], ufunc: Callable[.
 
 def _mean(total: np.ndarray, n: int, dtype: np.dtype[Any]) -> np.ndarray:
     """The sum divided by n; integers were summed as float64 already, as numpy's mean does."""
-    return np.true_divide(total, n, dtype=total.dtype)
+    out: np.ndarray = np.true_divide(total, n, dtype=total.dtype)
+    return out
 
 
 def _share(size: int, parts: int, k: int) -> tuple[int, int]:

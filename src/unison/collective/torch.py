@@ -148,4 +148,6 @@ def _tensor(x: Any) -> Any:
     try:
         return torch.as_tensor(x)
     except Exception as exc:
-        raise CollectiveError(f"the torch backend takes tensors or arrays, not {type(x).__name__}") from exc
+        raise CollectiveError(
+            f"the torch backend takes tensors or arrays, not {type(x).__name__}"
+        ) from exc

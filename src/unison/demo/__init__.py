@@ -16,7 +16,8 @@ import unison
 
 
 def _block_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return a @ b
+    out: np.ndarray = a @ b
+    return out
 
 
 def _describe() -> str:

@@ -1,0 +1,804 @@
+"""Worker-to-worker collectives: what each one returns, on every rank, for every kind of input
+(numpy arrays of any dtype and layout, 0-d arrays, Python numbers, CPU torch tensors, any
+picklable object for the moving collectives), inside groups and across pipeline stages, for
+data larger than the shared slots and mailboxes, and the errors a misuse gets instead of a
+hang. The torch.distributed backend (gloo) is checked on the same basics at the end.
+
+Results are compared with numpy computed on the controller, in rank order:
+``functools.reduce(ufunc, [x_0, x_1, ...])``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import unison
+from unison import CollectiveError, WorkerError
+
+UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+OPS = [*UFUNCS, "mean"]
+QUICK = 30.0  # a collective that should answer at once: a hang shows up as TimeoutError
+
+
+def expected_reduce(xs: list[Any], op: str) -> np.ndarray:
+    """The documented result: the ufunc folded in rank order; mean is sum / N, in float64
+    for integer (and bool) input, as numpy's mean."""
+    arrs = [np.asarray(x) for x in xs]
+    with np.errstate(all="ignore"):
+        if op == "mean":
+            if arrs[0].dtype.kind in "biu":
+                arrs = [a.astype(np.float64) for a in arrs]
+            total = np.asarray(functools.reduce(np.add, arrs))
+            return np.asarray(total / len(arrs), dtype=total.dtype)
+        return np.asarray(functools.reduce(UFUNCS[op], arrs), dtype=arrs[0].dtype)
+
+
+def assert_same(got: Any, want: np.ndarray) -> None:
+    """Same dtype, shape and bits."""
+    assert isinstance(got, np.ndarray), type(got)
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert got.tobytes() == want.tobytes(), (got, want)
+
+
+def assert_bit_identical(results: list[np.ndarray]) -> None:
+    first = results[0]
+    for r, got in enumerate(results[1:], 1):
+        assert got.dtype == first.dtype and got.shape == first.shape
+        assert got.tobytes() == first.tobytes(), f"rank {r} got other bits than rank 0"
+
+
+def inputs(n: int, shape: tuple[int, ...], dtype: Any, seed: int = 0) -> list[np.ndarray]:
+    """One array per rank, of values every dtype holds (and that multiply without trouble)."""
+    rng = np.random.default_rng(seed)
+    dt = np.dtype(dtype)
+    if dt.kind == "b":
+        return [rng.integers(0, 2, shape).astype(bool) for _ in range(n)]
+    if dt.kind in "iu":
+        return [rng.integers(0, 5, shape).astype(dt) for _ in range(n)]
+    if dt.kind == "c":
+        return [(rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dt)
+                for _ in range(n)]
+    return [rng.standard_normal(shape).astype(dt) for _ in range(n)]
+
+
+# -- functions the workers run ------------------------------------------------------------------
+
+
+def do_allreduce(x: Any, op: str = "sum", group: bool = False) -> Any:
+    return unison.allreduce(x, op, group=group)
+
+
+def allreduce_checked(x: np.ndarray, op: str) -> tuple[np.ndarray, bool, bool]:
+    """The result, whether the input is unchanged, and whether the result is a new object
+    that shares no memory with the input."""
+    before = x.copy()
+    out = unison.allreduce(x, op)
+    unchanged = x.dtype == before.dtype and x.tobytes() == before.tobytes()
+    new = out is not x and not np.shares_memory(out, x)
+    return out, unchanged, new
+
+
+def allreduce_of_view(base: np.ndarray, how: str, op: str) -> tuple[np.ndarray, np.ndarray]:
+    """Reduce a non-contiguous view made here (a pickled view would arrive contiguous)."""
+    x = base[::2] if how == "step" else base.T
+    assert not x.flags.c_contiguous
+    before = x.copy()
+    out = unison.allreduce(x, op)
+    assert np.array_equal(x, before)
+    return out, before
+
+
+def big_input(n: int, r: int, dtype: Any) -> np.ndarray:
+    """A large array made where it is used (integers in floats: exact sums in any order)."""
+    return ((np.arange(n, dtype=np.int64) % 13) + r).astype(dtype)
+
+
+def big_allreduce(n: int, dtype: str, op: str) -> tuple[str, str, tuple[int, ...], str]:
+    out = unison.allreduce(big_input(n, unison.rank(), dtype), op)
+    return type(out).__name__, str(out.dtype), out.shape, hashlib.sha256(out.tobytes()).hexdigest()
+
+
+def big_reduce_scatter(n: int, dtype: str, op: str) -> tuple[str, tuple[int, ...], str]:
+    out = unison.reduce_scatter(big_input(n, unison.rank(), dtype), op)
+    return str(out.dtype), out.shape, hashlib.sha256(out.tobytes()).hexdigest()
+
+
+def do_allgather(x: Any, group: bool = False) -> list[Any]:
+    return unison.allgather(x, group=group)
+
+
+def broadcast_from(values: Any, src: int, group: bool = False) -> Any:
+    """Only ``src`` (a rank of the scope) passes a value; the others pass None."""
+    me = unison.group_rank() if group else unison.rank()
+    return unison.broadcast(values if me == src else None, src, group=group)
+
+
+def scatter_from(xs: list[Any], src: int, group: bool = False) -> Any:
+    me = unison.group_rank() if group else unison.rank()
+    return unison.scatter(xs if me == src else None, src, group=group)
+
+
+def do_gather(x: Any, dst: int, group: bool = False) -> list[Any] | None:
+    return unison.gather(x, dst, group=group)
+
+
+def do_reduce_scatter(x: Any, op: str = "sum", group: bool = False) -> Any:
+    return unison.reduce_scatter(x, op, group=group)
+
+
+def barrier_times(late: int, delay: float) -> tuple[float, float]:
+    """(when this worker reached the barrier, when it left it); worker ``late`` comes late."""
+    if unison.rank() == late:
+        time.sleep(delay)
+    reached = time.monotonic()
+    unison.barrier()
+    return reached, time.monotonic()
+
+
+def group_barrier_times(late: int, delay: float) -> tuple[float, float]:
+    if unison.rank() == late:
+        time.sleep(delay)
+    reached = time.monotonic()
+    unison.barrier(group=True)
+    return reached, time.monotonic()
+
+
+def ring_exchange(x: Any) -> Any:
+    """Send to the next rank, receive from the previous one (sends return once copied out,
+    so every worker can send first)."""
+    r, n = unison.rank(), unison.world_size()
+    unison.send(x, (r + 1) % n)
+    return unison.recv((r - 1) % n)
+
+
+def send_many(count: int) -> list[Any] | None:
+    """Worker 0 sends ``count`` messages in a row to worker 1, which receives them all."""
+    if unison.rank() == 0:
+        for i in range(count):
+            unison.send({"i": i, "data": np.full(i + 1, i)}, 1)
+        return None
+    if unison.rank() == 1:
+        return [unison.recv(0) for _ in range(count)]
+    return None
+
+
+def send_big(nbytes: int) -> str | None:
+    """Worker 0 sends ``nbytes`` of array (larger than the mailbox) to worker 1; both
+    directions at once with worker 1's reply."""
+    a = np.frombuffer(hashlib.shake_128(b"unison").digest(nbytes), np.uint8)
+    if unison.rank() == 0:
+        unison.send(a, 1)
+        back = unison.recv(1)
+        return hashlib.sha256(back.tobytes()).hexdigest()
+    if unison.rank() == 1:
+        got = unison.recv(0)
+        assert got.dtype == np.uint8 and got.shape == a.shape
+        unison.send(got[::-1].copy(), 0)
+        return hashlib.sha256(got.tobytes()).hexdigest()
+    return None
+
+
+def pipeline(start: int) -> dict[str, Any]:
+    """Each group adds its number to what the previous group sent, then sends it on."""
+    g, stages = unison.group(), unison.world_size() // unison.group_size()
+    if g == 0:
+        value = {"sum": start, "path": [unison.rank()]}
+    else:
+        got = unison.recv_from_prev_group()
+        value = {"sum": got["sum"] + g, "path": [*got["path"], unison.rank()]}
+    if g < stages - 1:
+        unison.send_to_next_group(value)
+    return value
+
+
+def send_past_last_group() -> None:
+    unison.send_to_next_group(1)
+
+
+def recv_before_first_group() -> None:
+    unison.recv_from_prev_group()
+
+
+def identity(x: Any) -> Any:
+    return x
+
+
+def call_and_catch(fn: Callable[..., Any], *args: Any) -> tuple[str, str]:
+    """Run a collective; return (exception type, message) or ("ok", result repr)."""
+    try:
+        return "ok", repr(fn(*args))
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+
+
+def rank_shaped(shapes: list[tuple[int, ...]], dtypes: list[str]) -> np.ndarray:
+    r = unison.rank()
+    return np.ones(shapes[r], dtypes[r])
+
+
+def mismatched_allreduce(shapes: list[tuple[int, ...]], dtypes: list[str]) -> Any:
+    return unison.allreduce(rank_shaped(shapes, dtypes))
+
+
+def mismatched_reduce_scatter(shapes: list[tuple[int, ...]], dtypes: list[str]) -> Any:
+    return unison.reduce_scatter(rank_shaped(shapes, dtypes))
+
+
+def send_to(dst: int) -> None:
+    unison.send("x", dst)
+
+
+def recv_from(src: int) -> Any:
+    return unison.recv(src)
+
+
+# -- reductions ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "int32", "int64", "uint8", "complex128",
+                                   "bool"])
+def test_allreduce_every_op_matches_numpy_in_rank_order(make_session, dtype):
+    sess = make_session(3)
+    xs = inputs(3, (4, 5), dtype, seed=1)
+    ref = sess.scatter(xs)
+    for op in OPS:
+        if op in ("min", "max") and dtype.startswith("complex"):
+            continue
+        want = expected_reduce(xs, op)
+        got = sess.run(do_allreduce, ref, op, timeout=QUICK)
+        for r in range(3):
+            assert_same(got[r], want)
+        if op == "mean":
+            assert got[0].dtype == (np.float64 if dtype in ("int32", "int64", "uint8", "bool")
+                                    else np.dtype(dtype))
+
+
+def test_allreduce_is_bit_identical_on_every_rank(make_session):
+    """Float sums depend on the order; every rank must fold in the same (rank) order."""
+    sess = make_session(4)
+    xs = [np.random.default_rng(r).standard_normal(1000).astype(np.float32) * 10.0 ** r
+          for r in range(4)]
+    ref = sess.scatter(xs)
+    for op in OPS:
+        got = sess.run(do_allreduce, ref, op, timeout=QUICK)
+        assert_bit_identical(got)
+        assert_same(got[0], expected_reduce(xs, op))
+
+
+def test_allreduce_leaves_its_input_unchanged_and_returns_a_new_array(make_session):
+    sess = make_session(2)
+    xs = inputs(2, (3, 7), "float64", seed=2)
+    ref = sess.scatter(xs)
+    for op in OPS:
+        got = sess.run(allreduce_checked, ref, op, timeout=QUICK)
+        for out, unchanged, new in got:
+            assert unchanged, f"{op}: allreduce changed its input"
+            assert new, f"{op}: allreduce returned its input (or a view of it)"
+            assert_same(out, expected_reduce(xs, op))
+    # large enough for the reduce-scatter path too
+    xs = inputs(2, (300, 300), "float64", seed=3)
+    got = sess.run(allreduce_checked, sess.scatter(xs), "sum", timeout=QUICK)
+    assert all(unchanged and new for _, unchanged, new in got)
+    assert_same(got[0][0], expected_reduce(xs, "sum"))
+
+
+@pytest.mark.parametrize("how", ["step", "transpose"])
+def test_allreduce_of_non_contiguous_arrays(make_session, how):
+    sess = make_session(3)
+    bases = inputs(3, (6, 5), "float64", seed=4)
+    for op in ["sum", "max", "mean"]:
+        got = sess.run(allreduce_of_view, sess.scatter(bases), how, op, timeout=QUICK)
+        views = [before for _, before in got]
+        want = expected_reduce(views, op)
+        assert want.shape == ((3, 5) if how == "step" else (5, 6))
+        for out, _ in got:
+            assert_same(out, want)
+
+
+def test_allreduce_of_0d_arrays_and_python_numbers(make_session):
+    sess = make_session(3)
+    got = sess.run(do_allreduce, sess.scatter([np.array(1.5), np.array(2.0), np.array(-4.0)]),
+                   timeout=QUICK)
+    for out in got:
+        assert_same(out, np.array(-0.5))
+
+    for values, op, want in [
+        ([1, 2, 3], "sum", 6),
+        ([2, -3, 4], "prod", -24),
+        ([5, 2, 9], "min", 2),
+        ([5, 2, 9], "max", 9),
+        ([1.5, 2.5, 3.5], "sum", 7.5),
+        ([1.0, 2.0, 6.0], "mean", 3.0),
+        ([1 + 2j, 3j, 1 + 0j], "sum", 2 + 5j),
+    ]:
+        got = sess.run(do_allreduce, sess.scatter(values), op, timeout=QUICK)
+        assert got == [want] * 3, (values, op)
+        assert all(type(g) is type(want) for g in got), (values, op, [type(g) for g in got])
+
+    # mean of Python ints: a Python float, as numpy's mean of integers is a float64
+    got = sess.run(do_allreduce, sess.scatter([1, 2, 4]), "mean", timeout=QUICK)
+    assert got == [7 / 3] * 3 and all(type(g) is float for g in got)
+
+
+def test_allreduce_of_cpu_torch_tensors(make_session):
+    torch = pytest.importorskip("torch")
+    sess = make_session(2)
+    xs = [torch.arange(6, dtype=torch.float32).reshape(2, 3) + r for r in range(2)]
+    ints = [torch.tensor([[1, 5], [7, -2]]) * (r + 1) for r in range(2)]
+    for x, ops in [(xs, OPS), (ints, OPS)]:
+        ref = sess.scatter(x)
+        for op in ops:
+            got = sess.run(do_allreduce, ref, op, timeout=QUICK)
+            want = expected_reduce([t.numpy() for t in x], op)
+            for out in got:
+                assert isinstance(out, torch.Tensor), type(out)
+                assert_same(out.numpy(), want)
+    # a non-contiguous tensor
+    got = sess.run(do_allreduce, sess.scatter([t.T for t in xs]), timeout=QUICK)
+    assert_same(got[0].numpy(), expected_reduce([t.T.numpy() for t in xs], "sum"))
+
+
+@pytest.mark.parametrize(
+    ("n", "size", "dtype", "op"),
+    [
+        (3, (10 << 20) + 1, "float32", "sum"),   # 40 MiB: more than one 32 MiB slot
+        (2, (10 << 20) + 3, "int32", "max"),
+        (3, (1 << 17) + 5, "float64", "prod"),   # 1 MiB: past the 64 KiB small path
+        (3, (1 << 17) + 5, "int16", "mean"),
+        (4, (1 << 17) + 2, "float32", "min"),
+    ],
+)
+def test_large_allreduce_takes_the_reduce_scatter_path_and_agrees(make_session, n, size,
+                                                                  dtype, op):
+    sess = make_session(n)
+    got = sess.run(big_allreduce, size, dtype, op, timeout=QUICK)
+    want = expected_reduce([big_input(size, r, dtype) for r in range(n)], op)
+    assert len(set(got)) == 1, "ranks disagree"
+    kind, dt, shape, digest = got[0]
+    assert (kind, dt, shape) == ("ndarray", str(want.dtype), want.shape)
+    assert digest == hashlib.sha256(want.tobytes()).hexdigest()
+
+
+def test_large_random_floats_agree_with_numpy_bit_for_bit(make_session):
+    sess = make_session(3)
+    xs = [np.random.default_rng(r).standard_normal(200_003) for r in range(3)]  # 1.6 MB each
+    ref = sess.scatter(xs)
+    for op in OPS:
+        got = sess.run(do_allreduce, ref, op, timeout=QUICK)
+        assert_bit_identical(got)
+        assert_same(got[0], expected_reduce(xs, op))
+
+
+# -- reduce_scatter -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(7,), (7, 3), (3, 2, 2), (2, 4), (9, 1)])
+def test_reduce_scatter_gives_each_rank_its_share(make_session, shape):
+    n = 3
+    sess = make_session(n)
+    for dtype in ["float64", "int32"]:
+        xs = inputs(n, shape, dtype, seed=5)
+        ref = sess.scatter(xs)
+        for op in OPS:
+            got = sess.run(do_reduce_scatter, ref, op, timeout=QUICK)
+            shares = np.array_split(expected_reduce(xs, op), n)
+            for r in range(n):
+                assert_same(got[r], shares[r])
+
+
+def test_reduce_scatter_of_large_arrays_and_torch_tensors(make_session):
+    torch = pytest.importorskip("torch")
+    sess = make_session(2)
+    size = (9 << 20) + 1  # 36 MiB of float32: more than a slot
+    got = sess.run(big_reduce_scatter, size, "float32", "sum", timeout=QUICK)
+    full = expected_reduce([big_input(size, r, "float32") for r in range(2)], "sum")
+    for r, share in enumerate(np.array_split(full, 2)):
+        assert got[r] == ("float32", share.shape, hashlib.sha256(share.tobytes()).hexdigest())
+    xs = [torch.arange(10, dtype=torch.float64).reshape(5, 2) * (r + 1) for r in range(2)]
+    got = sess.run(do_reduce_scatter, sess.scatter(xs), "mean", timeout=QUICK)
+    shares = np.array_split(expected_reduce([t.numpy() for t in xs], "mean"), 2)
+    for r in range(2):
+        assert isinstance(got[r], torch.Tensor)
+        assert_same(got[r].numpy(), shares[r])
+
+
+# -- moving collectives -------------------------------------------------------------------------
+
+OBJECTS = [
+    {"a": 1, "b": [1, 2, {"c": "d"}]},
+    "a string",
+    np.arange(12, dtype=np.int16).reshape(3, 4),
+    None,
+]
+
+
+def assert_objects_equal(got: Any, want: Any) -> None:
+    if isinstance(want, np.ndarray):
+        assert isinstance(got, np.ndarray)
+        assert_same(got, want)
+    else:
+        assert got == want
+
+
+def test_allgather_returns_every_rank_s_object_in_rank_order(make_session):
+    sess = make_session(4)
+    got = sess.run(do_allgather, sess.scatter(OBJECTS), timeout=QUICK)
+    for lst in got:
+        assert isinstance(lst, list) and len(lst) == 4
+        for g, w in zip(lst, OBJECTS):
+            assert_objects_equal(g, w)
+    # plain numbers and arrays too
+    arrs = inputs(4, (2, 3), "float32", seed=6)
+    got = sess.run(do_allgather, sess.scatter(arrs), timeout=QUICK)
+    for lst in got:
+        for g, w in zip(lst, arrs):
+            assert_same(g, w)
+
+
+def test_broadcast_from_every_source(make_session):
+    sess = make_session(3)
+    for src, value in enumerate([{"k": (1, 2)}, "text", np.linspace(0, 1, 7)]):
+        got = sess.run(broadcast_from, value, src, timeout=QUICK)
+        for g in got:
+            assert_objects_equal(g, value)
+
+
+def test_broadcast_of_an_object_larger_than_a_slot(make_session):
+    sess = make_session(2)
+    got = sess.run(lambda: hashlib.sha256(unison.broadcast(
+        np.arange(9 << 20, dtype=np.float32) if unison.rank() == 1 else None, 1
+    ).tobytes()).hexdigest(), timeout=QUICK)
+    assert got == [hashlib.sha256(np.arange(9 << 20, dtype=np.float32).tobytes()).hexdigest()] * 2
+
+
+def test_scatter_gives_rank_r_element_r(make_session):
+    sess = make_session(3)
+    xs = [{"rank": 0}, "one", np.arange(5.0)]
+    for src in range(3):
+        got = sess.run(scatter_from, xs, src, timeout=QUICK)
+        for g, w in zip(got, xs):
+            assert_objects_equal(g, w)
+
+
+def test_gather_collects_on_dst_only(make_session):
+    sess = make_session(3)
+    xs = OBJECTS[:3]
+    ref = sess.scatter(xs)
+    for dst in range(3):
+        got = sess.run(do_gather, ref, dst, timeout=QUICK)
+        for r, g in enumerate(got):
+            if r == dst:
+                assert isinstance(g, list) and len(g) == 3
+                for gi, w in zip(g, xs):
+                    assert_objects_equal(gi, w)
+            else:
+                assert g is None
+
+
+def test_barrier_waits_for_the_last_worker(make_session):
+    sess = make_session(3)
+    times = sess.run(barrier_times, 2, 0.2, timeout=QUICK)
+    last_arrival = max(reached for reached, _ in times)
+    assert times[2][0] == last_arrival
+    for reached, left in times:
+        assert left >= last_arrival, "a worker left the barrier before the last one got there"
+
+
+# -- point to point -----------------------------------------------------------------------------
+
+
+def test_send_recv_ring_of_objects(make_session):
+    sess = make_session(3)
+    got = sess.run(ring_exchange, sess.scatter(OBJECTS[:3]), timeout=QUICK)
+    for r in range(3):
+        assert_objects_equal(got[r], OBJECTS[(r - 1) % 3])
+
+
+def test_several_messages_in_a_row_arrive_in_order(make_session):
+    sess = make_session(3)
+    for _ in range(2):  # and again in a new call
+        got = sess.run(send_many, 20, timeout=QUICK)
+        assert got[0] is None and got[2] is None
+        assert [m["i"] for m in got[1]] == list(range(20))
+        for i, m in enumerate(got[1]):
+            np.testing.assert_array_equal(m["data"], np.full(i + 1, i))
+
+
+def test_message_larger_than_the_mailbox(make_session):
+    sess = make_session(2)
+    nbytes = 20 << 20
+    a = np.frombuffer(hashlib.shake_128(b"unison").digest(nbytes), np.uint8)
+    got = sess.run(send_big, nbytes, timeout=QUICK)
+    assert got[1] == hashlib.sha256(a.tobytes()).hexdigest()
+    assert got[0] == hashlib.sha256(a[::-1].tobytes()).hexdigest()
+
+
+def test_pipeline_between_groups(make_session):
+    sess = make_session(4, num_groups=2)
+    got = sess.run(pipeline, 10, timeout=QUICK)
+    assert got[0] == {"sum": 10, "path": [0]} and got[1] == {"sum": 10, "path": [1]}
+    assert got[2] == {"sum": 11, "path": [0, 2]} and got[3] == {"sum": 11, "path": [1, 3]}
+
+    errs = sess.group(1).run(call_and_catch, send_past_last_group, timeout=QUICK)
+    assert all(kind == "ValueError" for kind, _ in errs), errs
+    errs = sess.group(0).run(call_and_catch, recv_before_first_group, timeout=QUICK)
+    assert all(kind == "ValueError" for kind, _ in errs), errs
+
+
+def test_pipeline_of_three_stages(make_session):
+    sess = make_session(3, num_groups=3)
+    for start in (0, 5):
+        got = sess.run(pipeline, start, timeout=QUICK)
+        assert got == [{"sum": start, "path": [0]}, {"sum": start + 1, "path": [0, 1]},
+                       {"sum": start + 3, "path": [0, 1, 2]}]
+
+
+# -- groups -------------------------------------------------------------------------------------
+
+
+def test_group_collectives_stay_inside_the_group(make_session):
+    sess = make_session(4, num_groups=2)
+    xs = inputs(4, (3, 2), "float64", seed=7)
+    ref = sess.scatter(xs)
+    for op in OPS:
+        got = sess.run(do_allreduce, ref, op, True, timeout=QUICK)
+        for r in range(4):
+            g = r // 2
+            assert_same(got[r], expected_reduce(xs[2 * g : 2 * g + 2], op))
+    got = sess.run(do_allgather, sess.scatter(OBJECTS), True, timeout=QUICK)
+    for r in range(4):
+        g = r // 2
+        assert len(got[r]) == 2
+        for gi, w in zip(got[r], OBJECTS[2 * g : 2 * g + 2]):
+            assert_objects_equal(gi, w)
+    # src / dst are ranks inside the group
+    per_rank = [f"value of {r}" for r in range(4)]
+    vref = sess.scatter(per_rank)
+    for src in (0, 1):
+        got = sess.run(broadcast_from, vref, src, True, timeout=QUICK)
+        assert got == [per_rank[src]] * 2 + [per_rank[2 + src]] * 2
+        got = sess.run(do_gather, vref, src, True, timeout=QUICK)
+        for r in range(4):
+            if r % 2 == src:
+                assert got[r] == per_rank[r // 2 * 2 : r // 2 * 2 + 2]
+            else:
+                assert got[r] is None
+    lists = sess.scatter([[f"g{r // 2}-{i}" for i in range(2)] for r in range(4)])
+    got = sess.run(scatter_from, lists, 1, True, timeout=QUICK)
+    assert got == ["g0-0", "g0-1", "g1-0", "g1-1"]
+    got = sess.run(do_reduce_scatter, sess.scatter(inputs(4, (5,), "int64", seed=8)), "sum",
+                   True, timeout=QUICK)
+    xs = inputs(4, (5,), "int64", seed=8)
+    for r in range(4):
+        g = r // 2
+        assert_same(got[r], np.array_split(xs[2 * g] + xs[2 * g + 1], 2)[r % 2])
+    # a group barrier waits only for its own group
+    times = sess.run(group_barrier_times, 3, 0.3, timeout=QUICK)
+    assert times[0][1] < times[3][0], "group 0 waited for a worker of group 1"
+    assert times[2][1] >= times[3][0]
+
+
+def test_group_collective_on_a_view_of_that_group(make_session):
+    """A call on exactly one group may use group collectives (but not world ones)."""
+    sess = make_session(4, num_groups=2)
+    got = sess.group(1).run(do_allreduce, sess.group(1).scatter([10, 20]), "sum", True,
+                            timeout=QUICK)
+    assert got == [30, 30]
+    with pytest.raises(WorkerError) as info:
+        sess.group(1).run(do_allreduce, 1, timeout=QUICK)
+    assert isinstance(info.value.__cause__, CollectiveError)
+
+
+# -- misuse: errors, not hangs ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda: unison.allreduce(np.ones(3)),
+        lambda: unison.allgather(1),
+        lambda: unison.broadcast(1),
+        lambda: unison.barrier(),
+        lambda: unison.reduce_scatter(np.ones(4)),
+        lambda: unison.gather(1),
+        lambda: unison.scatter([1, 2, 3]),
+    ],
+    ids=["allreduce", "allgather", "broadcast", "barrier", "reduce_scatter", "gather",
+         "scatter"],
+)
+def test_world_collective_in_a_call_on_some_workers_raises(make_session, fn):
+    sess = make_session(3)
+    for view in (sess[0:1], sess[1:3]):
+        start = time.monotonic()
+        with pytest.raises(WorkerError) as info:
+            view.run(fn, timeout=QUICK)
+        assert time.monotonic() - start < 5.0
+        assert isinstance(info.value.__cause__, CollectiveError), info.value.__cause__
+        assert set(info.value.errors) <= set(view.workers)
+        assert all(isinstance(e, CollectiveError) for e in info.value.errors.values())
+    assert sess.run(do_allreduce, 1, timeout=QUICK) == [3, 3, 3]  # still usable
+
+
+def test_send_to_a_worker_outside_the_call_raises(make_session):
+    sess = make_session(3)
+    with pytest.raises(WorkerError) as info:
+        sess[0:2].run(send_to, 2, timeout=QUICK)
+    assert isinstance(info.value.__cause__, CollectiveError)
+    with pytest.raises(WorkerError) as info:
+        sess[0].run(recv_from, 2, timeout=QUICK)
+    assert isinstance(info.value.__cause__, CollectiveError)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "dtypes"),
+    [
+        ([(3,), (4,)], ["float64", "float64"]),
+        ([(2, 3), (2, 3)], ["float64", "float32"]),
+        ([(4,), (4,)], ["int32", "float32"]),   # same size in bytes, other dtype
+        ([(2, 3), (3, 2)], ["float64", "float64"]),  # same size, other shape
+        ([(6,), (2, 3)], ["int64", "int64"]),
+    ],
+    ids=["size", "dtype", "dtype-same-bytes", "shape-transposed", "shape-reshaped"],
+)
+@pytest.mark.parametrize("fn", [mismatched_allreduce, mismatched_reduce_scatter],
+                         ids=["allreduce", "reduce_scatter"])
+def test_mismatched_inputs_raise_collective_error(make_session, fn, shapes, dtypes):
+    sess = make_session(2)
+    with pytest.raises(WorkerError) as info:
+        sess.run(fn, shapes, dtypes, timeout=QUICK)
+    assert isinstance(info.value.__cause__, CollectiveError), info.value.__cause__
+    msg = str(info.value.__cause__)
+    assert "same shape and dtype" in msg, msg  # says what to fix
+    assert sorted(info.value.errors) == [0, 1], "every worker must learn of the mismatch"
+    assert sess.run(do_allreduce, 2, timeout=QUICK) == [4, 4]  # and the session goes on
+
+
+def test_mismatched_large_inputs_raise_collective_error(make_session):
+    sess = make_session(2)
+    with pytest.raises(WorkerError) as info:
+        sess.run(mismatched_allreduce, [(1 << 17,), (1 << 16,)], ["float64"] * 2,
+                 timeout=QUICK)
+    assert isinstance(info.value.__cause__, CollectiveError)
+
+
+@pytest.mark.parametrize("op", ["avg", "SUM", None, np.add])
+def test_bad_op_is_a_value_error(make_session, op):
+    sess = make_session(2)
+    for fn in (do_allreduce, do_reduce_scatter):
+        with pytest.raises(WorkerError) as info:
+            sess.run(fn, np.ones(4), op, timeout=QUICK)
+        cause = info.value.__cause__
+        assert isinstance(cause, ValueError), cause
+        assert "sum" in str(cause) and "mean" in str(cause), "the message lists the ops"
+
+
+def test_rank_out_of_range_is_a_value_error(make_session):
+    sess = make_session(4, num_groups=2)
+    cases = [
+        (lambda: unison.broadcast(1, 4), "broadcast"),
+        (lambda: unison.broadcast(1, -1), "broadcast"),
+        (lambda: unison.scatter([1, 2, 3, 4], 4), "scatter"),
+        (lambda: unison.gather(1, 7), "gather"),
+        (lambda: unison.broadcast(1, 2, group=True), "group broadcast"),
+        (lambda: unison.gather(1, 2, group=True), "group gather"),
+        (lambda: unison.send(1, 4), "send"),
+        (lambda: unison.send(1, unison.rank()), "send to self"),
+        (lambda: unison.recv(-1), "recv"),
+    ]
+    for fn, what in cases:
+        with pytest.raises(WorkerError) as info:
+            sess.run(fn, timeout=QUICK)
+        assert isinstance(info.value.__cause__, ValueError), (what, info.value.__cause__)
+
+
+def test_scatter_needs_one_value_per_worker(make_session):
+    sess = make_session(2)
+    with pytest.raises(WorkerError) as info:
+        sess.run(lambda: unison.scatter([1, 2, 3] if unison.rank() == 0 else None),
+                 timeout=QUICK)
+    assert isinstance(info.value.errors[0], ValueError)
+
+
+def test_collectives_outside_a_worker_raise_runtime_error():
+    for fn in (lambda: unison.allreduce(1), lambda: unison.barrier(), lambda: unison.recv(0)):
+        with pytest.raises(RuntimeError, match="inside a function"):
+            fn()
+
+
+# -- the torch.distributed backend (gloo) -------------------------------------------------------
+
+
+def torch_suite() -> dict[str, Any]:
+    """Every collective of the torch backend on this worker's tensors."""
+    import torch
+
+    r, n = unison.rank(), unison.world_size()
+    x = torch.arange(6, dtype=torch.float64).reshape(3, 2) * (r + 1) + r
+    i = torch.tensor([3, -1, 4, 1, 5]) * (r + 2)
+    out: dict[str, Any] = {}
+    for op in OPS:
+        out[f"allreduce-{op}"] = unison.allreduce(x, op)
+        out[f"allreduce-int-{op}"] = unison.allreduce(i, op)
+    out["allgather"] = unison.allgather(x)
+    out["broadcast"] = unison.broadcast(x, src=n - 1)
+    out["gather"] = unison.gather(x, dst=n - 1)
+    out["scatter"] = unison.scatter([x * 10 + k for k in range(n)] if r == n - 1 else None,
+                                    src=n - 1)
+    out["reduce_scatter"] = unison.reduce_scatter(x, "sum")
+    out["reduce_scatter-mean"] = unison.reduce_scatter(x, "mean")
+    out["input"] = x
+    return out
+
+
+def torch_group_suite() -> dict[str, Any]:
+    import torch
+
+    r = unison.rank()
+    x = torch.full((4,), float(r + 1))
+    return {
+        "allreduce": unison.allreduce(x, "sum", group=True),
+        "allgather": unison.allgather(x, group=True),
+        "broadcast": unison.broadcast(x, src=1, group=True),
+        "gather": unison.gather(x, dst=0, group=True),
+        "reduce_scatter": unison.reduce_scatter(x, "max", group=True),
+        "world": unison.allreduce(x, "sum"),
+    }
+
+
+def test_torch_backend_collectives_on_cpu_tensors(make_session):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch.distributed")
+    n = 2
+    sess = make_session(n, collectives="torch")
+    got = sess.run(torch_suite, timeout=120)
+    xs = [g["input"] for g in got]
+    ints = [torch.tensor([3, -1, 4, 1, 5]) * (r + 2) for r in range(n)]
+    for r, res in enumerate(got):
+        for op in OPS:
+            for key, src in ((f"allreduce-{op}", xs), (f"allreduce-int-{op}", ints)):
+                out = res[key]
+                assert isinstance(out, torch.Tensor), key
+                np.testing.assert_allclose(out.numpy(), expected_reduce([t.numpy() for t in src],
+                                                                        op), err_msg=key)
+                want_dtype = torch.float64 if op == "mean" else src[0].dtype
+                assert out.dtype == want_dtype, (key, out.dtype)
+        assert all(torch.equal(a, b) for a, b in zip(res["allgather"], xs))
+        assert torch.equal(res["broadcast"], xs[n - 1])
+        if r == n - 1:
+            assert all(torch.equal(a, b) for a, b in zip(res["gather"], xs))
+        else:
+            assert res["gather"] is None
+        assert torch.equal(res["scatter"], xs[n - 1] * 10 + r)
+        full = expected_reduce([t.numpy() for t in xs], "sum")
+        np.testing.assert_array_equal(res["reduce_scatter"].numpy(), np.array_split(full, n)[r])
+        np.testing.assert_allclose(res["reduce_scatter-mean"].numpy(),
+                                   np.array_split(full / n, n)[r])
+    # inputs unchanged: each worker returned its input after the collectives
+    for r, x in enumerate(xs):
+        assert torch.equal(x, torch.arange(6, dtype=torch.float64).reshape(3, 2) * (r + 1) + r)
+
+
+def test_torch_backend_groups(make_session):
+    torch = pytest.importorskip("torch")
+    sess = make_session(4, num_groups=2, collectives="torch")
+    got = sess.run(torch_group_suite, timeout=120)
+    for r, res in enumerate(got):
+        g = r // 2
+        members = [2 * g + 1.0, 2 * g + 2.0]  # each rank's fill value, r + 1
+        assert torch.equal(res["allreduce"], torch.full((4,), sum(members)))
+        assert [t[0].item() for t in res["allgather"]] == members
+        assert torch.equal(res["broadcast"], torch.full((4,), members[1]))
+        if r % 2 == 0:
+            assert [t[0].item() for t in res["gather"]] == members
+        else:
+            assert res["gather"] is None
+        assert torch.equal(res["reduce_scatter"], torch.full((2,), members[1]))
+        assert torch.equal(res["world"], torch.full((4,), 10.0))
