@@ -241,3 +241,33 @@ def test_error_types_share_one_base():
 def test_identity_functions_outside_a_worker_raise_runtime_error(fn):
     with pytest.raises(RuntimeError):
         fn()
+
+
+# -- sizes -----------------------------------------------------------------------------------------
+
+
+def test_a_session_of_one_worker(make_session):
+    sess = make_session(1)
+    assert sess.run(unison.rank) == [0]
+    assert sess.scatter(["only"]).gather() == ["only"]
+    assert sess[0].run(unison.world_size) == [1]
+    assert sess[-1].call(add, 1, 1).get() == 2
+
+
+def test_more_workers_than_cores(make_session):
+    sess = make_session(8)
+    assert sess.run(unison.rank) == list(range(8))
+    ref = sess.scatter(list(range(8)))
+    assert sess.run(add, ref, 100) == [100 + i for i in range(8)]
+
+
+def test_many_distinct_functions_keep_working_after_older_ones_are_evicted(sess):
+    def make(i):
+        return lambda: i
+
+    fns = [make(i) for i in range(600)]
+    for i, fn in enumerate(fns):
+        assert sess.call(fn).get(worker=i % 2) == i
+    # The oldest functions were dropped from the workers' cache; they still work.
+    for i in (0, 1, 2, 599):
+        assert sess.run(fns[i]) == [i, i]

@@ -35,6 +35,26 @@ def test_close_is_idempotent(sess):
     assert wait_gone(pids, 2.0) == []
 
 
+def test_close_from_two_threads_at_once(sess):
+    pids = sess.run(os.getpid)
+    errors = []
+
+    def close():
+        try:
+            sess.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=close) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors
+    assert sess.closed
+    assert wait_gone(pids, 2.0) == []
+
+
 def test_close_stops_the_workers(sess):
     pids = sess.run(os.getpid)
     sess.close()

@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
 
+import unison
 from support import read_pids, wait_gone
 
 IN_A_LONG_CALL = """
@@ -72,3 +74,19 @@ def test_sigint_stops_the_controller_with_one_traceback_and_no_worker_survives(
     worker_lines = [line for line in err.splitlines() if line.startswith("[worker")]
     assert not worker_lines, err
     assert wait_gone(pids, 2.0) == []
+
+
+def test_ctrl_c_during_a_wait_stops_the_workers_and_closes_the_session(make_session):
+    sess = make_session(2)
+    pids = sess.run(os.getpid)
+    ref = sess.call(time.sleep, 30)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ref.gather()
+    finally:
+        timer.cancel()
+    assert wait_gone(pids, 2.0) == []
+    with pytest.raises(unison.SessionClosed):
+        sess.run(unison.rank)

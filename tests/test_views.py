@@ -62,6 +62,14 @@ def test_identity_inside_workers(sess4):
     ]
 
 
+def test_groups_of_one_worker(make_session):
+    sess = make_session(3, num_groups=3)
+    assert sess.run(identity)[2] == {
+        "rank": 2, "world_size": 3, "group": 2, "group_rank": 0, "group_size": 1,
+    }
+    assert sess.group(1).run(unison.rank) == [1]
+
+
 def test_identity_with_a_single_group(sess):
     assert [d["group"] for d in sess.run(identity)] == [0, 0]
     assert [d["group_size"] for d in sess.run(identity)] == [2, 2]

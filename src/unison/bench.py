@@ -51,6 +51,7 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -505,11 +506,26 @@ def machine_info() -> dict[str, str]:
     except AttributeError:
         usable = str(os.cpu_count())
     return {
+        "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "revision": source_revision(),
         "nproc": usable,
         "cpu": model,
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "os": f"{platform.system()} {platform.release()}",
     }
+
+
+def source_revision() -> str:
+    """The git commit of the unison being measured (with "-dirty" for local changes)."""
+    import unison
+
+    where = Path(unison.__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=where,
+                             capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return f"unison {unison.__version__}"
+    return f"unison {unison.__version__}, git {out.stdout.strip()}"
 
 
 def command_line(argv: Sequence[str]) -> str:
@@ -542,7 +558,9 @@ def render_section(
         f"- Command: `{command}`",
         f"- Date: {date}",
         f"- Machine: {machine['nproc']} CPUs ({machine['cpu']}), {machine['python']}, "
-        f"{machine['os']}",
+        f"{machine['os']}; load average before the run {machine['load_before']} "
+        "(1, 5, 15 min)",
+        f"- Code: {machine['revision']}",
     ]
     out += [f"- `{s}`: {describe(s)}" for s in systems]
     if quick:
@@ -726,6 +744,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"[bench] systems {', '.join(systems)}; N = {', '.join(map(str, workers))}; "
         f"workloads {', '.join(workloads)}{' (quick)' if args.quick else ''}")
 
+    machine = machine_info()  # before the run: its load average says how quiet the host was
+    if os.getloadavg()[0] > 0.5:
+        log(f"[bench] warning: the host is busy (load average {machine['load_before']}); "
+            "the numbers will be noisy")
     t0 = time.perf_counter()
     try:
         cells = run_benchmark(systems, workers, workloads, plan, log)
@@ -734,7 +756,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     log(f"[bench] done in {time.perf_counter() - t0:.1f} s")
 
-    machine = machine_info()
     command = command_line(argv)
     date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     print(render_table(cells, systems, workers))

@@ -138,7 +138,10 @@ class RemoteError(Exception):
 
 def pack_error(exc: BaseException, where: str) -> tuple[bytes | None, str, str, str, str]:
     """A worker-side exception as (pickled exception or None, type, message, traceback, where)."""
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    except Exception as broken:  # a user exception whose str() or repr() itself raises
+        tb = f"(the traceback could not be formatted: {type(broken).__name__}: {broken})\n"
     exc.__traceback__ = None  # frames hold locals that may not pickle, and they are in tb
     blob: bytes | None
     try:
@@ -146,7 +149,11 @@ def pack_error(exc: BaseException, where: str) -> tuple[bytes | None, str, str, 
         pickle.loads(blob)
     except Exception:
         blob = None
-    return (blob, type(exc).__qualname__, str(exc), tb, where)
+    try:
+        message = str(exc)
+    except Exception:
+        message = f"<str() of this {type(exc).__qualname__} failed>"
+    return (blob, type(exc).__qualname__, message, tb, where)
 
 
 def unpack_error(error: tuple[Any, ...]) -> BaseException:
