@@ -194,21 +194,22 @@ class ShmCollectives:
             arr = arr.astype(np.float64)  # as numpy's mean does
         out = np.empty_like(arr)
         if arr.nbytes <= SLOT:
-            self._allreduce_flat(arr.reshape(-1), out.reshape(-1), ufunc, which, ranks)
+            self._allreduce_flat(arr.reshape(-1), out.reshape(-1), ufunc, which, ranks,
+                                 _signature(arr))
         else:
             flat_in, flat_out = arr.reshape(-1), out.reshape(-1)
             step = SLOT // arr.itemsize
             for lo in range(0, flat_in.size, step):
                 self._allreduce_flat(flat_in[lo : lo + step], flat_out[lo : lo + step], ufunc,
-                                     which, ranks)
+                                     which, ranks, _signature(arr))
         if op == "mean":
             out = _mean(out, len(ranks), arr.dtype)
         return restore(out)
 
     def _allreduce_flat(self, a: np.ndarray, out: np.ndarray, ufunc: Callable[..., Any],
-                        which: int, ranks: tuple[int, ...]) -> None:
+                        which: int, ranks: tuple[int, ...], sig: int) -> None:
         gen = self._next(which)
-        slots = self._publish(a, which, ranks, gen, "allreduce")
+        slots = self._publish(a, sig, which, ranks, gen, "allreduce")
         if a.nbytes <= SMALL or len(ranks) == 1:
             _reduce_into(out, slots, ufunc)
             self._arrive(which, gen | 1)
@@ -236,7 +237,8 @@ class ShmCollectives:
             part = np.array_split(full, len(ranks))[ranks.index(self.rank)]
             return restore(_mean(part, len(ranks), arr.dtype) if op == "mean" else part.copy())
         gen = self._next(which)
-        slots = self._publish(arr.reshape(-1), which, ranks, gen, "reduce_scatter")
+        slots = self._publish(arr.reshape(-1), _signature(arr), which, ranks, gen,
+                              "reduce_scatter")
         first, last = _share(arr.shape[0], len(ranks), ranks.index(self.rank))
         row = int(np.prod(arr.shape[1:], dtype=np.int64))
         lo, hi = first * row, last * row
@@ -248,24 +250,25 @@ class ShmCollectives:
             out = _mean(out, len(ranks), arr.dtype)
         return restore(out)
 
-    def _publish(self, a: np.ndarray, which: int, ranks: tuple[int, ...], gen: int,
+    def _publish(self, a: np.ndarray, sig: int, which: int, ranks: tuple[int, ...], gen: int,
                  what: str) -> list[np.ndarray]:
-        """Copy ``a`` into our slot, arrive, wait for the peers, check that they match, and
-        return every participant's slot as an array like ``a``, in rank order."""
+        """Copy ``a`` into our slot, arrive, wait for the peers, check that they passed the
+        same shape and dtype (``sig``), and return every participant's slot as an array like
+        ``a``, in rank order."""
         me = self._w[self.rank]
         self._q[me + 4] = a.nbytes
-        self._q[me + 5] = a.dtype.num
+        self._q[me + 5] = sig
         mine = self._view(self.lay.slot[self.rank], a)
         np.copyto(mine, a)
         self._arrive(which, gen)
         self._await(which, ranks, gen, what)
         q, w = self._q, self._w
         for j in ranks:
-            if q[w[j] + 4] != a.nbytes or q[w[j] + 5] != a.dtype.num:
+            if q[w[j] + 4] != a.nbytes or q[w[j] + 5] != sig:
                 raise CollectiveError(
-                    f"{what}: worker {j} passed {q[w[j] + 4]} bytes of dtype number "
-                    f"{q[w[j] + 5]}, but worker {self.rank} passed {a.nbytes} bytes of "
-                    f"{a.dtype}: every worker must pass the same shape and dtype"
+                    f"{what}: worker {j} passed an array of another shape or dtype "
+                    f"({q[w[j] + 4]} bytes) than worker {self.rank} ({a.nbytes} bytes): every "
+                    "worker must pass the same shape and dtype"
                 )
         return [mine if j == self.rank else self._view(self.lay.slot[j], a) for j in ranks]
 
@@ -483,15 +486,28 @@ def _as_array(x: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
                 raise TypeError(
                     "the shared-memory backend takes CPU tensors; use collectives='torch'"
                 )
-            arr = np.ascontiguousarray(x.detach().numpy())
+            arr = _contiguous(x.detach().numpy())
             return arr, torch.from_numpy
     if isinstance(x, np.ndarray):
-        return np.ascontiguousarray(x), lambda r: r
+        return _contiguous(x), lambda r: r
     if isinstance(x, (int, float, complex, bool, np.generic)):
         return np.asarray(x), lambda r: r[()].item() if not isinstance(x, np.generic) else r[()]
     raise TypeError(
         f"reductions take numpy arrays, CPU torch tensors or numbers, not {type(x).__name__}"
     )
+
+
+def _signature(a: np.ndarray) -> int:
+    """Shape and dtype as one number, the same in every process (unlike hash())."""
+    sig = a.dtype.num
+    for d in a.shape:
+        sig = (sig * 1_000_003 + d + 1) & 0xFFFF_FFFF_FFFF
+    return (sig << 8) | a.dtype.num
+
+
+def _contiguous(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous array (np.ascontiguousarray would turn 0-d into 1-d)."""
+    return a if a.flags.c_contiguous else a.copy(order="C")
 
 
 def _reduce_into(out: np.ndarray, parts: Sequence[np.ndarray], ufunc: Callable[..., Any]) -> None:
@@ -506,7 +522,8 @@ def _reduce_into(out: np.ndarray, parts: Sequence[np.ndarray], ufunc: Callable[.
 
 def _mean(total: np.ndarray, n: int, dtype: np.dtype[Any]) -> np.ndarray:
     """The sum divided by n; integers were summed as float64 already, as numpy's mean does."""
-    out: np.ndarray = np.true_divide(total, n, dtype=total.dtype)
+    out = np.empty_like(total)
+    np.true_divide(total, n, out=out)  # out=: a 0-d input stays an array
     return out
 
 

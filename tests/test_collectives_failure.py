@@ -1,0 +1,299 @@
+"""Collectives when a peer fails: a worker that raises, returns early or dies never leaves the
+others waiting. Each waiting collective raises CollectiveError within a second; the
+controller gets a WorkerError (or WorkerDied, for a death) at once; after a raise the session
+goes on, and the next collective in a new call gives the right answer; after a death no
+worker process survives. The same holds with the torch.distributed backend (gloo).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import unison
+from support import wait_gone
+from unison import CollectiveError, SessionClosed, WorkerDied, WorkerError
+
+DETECT = 1.0  # the contract: a waiting collective gives up within 1 s of the peer's failure
+DELAY = 0.2  # the failing worker fails this long after the call starts
+LIMIT = 10.0  # wait no longer than this for any call: a hang fails instead of stalling
+
+
+# -- functions the workers run ------------------------------------------------------------------
+
+
+def join(kind: str) -> Any:
+    """Join one collective of kind ``kind`` (every worker passes the same shapes)."""
+    r = unison.rank()
+    if kind == "allreduce":
+        return unison.allreduce(np.full(4, float(r)))
+    if kind == "allreduce-large":  # past the small path: reduce-scatter, then allgather
+        return unison.allreduce(np.full(1 << 18, float(r)))
+    if kind == "reduce_scatter":
+        return unison.reduce_scatter(np.arange(6.0))
+    if kind == "barrier":
+        return unison.barrier()
+    if kind == "allgather":
+        return unison.allgather({"rank": r})
+    if kind == "broadcast":
+        return unison.broadcast("hello" if r == 0 else None)
+    if kind == "gather":
+        return unison.gather(r)
+    if kind == "torch-allreduce":
+        import torch
+
+        return unison.allreduce(torch.full((4,), float(r)))
+    raise AssertionError(kind)
+
+
+def fail_or_join(stamps: np.ndarray, failer: int, how: str, kind: str) -> Any:
+    """Worker ``failer`` fails after DELAY (``how``: raise, return, exit or kill); the others
+    join the collective. ``stamps[r]`` gets (when r failed or joined, when its collective
+    gave up), on the clock every process shares."""
+    r = unison.rank()
+    if r == failer:
+        time.sleep(DELAY)
+        stamps[r, 0] = time.monotonic()
+        if how == "raise":
+            raise ValueError(f"boom on worker {r}")
+        if how == "exit":
+            os._exit(7)
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return "left early"
+    stamps[r, 0] = time.monotonic()
+    try:
+        return join(kind)
+    except CollectiveError:
+        stamps[r, 1] = time.monotonic()
+        raise
+
+
+def die_or_join(failer: int, how: str, kind: str) -> Any:
+    """As fail_or_join, without the stamps (a dead session's shared memory goes away)."""
+    if unison.rank() == failer:
+        time.sleep(DELAY)
+        if how == "exit":
+            os._exit(7)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return join(kind)
+
+
+def allreduce_rank() -> Any:
+    return unison.allreduce(np.array([unison.rank() + 1.0, 2.0]), "sum")
+
+
+def allreduce_large_rank() -> float:
+    out = unison.allreduce(np.full(1 << 18, unison.rank() + 1.0), "max")
+    return float(out.min())
+
+
+def torch_allreduce_rank() -> list[float]:
+    import torch
+
+    return unison.allreduce(torch.tensor([unison.rank() + 1.0, 2.0])).tolist()
+
+
+def recv_after(sender_sends: int, receiver_recvs: int, sender_raises: bool) -> Any:
+    """Worker 0 sends ``sender_sends`` messages to worker 1 (then maybe raises); worker 1
+    tries to receive ``receiver_recvs``."""
+    if unison.rank() == 0:
+        for i in range(sender_sends):
+            unison.send(f"message {i}", 1)
+        if sender_raises:
+            raise KeyError("the sender failed")
+        return None
+    got = []
+    for _ in range(receiver_recvs):
+        got.append(unison.recv(0))
+    return got
+
+
+def ping() -> Any:
+    """A plain exchange: worker 0 sends its rank-stamped message, worker 1 answers."""
+    if unison.rank() == 0:
+        unison.send("ping", 1)
+        return unison.recv(1)
+    msg = unison.recv(0)
+    unison.send(msg + "-pong", 0)
+    return msg
+
+
+def group_barrier_or_leave(leaver: int) -> str:
+    if unison.rank() == leaver:
+        return "left"
+    unison.barrier(group=True)
+    return "passed"
+
+
+# -- checks --------------------------------------------------------------------------------------
+
+
+def stamps_for(sess: unison.Session) -> np.ndarray:
+    """An array the workers write and the controller reads: in the session's shared memory,
+    and large enough to travel out of band (small arrays are copied into the message)."""
+    stamps = sess.empty((sess.num_workers, 1 << 13), np.float64)
+    stamps[:] = np.nan
+    return stamps
+
+
+def check_prompt_failure(sess: unison.Session, failer: int, how: str, kind: str) -> WorkerError:
+    """Run the failing call; check that the controller and every waiter gave up at once."""
+    n = sess.num_workers
+    stamps = stamps_for(sess)
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        sess.run(fail_or_join, stamps, failer, how, kind, timeout=LIMIT)
+    elapsed = time.monotonic() - start
+    assert elapsed < DELAY + DETECT + 0.3, f"the controller waited {elapsed:.2f} s"
+    err = info.value
+    waiters = [r for r in range(n) if r != failer]
+    # every waiter's collective raised CollectiveError, soon after the failure
+    failed_at = stamps[failer, 0]
+    for r in waiters:
+        assert isinstance(err.errors.get(r), CollectiveError), (r, err.errors)
+        gave_up = stamps[r, 1]
+        assert not np.isnan(gave_up), f"worker {r}'s collective did not raise"
+        assert gave_up - failed_at < DETECT, f"worker {r} waited {gave_up - failed_at:.2f} s"
+        assert f"worker {failer}" in str(err.errors[r]), "the error names the peer that left"
+    if how == "raise":
+        assert isinstance(err.errors[failer], ValueError)
+        assert "boom" in str(err.errors[failer])
+        assert sorted(err.errors) == list(range(n))
+    else:
+        assert sorted(err.errors) == waiters
+    return err
+
+
+def check_session_goes_on(sess: unison.Session) -> None:
+    """A new call's collectives work and give the right answer."""
+    n = sess.num_workers
+    want = [n * (n + 1) / 2, 2.0 * n]
+    for got in sess.run(allreduce_rank, timeout=LIMIT):
+        np.testing.assert_array_equal(got, want)
+    assert sess.run(allreduce_large_rank, timeout=LIMIT) == [float(n)] * n
+    assert sess.run(join, "barrier", timeout=LIMIT) == [None] * n
+
+
+# -- a worker raises ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["allreduce", "allreduce-large", "reduce_scatter", "barrier",
+                                  "allgather", "broadcast"])
+def test_a_raise_before_a_collective_fails_the_waiters_within_a_second(make_session, kind):
+    sess = make_session(3)
+    check_prompt_failure(sess, 1, "raise", kind)
+    check_session_goes_on(sess)
+
+
+def test_repeated_failures_leave_the_session_usable(make_session):
+    """Failures by different workers, at different collectives, one after the other."""
+    sess = make_session(3)
+    for failer, kind in [(0, "allreduce"), (2, "barrier"), (1, "allreduce-large")]:
+        check_prompt_failure(sess, failer, "raise", kind)
+        check_session_goes_on(sess)
+
+
+# -- a worker returns early ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["barrier", "allreduce"])
+def test_a_worker_returning_early_fails_the_others(make_session, kind):
+    sess = make_session(3)
+    err = check_prompt_failure(sess, 0, "return", kind)
+    assert all(isinstance(e, CollectiveError) for e in err.errors.values())
+    check_session_goes_on(sess)
+
+
+def test_a_worker_leaving_a_group_barrier_fails_only_its_group(make_session):
+    sess = make_session(4, num_groups=2)
+    with pytest.raises(WorkerError) as info:
+        sess.run(group_barrier_or_leave, 3, timeout=LIMIT)
+    assert sorted(info.value.errors) == [2]
+    assert isinstance(info.value.errors[2], CollectiveError)
+    assert sess.run(group_barrier_or_leave, -1, timeout=LIMIT) == ["passed"] * 4
+
+
+# -- a worker dies -------------------------------------------------------------------------------
+
+
+def check_prompt_death(sess: unison.Session, failer: int, how: str, kind: str) -> None:
+    n = sess.num_workers
+    pids = sess.run(os.getpid, timeout=LIMIT)
+    start = time.monotonic()
+    with pytest.raises(WorkerDied) as info:
+        sess.run(die_or_join, failer, how, kind, timeout=LIMIT)
+    elapsed = time.monotonic() - start
+    assert elapsed < DELAY + DETECT, f"WorkerDied came {elapsed - DELAY:.2f} s after the death"
+    died = info.value
+    assert died.worker == failer
+    assert died.exitcode == (7 if how == "exit" else -signal.SIGKILL)
+    assert wait_gone(pids, 3.0) == [], "worker processes survived the death"
+    with pytest.raises(SessionClosed) as closed:
+        sess.run(unison.rank)
+    assert closed.value.__cause__ is died
+    assert len(pids) == n
+
+
+@pytest.mark.parametrize("how", ["exit", "kill"])
+@pytest.mark.parametrize("kind", ["allreduce", "allreduce-large", "barrier"])
+def test_a_death_during_a_collective_raises_worker_died_within_a_second(make_session, how,
+                                                                        kind):
+    check_prompt_death(make_session(3), 2, how, kind)
+
+
+# -- point to point ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("sends", "recvs", "raises"),
+    [(0, 1, False), (0, 1, True), (1, 2, False), (2, 3, True)],
+    ids=["returned", "raised", "one-short", "raised-after-two"],
+)
+def test_recv_from_a_worker_that_left_without_sending_raises(make_session, sends, recvs,
+                                                              raises):
+    sess = make_session(2)
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        sess.run(recv_after, sends, recvs, raises, timeout=LIMIT)
+    assert time.monotonic() - start < DETECT
+    err = info.value.errors[1]
+    assert isinstance(err, CollectiveError), info.value.errors
+    assert "worker 0" in str(err)
+    if raises:
+        assert isinstance(info.value.errors[0], KeyError)
+    else:
+        assert sorted(info.value.errors) == [1]
+    # the pair still talks in the next call
+    assert sess.run(ping, timeout=LIMIT) == ["ping-pong", "ping"]
+    assert sess.run(recv_after, 3, 3, False, timeout=LIMIT) == [
+        None, ["message 0", "message 1", "message 2"]]
+
+
+# -- the torch backend (gloo) --------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_torch_backend_raise_fails_the_waiters_and_the_session_goes_on(make_session):
+    pytest.importorskip("torch.distributed")
+    sess = make_session(3, collectives="torch")
+    want = [[6.0, 6.0]] * 3
+    assert sess.run(torch_allreduce_rank, timeout=50) == want  # gloo is up
+    check_prompt_failure(sess, 1, "raise", "torch-allreduce")
+    check_prompt_failure(sess, 0, "return", "torch-allreduce")
+    assert sess.run(torch_allreduce_rank, timeout=LIMIT) == want
+    check_session_goes_on(sess)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_torch_backend_death_raises_worker_died_within_a_second(make_session, how):
+    pytest.importorskip("torch.distributed")
+    sess = make_session(3, collectives="torch")
+    assert sess.run(torch_allreduce_rank, timeout=50) == [[6.0, 6.0]] * 3
+    check_prompt_death(sess, 1, how, "torch-allreduce")
