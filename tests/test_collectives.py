@@ -289,6 +289,10 @@ def mismatched_reduce_scatter(shapes: list[tuple[int, ...]], dtypes: list[str]) 
     return unison.reduce_scatter(rank_shaped(shapes, dtypes))
 
 
+def typed_allreduce(dtypes: list[str], op: str) -> np.ndarray:
+    return unison.allreduce(np.arange(1, 4).astype(dtypes[unison.rank()]), op)
+
+
 def send_to(dst: int) -> None:
     unison.send("x", dst)
 
@@ -408,6 +412,16 @@ def test_allreduce_of_cpu_torch_tensors(shared):
     # a non-contiguous tensor
     got = sess.run(do_allreduce, sess.scatter([t.T for t in xs]), timeout=QUICK)
     assert_same(got[0].numpy(), expected_reduce([t.T.numpy() for t in xs], "sum"))
+
+
+def test_allreduce_of_0d_torch_tensors(shared):
+    torch = pytest.importorskip("torch")
+    sess = shared(2)  # the session whose workers have torch imported already
+    got = sess.run(do_allreduce, sess.scatter([torch.tensor(1.5), torch.tensor(-4.0)]),
+                   timeout=QUICK)
+    for out in got:
+        assert isinstance(out, torch.Tensor) and out.shape == (), out
+        assert out.item() == -2.5
 
 
 @pytest.mark.parametrize(
@@ -552,7 +566,7 @@ def test_barrier_waits_for_the_last_worker(shared):
     times = sess.run(barrier_times, 2, 0.2, timeout=QUICK)
     last_arrival = max(reached for reached, _ in times)
     assert times[2][0] == last_arrival
-    for reached, left in times:
+    for _, left in times:
         assert left >= last_arrival, "a worker left the barrier before the last one got there"
 
 
@@ -731,6 +745,36 @@ def test_mismatched_large_inputs_raise_collective_error(shared):
         sess.run(mismatched_allreduce, [(1 << 17,), (1 << 16,)], ["float64"] * 2,
                  timeout=QUICK)
     assert isinstance(info.value.__cause__, CollectiveError)
+
+
+@pytest.mark.parametrize(
+    ("dtypes", "op"),
+    [([">f8", "<f8"], "sum"), (["m8[s]", "m8[ms]"], "max"), (["M8[D]", "M8[h]"], "min")],
+    ids=["byte-order", "timedelta-unit", "datetime-unit"],
+)
+def test_dtypes_that_differ_only_in_byte_order_or_unit_are_not_mixed_up(shared, dtypes, op):
+    """np.dtype(">f8") != np.dtype("<f8") and m8[s] != m8[ms], though each pair shares a type
+    number: a collective must either refuse the mismatch or reduce the values they mean,
+    never reinterpret one rank's bytes in another's dtype."""
+    sess = shared(2)
+    xs = [np.arange(1, 4).astype(dt) for dt in dtypes]
+    want = UFUNCS[op](xs[0], xs[1])  # numpy converts between the two
+    try:
+        got = sess.run(typed_allreduce, dtypes, op, timeout=QUICK)
+    except WorkerError as exc:
+        assert isinstance(exc.__cause__, CollectiveError), exc.__cause__
+        assert sorted(exc.errors) == [0, 1]
+        return
+    for r, out in enumerate(got):
+        np.testing.assert_array_equal(out, want, err_msg=f"rank {r} ({dtypes[r]}) got {out!r}")
+
+
+def test_reduce_scatter_of_a_0d_array_is_a_value_error(shared):
+    sess = shared(2)
+    with pytest.raises(WorkerError) as info:
+        sess.run(do_reduce_scatter, np.array(1.0), timeout=QUICK)
+    assert all(isinstance(e, ValueError) for e in info.value.errors.values())
+    assert sorted(info.value.errors) == [0, 1]
 
 
 @pytest.mark.parametrize("op", ["avg", "SUM", None, np.add])
