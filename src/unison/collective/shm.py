@@ -29,6 +29,7 @@ import mmap
 import os
 import pickle
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -499,7 +500,7 @@ def _as_array(x: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
 
 def _signature(a: np.ndarray) -> int:
     """Shape and dtype as one number, the same in every process (unlike hash())."""
-    sig = a.dtype.num
+    sig = zlib.crc32(a.dtype.str.encode())  # byte order and datetime units count too
     for d in a.shape:
         sig = (sig * 1_000_003 + d + 1) & 0xFFFF_FFFF_FFFF
     return (sig << 8) | a.dtype.num
