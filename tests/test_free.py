@@ -12,13 +12,6 @@ import unison
 from unison.worker import object_count
 
 
-@pytest.fixture(params=["auto", "pipe"])
-def channel(request):
-    """These behaviours must hold whatever channel carries the messages."""
-    return request.param
-
-
-
 def count(sess):
     """How many objects each worker holds (the call that asks holds none yet)."""
     return sess.run(object_count)

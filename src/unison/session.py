@@ -21,6 +21,7 @@ import itertools
 import os
 import pickle
 import secrets
+import sys
 import threading
 import time
 import weakref
@@ -79,6 +80,8 @@ class View:
         self, fn: Callable[..., Any], /, *args: Any, timeout: float | None = None, **kwargs: Any
     ) -> list[Any]:
         """``call`` then ``gather``: every worker's result, in rank order."""
+        if timeout is not None:
+            _deadline(timeout)  # a bad timeout is refused before anything is sent
         ref = self._session._call(self.workers, fn, args, kwargs)
         try:
             return ref.gather(timeout=timeout)
@@ -148,7 +151,10 @@ class Session(View):
         self._dead: WorkerDied | None = None
         self._ids = itertools.count(1)
         self._frees: collections.deque[int] = collections.deque()
-        self._fns: collections.OrderedDict[Callable[..., Any], int] = collections.OrderedDict()
+        # fn -> (its id on the workers, what its by-value pickle captured, or None)
+        self._fns: collections.OrderedDict[Callable[..., Any], tuple[int, Any]] = (
+            collections.OrderedDict()
+        )
         self._expect: list[collections.deque[_Pending]] = [
             collections.deque() for _ in range(num_workers)
         ]
@@ -334,12 +340,12 @@ class Session(View):
             blob, bufs = self._encode_args(ranks, fn, args, kwargs)
         ref_id = next(self._ids)
         with self._send_lock:
-            fn_id = self._fns.get(fn) if type(fn) in _CACHEABLE else None
-            if fn_id is None:
-                fn_id, cached = self._define(fn)
-            else:
-                cached = True
+            entry = self._fns.get(fn) if type(fn) in _CACHEABLE else None
+            if entry is not None and (entry[1] is None or entry[1] == _fingerprint(fn)):
+                fn_id, cached = entry[0], True
                 self._fns.move_to_end(fn)
+            else:
+                fn_id, cached = self._define(fn)
             self._send(CALL, (ref_id, fn_id, blob, None if ranks == self.workers else ranks),
                        ranks, bufs)
             if not cached:
@@ -430,8 +436,10 @@ class Session(View):
     def _define(self, fn: Callable[..., Any]) -> tuple[int, bool]:
         """Send ``fn``'s pickle to every worker; return its id, and whether it stays cached.
 
-        Plain functions are pickled once (changing one means defining a new one). Bound
-        methods and other callables carry state that may change, so they go every time."""
+        Plain functions are pickled once. One that travels by value (a lambda, a closure, a
+        function of ``__main__``) is pickled again when what it captured changes: another
+        object in a closure cell or in a global it names. Bound methods and other callables
+        carry state that may change anywhere, so they go every time."""
         cacheable = type(fn) in _CACHEABLE
         try:
             blob = cloudpickle.dumps(fn, protocol=5)
@@ -442,9 +450,12 @@ class Session(View):
         fn_id = next(self._ids)
         self._send(DEFINE, (fn_id, blob), self.workers)
         if cacheable:
-            self._fns[fn] = fn_id
+            old = self._fns.pop(fn, None)
+            if old is not None:
+                self._frees.append(old[0])
+            self._fns[fn] = (fn_id, _fingerprint(fn))
             if len(self._fns) > _FN_CACHE:
-                self._frees.append(self._fns.popitem(last=False)[1])
+                self._frees.append(self._fns.popitem(last=False)[1][0])
         return fn_id, cacheable
 
     def _encode_args(
@@ -671,9 +682,30 @@ class Session(View):
 
 
 def sys_path() -> list[str]:
-    import sys
-
+    """The controller's import path, for the workers (so functions pickled by reference and
+    the classes of arguments import there too)."""
     return [os.getcwd() if p == "" else p for p in sys.path]
+
+
+def _fingerprint(fn: Any) -> Any:
+    """What a by-value function captured, by identity; None for one pickled by reference
+    (the workers import its module, so there is nothing captured to go stale)."""
+    module = getattr(fn, "__module__", None)
+    code = getattr(fn, "__code__", None)
+    if code is None or (module != "__main__" and "<" not in fn.__qualname__
+                        and module in sys.modules):
+        return None
+    cells = tuple(id(c.cell_contents) if _filled(c) else 0 for c in fn.__closure__ or ())
+    names = fn.__globals__
+    return cells, tuple(id(names.get(n)) for n in code.co_names)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:
+        return False
+    return True
 
 
 def _free_address() -> str:
