@@ -491,6 +491,27 @@ def render_ratios(cells: Sequence[Cell], systems: Sequence[str], workers: Sequen
     return "\n".join(lines)
 
 
+def host_busy(seconds: float = 0.5) -> float | None:
+    """How busy the host's CPUs are right now: % of all CPU time not idle over ``seconds``
+    (from /proc/stat), or None where that is unavailable. Unlike the load average, it does not
+    remember what ran minutes ago."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields), idle
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    total = total1 - total0
+    return 100 * (total - (idle1 - idle0)) / total if total > 0 else None
+
+
 def machine_info() -> dict[str, str]:
     model = "unknown"
     try:
@@ -505,7 +526,9 @@ def machine_info() -> dict[str, str]:
         usable = str(len(os.sched_getaffinity(0)))
     except AttributeError:
         usable = str(os.cpu_count())
+    busy = host_busy()
     return {
+        "busy_before": "unknown" if busy is None else f"{busy:.0f}%",
         "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "revision": source_revision(),
         "nproc": usable,
@@ -558,8 +581,9 @@ def render_section(
         f"- Command: `{command}`",
         f"- Date: {date}",
         f"- Machine: {machine['nproc']} CPUs ({machine['cpu']}), {machine['python']}, "
-        f"{machine['os']}; load average before the run {machine['load_before']} "
-        "(1, 5, 15 min)",
+        f"{machine['os']}",
+        f"- Host before the run: CPUs {machine['busy_before']} busy (0.5 s sample), "
+        f"load average {machine['load_before']} (1, 5, 15 min)",
         f"- Code: {machine['revision']}",
     ]
     out += [f"- `{s}`: {describe(s)}" for s in systems]
@@ -744,9 +768,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"[bench] systems {', '.join(systems)}; N = {', '.join(map(str, workers))}; "
         f"workloads {', '.join(workloads)}{' (quick)' if args.quick else ''}")
 
-    machine = machine_info()  # before the run: its load average says how quiet the host was
-    if os.getloadavg()[0] > 0.5:
-        log(f"[bench] warning: the host is busy (load average {machine['load_before']}); "
+    machine = machine_info()  # before the run: it says how quiet the host was
+    busy = machine["busy_before"]
+    if busy.endswith("%") and float(busy[:-1]) > 20:
+        log(f"[bench] warning: the host's CPUs are {busy} busy before the run; "
             "the numbers will be noisy")
     t0 = time.perf_counter()
     try:
