@@ -67,7 +67,7 @@ __all__ = ["Cell", "Loop", "Plan", "main", "run_benchmark", "update_section"]
 START_MARK = "<!-- bench:start -->"
 END_MARK = "<!-- bench:end -->"
 
-WORKLOADS = ("dispatch", "gather_small", "put", "start", "idle")
+WORKLOADS = ("dispatch", "gather_small", "put", "start", "idle", "allreduce")
 """What ``--only`` chooses from."""
 
 PUT_SIZES = {"put_1MiB": 1 << 20, "put_64MiB": 64 << 20}
@@ -388,7 +388,7 @@ def run_benchmark(
         import numpy as np
 
         arrays = {m: np.ones(size // 4, dtype=np.float32) for m, size in PUT_SIZES.items()}
-    metrics = [m for w in workloads for m in _METRICS_OF[w]]
+    metrics = [m for w in workloads if w in _METRICS_OF for m in _METRICS_OF[w]]
     cells: list[Cell] = []
     for n in workers:
         for name in systems:
@@ -764,6 +764,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log(f"[bench] skipping {name}: its package is not importable here")
     workers: list[int] = args.workers
     workloads = [w for w in WORKLOADS if w in args.only]
+    per_system = [w for w in workloads if w != "allreduce"]
     plan = QUICK if args.quick else FULL
     log(f"[bench] systems {', '.join(systems)}; N = {', '.join(map(str, workers))}; "
         f"workloads {', '.join(workloads)}{' (quick)' if args.quick else ''}")
@@ -775,7 +776,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "the numbers will be noisy")
     t0 = time.perf_counter()
     try:
-        cells = run_benchmark(systems, workers, workloads, plan, log)
+        cells = run_benchmark(systems, workers, per_system, plan, log) if per_system else []
+        collective_table = ""
+        if "allreduce" in workloads and [n for n in workers if n >= 2]:
+            from unison import bench_collectives
+
+            log("[bench] allreduce inside the workers: unison against gloo")
+            rows = bench_collectives.measure([n for n in workers if 2 <= n <= 4] or
+                                             [min(n for n in workers if n >= 2)], args.quick)
+            collective_table = bench_collectives.render(rows)
     except KeyboardInterrupt:
         log("[bench] interrupted; everything started was stopped")
         return 130
@@ -788,6 +797,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if r:
         print("\nSpeed-up over the pipe baseline (pipe median / unison median):\n")
         print(r)
+    if collective_table:
+        print("\n" + collective_table)
 
     plot_ref = None
     if args.plot:
@@ -801,8 +812,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             log("[bench] matplotlib is not installed: skipping --plot "
                 "(pip install matplotlib, or the 'bench' extra)")
     if args.out:
-        update_section(args.out, render_section(cells, systems, workers, command, date,
-                                                machine, args.quick, plot_ref))
+        section = render_section(cells, systems, workers, command, date, machine, args.quick,
+                                 plot_ref)
+        if collective_table:
+            section += ("\nAllreduce of float32 between the workers, timed inside them "
+                        "(`unison.bench_collectives`; a round counts the slowest worker):\n\n"
+                        + collective_table + "\n")
+        update_section(args.out, section)
         log(f"[bench] updated {args.out}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -101,8 +101,9 @@ def render(rows: list[dict[str, Any]]) -> str:
                 cells.append("-")
         ratio = (statistics.median(r["gloo"]) / statistics.median(r["unison"])
                  if r.get("gloo") and r.get("unison") else None)
+        shown = f"{ratio:.1f}x" if ratio else "-"
         lines.append(f"| {r['size']} (µs, median / p99) | {r['n']} | " + " | ".join(cells)
-                     + f" | {ratio:.1f}x |" if ratio else " | - |")
+                     + f" | {shown} |")
     return "\n".join(lines)
 
 
