@@ -16,8 +16,11 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import psutil
+
+import unison
 
 MARKER = "UNISON_TEST_RUN"
 WORKER_CMDLINE = "unison.worker"  # workers run: python -c "from unison.worker import main; main()"
@@ -124,3 +127,37 @@ def stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
             os.kill(proc.pid, signal.SIGKILL)
     out, err = proc.communicate()
     return out or "", err or ""
+
+
+class SharedSessions:
+    """Sessions that live for the whole module, one per configuration, made on first use.
+
+    Starting a session costs about half a second on a small machine, so the many short
+    tests here share them; every test leaves its session usable (which is itself part of the
+    contract: a failed collective does not break the session). A session found closed is
+    replaced."""
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[Any, ...], unison.Session] = {}
+        self.pids: set[int] = set()
+
+    def __call__(self, n: int, num_groups: int = 1, **kw: Any) -> unison.Session:
+        key = (n, num_groups, *sorted(kw.items()))
+        sess = self._open.get(key)
+        if sess is None or sess.closed:
+            sess = unison.Session(n, num_groups, **kw)
+            self._open[key] = sess
+            self.pids.update(sess.run(os.getpid))
+        return sess
+
+    def close(self) -> None:
+        errors = []
+        for sess in self._open.values():
+            try:
+                sess.close(timeout=0)
+            except Exception as exc:
+                errors.append(exc)
+        self._open.clear()
+        self.pids.clear()
+        if errors:
+            raise errors[0]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,7 +20,7 @@ import numpy as np
 import pytest
 
 import unison
-from support import kill_all, stray_workers, wait_gone
+from support import SharedSessions, kill_all, stray_workers, wait_gone
 from unison import CollectiveError, WorkerError
 
 UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
@@ -69,40 +68,6 @@ def inputs(n: int, shape: tuple[int, ...], dtype: Any, seed: int = 0) -> list[np
         return [(rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dt)
                 for _ in range(n)]
     return [rng.standard_normal(shape).astype(dt) for _ in range(n)]
-
-
-class SharedSessions:
-    """Sessions that live for the whole module, one per configuration, made on first use.
-
-    Starting a session costs about half a second on a small machine, so the many short
-    tests here share them; every test leaves its session usable (which is itself part of the
-    contract: a failed collective does not break the session). A session found closed is
-    replaced."""
-
-    def __init__(self) -> None:
-        self._open: dict[tuple[Any, ...], unison.Session] = {}
-        self.pids: set[int] = set()
-
-    def __call__(self, n: int, num_groups: int = 1, **kw: Any) -> unison.Session:
-        key = (n, num_groups, *sorted(kw.items()))
-        sess = self._open.get(key)
-        if sess is None or sess.closed:
-            sess = unison.Session(n, num_groups, **kw)
-            self._open[key] = sess
-            self.pids.update(sess.run(os.getpid))
-        return sess
-
-    def close(self) -> None:
-        errors = []
-        for sess in self._open.values():
-            try:
-                sess.close(timeout=0)
-            except Exception as exc:
-                errors.append(exc)
-        self._open.clear()
-        self.pids.clear()
-        if errors:
-            raise errors[0]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ own object).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import unison
-from support import kill_all, stray_workers, wait_gone
+from support import SharedSessions, kill_all, stray_workers, wait_gone
 
 CONFIGS = [(1, 1), (2, 1), (2, 2), (3, 1), (3, 3), (4, 1), (4, 2), (4, 4)]
 UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
@@ -39,34 +38,6 @@ PROPS = settings(max_examples=35, deadline=None,
 
 
 # -- one session per configuration, for the whole module ---------------------------------------
-
-
-class SharedSessions:
-    """Sessions made on first use, one per (workers, groups); a closed one is replaced."""
-
-    def __init__(self) -> None:
-        self._open: dict[tuple[int, int], unison.Session] = {}
-        self.pids: set[int] = set()
-
-    def __call__(self, n: int, groups: int) -> unison.Session:
-        sess = self._open.get((n, groups))
-        if sess is None or sess.closed:
-            sess = unison.Session(n, groups)
-            self._open[(n, groups)] = sess
-            self.pids.update(sess.run(os.getpid))
-        return sess
-
-    def close(self) -> None:
-        errors = []
-        for sess in self._open.values():
-            try:
-                sess.close(timeout=0)
-            except Exception as exc:
-                errors.append(exc)
-        self._open.clear()
-        self.pids.clear()
-        if errors:
-            raise errors[0]
 
 
 @pytest.fixture(scope="module")

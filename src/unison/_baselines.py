@@ -179,7 +179,32 @@ def _pipe_worker(conn: Connection) -> None:
         conn.close()
 
 
-class PipeSystem(System):
+class _CommandSystem(System):
+    """A baseline that sends one command to every worker and collects one reply from each:
+    the workloads differ only in the command."""
+
+    _procs: list[Any]
+
+    @abc.abstractmethod
+    def _roundtrip(self, op: int, obj: Any) -> list[Any] | None:
+        """Send (op, obj) to every worker; return their replies (for _RUN) in rank order."""
+
+    def dispatch(self) -> None:
+        self._roundtrip(_CALL, noop)
+
+    def gather_small(self) -> list[int]:
+        out = self._roundtrip(_RUN, small_value)
+        assert out is not None
+        return out
+
+    def put(self, value: Any) -> None:
+        self._roundtrip(_PUT, value)
+
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+
+class PipeSystem(_CommandSystem):
     name = "pipe"
     description = "one multiprocessing.Pipe per worker; each command pickled once"
 
@@ -211,18 +236,6 @@ class PipeSystem(System):
                 raise _died(self._procs) or RuntimeError("a worker closed its pipe") from None
         return out
 
-    def dispatch(self) -> None:
-        self._roundtrip(_CALL, noop)
-
-    def gather_small(self) -> list[int]:
-        return self._roundtrip(_RUN, small_value)
-
-    def put(self, value: Any) -> None:
-        self._roundtrip(_PUT, value)
-
-    def worker_pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
-
     def close(self, graceful: bool = True) -> None:
         if graceful:
             stop = pickle.dumps((_STOP, None))
@@ -253,7 +266,7 @@ def _queue_worker(rank: int, commands: Any, results: Any) -> None:
         results.put((rank, _execute(op, obj)))
 
 
-class MpQueueSystem(System):
+class MpQueueSystem(_CommandSystem):
     name = "mpqueue"
     description = "a multiprocessing.Queue of commands per worker, one shared Queue of results"
 
@@ -289,18 +302,6 @@ class MpQueueSystem(System):
             out[rank] = reply
         return out
 
-    def dispatch(self) -> None:
-        self._roundtrip(_CALL, noop)
-
-    def gather_small(self) -> list[int]:
-        return self._roundtrip(_RUN, small_value)
-
-    def put(self, value: Any) -> None:
-        self._roundtrip(_PUT, value)
-
-    def worker_pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
-
     def close(self, graceful: bool = True) -> None:
         if graceful:
             for commands in self._commands:
@@ -334,7 +335,7 @@ def _manager_worker(rank: int, bell: Any, ready: Any, command: Any, outputs: Any
         return
 
 
-class ManagerSystem(System):
+class ManagerSystem(_CommandSystem):
     name = "manager"
     description = "a Manager mailbox (manager.Event bells + manager.list), like optimum-tpu's"
 
@@ -373,20 +374,6 @@ class ManagerSystem(System):
                     raise dead
             ready.clear()
         return list(self._outputs[:]) if op == _RUN else None
-
-    def dispatch(self) -> None:
-        self._roundtrip(_CALL, noop)
-
-    def gather_small(self) -> list[int]:
-        out = self._roundtrip(_RUN, small_value)
-        assert out is not None
-        return out
-
-    def put(self, value: Any) -> None:
-        self._roundtrip(_PUT, value)
-
-    def worker_pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
 
     def close(self, graceful: bool = True) -> None:
         if graceful and self._manager is not None:
@@ -482,7 +469,7 @@ def _mpi_worker() -> None:
         parent.Disconnect()
 
 
-class MpiSystem(System):
+class MpiSystem(_CommandSystem):
     name = "mpi4py"
     description = "N processes from MPI.COMM_SELF.Spawn; bcast commands, gather replies"
 
@@ -501,15 +488,6 @@ class MpiSystem(System):
         root = self._mpi.ROOT
         self._comm.bcast((op, obj), root=root)
         return list(self._comm.gather(None, root=root))
-
-    def dispatch(self) -> None:
-        self._roundtrip(_CALL, noop)
-
-    def gather_small(self) -> list[int]:
-        return self._roundtrip(_RUN, small_value)
-
-    def put(self, value: Any) -> None:
-        self._roundtrip(_PUT, value)
 
     def worker_pids(self) -> list[int]:
         return list(self._pids)
