@@ -43,12 +43,30 @@ def test_unknown_channel_is_a_clear_error() -> None:
         unison.Session(1, channel="tcpx")
 
 
-def test_large_array_arrives_intact_and_read_only(sess: unison.Session) -> None:
+def _scribble(x: np.ndarray) -> float:
+    x[0] = 100 + unison.rank()
+    return float(x[0])
+
+
+def test_large_array_arrives_intact_writable_and_private(sess: unison.Session) -> None:
     a = np.arange(1 << 22, dtype=np.float64)
     ref = sess.put(a)
     assert sess.run(_sum, ref) == [float(a.sum())] * 2
-    # a put array is shared by every worker: none may change what the others see
-    assert sess.run(_writeable, ref) == [False, False]
+    # copy-on-write: each worker may change its own copy, unseen by the others
+    assert sess.run(_writeable, ref) == [True, True]
+    assert sess.run(_scribble, ref) == [100.0, 101.0]
+    assert sess.run(lambda x: float(x[0]), ref) == [100.0, 101.0]
+    assert a[0] == 0
+
+
+def test_cpu_tensor_travels_out_of_band_and_stays_private(sess: unison.Session) -> None:
+    torch = pytest.importorskip("torch")
+    t = torch.arange(1 << 20, dtype=torch.float32)
+    top = _arena_top(sess)
+    got = sess.run(lambda x: (type(x).__name__, float(x.add_(1)[0])), t)
+    assert got == [("Tensor", 1.0)] * 2
+    assert _arena_top(sess) > top  # it went through the arena, not the pickle
+    assert float(t[0]) == 0.0
 
 
 def test_small_array_travels_in_band_and_is_private(sess: unison.Session) -> None:

@@ -23,7 +23,9 @@ arguments pickles as a lookup in the receiving worker's register file.
 
 from __future__ import annotations
 
+import io
 import pickle
+import sys
 import threading
 import traceback
 from typing import TYPE_CHECKING, Any
@@ -60,7 +62,10 @@ def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None) -> byte
             return False
 
     try:
-        data = pickle.dumps(obj, protocol=5, buffer_callback=callback)
+        if "torch" in sys.modules:
+            data = _dumps_with_tensors(obj, callback)
+        else:
+            data = pickle.dumps(obj, protocol=5, buffer_callback=callback)
         if _MAIN not in data:
             return data
     except Exception:
@@ -72,6 +77,47 @@ def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None) -> byte
         refs.clear()  # the retry sees every Ref again
     out: bytes = cloudpickle.dumps(obj, protocol=5, buffer_callback=callback)
     return out
+
+
+def _dumps_with_tensors(obj: object, callback: Any) -> bytes:
+    """Plain pickle where CPU torch tensors travel as numpy arrays: out of band, so a large
+    one is copied once into shared memory instead of being pickled in-band."""
+    out = io.BytesIO()
+    pickler = pickle.Pickler(out, protocol=5, buffer_callback=callback)
+    global _tensor_table
+    if _tensor_table is None:
+        import copyreg
+
+        import torch
+
+        _tensor_table = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
+    pickler.dispatch_table = _tensor_table
+    pickler.dump(obj)
+    return out.getvalue()
+
+
+_tensor_table: dict[type, Any] | None = None
+
+
+def _reduce_tensor(t: Any) -> Any:
+    import torch
+
+    simple = (type(t) is torch.Tensor and t.device.type == "cpu" and not t.requires_grad
+              and t.layout is torch.strided and not t.is_quantized
+              and not t.is_neg() and not t.is_conj())
+    if simple:
+        try:
+            return (tensor_from_numpy, (t.contiguous().numpy(),))
+        except (TypeError, RuntimeError):
+            pass  # a dtype numpy lacks (bfloat16): torch's own pickling
+    return t.__reduce_ex__(5)
+
+
+def tensor_from_numpy(arr: Any) -> Any:
+    """A CPU tensor over a received array's memory (copy-on-write shared memory: no copy)."""
+    import torch
+
+    return torch.from_numpy(arr)
 
 
 def dumps_with_refs(obj: object) -> tuple[bytes, list[pickle.PickleBuffer], list[Ref]]:

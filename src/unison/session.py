@@ -259,9 +259,10 @@ class Session(View):
         """A numpy array in the session's shared memory.
 
         Passing it, or any contiguous slice of it, to ``call``, ``put`` or ``scatter`` sends
-        no copy: each worker maps the same memory, writable, so workers can also fill it in
-        place for the controller to read. (Other arrays reach the workers read-only, after one
-        copy.) With the pipe channel it is an ordinary array and is copied like any other."""
+        no copy: each worker maps the same memory, so workers can also fill it in place for
+        the controller to read. (Other large arrays reach the workers after one copy, as
+        private copy-on-write pages.) With the pipe channel it is an ordinary array and is
+        copied like any other."""
         import numpy as np
 
         self._check_open()

@@ -2,7 +2,8 @@
 
     controller                                          worker r
     place(buffers) -> block b (copy once, or none when   view(desc) -> mmap of b's pages
-      the buffer is a shared array already in the arena)   (read-only unless shared array)
+      the buffer is a shared array already in the arena)   (copy-on-write; shared arrays:
+                                                            the controller's own pages)
     sent[b][r] += 1 before the message is published      done[b][r] += 1 when that mmap
                                                           is garbage (weakref.finalize)
     b is reused only when sent == done for every worker and the controller holds no array
@@ -187,12 +188,13 @@ class ArenaReader:
     def view(self, desc: tuple[int, int, int]) -> memoryview:
         offset, length, slot_flags = desc
         start = offset - offset % PAGE
-        writable = bool(slot_flags & WRITABLE)
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        mm = mmap.mmap(self.fd, offset + length - start, prot=prot, offset=start)
+        # a shared array maps the controller's pages; anything else is copy-on-write, so a
+        # worker may change what it got without the others (or the block) seeing it
+        flags = mmap.MAP_SHARED if slot_flags & WRITABLE else mmap.MAP_PRIVATE
+        mm = mmap.mmap(self.fd, offset + length - start, flags=flags,
+                       prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
         weakref.finalize(mm, self._done, (slot_flags & 0xFFFFFFFF) * self._stride + self._base)
-        view = memoryview(mm)[offset - start : offset - start + length]
-        return view if writable else view.toreadonly()
+        return memoryview(mm)[offset - start : offset - start + length]
 
     def _done(self, i: int) -> None:
         c = self._counters
