@@ -60,3 +60,21 @@ def test_cpu_affinity_true_pins_workers_within_the_allowed_cpus(make_session):
     for cpus in sess.run(affinity):
         assert cpus, "a worker with no CPU"
         assert set(cpus) <= allowed
+
+
+def _threads_env() -> tuple[str | None, str | None]:
+    return os.environ.get("OMP_NUM_THREADS"), os.environ.get("OPENBLAS_NUM_THREADS")
+
+
+def test_workers_share_the_cores_among_their_thread_pools(make_session, monkeypatch):
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    sess = make_session(2, env={1: {"OMP_NUM_THREADS": "7"}})
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert sess.run(_threads_env) == [(share, share), ("7", share)]
+
+
+def test_a_thread_setting_of_the_user_wins(make_session, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    sess = make_session(2)
+    assert [omp for omp, _ in sess.run(_threads_env)] == ["3", "3"]

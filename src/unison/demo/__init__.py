@@ -33,15 +33,15 @@ def main(num_workers: int = 2, size: int = 512) -> int:
         started = time.perf_counter() - t0
         for line in sess.run(_describe):
             print(f"  {line}")
-        a_blocks = sess.scatter(np.array_split(a, num_workers))
-        b_all = sess.put(b)
-        c_blocks = sess.call(_block_matmul, a_blocks, b_all)
-        c = np.vstack(c_blocks.gather())
         t1 = time.perf_counter()
         rounds = 200
         for _ in range(rounds):
             sess.run(os.getpid)
         per_call = (time.perf_counter() - t1) / rounds * 1e6
+        a_blocks = sess.scatter(np.array_split(a, num_workers))
+        b_all = sess.put(b)
+        c_blocks = sess.call(_block_matmul, a_blocks, b_all)
+        c = np.vstack(c_blocks.gather())
     ok = np.allclose(c, a @ b, rtol=1e-4, atol=1e-3)
     print(f"session of {num_workers} workers started in {started * 1000:.0f} ms")
     print(f"A @ B ({size}x{size}, float32) split by rows over {num_workers} workers: "

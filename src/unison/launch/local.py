@@ -30,6 +30,8 @@ import unison
 
 _BOOTSTRAP = "from unison.worker import main; main()"
 _TAIL_LINES = 20
+_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
 
 
 class WorkerProcess:
@@ -105,6 +107,12 @@ class LocalLauncher:
             p for p in (pkg_root, base_env.get("PYTHONPATH", "")) if p
         )
         base_env["PYTHONUNBUFFERED"] = "1"
+        # N workers each running a BLAS or OpenMP pool as wide as the machine would fight
+        # over the cores (and their spinning threads over our waits): share them out, as
+        # loky and torchrun do, unless the user chose already.
+        share = str(max(1, len(os.sched_getaffinity(0)) // max(1, len(inits))))
+        for var in _THREAD_VARS:
+            base_env.setdefault(var, share)
         try:
             for rank, init in enumerate(inits):
                 worker_env = dict(base_env)
