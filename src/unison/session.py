@@ -9,8 +9,9 @@
                               workers' pidfds, so a death ends it at once as WorkerDied.
 
 A timeout abandons only the wait: the request stays queued, and its reply is dropped when it
-comes. A death closes the session, stops every worker and leaves the WorkerDied as the
-cause of every later SessionClosed.
+comes, except for any error it carries, which the next sync() reports. A death closes the
+session, stops every worker and leaves the WorkerDied as the cause of every later
+SessionClosed.
 """
 
 from __future__ import annotations
