@@ -469,6 +469,11 @@ def _mpi_worker() -> None:
         parent.Disconnect()
 
 
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+"""What Open MPI needs here: these machines run as root, with fewer cores than ranks."""
+
+
 class MpiSystem(_CommandSystem):
     name = "mpi4py"
     description = "N processes from MPI.COMM_SELF.Spawn; bcast commands, gather replies"
@@ -479,6 +484,7 @@ class MpiSystem(_CommandSystem):
         self._pids: list[int] = []
 
     def start(self, n: int) -> None:
+        os.environ.update(MPI_ENV)  # before MPI starts: root, and more ranks than cores
         self._mpi = importlib.import_module("mpi4py.MPI")
         self._comm = self._mpi.COMM_SELF.Spawn(sys.executable, args=["-c", _MPI_BOOT],
                                                maxprocs=n)

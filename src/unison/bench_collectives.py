@@ -6,6 +6,8 @@ torch.distributed's gloo (and mpi4py where installed), side by side in one run.
                 collectives="torch") whose workers made the gloo group; raw gloo, nothing else
     unison-torch  unison.allreduce(t) through the torch backend (a shared-memory arrival
                 barrier, then gloo)
+    mpi         MPI.COMM_WORLD.Allreduce on numpy float32 under ``mpirun -n N`` (Open MPI,
+                busy-polling), when mpirun and mpi4py are installed
 
 Each worker times every round with perf_counter_ns after warm-up rounds; a round's time is
 the slowest worker's (the rounds are in lockstep), and the table shows the median and p99.
@@ -60,6 +62,55 @@ def _time_torch(nbytes: int, warm: int, rounds: int, raw: bool) -> list[int]:
     return out
 
 
+_MPI_SCRIPT = """
+import json, sys, time
+import numpy as np
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+nbytes, warm, rounds = map(int, sys.argv[1:4])
+x = np.ones(nbytes // 4, np.float32)
+out = np.empty_like(x)
+for _ in range(warm):
+    comm.Allreduce(x, out)
+times = []
+for _ in range(rounds):
+    t = time.perf_counter_ns()
+    comm.Allreduce(x, out)
+    times.append(time.perf_counter_ns() - t)
+every = comm.gather(times, root=0)
+if comm.rank == 0:
+    print(json.dumps([max(r) for r in zip(*every)]))
+"""
+
+
+def _time_mpi(n: int, nbytes: int, warm: int, rounds: int) -> list[int] | None:
+    """Open MPI's Allreduce under mpirun, or None where mpirun or mpi4py is missing."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from unison._baselines import MPI_ENV
+
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        return None
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return None
+    proc = subprocess.run(
+        [mpirun, "-n", str(n), sys.executable, "-c", _MPI_SCRIPT, str(nbytes), str(warm),
+         str(rounds)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, **MPI_ENV},
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"mpirun failed: {proc.stderr.strip()[-500:]}")
+    result: list[int] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
 def _lockstep(per_worker: list[list[int]]) -> list[int]:
     return [max(r) for r in zip(*per_worker)]
 
@@ -82,14 +133,19 @@ def measure(workers: list[int], quick: bool = False) -> list[dict[str, Any]]:
                     row["gloo"] = _lockstep(sess.run(_time_torch, nbytes, warm, rounds, True))
                     row["unison-torch"] = _lockstep(
                         sess.run(_time_torch, nbytes, warm, rounds, False))
+            mpi = _time_mpi(n, nbytes, warm, rounds)
+            if mpi is not None:
+                row["mpi"] = mpi
             rows.append(row)
     return rows
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    systems = [s for s in ("unison", "gloo", "unison-torch") if any(s in r for r in rows)]
-    lines = ["| allreduce float32 | N | " + " | ".join(systems) + " | gloo / unison |",
-             "|---|--:|" + "--:|" * len(systems) + "--:|"]
+    systems = [s for s in ("unison", "gloo", "unison-torch", "mpi") if any(s in r for r in rows)]
+    mpi = "mpi" in systems
+    lines = ["| allreduce float32 | N | " + " | ".join(systems) + " | gloo / unison |"
+             + (" unison / mpi |" if mpi else ""),
+             "|---|--:|" + "--:|" * len(systems) + "--:|" + ("--:|" if mpi else "")]
     for r in rows:
         cells = []
         for s in systems:
@@ -102,8 +158,13 @@ def render(rows: list[dict[str, Any]]) -> str:
         ratio = (statistics.median(r["gloo"]) / statistics.median(r["unison"])
                  if r.get("gloo") and r.get("unison") else None)
         shown = f"{ratio:.1f}x" if ratio else "-"
-        lines.append(f"| {r['size']} (µs, median / p99) | {r['n']} | " + " | ".join(cells)
-                     + f" | {shown} |")
+        line = (f"| {r['size']} (µs, median / p99) | {r['n']} | " + " | ".join(cells)
+                + f" | {shown} |")
+        if mpi:
+            vs = (statistics.median(r["unison"]) / statistics.median(r["mpi"])
+                  if r.get("mpi") and r.get("unison") else None)
+            line += f" {vs:.2f}x |" if vs else " - |"
+        lines.append(line)
     return "\n".join(lines)
 
 
