@@ -235,3 +235,15 @@ def test_close_is_not_held_up_by_a_thread_blocked_sending_to_a_busy_worker(
     assert wait_gone(pids, 1.0) == []
     assert not sender.is_alive(), "the sending thread hung after close()"
     assert isinstance(outcome.get("exc", SessionClosed("")), SessionClosed), outcome
+
+
+def test_a_forked_child_exiting_leaves_the_parents_workers_alone(make_session):
+    sess = make_session(2)
+    pid = os.fork()
+    if pid == 0:  # the child's copy of the session closes at exit, and must not touch them
+        try:
+            sess.close()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert sess.run(unison.rank) == [0, 1]

@@ -148,6 +148,7 @@ class Session(View):
         self.name = f"unison-{os.getpid()}-{next(_names)}-{secrets.token_hex(3)}"
         self.workers = tuple(range(num_workers))
         self._closed = True  # until the workers are up
+        self._owner = os.getpid()
         self._stopping = False
         self._dead: WorkerDied | None = None
         self._ids = itertools.count(1)
@@ -295,6 +296,8 @@ class Session(View):
             if self._stopping:
                 return
             self._stopping = True
+        if os.getpid() != self._owner:
+            return  # a forked child's copy: the workers belong to the parent, leave them be
         deadline = time.monotonic() + grace
         # a thread blocked sending (to busy workers) holds the send lock: don't wait past grace
         if grace > 0 and self._dead is None and self._send_lock.acquire(timeout=grace):
