@@ -37,11 +37,12 @@ def counters_size(num_workers: int) -> int:
 
 
 class _Block:
-    __slots__ = ("cap", "held", "offset", "slot")
+    __slots__ = ("backed", "cap", "held", "offset", "slot")
 
     def __init__(self, offset: int, cap: int, slot: int) -> None:
         self.offset, self.cap, self.slot = offset, cap, slot
         self.held = False  # the controller holds an array on it (sess.empty)
+        self.backed = False  # free, with its pages kept for reuse (counted in _kept)
 
 
 class Arena:
@@ -140,14 +141,16 @@ class Arena:
             free = self._free.get(cap)
         if free:
             block = free.pop()
-            self._kept -= block.cap
+            if block.backed:
+                block.backed = False
+                self._kept -= block.cap
         else:
             if self._top + cap > self.size or self._slots >= SLOTS:
                 self._reclaim(give_back_all=True)
                 raise MemoryError(
-                    f"the session's shared memory is full ({self.size >> 20} MiB, "
-                    f"{self._slots} blocks): free Refs that hold large arrays, or start the "
-                    "Session with a larger shm_size"
+                    f"the session's shared memory is full ({self.size >> 20} MiB, as much as "
+                    f"this machine's memory, in {self._slots} blocks): free the Refs that "
+                    "hold large arrays (ref.free(), or drop them), or send smaller ones"
                 )
             block = _Block(self._top, cap, self._slots)
             self._top += cap
@@ -165,6 +168,7 @@ class Arena:
             if give_back_all or self._kept + block.cap > _KEEP:
                 self._map.madvise(mmap.MADV_REMOVE, block.offset, block.cap)
             else:
+                block.backed = True
                 self._kept += block.cap
         self._busy = still
 
