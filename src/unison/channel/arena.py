@@ -188,6 +188,7 @@ class ArenaReader:
         self._counters = counters
         self._base = 2 * rank + 1
         self._stride = 2 * num_workers
+        self._lock = threading.Lock()  # finalizers may run on any of the worker's threads
 
     def view(self, desc: tuple[int, int, int]) -> memoryview:
         offset, length, slot_flags = desc
@@ -201,5 +202,6 @@ class ArenaReader:
         return memoryview(mm)[offset - start : offset - start + length]
 
     def _done(self, i: int) -> None:
-        c = self._counters
-        c[i] = (c[i] + 1) & 0xFFFFFFFF
+        with self._lock:
+            c = self._counters
+            c[i] = (c[i] + 1) & 0xFFFFFFFF
