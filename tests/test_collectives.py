@@ -875,3 +875,27 @@ def test_torch_backend_groups(shared):
             assert res["gather"] is None
         assert torch.equal(res["reduce_scatter"], torch.full((2,), members[1]))
         assert torch.equal(res["world"], torch.full((4,), 10.0))
+
+
+# -- the controller's helpers for Disco's idioms -------------------------------------------------
+
+
+def test_session_broadcast_from_scatter_from_and_gather_to(shared):
+    sess = shared(3)
+    value = np.arange(100_000, dtype=np.float64)  # large: the arena path to the source
+    ref = sess.broadcast_from(value, src=2)
+    for got in ref.gather():
+        assert_same(got, value)
+    parts = sess.scatter_from([{"rank": r} for r in range(3)], src=1)
+    assert parts.gather() == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
+    gathered = sess.gather_to(parts, dst=2)
+    assert gathered.gather() == [None, None, [{"rank": 0}, {"rank": 1}, {"rank": 2}]]
+    assert gathered.get(worker=2)[1] == {"rank": 1}
+
+
+def test_session_helpers_refuse_bad_ranks_and_lengths(shared):
+    sess = shared(3)
+    with pytest.raises(ValueError):
+        sess.broadcast_from(1, src=3)
+    with pytest.raises(ValueError):
+        sess.scatter_from([1, 2], src=0)
