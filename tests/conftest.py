@@ -15,7 +15,15 @@ from typing import Any
 import pytest
 
 import unison
-from support import MARKER, kill_all, spawn_controller, stop, stray_workers, wait_gone
+from support import (
+    MARKER,
+    SharedSessions,
+    kill_all,
+    spawn_controller,
+    stop,
+    stray_workers,
+    wait_gone,
+)
 
 # Tag every process this run starts (workers inherit the controller's environment), so the
 # leak checks see this run's workers and never those of another run on the same machine.
@@ -42,14 +50,24 @@ def leak_baseline() -> Iterator[dict[str, Any]]:
 @pytest.fixture(autouse=True)
 def no_stray_workers(request: pytest.FixtureRequest) -> Iterator[None]:
     """After each test (and after its sessions are closed), none of this run's workers may
-    still run: a leak is blamed on the test that caused it, then swept."""
+    still run, but those of a module's ``shared`` sessions (checked once the module ends): a
+    leak is blamed on the test that caused it, then swept."""
     yield
-    left = stray_workers()
+    left = [p for p in stray_workers() if p.pid not in SharedSessions.alive]
     if left:
         left_pids = wait_gone([p.pid for p in left], 3.0)
         if left_pids:
             kill_all(p for p in left if p.pid in left_pids)
             pytest.fail(f"{request.node.nodeid} left worker processes running: {left_pids}")
+
+
+@pytest.fixture(scope="module")
+def shared(request: pytest.FixtureRequest) -> SharedSessions:
+    """``shared(n, num_groups=1, **kw)``: one session per configuration for the whole module
+    (starting one costs a good part of a second), closed when the module ends."""
+    sessions = SharedSessions()
+    request.addfinalizer(sessions.close)
+    return sessions
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import psutil
 
@@ -137,6 +137,9 @@ class SharedSessions:
     contract: a failed collective does not break the session). A session found closed is
     replaced."""
 
+    alive: ClassVar[set[int]] = set()
+    """The workers of every SharedSessions still open: the per-test leak check skips them."""
+
     def __init__(self) -> None:
         self._open: dict[tuple[Any, ...], unison.Session] = {}
         self.pids: set[int] = set()
@@ -147,7 +150,9 @@ class SharedSessions:
         if sess is None or sess.closed:
             sess = unison.Session(n, num_groups, **kw)
             self._open[key] = sess
-            self.pids.update(sess.run(os.getpid))
+            pids = sess.run(os.getpid)
+            self.pids.update(pids)
+            SharedSessions.alive.update(pids)
         return sess
 
     def close(self) -> None:
@@ -158,6 +163,7 @@ class SharedSessions:
             except Exception as exc:
                 errors.append(exc)
         self._open.clear()
+        SharedSessions.alive -= self.pids
         self.pids.clear()
         if errors:
             raise errors[0]

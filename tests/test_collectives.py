@@ -13,14 +13,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 
 import unison
-from support import SharedSessions, kill_all, stray_workers, wait_gone
 from unison import CollectiveError, WorkerError
 
 UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
@@ -68,27 +67,6 @@ def inputs(n: int, shape: tuple[int, ...], dtype: Any, seed: int = 0) -> list[np
         return [(rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dt)
                 for _ in range(n)]
     return [rng.standard_normal(shape).astype(dt) for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def shared(request: pytest.FixtureRequest) -> SharedSessions:
-    sessions = SharedSessions()
-    request.addfinalizer(sessions.close)
-    return sessions
-
-
-@pytest.fixture(autouse=True)
-def no_stray_workers(request: pytest.FixtureRequest, shared: SharedSessions) -> Iterator[None]:
-    """conftest's leak check, except for the workers of this module's shared sessions (they
-    are checked once the module's finalizer closed them, by the next test's check and by
-    test_zz_hygiene)."""
-    yield
-    left = [p for p in stray_workers() if p.pid not in shared.pids]
-    if left:
-        left_pids = wait_gone([p.pid for p in left], 3.0)
-        if left_pids:
-            kill_all(p for p in left if p.pid in left_pids)
-            pytest.fail(f"{request.node.nodeid} left worker processes running: {left_pids}")
 
 
 # -- functions the workers run ------------------------------------------------------------------

@@ -12,17 +12,14 @@ own object).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import unison
-from support import SharedSessions, kill_all, stray_workers, wait_gone
 
 CONFIGS = [(1, 1), (2, 1), (2, 2), (3, 1), (3, 3), (4, 1), (4, 2), (4, 4)]
 UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
@@ -38,26 +35,6 @@ PROPS = settings(max_examples=35, deadline=None,
 
 
 # -- one session per configuration, for the whole module ---------------------------------------
-
-
-@pytest.fixture(scope="module")
-def sessions(request: pytest.FixtureRequest) -> SharedSessions:
-    shared = SharedSessions()
-    request.addfinalizer(shared.close)
-    return shared
-
-
-@pytest.fixture(autouse=True)
-def no_stray_workers(request: pytest.FixtureRequest, sessions: SharedSessions) -> Iterator[None]:
-    """conftest's leak check, except for the workers of this module's sessions (checked
-    after the module's finalizer closed them, by later tests and test_zz_hygiene)."""
-    yield
-    left = [p for p in stray_workers() if p.pid not in sessions.pids]
-    if left:
-        left_pids = wait_gone([p.pid for p in left], 3.0)
-        if left_pids:
-            kill_all(p for p in left if p.pid in left_pids)
-            pytest.fail(f"{request.node.nodeid} left worker processes running: {left_pids}")
 
 
 # -- what numpy says --------------------------------------------------------------------------
@@ -185,12 +162,12 @@ def same_object(got: Any, want: Any) -> bool:
 
 @PROPS
 @given(cfg=config_and_group(), dt_op=dtype_and_op(), shape=shapes, data=st.data())
-def test_allreduce_matches_numpy(sessions, cfg, dt_op, shape, data):
+def test_allreduce_matches_numpy(shared, cfg, dt_op, shape, data):
     n, groups, group = cfg
     dtype, op = dt_op
     xs = [data.draw(hnp.arrays(dtype, shape, elements=elements(dtype)), label=f"x{r}")
           for r in range(n)]
-    sess = sessions(n, groups)
+    sess = shared(n, groups)
     got = sess.run(reduce_checked, sess.scatter(xs), "allreduce", op, group, timeout=TIMEOUT)
     for r, (out, unchanged) in enumerate(got):
         scope = members(n, groups, r, group)
@@ -202,12 +179,12 @@ def test_allreduce_matches_numpy(sessions, cfg, dt_op, shape, data):
 
 @PROPS
 @given(cfg=config_and_group(), dt_op=dtype_and_op(), shape=split_shapes, data=st.data())
-def test_reduce_scatter_matches_numpy(sessions, cfg, dt_op, shape, data):
+def test_reduce_scatter_matches_numpy(shared, cfg, dt_op, shape, data):
     n, groups, group = cfg
     dtype, op = dt_op
     xs = [data.draw(hnp.arrays(dtype, shape, elements=elements(dtype)), label=f"x{r}")
           for r in range(n)]
-    sess = sessions(n, groups)
+    sess = shared(n, groups)
     got = sess.run(reduce_checked, sess.scatter(xs), "reduce_scatter", op, group,
                    timeout=TIMEOUT)
     for r, (out, unchanged) in enumerate(got):
@@ -219,7 +196,7 @@ def test_reduce_scatter_matches_numpy(sessions, cfg, dt_op, shape, data):
 
 @PROPS
 @given(cfg=config_and_group(), op=st.sampled_from(OPS), data=st.data())
-def test_allreduce_of_python_numbers_is_a_python_number(sessions, cfg, op, data):
+def test_allreduce_of_python_numbers_is_a_python_number(shared, cfg, op, data):
     n, groups, group = cfg
     kind = data.draw(st.sampled_from([int, float]), label="kind")
     if kind is int:
@@ -227,7 +204,7 @@ def test_allreduce_of_python_numbers_is_a_python_number(sessions, cfg, op, data)
     else:
         xs = data.draw(st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=n,
                                 max_size=n), label="xs")
-    sess = sessions(n, groups)
+    sess = shared(n, groups)
     got = sess.run(reduce_number, sess.scatter(xs), op, group, timeout=TIMEOUT)
     for r, out in enumerate(got):
         scope = members(n, groups, r, group)
@@ -239,7 +216,7 @@ def test_allreduce_of_python_numbers_is_a_python_number(sessions, cfg, op, data)
 @PROPS
 @given(cfg=config_and_group(), kind=st.sampled_from(["allgather", "broadcast", "gather",
                                                      "scatter"]), data=st.data())
-def test_moving_collectives_deliver_objects(sessions, cfg, kind, data):
+def test_moving_collectives_deliver_objects(shared, cfg, kind, data):
     n, groups, group = cfg
     size = n // groups if group else n
     root = data.draw(st.integers(0, size - 1), label="root")
@@ -247,7 +224,7 @@ def test_moving_collectives_deliver_objects(sessions, cfg, kind, data):
     xs = data.draw(st.lists(values, min_size=n, max_size=n), label="xs")
     lists = data.draw(st.lists(st.lists(values, min_size=size, max_size=size), min_size=n,
                                max_size=n), label="scatter lists")
-    sess = sessions(n, groups)
+    sess = shared(n, groups)
     mine = [{"x": xs[r], "scatter": lists[r] if (r % size if group else r) == root else None}
             for r in range(n)]
     got = sess.run(move, sess.scatter(mine), kind, root, group, timeout=TIMEOUT)
@@ -267,7 +244,7 @@ def test_moving_collectives_deliver_objects(sessions, cfg, kind, data):
 
 @PROPS
 @given(cfg=st.sampled_from([c for c in CONFIGS if c[0] > 1]), data=st.data())
-def test_send_recv_deliver_every_message_in_order(sessions, cfg, data):
+def test_send_recv_deliver_every_message_in_order(shared, cfg, data):
     n, groups = cfg
     # ((src, dst), object) messages; every worker sends and receives its own in this order
     pairs = [(s, d) for s in range(n) for d in range(n) if s != d]
@@ -277,7 +254,7 @@ def test_send_recv_deliver_every_message_in_order(sessions, cfg, data):
     for (src, dst), obj in msgs:
         plans[src].append(("send", dst, obj))
         plans[dst].append(("recv", src, None))
-    sess = sessions(n, groups)
+    sess = shared(n, groups)
     got = sess.run(exchange, sess.scatter(plans), timeout=TIMEOUT)
     for r in range(n):
         want = [obj for (_, d), obj in msgs if d == r]

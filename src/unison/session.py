@@ -411,23 +411,12 @@ class Session(View):
         """Encode one message and write it to ``ranks``; caller holds the send lock."""
         if self._closed:
             self._check_open()
-        frees = None
-        if self._frees:
-            frees = self._take_frees()
-            if len(ranks) != self.num_workers:  # frees must reach every worker
-                self._write(pickle.dumps((NOP, frees)), self.workers)
+        frees = self._take_frees() if self._frees else None
+        try:
+            if frees and len(ranks) != self.num_workers:  # frees must reach every worker
+                self._chan.send(pickle.dumps((NOP, frees)), self.workers)
                 frees = None
-        try:
             self._chan.send(pickle.dumps((op, frees, *fields)), ranks, buffers)
-        except OSError:
-            raise self._find_death("sending a message") from None
-
-    def _write(
-        self, data: bytes, ranks: tuple[int, ...],
-        buffers: list[pickle.PickleBuffer] = [],  # noqa: B006 (never mutated)
-    ) -> None:
-        try:
-            self._chan.send(data, ranks, buffers)
         except OSError:
             raise self._find_death("sending a message") from None
 

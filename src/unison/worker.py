@@ -106,7 +106,9 @@ def serve(chan: WorkerChannel, coll: ShmCollectives | None = None) -> None:
             try:
                 if isinstance(fn, Failed):
                     raise RuntimeError(
-                        f"the function could not be loaded on this worker: {fn.error[2]}"
+                        f"the function could not be loaded on this worker: {fn.error[2]}. "
+                        "Make its module importable here (workers get the controller's "
+                        "sys.path and cwd), or define it in the script that drives the session"
                     )
                 if blob is None:
                     regs[ref_id] = fn()  # type: ignore[misc]

@@ -60,8 +60,7 @@ def _p2p_slot(n: int) -> int:
 
 class Layout:
     def __init__(self, n: int, groups: int) -> None:
-        self.n, self.groups = n, groups
-        self.abort = 0
+        self.n, self.groups = n, groups  # word 0 of the segment: the controller's abort flag
         self.worker = [_LINE * (1 + r) for r in range(n)]  # gen_w, gen_g, left, pid, nbytes, dt
         p2p0 = _LINE * (1 + n)
         self.sent = [[p2p0 + 2 * _LINE * (s * n + d) for d in range(n)] for s in range(n)]
@@ -154,24 +153,23 @@ class ShmCollectives:
         waiting = [j for j in ranks if q[w[j] + which] < gen]
         if not waiting:
             return
-        spin_end = time.perf_counter() + _SPIN
-        nap = 20e-6
+        pacer = _Pacer()
         while True:
             waiting = [j for j in waiting if q[w[j] + which] < gen]
             if not waiting:
                 return
             self._check(waiting, which, gen, what)
-            if time.perf_counter() < spin_end:
-                os.sched_yield()
-            else:
-                time.sleep(nap)
-                nap = min(nap * 2, _CHECK)
+            pacer.pause()
+
+    def _check_abort(self, what: str) -> None:
+        """The controller saw a worker die: every wait gives up."""
+        dead = self._q[0]
+        if dead:
+            raise CollectiveError(f"{what} gave up: worker {dead - 1} died")
 
     def _check(self, waiting: Sequence[int], which: int, gen: int, what: str) -> None:
         q, w = self._q, self._w
-        dead = q[0]
-        if dead:
-            raise CollectiveError(f"{what} gave up: worker {dead - 1} died")
+        self._check_abort(what)
         for j in waiting:
             if q[w[j] + 2] >= self._call and q[w[j] + which] < gen:
                 raise CollectiveError(
@@ -392,18 +390,12 @@ class ShmCollectives:
     def _await_ack(self, dst: int, sent: int, acked: int) -> None:
         """The mailbox is free once the receiver took the last chunk, or left its call."""
         q = self._q
-        spin_end = time.perf_counter() + _SPIN
-        nap = 20e-6
+        pacer = _Pacer()
         while q[acked] < q[sent]:
-            if q[0]:
-                raise CollectiveError(f"send to worker {dst} gave up: worker {q[0] - 1} died")
+            self._check_abort(f"send to worker {dst}")
             if q[self._w[dst] + 2] >= q[sent] >> _CALL_SHIFT:  # it left that call: drop it
                 return
-            if time.perf_counter() < spin_end:
-                os.sched_yield()
-            else:
-                time.sleep(nap)
-                nap = min(nap * 2, _CHECK)
+            pacer.pause()
 
     def recv(self, src: int) -> Any:
         if not 0 <= src < self.n or src == self.rank:
@@ -431,27 +423,39 @@ class ShmCollectives:
 
     def _await_message(self, src: int, sent: int, acked: int, want: int) -> None:
         q = self._q
-        spin_end = time.perf_counter() + _SPIN
-        nap = 20e-6
+        pacer = _Pacer()
         while q[sent] != want:
             stale = q[sent]
             if stale > q[acked] and stale < want:  # left over from an earlier, failed call
                 q[acked] = stale
-            if q[0]:
-                raise CollectiveError(f"recv from worker {src} gave up: worker {q[0] - 1} died")
+            self._check_abort(f"recv from worker {src}")
             if q[self._w[src] + 2] >= self._call and q[sent] != want:
                 raise CollectiveError(
                     f"recv on worker {self.rank} gave up: worker {src} left the call without "
                     "sending (it raised or returned early)"
                 )
-            if time.perf_counter() < spin_end:
-                os.sched_yield()
-            else:
-                time.sleep(nap)
-                nap = min(nap * 2, _CHECK)
+            pacer.pause()
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+class _Pacer:
+    """How a wait passes time: yield the core for its first millisecond, then sleep in
+    naps growing to 2 ms, so a long wait costs little CPU but still checks its peers."""
+
+    __slots__ = ("_nap", "_spin_end")
+
+    def __init__(self) -> None:
+        self._spin_end = time.perf_counter() + _SPIN
+        self._nap = 20e-6
+
+    def pause(self) -> None:
+        if time.perf_counter() < self._spin_end:
+            os.sched_yield()
+        else:
+            time.sleep(self._nap)
+            self._nap = min(self._nap * 2, _CHECK)
 
 
 _CALL_SHIFT = 28
