@@ -1,9 +1,19 @@
-"""The ``unison`` command: ``unison demo`` runs the main job, ``unison bench`` the benchmark."""
+"""The ``unison`` command: ``unison demo`` runs the main job; ``unison bench`` runs the
+benchmark of a source checkout (``benchmarks/run.py``, which is not part of the package)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
+
+
+def bench_script() -> Path | None:
+    """The checkout's benchmarks/run.py next to this package's src/, if there is one: an
+    installed wheel has none."""
+    candidate = Path(__file__).resolve().parents[2] / "benchmarks" / "run.py"
+    return candidate if candidate.is_file() else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -12,17 +22,18 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="split a matrix multiply across workers and check it")
     demo.add_argument("--workers", type=int, default=2)
     demo.add_argument("--size", type=int, default=512)
-    sub.add_parser("bench", help="the dispatch benchmark against the baselines (see --help)",
-                   add_help=False)
+    sub.add_parser("bench", add_help=False,
+                   help="run benchmarks/run.py of a source checkout (its --help lists the flags)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from unison.demo import main as demo_main
 
         return demo_main(args.workers, args.size)
-    from unison.bench import main as bench_main
-
-    return int(bench_main(rest) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    script = bench_script()
+    if script is None:
+        print("unison bench: the benchmark is not installed with the package; it lives in "
+              "benchmarks/run.py of a source checkout (git clone the repository, then "
+              "python benchmarks/run.py --help)", file=sys.stderr)
+        return 2
+    # Replace this process, so that Ctrl-C and the exit status are the benchmark's own.
+    os.execv(sys.executable, [sys.executable, str(script), *rest])

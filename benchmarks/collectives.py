@@ -1,6 +1,9 @@
 """Allreduce between workers, timed inside the workers: unison's shared memory against
 torch.distributed's gloo (and mpi4py where installed), side by side in one run.
 
+    python benchmarks/collectives.py --workers 2,4 [--quick]
+    python benchmarks/run.py --only allreduce       # the same, as part of the benchmark
+
     unison      unison.allreduce(x) on numpy float32, Session(N) (shared-memory backend)
     gloo        torch.distributed.all_reduce(t) on a float32 tensor, in a Session(N,
                 collectives="torch") whose workers made the gloo group; raw gloo, nothing else
@@ -10,7 +13,8 @@ torch.distributed's gloo (and mpi4py where installed), side by side in one run.
                 busy-polling), when mpirun and mpi4py are installed
 
 Each worker times every round with perf_counter_ns after warm-up rounds; a round's time is
-the slowest worker's (the rounds are in lockstep), and the table shows the median and p99.
+the slowest worker's (the rounds are in lockstep), and the table shows the median and p99
+(nearest rank, ``harness.measure.percentile``, as in every other table).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import numpy as np
 
 import unison
+from harness.measure import percentile
 
 SIZES = {"4KiB": 4 << 10, "16MiB": 16 << 20}
 
@@ -91,7 +96,7 @@ def _time_mpi(n: int, nbytes: int, warm: int, rounds: int) -> list[int] | None:
     import subprocess
     import sys
 
-    from unison._baselines import MPI_ENV
+    from harness.systems.mpi import MPI_ENV
 
     mpirun = shutil.which("mpirun")
     if mpirun is None:
@@ -152,7 +157,7 @@ def render(rows: list[dict[str, Any]]) -> str:
             v = r.get(s)
             if v:
                 srt = sorted(v)
-                cells.append(f"{_us(statistics.median(srt))} / {_us(srt[int(len(srt) * .99)])}")
+                cells.append(f"{_us(statistics.median(srt))} / {_us(percentile(srt, 99))}")
             else:
                 cells.append("-")
         ratio = (statistics.median(r["gloo"]) / statistics.median(r["unison"])
@@ -176,7 +181,7 @@ def _us(ns: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="unison bench-collectives", description=__doc__,
+    p = argparse.ArgumentParser(prog="python benchmarks/collectives.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", default="2,4")
     p.add_argument("--quick", action="store_true")

@@ -1,0 +1,416 @@
+"""The measurements: every system runs the same workloads, one system at a time, for every
+number of workers N.
+
+    dispatch      a trivial call to all N workers, then wait until all have run it
+                  (unison: ``sess.call(noop); sess.sync()``; ``noop`` is a module function).
+                  Median and p99 latency of one such round, in microseconds.
+    dispatch_script_fn
+                  the same with a function of the user's script called with two small
+                  arguments (unison: ``sess.call(script_fn, 7, 0.5); sess.sync()``), measured
+                  right after ``dispatch`` in the same session. unison and Ray send it by
+                  value (cloudpickle); the stdlib baselines by name, which works because their
+                  ``spawn`` workers re-import the script.
+    gather_small  every worker runs a function whose small result (an int) comes back to the
+                  controller (unison: ``sess.run(small_value)``). Median and p99, in µs.
+    put           a 1 MiB and a 64 MiB float32 numpy array sent to every worker, waiting until
+                  all of them hold it (unison: ``ref = sess.put(a); sess.sync(); ref.free()``).
+                  GB/s per worker: the array's bytes / the median time of one put, so the N
+                  workers together received N times that.
+    fetch         every worker holds a 64 MiB float64 array (made there, untimed); the
+                  controller fetches all N of them (unison: ``ref.gather()``; the baselines
+                  send the array back as their replies). GB/s per worker (bytes / the median
+                  time of one fetch), that median time in ms, and the controller's peak extra
+                  resident memory during one fetch, as a multiple of the N arrays' bytes (the
+                  result itself is 1.0; the fetched arrays are read in full before the peak is
+                  taken, so memory that is mapped but never touched still counts).
+    start         a fresh session: construct it and complete one dispatch round trip, in ms
+                  (median over a few sessions); "close" is the time to close it again.
+    idle          the CPU time each worker process uses over 3 s in which nothing is sent,
+                  after 1 s of rest (all its threads, from /proc/PID/task/*/schedstat in ns;
+                  psutil's cpu_times, in 10 ms ticks, where /proc lacks it); in % of one
+                  core, the mean over the workers (the JSON also has the busiest worker).
+    allreduce     between the workers, timed inside them: benchmarks/collectives.py.
+
+How it times: ``time.perf_counter_ns`` around each round, after warm-up rounds, with the
+garbage collector paused during the timed loop. A loop runs at least ``min`` and at most
+``max`` rounds and stops early once its time budget is spent, so slow systems get fewer
+(never too few) samples. ``--quick`` shrinks every loop and window (numbers for a smoke
+test, not for comparison). Systems run one after another, never at once; for each N every
+system is measured before the next N, so slow drift in the machine hits them alike.
+
+p99 is the nearest-rank percentile (``percentile``), the one definition every table uses.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import importlib
+import math
+import os
+import statistics
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.systems import System, make_system
+from harness.tasks import check_block
+
+__all__ = ["FULL", "QUICK", "WORKLOADS", "Cell", "Loop", "Plan", "ScriptCall", "percentile",
+           "run_benchmark"]
+
+WORKLOADS = ("dispatch", "dispatch_script_fn", "gather_small", "put", "fetch", "start", "idle",
+             "allreduce")
+"""What ``--only`` chooses from."""
+
+PUT_SIZES = {"put_1MiB": 1 << 20, "put_64MiB": 64 << 20}
+
+METRICS_OF = {
+    "dispatch": ("dispatch",),
+    "dispatch_script_fn": ("dispatch_script_fn",),
+    "gather_small": ("gather_small",),
+    "put": tuple(PUT_SIZES),
+    "fetch": ("fetch", "fetch_time", "fetch_memory"),
+    "start": ("start", "close"),
+    "idle": ("idle",),
+}
+"""The metrics (rows of the table) each per-system workload produces."""
+
+ScriptCall = tuple[Callable[..., object], tuple[Any, ...]]
+"""The script-defined function of ``dispatch_script_fn`` and its arguments."""
+
+
+# -- plans -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Loop:
+    """How long one timed loop runs: ``warmup`` untimed rounds, then between ``min_iters``
+    and ``max_iters`` timed ones, stopping once ``budget_s`` has passed."""
+
+    warmup: int
+    min_iters: int
+    max_iters: int
+    budget_s: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    latency: Loop
+    put_small: Loop
+    put_large: Loop
+    start_reps: int
+    idle_settle_s: float
+    idle_window_s: float
+
+
+FULL = Plan(
+    latency=Loop(warmup=100, min_iters=200, max_iters=5000, budget_s=0.6),
+    put_small=Loop(warmup=3, min_iters=10, max_iters=200, budget_s=0.3),
+    put_large=Loop(warmup=1, min_iters=3, max_iters=20, budget_s=0.8),
+    start_reps=3,
+    idle_settle_s=1.0,
+    idle_window_s=3.0,
+)
+QUICK = Plan(
+    latency=Loop(warmup=10, min_iters=30, max_iters=300, budget_s=0.1),
+    put_small=Loop(warmup=1, min_iters=2, max_iters=20, budget_s=0.05),
+    put_large=Loop(warmup=0, min_iters=1, max_iters=2, budget_s=0.05),
+    start_reps=1,
+    idle_settle_s=0.2,
+    idle_window_s=0.5,
+)
+
+
+def _bulk_loop(plan: Plan, nbytes: int) -> Loop:
+    """The loop for moving ``nbytes`` (put and fetch alike)."""
+    return plan.put_large if nbytes > (8 << 20) else plan.put_small
+
+
+# -- results -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    """One number of the table: a metric of one system at one N."""
+
+    system: str
+    metric: str
+    n: int
+    unit: str
+    value: float | None = None
+    """The headline: median µs, GB/s per worker, median ms, a ratio or mean % of a core."""
+    p99: float | None = None
+    samples: int = 0
+    error: str | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.value is not None
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ascending values, by the nearest-rank method: the
+    smallest value with at least q% of the values at or below it."""
+    if not sorted_values:
+        raise ValueError("no values")
+    k = max(1, math.ceil(q / 100 * len(sorted_values)))
+    return sorted_values[min(k, len(sorted_values)) - 1]
+
+
+def latency_cell(system: str, metric: str, n: int, samples_ns: list[int]) -> Cell:
+    us = sorted(s / 1e3 for s in samples_ns)
+    return Cell(system, metric, n, "us", value=statistics.median(us), p99=percentile(us, 99),
+                samples=len(us), extra={"min": us[0], "mean": statistics.fmean(us)})
+
+
+# -- measuring -----------------------------------------------------------------------------------
+
+
+def time_loop(op: Callable[[], object], loop: Loop) -> list[int]:
+    """Nanoseconds of each timed round of ``op``, per ``loop``."""
+    for _ in range(loop.warmup):
+        op()
+    clock = time.perf_counter_ns
+    samples: list[int] = []
+    gc.collect()
+    gc.disable()
+    try:
+        deadline = clock() + int(loop.budget_s * 1e9)
+        for i in range(loop.max_iters):
+            t0 = clock()
+            op()
+            t1 = clock()
+            samples.append(t1 - t0)
+            if i + 1 >= loop.min_iters and t1 >= deadline:
+                break
+    finally:
+        gc.enable()
+    return samples
+
+
+def _schedstat_cpu(pid: int) -> float:
+    """Seconds on a CPU of every thread of ``pid``, from /proc/PID/task/*/schedstat (ns)."""
+    total = 0
+    tasks = f"/proc/{pid}/task"
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except FileNotFoundError:  # a thread that just ended
+            pass
+    return total / 1e9
+
+
+def measure_idle(system: System, plan: Plan) -> Cell:
+    """CPU % of one core used by each worker while nothing is sent.
+
+    psutil's cpu_times (user + system) count in clock ticks of 10 ms, so over 3 s they cannot
+    tell 0.01% from 0. Where the kernel offers it, the per-thread schedstat (nanoseconds) is
+    read instead; psutil otherwise."""
+    cell = Cell(system.name, "idle", 0, "%")
+    pids = system.worker_pids()
+    cpu: Callable[[int], float]
+    if os.path.exists(f"/proc/{pids[0]}/task"):
+        cpu = _schedstat_cpu
+        cell.extra["schedstat"] = 1.0
+    else:
+        try:
+            psutil = importlib.import_module("psutil")
+        except ImportError:
+            cell.error = "psutil is not installed"
+            return cell
+
+        def cpu(pid: int) -> float:
+            t = psutil.Process(pid).cpu_times()
+            return float(t.user + t.system)
+
+    time.sleep(plan.idle_settle_s)
+    t0 = time.perf_counter()
+    before = [cpu(pid) for pid in pids]
+    time.sleep(plan.idle_window_s)
+    after = [cpu(pid) for pid in pids]
+    elapsed = time.perf_counter() - t0
+    pct = [100 * (a - b) / elapsed for a, b in zip(after, before, strict=True)]
+    cell.value = statistics.fmean(pct)
+    cell.samples = len(pct)
+    cell.extra.update({"max": max(pct), "window_s": elapsed})
+    return cell
+
+
+def _status_bytes(field_name: str) -> int:
+    """A ``kB`` field of /proc/self/status (VmRSS, VmHWM), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {field_name}")
+
+
+def peak_extra_memory(op: Callable[[], list[Any]], nbytes: int) -> int | None:
+    """How far the controller's resident memory rose above its level before ``op()`` (a
+    fetch), at its peak while ``op`` ran and its result was read in full (and checked).
+    Linux only: the peak is reset through /proc/self/clear_refs; None elsewhere. Meaningful
+    for blocks above malloc's mmap threshold (at most 32 MiB), which go back to the system
+    when freed; smaller ones may reuse memory the allocator kept, and show less."""
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        base = _status_bytes("VmRSS")
+    except OSError:
+        return None
+    result = op()
+    for block in result:
+        check_block(block, nbytes)
+        float(block.sum())  # touch every page, as a user of the result would
+    peak = _status_bytes("VmHWM")
+    del result
+    return max(0, peak - base)
+
+
+def _check_small(values: list[int], n: int) -> None:
+    if len(values) != n or len(set(values)) != n or not all(isinstance(v, int) for v in values):
+        raise RuntimeError(f"gather_small returned {values!r}: expected {n} distinct ints")
+
+
+def _fetch_cells(system: System, n: int, nbytes: int, plan: Plan) -> list[Cell]:
+    """fetch (GB/s per worker), fetch_time (ms) and fetch_memory (x the result)."""
+    system.hold(nbytes)
+    got = system.fetch()
+    if len(got) != n:
+        raise RuntimeError(f"fetch returned {len(got)} arrays from {n} workers")
+    for block in got:
+        check_block(block, nbytes)
+    del got
+    samples = time_loop(system.fetch, _bulk_loop(plan, nbytes))
+    median_ns = statistics.median(samples)
+    ms = sorted(s / 1e6 for s in samples)
+    common = {"bytes": float(nbytes), "median_ms": median_ns / 1e6, "max_ms": ms[-1]}
+    cells = [
+        Cell(system.name, "fetch", n, "GB/s", value=nbytes / median_ns, samples=len(samples),
+             extra=dict(common)),
+        Cell(system.name, "fetch_time", n, "ms", value=median_ns / 1e6, p99=percentile(ms, 99),
+             samples=len(samples), extra=dict(common)),
+    ]
+    extra = peak_extra_memory(system.fetch, nbytes)
+    memory = Cell(system.name, "fetch_memory", n, "x", samples=1 if extra is not None else 0)
+    if extra is None:
+        memory.error = "needs Linux's /proc/self/clear_refs"
+    else:
+        memory.value = extra / (n * nbytes)
+        memory.extra = {"peak_extra_MiB": extra / (1 << 20), "result_MiB": n * nbytes / (1 << 20)}
+    return [*cells, memory]
+
+
+def bench_system(
+    name: str, n: int, workloads: Sequence[str], plan: Plan, arrays: dict[str, Any],
+    cells: list[Cell], script: ScriptCall | None = None, fetch_bytes: int = 64 << 20,
+) -> None:
+    """Measure one system at one N, appending a Cell per metric to ``cells`` as it goes."""
+    clock = time.perf_counter_ns
+    starts: list[int] = []
+    closes: list[int] = []
+
+    def add(cell: Cell) -> None:
+        cell.system, cell.n = name, n
+        cells.append(cell)
+
+    def session(body: Callable[[System], None] | None) -> None:
+        system = make_system(name)
+        graceful = False
+        try:
+            t0 = clock()
+            system.start(n)
+            system.dispatch()
+            starts.append(clock() - t0)
+            if body is not None:
+                body(system)
+            graceful = True
+        finally:
+            t0 = clock()
+            system.close(graceful)
+            if graceful:
+                closes.append(clock() - t0)
+
+    def workloads_on(system: System) -> None:
+        if "dispatch" in workloads:
+            add(latency_cell(name, "dispatch", n, time_loop(system.dispatch, plan.latency)))
+        if "dispatch_script_fn" in workloads:
+            if script is None:
+                raise ValueError("dispatch_script_fn needs the script's function")
+            op = functools.partial(system.call, *script)
+            add(latency_cell(name, "dispatch_script_fn", n, time_loop(op, plan.latency)))
+        if "gather_small" in workloads:
+            _check_small(system.gather_small(), n)
+            add(latency_cell(name, "gather_small", n,
+                             time_loop(system.gather_small, plan.latency)))
+        if "put" in workloads:
+            for metric, arr in arrays.items():
+                samples = time_loop(functools.partial(system.put, arr),
+                                    _bulk_loop(plan, arr.nbytes))
+                median_ns = statistics.median(samples)
+                add(Cell(name, metric, n, "GB/s", value=arr.nbytes / median_ns,
+                         samples=len(samples),
+                         extra={"median_ms": median_ns / 1e6, "max_ms": max(samples) / 1e6}))
+            system.put(None)  # let the workers drop the last array
+        if "fetch" in workloads:
+            for cell in _fetch_cells(system, n, fetch_bytes, plan):
+                add(cell)
+        if "idle" in workloads:
+            add(measure_idle(system, plan))
+
+    session(workloads_on)
+    if "start" in workloads:
+        for _ in range(plan.start_reps - 1):
+            session(None)
+        ms = sorted(s / 1e6 for s in starts)
+        add(Cell(name, "start", n, "ms", value=statistics.median(ms), samples=len(ms),
+                 extra={"min": ms[0], "max": ms[-1]}))
+        ms = sorted(s / 1e6 for s in closes)
+        add(Cell(name, "close", n, "ms", value=statistics.median(ms), samples=len(ms),
+                 extra={"min": ms[0], "max": ms[-1]}))
+
+
+def run_benchmark(
+    systems: Sequence[str], workers: Sequence[int], workloads: Sequence[str], plan: Plan,
+    log: Callable[[str], None] = lambda s: None, script: ScriptCall | None = None,
+    fetch_bytes: int = 64 << 20,
+) -> list[Cell]:
+    """Every system on every N (N outer, systems inner); a failing system gets error cells
+    and the run goes on. Ctrl-C stops the run after cleaning up."""
+    arrays: dict[str, Any] = {}
+    if "put" in workloads:
+        import numpy as np
+
+        arrays = {m: np.ones(size // 4, dtype=np.float32) for m, size in PUT_SIZES.items()}
+    metrics = [m for w in workloads if w in METRICS_OF for m in METRICS_OF[w]]
+    cells: list[Cell] = []
+    for n in workers:
+        for name in systems:
+            t0 = time.perf_counter()
+            try:
+                bench_system(name, n, workloads, plan, arrays, cells, script, fetch_bytes)
+            except Exception as exc:
+                done = {c.metric for c in cells if c.system == name and c.n == n}
+                msg = f"{type(exc).__name__}: {exc}"
+                log(f"[bench] {name} N={n} failed: {msg}\n{traceback.format_exc()}")
+                cells.extend(Cell(name, m, n, "", error=msg) for m in metrics if m not in done)
+            log(f"[bench] {name:<12} N={n}  {time.perf_counter() - t0:5.1f} s  "
+                + _summary(cells, name, n))
+    return cells
+
+
+def _summary(cells: list[Cell], system: str, n: int) -> str:
+    parts = []
+    for c in cells:
+        if c.system != system or c.n != n or not c.ok:
+            continue
+        if c.unit == "us":
+            parts.append(f"{c.metric} {c.value:.1f} us")
+        elif c.metric == "fetch":
+            parts.append(f"fetch {c.value:.2f} GB/s")
+    return ", ".join(parts)

@@ -1,0 +1,57 @@
+"""Every system the benchmark knows, one file each, in the order of the table's columns.
+
+    unison, unison-pipe   unison_session.py
+    pipe                  pipe.py       one multiprocessing.Pipe per worker
+    mpqueue               mpqueue.py    multiprocessing.Queues
+    manager               manager.py    a Manager mailbox, like optimum-tpu's
+    ray                   ray_actors.py one Ray actor per worker (when ray is importable)
+    mpi4py                mpi.py        MPI.COMM_SELF.Spawn (when mpi4py is importable)
+
+The allreduce comparison with gloo and Open MPI runs inside the workers instead:
+``benchmarks/collectives.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from harness.systems.base import System
+from harness.systems.manager import ManagerSystem
+from harness.systems.mpi import MpiSystem
+from harness.systems.mpqueue import MpQueueSystem
+from harness.systems.pipe import PipeSystem
+from harness.systems.ray_actors import RaySystem
+from harness.systems.unison_session import UnisonSystem
+
+__all__ = ["BASELINES", "SYSTEMS", "System", "available", "describe", "make_system"]
+
+BASELINES: dict[str, type[System]] = {
+    "pipe": PipeSystem,
+    "mpqueue": MpQueueSystem,
+    "manager": ManagerSystem,
+    "ray": RaySystem,
+    "mpi4py": MpiSystem,
+}
+"""Every baseline, in the order the benchmark shows them."""
+
+SYSTEMS = ("unison", "unison-pipe", *BASELINES)
+
+_NEEDS = {"ray": "ray", "mpi4py": "mpi4py"}
+
+
+def available(name: str) -> bool:
+    """Whether the system ``name`` can run here (its optional package is importable)."""
+    module = _NEEDS.get(name)
+    return module is None or importlib.util.find_spec(module) is not None
+
+
+def make_system(name: str) -> System:
+    if name == "unison":
+        return UnisonSystem("unison", None)
+    if name == "unison-pipe":
+        return UnisonSystem("unison-pipe", "pipe")
+    return BASELINES[name]()
+
+
+def describe(name: str) -> str:
+    return make_system(name).description

@@ -1,0 +1,70 @@
+"""``unison`` and ``unison-pipe``: a ``unison.Session`` behind the benchmark's interface."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from harness.systems.base import System
+from harness.tasks import make_block, small_value
+
+
+def default_channel() -> str:
+    """The channel ``unison.Session(N)`` uses when none is named."""
+    import unison
+
+    return str(inspect.signature(unison.Session).parameters["channel"].default)
+
+
+class UnisonSystem(System):
+    """``Session(N)``, or ``Session(N, channel=...)`` when ``channel`` is given."""
+
+    def __init__(self, name: str, channel: str | None) -> None:
+        self.name = name
+        self.channel = channel
+        self.description = (
+            f'Session(N, channel="{channel}")' if channel
+            else f"Session(N), default channel ({default_channel()})"
+        )
+        self._sess: Any = None
+        self._block: Any = None
+
+    def start(self, n: int) -> None:
+        import unison
+
+        if self.channel is None:
+            self._sess = unison.Session(n)
+        else:
+            self._sess = unison.Session(n, channel=self.channel)
+
+    def call(self, fn: Callable[..., object], args: Sequence[Any]) -> None:
+        self._sess.call(fn, *args)
+        self._sess.sync()
+
+    def gather_small(self) -> list[int]:
+        return list(self._sess.run(small_value))
+
+    def put(self, value: Any) -> None:
+        ref = self._sess.put(value)
+        self._sess.sync()
+        ref.free()
+
+    def hold(self, nbytes: int) -> None:
+        if self._block is not None:
+            self._block.free()
+        self._block = self._sess.call(make_block, nbytes)
+        self._sess.sync()
+
+    def fetch(self) -> list[Any]:
+        return list(self._block.gather())
+
+    def worker_pids(self) -> list[int]:
+        return list(self._sess.run(os.getpid))
+
+    def close(self, graceful: bool = True) -> None:
+        self._block = None
+        if self._sess is not None:
+            self._sess.close(timeout=3.0 if graceful else 0)
+            self._sess = None

@@ -1,0 +1,35 @@
+"""What the workers run in each workload: module functions, so every system (stdlib pickle
+included) sends them by name. The script-defined function of ``dispatch_script_fn`` lives in
+``benchmarks/run.py`` instead, because it has to be a function of ``__main__``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def noop() -> None:
+    """The trivial call of the dispatch workload."""
+
+
+def small_value() -> int:
+    """The small result of the gather_small workload: an int that differs per worker."""
+    return os.getpid()
+
+
+def make_block(nbytes: int) -> Any:
+    """The array a worker holds for the fetch workload: float64, every page written."""
+    import numpy as np
+
+    return np.full(nbytes // 8, float(os.getpid()), dtype=np.float64)
+
+
+def check_block(block: Any, nbytes: int) -> None:
+    """Raise unless ``block`` is what ``make_block(nbytes)`` made on some worker."""
+    import numpy as np
+
+    ok = (isinstance(block, np.ndarray) and block.dtype == np.float64
+          and block.nbytes == nbytes and block[0] == block[-1] != 0)
+    if not ok:
+        raise RuntimeError(f"fetch returned {type(block).__name__} "
+                           f"{getattr(block, 'shape', '')}: expected {nbytes} bytes of float64")
