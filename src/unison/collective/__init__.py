@@ -33,12 +33,17 @@ __all__ = [
 _local: ShmCollectives | None = None
 _torch: Any = None  # TorchCollectives, made on a worker when the session asks for it
 _torch_default = False
+_missing = ""  # why a worker of a session has no collectives, if it has none
 
 
 def setup(spec: dict[str, Any] | None, rank: int, n: int, groups: int) -> ShmCollectives | None:
     """Called once by the worker at start with the session's collective spec."""
-    global _local, _torch, _torch_default
+    global _local, _torch, _torch_default, _missing
     if spec is None:
+        _missing = (
+            "this session has no shared-memory collectives: the platform lacks memfd_create "
+            "(see README, Platforms); move data through the controller with put/scatter/gather"
+        )
         return None
     _local = ShmCollectives(spec["fd"], rank, n, groups)
     if spec.get("torch_address"):
@@ -51,6 +56,8 @@ def setup(spec: dict[str, Any] | None, rank: int, n: int, groups: int) -> ShmCol
 
 def _backend(*values: Any) -> Any:
     if _local is None:
+        if _missing:
+            raise CollectiveError(_missing)
         raise RuntimeError(
             "unison collectives only work inside a function that a unison worker runs "
             "(pass the function to sess.call or sess.run)"
@@ -98,7 +105,8 @@ def barrier(*, group: bool = False) -> None:
 
 
 def send(x: Any, dst: int) -> None:
-    """Send x to worker ``dst`` (global rank). Returns once x is copied out."""
+    """Send x to worker ``dst`` (global rank). Eager: returns once x is copied out, whatever
+    its size; it waits only while 64 earlier messages to ``dst`` are still untaken."""
     _backend(x).send(x, dst)
 
 

@@ -3,16 +3,25 @@
     worker r                                  collective segment (memfd, made by the session)
     ---------                                 ------------------------------------------------
     write x into slot[r]  ------------------> slot[0] | slot[1] | ... | slot[N-1]
-    arrive: gen[r] = (call, i, phase)         per worker: gen (world), gen (group), left, pid
+    publish what it calls (kind, op, root,    per worker: gen (world), gen (group), left, pid,
+      shape), then arrive: gen[r]               what it called (per scope, two deep)
     wait until every peer arrived  <--------- (yield-spin, then short sleeps)
+    check the peers called the same thing
     read what it needs from the peers' slots
     depart: the slots may be reused           result[g]: a shared area per group (world: 0)
-                                              mailbox[s][d]: one per ordered pair, for send
+                                              ring[s][d]: one queue per ordered pair, for send
 
 Synchronisation is by generations: each worker publishes, per scope (world or its group),
 the last barrier it reached as ``(call id << 24) | (index in call << 2) | phase``. Tying the
 generation to the controller's call id makes every call start aligned, even after a call
 that failed half-way through a collective on some workers.
+
+Before it arrives, a worker also publishes what it is calling (allreduce with op "sum",
+broadcast from root 2, ...). Every participant compares that with the peers' once all have
+arrived, so a program whose ranks call different collectives raises CollectiveError on
+every rank instead of mixing their data. The record is kept per scope and per parity of the
+collective's index: a peer can be at most one collective ahead in a scope, so the record a
+waiter reads is never overwritten under it.
 
 A waiter never hangs on a peer that will not come: a peer that finished the current call
 (``left >= call id``) without arriving makes the collective raise CollectiveError, within
@@ -21,58 +30,94 @@ milliseconds; so does the controller's abort flag, set when a worker dies.
 Reductions run in rank order on every element, so every rank gets bit-identical results.
 Large reductions split the work: each worker reduces one share into the group's result area
 (reduce-scatter), then everyone copies the whole result (allgather).
+
+Point to point is eager. Each ordered pair has a queue of RING entries; a message that fits
+the entry's inline area is copied there, a larger one goes into a memfd of its own (named
+"unison-send") that the receiver opens through /proc/<sender pid>/fd/<n>. ``send`` returns
+once the data is copied out; it waits only when RING messages to that peer are still
+untaken. The sender closes a spill once it is taken, or once the receiver left that call (a
+message is only ever received in the call that sent it), when it next sends to that peer or
+begins or ends a call; memfds die with the processes.
+
+Every object a collective moves is encoded by unison.protocol, as calls and results are:
+anything a call can return, a collective can carry.
 """
 
 from __future__ import annotations
 
 import mmap
+import operator
 import os
-import pickle
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from unison import protocol
 from unison.errors import UnisonError
 
 SLOT = 32 << 20  # bytes per worker slot and per result area; larger data goes in rounds
 SMALL = 64 << 10  # reductions up to this size: every worker reduces all of it itself
+RING = 64  # messages in flight per ordered pair before a send waits for the receiver
 _LINE = 64
+_REC = 2 * _LINE  # one worker's record: see Layout
 _SPIN = 1e-3
 _CHECK = 0.002  # while sleeping, re-check the peers this often (s)
 
 OPS: dict[str, Callable[..., Any]] = {
     "sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "mean": np.add,
 }
+_OP_NAMES = tuple(OPS)
+KINDS = ("barrier", "allreduce", "reduce_scatter", "allgather", "broadcast", "scatter", "gather")
+"""The collectives a descriptor can name (its low byte is an index in this tuple)."""
+
+# words of a worker's record
+_GEN_W, _GEN_G, _LEFT, _PID, _NBYTES, _SIG, _DESC = range(7)  # _DESC: 8 words, see _desc_at
+# words of a ring entry (one cache line each); _E_IDX is the message's index + 1, 0 = being written
+_E_IDX, _E_CALL, _E_TOTAL, _E_WHERE, _E_TAG = range(5)
+TAG_SEND, TAG_SCATTER, TAG_GATHER = 0, 1, 2
+_TAG_NAMES = ("send", "scatter", "gather")
 
 
 class CollectiveError(UnisonError):
     """A collective could not complete: a peer left the call without joining it (it raised,
-    returned early, or called a different collective), a peer died, or the workers passed
-    arrays that do not match. The message names the peer and what to fix."""
+    returned early, or called a different collective), a peer died, the workers called
+    different collectives, or they passed arrays that do not match. The message names the
+    peer and what to fix."""
 
 
-def _p2p_slot(n: int) -> int:
+def _p2p_bytes(n: int) -> int:
+    """Inline bytes per ordered pair, over all its ring entries."""
     return max(64 << 10, min(4 << 20, (256 << 20) // max(1, n * n)))
 
 
 class Layout:
+    """Where everything lives in the segment. Word 0 is the controller's abort flag.
+
+    A worker's record (two cache lines): generation (world), generation (group), the last
+    call it left, pid, nbytes and signature of its reduction input, then what it calls:
+    (descriptor, signature) for each scope and each parity of the collective's index."""
+
     def __init__(self, n: int, groups: int) -> None:
-        self.n, self.groups = n, groups  # word 0 of the segment: the controller's abort flag
-        self.worker = [_LINE * (1 + r) for r in range(n)]  # gen_w, gen_g, left, pid, nbytes, dt
-        p2p0 = _LINE * (1 + n)
-        self.sent = [[p2p0 + 2 * _LINE * (s * n + d) for d in range(n)] for s in range(n)]
-        self.acked = [[o + _LINE for o in row] for row in self.sent]
-        data = p2p0 + 2 * _LINE * n * n
+        self.n, self.groups = n, groups
+        self.worker = [_LINE + _REC * r for r in range(n)]
+        ring0 = _LINE + _REC * n
+        per_pair = 2 * _LINE + RING * _LINE  # head line, tail line, one line per entry
+        self.head = [[ring0 + per_pair * (s * n + d) for d in range(n)] for s in range(n)]
+        self.tail = [[o + _LINE for o in row] for row in self.head]
+        self.entries = [[o + 2 * _LINE for o in row] for row in self.head]
+        data = ring0 + per_pair * n * n
         data = (data + 4095) & ~4095
         self.slot = [data + SLOT * r for r in range(n)]
         self.result = [data + SLOT * (n + g) for g in range(groups)]
-        self.p2p = _p2p_slot(n)
+        self.inline = _p2p_bytes(n) // RING  # bytes a message may take inline
+        pair_data = self.inline * RING
         p2p_data = data + SLOT * (n + groups)
-        self.mailbox = [[p2p_data + self.p2p * (s * n + d) for d in range(n)] for s in range(n)]
-        self.size = p2p_data + self.p2p * n * n
+        self.mailbox = [[p2p_data + pair_data * (s * n + d) for d in range(n)] for s in range(n)]
+        self.size = p2p_data + pair_data * n * n
 
 
 def create(name: str, n: int, groups: int) -> tuple[int, Layout]:
@@ -103,12 +148,11 @@ class ShmCollectives:
         self._q = self._buf.cast("Q")
         self._w = [o // 8 for o in lay.worker]
         me = self._w[rank]
-        self._q[me + 3] = os.getpid()
+        self._q[me + _PID] = os.getpid()
         self._call = 0  # the controller's id of the call this worker runs now
         self._call_ranks: tuple[int, ...] | None = None
         self._index = [0, 0]  # collectives so far in this call: world, group
-        self._sends: dict[int, int] = {}
-        self._recvs: dict[int, int] = {}
+        self._spills: dict[int, deque[tuple[int, int, int]]] = {}  # dst -> (index, call, fd)
         first = rank // self.gsize * self.gsize
         self._scopes = {False: tuple(range(n)), True: tuple(range(first, first + self.gsize))}
         self._views: dict[tuple[int, str, int], np.ndarray] = {}
@@ -118,11 +162,18 @@ class ShmCollectives:
     def begin(self, call_id: int, ranks: tuple[int, ...] | None) -> None:
         self._call, self._call_ranks = call_id, ranks
         self._index[0] = self._index[1] = 0
-        self._sends.clear()
-        self._recvs.clear()
+        if self._spills:
+            self._reclaim_all()
 
     def end(self, call_id: int) -> None:
-        self._q[self._w[self.rank] + 2] = call_id  # "left": peers waiting for us give up
+        self._q[self._w[self.rank] + _LEFT] = call_id  # "left": peers waiting for us give up
+        if self._spills:
+            self._reclaim_all()
+
+    def _reclaim_all(self) -> None:
+        """Close the spills taken since the last look (at most RING per peer stay open)."""
+        for dst in list(self._spills):
+            self._reclaim(dst)
 
     # -- scopes and barriers -----------------------------------------------------------------
 
@@ -171,54 +222,95 @@ class ShmCollectives:
         q, w = self._q, self._w
         self._check_abort(what)
         for j in waiting:
-            if q[w[j] + 2] >= self._call and q[w[j] + which] < gen:
+            if q[w[j] + _LEFT] >= self._call and q[w[j] + which] < gen:
                 raise CollectiveError(
                     f"{what} on worker {self.rank} gave up: worker {j} left the call without "
                     "joining it (it raised, returned early, or ran a different collective)"
                 )
 
-    def barrier(self, group: bool = False) -> None:
-        which, ranks = self.scope(group)
-        gen = self._next(which)
+    def _desc_at(self, rank: int, which: int, gen: int) -> int:
+        """Index of ``rank``'s (descriptor, signature) words for the collective at ``gen``."""
+        return self._w[rank] + _DESC + 4 * which + 2 * ((gen >> 2) & 1)
+
+    def _meet(self, which: int, ranks: tuple[int, ...], gen: int, desc: int, sig: int) -> None:
+        """Publish what this rank calls, arrive at ``gen``, wait for the peers, and raise
+        CollectiveError on every rank if any of them called something else."""
+        q = self._q
+        at = self._desc_at(self.rank, which, gen)
+        q[at] = desc
+        q[at + 1] = sig
         self._arrive(which, gen)
-        self._await(which, ranks, gen, "barrier")
+        what = describe(desc)
+        self._await(which, ranks, gen, what)
+        for j in ranks:
+            theirs = self._desc_at(j, which, gen)
+            if q[theirs] != desc:
+                raise CollectiveError(
+                    f"mismatched collectives: worker {self.rank} called {what} but worker {j} "
+                    f"called {describe(q[theirs])}; every worker must call the same "
+                    "collectives, with the same op and root, in the same order"
+                )
+            if q[theirs + 1] != sig:
+                raise CollectiveError(
+                    f"{what}: worker {j} passed data of another shape, dtype or device than "
+                    f"worker {self.rank}: every worker must pass the same"
+                )
+
+    def arrive(self, group: bool, kind: str, op: str | None = None, root: int | None = None,
+               sig: int = 0) -> tuple[int, ...]:
+        """A barrier that also checks that every participant calls the same collective
+        (``kind``, ``op``, ``root``) on data of the same ``sig`` (see shape_signature).
+        Returns the participating ranks."""
+        which, ranks = self.scope(group)
+        self._meet(which, ranks, self._next(which), _desc(kind, op, root), sig)
+        return ranks
+
+    def barrier(self, group: bool = False) -> None:
+        self.arrive(group, "barrier")
 
     # -- reductions ----------------------------------------------------------------------------
 
     def allreduce(self, x: Any, op: str, group: bool) -> Any:
+        check_op(op)
+        return self._allreduce(x, op, group, _desc("allreduce", op))
+
+    def _allreduce(self, x: Any, op: str, group: bool, desc: int) -> Any:
         arr, restore = _as_array(x)
         ufunc = _op(op)
         which, ranks = self.scope(group)
         if op == "mean" and arr.dtype.kind in "biu":
             arr = arr.astype(np.float64)  # as numpy's mean does
         out = np.empty_like(arr)
+        sig = _signature(arr)
         if arr.nbytes <= SLOT:
-            self._allreduce_flat(arr.reshape(-1), out.reshape(-1), ufunc, which, ranks,
-                                 _signature(arr))
+            self._allreduce_flat(arr.reshape(-1), out.reshape(-1), ufunc, which, ranks, sig,
+                                 desc)
         else:
             flat_in, flat_out = arr.reshape(-1), out.reshape(-1)
             step = SLOT // arr.itemsize
             for lo in range(0, flat_in.size, step):
                 self._allreduce_flat(flat_in[lo : lo + step], flat_out[lo : lo + step], ufunc,
-                                     which, ranks, _signature(arr))
+                                     which, ranks, sig, desc)
         if op == "mean":
             out = _mean(out, len(ranks), arr.dtype)
         return restore(out)
 
     def _allreduce_flat(self, a: np.ndarray, out: np.ndarray, ufunc: Callable[..., Any],
-                        which: int, ranks: tuple[int, ...], sig: int) -> None:
+                        which: int, ranks: tuple[int, ...], sig: int, desc: int) -> None:
         gen = self._next(which)
-        slots = self._publish(a, sig, which, ranks, gen, "allreduce")
+        slots = self._publish(a, sig, which, ranks, gen, desc)
         if a.nbytes <= SMALL or len(ranks) == 1:
             _reduce_into(out, slots, ufunc)
             self._arrive(which, gen | 1)
             self._await(which, ranks, gen | 1, "allreduce")
             return
-        result = self._view(self.lay.result[ranks[0] // self.gsize if which else 0], a)
-        lo, hi = _share(a.size, len(ranks), ranks.index(self.rank))
+        k = ranks.index(self.rank)
+        lo, hi = _share(a.size, len(ranks), k)
+        g = self.rank // self.gsize if which else 0
+        result = self._view(self.lay.result[g], a)
         _reduce_into(result[lo:hi], [s[lo:hi] for s in slots], ufunc)
-        self._arrive(which, gen | 2)
-        self._await(which, ranks, gen | 2, "allreduce")
+        self._arrive(which, gen | 1)
+        self._await(which, ranks, gen | 1, "allreduce")
         np.copyto(out, result)
         self._arrive(which, gen | 3)
         self._await(which, ranks, gen | 3, "allreduce")
@@ -227,17 +319,17 @@ class ShmCollectives:
         arr, restore = _as_array(x)
         ufunc = _op(op)
         which, ranks = self.scope(group)
+        desc = _desc("reduce_scatter", op)
         if op == "mean" and arr.dtype.kind in "biu":
             arr = arr.astype(np.float64)
         if arr.ndim == 0:
             raise ValueError("reduce_scatter needs an array with a first axis to split")
         if arr.nbytes > SLOT:
-            full = self.allreduce(arr, "sum" if op == "mean" else op, group)
+            full = self._allreduce(arr, "sum" if op == "mean" else op, group, desc)
             part = np.array_split(full, len(ranks))[ranks.index(self.rank)]
             return restore(_mean(part, len(ranks), arr.dtype) if op == "mean" else part.copy())
         gen = self._next(which)
-        slots = self._publish(arr.reshape(-1), _signature(arr), which, ranks, gen,
-                              "reduce_scatter")
+        slots = self._publish(arr.reshape(-1), _signature(arr), which, ranks, gen, desc)
         first, last = _share(arr.shape[0], len(ranks), ranks.index(self.rank))
         row = int(np.prod(arr.shape[1:], dtype=np.int64))
         lo, hi = first * row, last * row
@@ -250,24 +342,23 @@ class ShmCollectives:
         return restore(out)
 
     def _publish(self, a: np.ndarray, sig: int, which: int, ranks: tuple[int, ...], gen: int,
-                 what: str) -> list[np.ndarray]:
-        """Copy ``a`` into our slot, arrive, wait for the peers, check that they passed the
-        same shape and dtype (``sig``), and return every participant's slot as an array like
-        ``a``, in rank order."""
+                 desc: int) -> list[np.ndarray]:
+        """Copy ``a`` into our slot, arrive, wait for the peers, check that they called the
+        same reduction (``desc``) on the same shape and dtype (``sig``), and return every
+        participant's slot as an array like ``a``, in rank order."""
         me = self._w[self.rank]
-        self._q[me + 4] = a.nbytes
-        self._q[me + 5] = sig
+        self._q[me + _NBYTES] = a.nbytes
+        self._q[me + _SIG] = sig
         mine = self._view(self.lay.slot[self.rank], a)
         np.copyto(mine, a)
-        self._arrive(which, gen)
-        self._await(which, ranks, gen, what)
+        self._meet(which, ranks, gen, desc, 0)
         q, w = self._q, self._w
         for j in ranks:
-            if q[w[j] + 4] != a.nbytes or q[w[j] + 5] != sig:
+            if q[w[j] + _NBYTES] != a.nbytes or q[w[j] + _SIG] != sig:
                 raise CollectiveError(
-                    f"{what}: worker {j} passed an array of another shape or dtype "
-                    f"({q[w[j] + 4]} bytes) than worker {self.rank} ({a.nbytes} bytes): every "
-                    "worker must pass the same shape and dtype"
+                    f"{describe(desc)}: worker {j} passed an array of another shape or dtype "
+                    f"({q[w[j] + _NBYTES]} bytes) than worker {self.rank} ({a.nbytes} bytes): "
+                    "every worker must pass the same shape and dtype"
                 )
         return [mine if j == self.rank else self._view(self.lay.slot[j], a) for j in ranks]
 
@@ -284,37 +375,43 @@ class ShmCollectives:
 
     def allgather(self, x: Any, group: bool) -> list[Any]:
         which, ranks = self.scope(group)
-        got = self._exchange(which, ranks, _encode(x), ranks)
+        got = self._exchange(which, ranks, _encode(x), ranks, _desc("allgather"))
         return [_decode(got[j]) for j in ranks]
 
-    def broadcast(self, x: Any, src: int, group: bool) -> Any:
+    def broadcast(self, x: Any, src: int, group: bool, *, kind: str = "broadcast") -> Any:
+        """``kind`` names the collective this broadcast serves, for the mismatch check."""
         which, ranks = self.scope(group)
-        src_rank = _member(ranks, src, group, "src")
-        got = self._exchange(which, ranks, _encode(x) if self.rank == src_rank else [], (src_rank,))
+        src_rank = member(ranks, src, group, "src")
+        payload = _encode(x) if self.rank == src_rank else []
+        got = self._exchange(which, ranks, payload, (src_rank,), _desc(kind, root=src))
         return _decode(got[src_rank])
 
     def scatter(self, xs: Sequence[Any] | None, src: int, group: bool) -> Any:
         _, ranks = self.scope(group)
-        src_rank = _member(ranks, src, group, "src")
+        src_rank = member(ranks, src, group, "src")
+        if self.rank == src_rank and (xs is None or len(xs) != len(ranks)):
+            raise ValueError(f"scatter on the source needs one value per worker ({len(ranks)})")
+        self.arrive(group, "scatter", root=src)
         if self.rank == src_rank:
-            if xs is None or len(xs) != len(ranks):
-                raise ValueError(f"scatter on the source needs one value per worker ({len(ranks)})")
+            assert xs is not None
             for j, item in zip(ranks, xs):
                 if j != self.rank:
-                    self.send(item, j)
+                    self._send(item, j, TAG_SCATTER)
             return _decode(_join(_encode(xs[ranks.index(self.rank)])))
-        return self.recv(src_rank)
+        return self._recv(src_rank, TAG_SCATTER)
 
     def gather(self, x: Any, dst: int, group: bool) -> list[Any] | None:
         _, ranks = self.scope(group)
-        dst_rank = _member(ranks, dst, group, "dst")
+        dst_rank = member(ranks, dst, group, "dst")
+        self.arrive(group, "gather", root=dst)
         if self.rank != dst_rank:
-            self.send(x, dst_rank)
+            self._send(x, dst_rank, TAG_GATHER)
             return None
-        return [_decode(_join(_encode(x))) if j == self.rank else self.recv(j) for j in ranks]
+        return [_decode(_join(_encode(x))) if j == self.rank else self._recv(j, TAG_GATHER)
+                for j in ranks]
 
     def _exchange(self, which: int, ranks: tuple[int, ...], payload: list[Any],
-                  wanted: Sequence[int]) -> dict[int, bytearray]:
+                  wanted: Sequence[int], desc: int) -> dict[int, bytearray]:
         """Every participant offers bytes; each gets those of ``wanted``. Rounds of one slot."""
         total = sum(len(memoryview(p).cast("B")) for p in payload)
         stream = _Stream(payload)
@@ -326,16 +423,15 @@ class ShmCollectives:
         r = 0
         while r < rounds:
             gen = self._next(which)
-            self._q[me + 4] = total
+            self._q[me + _NBYTES] = total
             chunk = stream.read(cap)
             base = self.lay.slot[self.rank]
             self._buf[base : base + len(chunk)] = chunk
-            self._arrive(which, gen)
-            self._await(which, ranks, gen, "collective")
+            self._meet(which, ranks, gen, desc, 0)
             if r == 0:
-                rounds = max(1, max(-(-self._q[self._w[j] + 4] // cap) for j in ranks))
+                rounds = max(1, max(-(-self._q[self._w[j] + _NBYTES] // cap) for j in ranks))
                 for j in wanted:
-                    got[j] = bytearray(self._q[self._w[j] + 4])
+                    got[j] = bytearray(self._q[self._w[j] + _NBYTES])
             for j in wanted:
                 size = len(got[j])
                 n = min(cap, size - done)
@@ -344,39 +440,25 @@ class ShmCollectives:
                     got[j][done : done + n] = self._buf[base : base + n]
             done += cap
             self._arrive(which, gen | 1)
-            self._await(which, ranks, gen | 1, "collective")
+            self._await(which, ranks, gen | 1, describe(desc))
             r += 1
         return got
 
     # -- point to point ------------------------------------------------------------------------
 
     def send(self, x: Any, dst: int) -> None:
-        if not 0 <= dst < self.n or dst == self.rank:
+        if not isinstance(dst, int) or not 0 <= dst < self.n or dst == self.rank:
             raise ValueError(
                 f"send needs a destination rank in 0..{self.n - 1} other than {self.rank}"
             )
         self._check_peer(dst)
-        q = self._q
-        sent, acked = self.lay.sent[self.rank][dst] // 8, self.lay.acked[self.rank][dst] // 8
-        box, cap = self.lay.mailbox[self.rank][dst], self.lay.p2p
-        payload = _encode(x)
-        total = sum(len(memoryview(p).cast("B")) for p in payload)
-        stream = _Stream(payload)
-        k = self._sends.get(dst, 0)
-        self._sends[dst] = k + 1
-        off = 0
-        part = 0
-        while True:
-            seq = _seq(self._call, k, part)
-            self._await_ack(dst, sent, acked)
-            chunk = stream.read(cap)
-            self._buf[box : box + len(chunk)] = chunk
-            q[sent + 1] = total
-            q[sent] = seq  # publish the chunk
-            off += len(chunk)
-            part += 1
-            if off >= total:
-                return
+        self._send(x, dst, TAG_SEND)
+
+    def recv(self, src: int) -> Any:
+        if not isinstance(src, int) or not 0 <= src < self.n or src == self.rank:
+            raise ValueError(f"recv needs a source rank in 0..{self.n - 1} other than {self.rank}")
+        self._check_peer(src)
+        return self._recv(src, TAG_SEND)
 
     def _check_peer(self, peer: int) -> None:
         if self._call == 0:
@@ -387,54 +469,140 @@ class ShmCollectives:
                 "so it can never answer: call on a view that includes it"
             )
 
-    def _await_ack(self, dst: int, sent: int, acked: int) -> None:
-        """The mailbox is free once the receiver took the last chunk, or left its call."""
-        q = self._q
-        pacer = _Pacer()
-        while q[acked] < q[sent]:
-            self._check_abort(f"send to worker {dst}")
-            if q[self._w[dst] + 2] >= q[sent] >> _CALL_SHIFT:  # it left that call: drop it
-                return
-            pacer.pause()
+    def _entry(self, src: int, dst: int, index: int) -> int:
+        """Word index of ring entry ``index`` of the pair (src, dst)."""
+        return (self.lay.entries[src][dst] + _LINE * (index % RING)) // 8
 
-    def recv(self, src: int) -> Any:
-        if not 0 <= src < self.n or src == self.rank:
-            raise ValueError(f"recv needs a source rank in 0..{self.n - 1} other than {self.rank}")
-        self._check_peer(src)
+    def _send(self, x: Any, dst: int, tag: int) -> None:
+        """Queue x for ``dst``: inline if it fits, else in a memfd of its own. Waits only
+        while RING earlier messages to ``dst`` are untaken."""
+        q, w = self._q, self._w
+        if q[w[dst] + _LEFT] >= self._call:
+            return  # it finished this call already: nobody will ever take the message
+        payload = _encode(x)
+        total = sum(len(memoryview(p).cast("B")) for p in payload)
+        head, tail = self.lay.head[self.rank][dst] // 8, self.lay.tail[self.rank][dst] // 8
+        self._reclaim(dst)
+        h = q[head]
+        if h >= RING:
+            old = self._entry(self.rank, dst, h - RING)
+            pacer = _Pacer()
+            # the entry RING back must be taken, or stale: its call is over for the receiver
+            while q[tail] <= h - RING and q[w[dst] + _LEFT] < q[old + _E_CALL]:
+                self._check_abort(f"send to worker {dst}")
+                pacer.pause()
+        e = self._entry(self.rank, dst, h)
+        q[e + _E_IDX] = 0  # being written: a receiver reading this stale entry retries
+        if total <= self.lay.inline:
+            box = self.lay.mailbox[self.rank][dst] + self.lay.inline * (h % RING)
+            for part in payload:
+                part = memoryview(part).cast("B")
+                self._buf[box : box + len(part)] = part
+                box += len(part)
+            where = 0
+        else:
+            fd = _spill(payload, total)
+            self._spills.setdefault(dst, deque()).append((h, self._call, fd))
+            where = fd + 1
+        q[e + _E_CALL] = self._call
+        q[e + _E_TOTAL] = total
+        q[e + _E_WHERE] = where
+        q[e + _E_TAG] = tag
+        q[e + _E_IDX] = h + 1
+        q[head] = h + 1  # publish
+
+    def _reclaim(self, dst: int) -> None:
+        """Close the spills ``dst`` took, or will never take (it left their call)."""
+        spills = self._spills.get(dst)
+        if not spills:
+            return
         q = self._q
-        sent, acked = self.lay.sent[src][self.rank] // 8, self.lay.acked[src][self.rank] // 8
-        box, cap = self.lay.mailbox[src][self.rank], self.lay.p2p
-        k = self._recvs.get(src, 0)
-        self._recvs[src] = k + 1
-        out = bytearray()
-        part = 0
+        taken = q[self.lay.tail[self.rank][dst] // 8]
+        left = q[self._w[dst] + _LEFT]
+        while spills and (spills[0][0] < taken or spills[0][1] <= left):
+            os.close(spills.popleft()[2])
+        if not spills:
+            del self._spills[dst]
+
+    def _recv(self, src: int, tag: int) -> Any:
+        q = self._q
+        pacer: _Pacer | None = None
         while True:
-            want = _seq(self._call, k, part)
-            self._await_message(src, sent, acked, want)
-            total = q[sent + 1]
-            if part == 0:
-                out = bytearray(total)
-            n = min(cap, total - part * cap)
-            out[part * cap : part * cap + n] = self._buf[box : box + n]
-            q[acked] = want
-            part += 1
-            if part * cap >= total:
-                return _decode(out)
-
-    def _await_message(self, src: int, sent: int, acked: int, want: int) -> None:
-        q = self._q
-        pacer = _Pacer()
-        while q[sent] != want:
-            stale = q[sent]
-            if stale > q[acked] and stale < want:  # left over from an earlier, failed call
-                q[acked] = stale
+            left = q[self._w[src] + _LEFT]  # read before looking: a sender posts, then leaves
+            got = self._take(src, tag)
+            if got is not None:
+                return _decode(got)
             self._check_abort(f"recv from worker {src}")
-            if q[self._w[src] + 2] >= self._call and q[sent] != want:
+            if left >= self._call:
                 raise CollectiveError(
-                    f"recv on worker {self.rank} gave up: worker {src} left the call without "
-                    "sending (it raised or returned early)"
+                    f"{_TAG_NAMES[tag]} on worker {self.rank} gave up: worker {src} left the "
+                    "call without sending (it raised, returned early, or ran a different "
+                    "collective)"
                 )
+            pacer = pacer or _Pacer()
             pacer.pause()
+
+    def _take(self, src: int, tag: int) -> bytearray | None:
+        """The next message from ``src`` in this call, or None if there is none yet.
+        Messages of earlier calls are skipped: they can never be received."""
+        q = self._q
+        head, tail = self.lay.head[src][self.rank] // 8, self.lay.tail[src][self.rank] // 8
+        while True:
+            t = q[tail]
+            if q[head] <= t:
+                return None
+            e = self._entry(src, self.rank, t)
+            idx = q[e + _E_IDX]
+            call, total, where, their_tag = (q[e + _E_CALL], q[e + _E_TOTAL], q[e + _E_WHERE],
+                                             q[e + _E_TAG])
+            if idx == 0 or q[e + _E_IDX] != idx:
+                continue  # the sender is reusing a stale entry's place: read it again
+            if idx > t + 1:  # the sender reused the places of stale messages: skip them
+                q[tail] = idx - RING
+                continue
+            if call < self._call:
+                q[tail] = t + 1
+                continue
+            if call > self._call:
+                return None  # the sender is in a later call already: ours sent nothing more
+            if their_tag != tag:
+                raise CollectiveError(
+                    f"{_TAG_NAMES[tag]} on worker {self.rank} got a message that worker {src} "
+                    f"sent with {_TAG_NAMES[their_tag]}: every worker must call the same "
+                    "collectives in the same order, and receive what it is sent"
+                )
+            if where == 0:
+                box = self.lay.mailbox[src][self.rank] + self.lay.inline * (t % RING)
+                out = bytearray(self._buf[box : box + total])
+            else:
+                out = self._read_spill(src, where - 1, total)
+            q[tail] = t + 1  # taken: the sender may reuse the place and close the spill
+            return out
+
+    def _read_spill(self, src: int, fd: int, total: int) -> bytearray:
+        pid = self._q[self._w[src] + _PID]
+        try:
+            mine = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            self._check_abort(f"recv from worker {src}")
+            raise CollectiveError(
+                f"recv on worker {self.rank} could not open the message worker {src} "
+                f"spilled into memory of its own ({exc}); workers must be able to open each "
+                "other's /proc/<pid>/fd (same user, not hardened against ptrace reads)"
+            ) from exc
+        try:
+            out = bytearray(total)
+            view = memoryview(out)
+            got = 0
+            while got < total:
+                n = os.preadv(mine, [view[got:]], got)
+                if n <= 0:
+                    raise CollectiveError(f"recv on worker {self.rank}: message from worker "
+                                          f"{src} is shorter than announced")
+                got += n
+            return out
+        finally:
+            os.close(mine)
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -458,27 +626,46 @@ class _Pacer:
             self._nap = min(self._nap * 2, _CHECK)
 
 
-_CALL_SHIFT = 28
+def _desc(kind: str, op: str | None = None, root: int | None = None) -> int:
+    """What a rank calls, as one number: kind, op and root (as the caller passed it)."""
+    return (KINDS.index(kind) | (0 if op is None else _OP_NAMES.index(op) + 1) << 8
+            | (0 if root is None else root + 1) << 16)
 
 
-def _seq(call: int, k: int, part: int) -> int:
-    """A mailbox sequence number: the call, the k-th message of this pair in it, its chunk."""
-    return (call << _CALL_SHIFT) | (k << 14) | (part + 1)
+def describe(desc: int) -> str:
+    """A descriptor as the call that made it, e.g. "allreduce(op='sum')"."""
+    kind, op, root = desc & 0xFF, (desc >> 8) & 0xFF, desc >> 16
+    if kind >= len(KINDS) or op > len(_OP_NAMES):
+        return f"an unknown collective ({desc:#x})"
+    args = []
+    if op:
+        args.append(f"op={_OP_NAMES[op - 1]!r}")
+    if root:
+        args.append(f"{'dst' if KINDS[kind] == 'gather' else 'src'}={root - 1}")
+    return f"{KINDS[kind]}({', '.join(args)})"
 
 
-def _member(ranks: tuple[int, ...], r: int, group: bool, what: str) -> int:
+def member(ranks: tuple[int, ...], r: Any, group: bool, what: str) -> int:
     """``r`` is a rank in the scope (group-local with group=True): its global rank."""
-    if not isinstance(r, int) or not 0 <= r < len(ranks):
+    try:
+        i = operator.index(r)
+    except TypeError:
+        i = -1
+    if isinstance(r, bool) or not 0 <= i < len(ranks):
         scope = "group" if group else "world"
         raise ValueError(f"{what}={r!r} is not a rank of the {scope} (0..{len(ranks) - 1})")
-    return ranks[r]
+    return ranks[i]
 
 
-def _op(op: str) -> Callable[..., Any]:
+def check_op(op: str) -> Callable[..., Any]:
+    """The ufunc of a reduction op; ValueError for an unknown one."""
     try:
         return OPS[op]
     except (KeyError, TypeError):
         raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}") from None
+
+
+_op = check_op
 
 
 def _as_array(x: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
@@ -502,12 +689,17 @@ def _as_array(x: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
     )
 
 
-def _signature(a: np.ndarray) -> int:
-    """Shape and dtype as one number, the same in every process (unlike hash())."""
-    sig = zlib.crc32(a.dtype.str.encode())  # byte order and datetime units count too
-    for d in a.shape:
+def shape_signature(shape: Sequence[int], dtype: str) -> int:
+    """Shape and dtype as one number below 2**56, the same in every process (unlike hash())."""
+    sig = zlib.crc32(dtype.encode())
+    for d in shape:
         sig = (sig * 1_000_003 + d + 1) & 0xFFFF_FFFF_FFFF
-    return (sig << 8) | a.dtype.num
+    return sig
+
+
+def _signature(a: np.ndarray) -> int:
+    """Shape and dtype of an array (byte order and datetime units count too)."""
+    return (shape_signature(a.shape, a.dtype.str) << 8) | a.dtype.num
 
 
 def _contiguous(a: np.ndarray) -> np.ndarray:
@@ -539,10 +731,11 @@ def _share(size: int, parts: int, k: int) -> tuple[int, int]:
 
 
 def _encode(x: Any) -> list[Any]:
-    """Pickle-5 parts: a header of lengths, the pickle, then each raw buffer."""
-    bufs: list[pickle.PickleBuffer] = []
-    data = pickle.dumps(x, protocol=5, buffer_callback=bufs.append)
-    raws = [b.raw() for b in bufs]
+    """The session's codec (unison.protocol), as parts: a header of lengths, the pickle,
+    then each out-of-band buffer."""
+    bufs: list[Any] = []
+    data = protocol.dumps(x, bufs)
+    raws = [pb.raw() for pb in bufs]
     head = np.array([len(data), len(raws), *(r.nbytes for r in raws)], np.uint64).tobytes()
     return [head, data, *raws]
 
@@ -566,7 +759,25 @@ def _decode(data: bytearray) -> Any:
     for s in sizes:
         buffers.append(view[pos : pos + int(s)])
         pos += int(s)
-    return pickle.loads(pickled, buffers=buffers)
+    return protocol.loads(pickled, buffers)
+
+
+def _spill(payload: list[Any], total: int) -> int:
+    """A memfd holding the payload, for a message too large to go inline."""
+    fd = os.memfd_create("unison-send", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, total)
+        pos = 0
+        for part in payload:
+            view = memoryview(part).cast("B")
+            while view:
+                n = os.pwrite(fd, view, pos)
+                view = view[n:]
+                pos += n
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class _Stream:

@@ -4,11 +4,14 @@
     (the session chose the port)           NCCL group and per-group subgroups made lazily,
                                            in the same order on every worker
     each collective:  shared-memory arrival barrier first (where the workers share a host),
-                      then the torch op
+                      which checks that every rank calls the same op, root, shape, dtype
+                      and device; then the torch op
 
 The user never calls init_process_group. The shared-memory barrier before each op means a
 peer that raised or returned early fails the collective at once, instead of leaving the
-others blocked in gloo or NCCL until their timeout.
+others blocked in gloo or NCCL until their timeout; and a mismatch (a different collective,
+op, root, shape or dtype) raises CollectiveError on every rank instead of reaching gloo,
+which would abort the process.
 """
 
 from __future__ import annotations
@@ -17,7 +20,13 @@ import datetime
 from collections.abc import Sequence
 from typing import Any
 
-from unison.collective.shm import CollectiveError, ShmCollectives, _member, _op
+from unison.collective.shm import (
+    CollectiveError,
+    ShmCollectives,
+    check_op,
+    member,
+    shape_signature,
+)
 
 
 class TorchCollectives:
@@ -60,18 +69,25 @@ class TorchCollectives:
             self._groups[key] = pg
         return pg
 
-    def _enter(self, group: bool, tensors: Sequence[Any]) -> tuple[Any, Any, tuple[int, ...]]:
-        """Arrive at a shared-memory barrier, then return (dist, process group, ranks)."""
-        self.local.barrier(group)
-        _, ranks = self.local.scope(group)
-        dist = self._dist()
+    def _enter(self, group: bool, kind: str, tensors: Sequence[Any], op: str | None = None,
+               root: int | None = None) -> tuple[Any, Any, tuple[int, ...]]:
+        """Arrive at a shared-memory barrier that checks every rank calls the same ``kind``,
+        ``op`` and ``root`` on a tensor of the same shape, dtype and device (gloo would abort
+        the process on a mismatch), then return (dist, process group, ranks)."""
         cuda = any(getattr(t, "is_cuda", False) for t in tensors)
+        sig = 0
+        if tensors:
+            t = tensors[0]
+            sig = shape_signature(tuple(t.shape), str(t.dtype)) << 1 | cuda
+        ranks = self.local.arrive(group, kind, op, root, sig)
+        dist = self._dist()
         return dist, self._pg(dist, "nccl" if cuda else "gloo", group), ranks
 
-    def allreduce(self, x: Any, op: str, group: bool) -> Any:
-        _op(op)
+    def allreduce(self, x: Any, op: str, group: bool, *, kind: str = "allreduce") -> Any:
+        """``kind`` names the collective this reduction serves, for the mismatch check."""
+        check_op(op)
         t = _tensor(x)
-        dist, pg, ranks = self._enter(group, [t])
+        dist, pg, ranks = self._enter(group, kind, [t], op=op)
         out = t.clone()
         reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
                      "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
@@ -84,28 +100,29 @@ class TorchCollectives:
         return out
 
     def reduce_scatter(self, x: Any, op: str, group: bool) -> Any:
-        full = self.allreduce(x, op, group)  # gloo has no reduce_scatter
+        full = self.allreduce(x, op, group, kind="reduce_scatter")  # gloo has none
         _, ranks = self.local.scope(group)
         k = ranks.index(self.local.rank)
         return full.tensor_split(len(ranks))[k].clone()
 
     def allgather(self, x: Any, group: bool) -> list[Any]:
         t = _tensor(x)
-        dist, pg, ranks = self._enter(group, [t])
+        dist, pg, ranks = self._enter(group, "allgather", [t])
         out = [t.new_empty(t.shape) for _ in ranks]
         dist.all_gather(out, t.contiguous(), group=pg)
         return out
 
     def broadcast(self, x: Any, src: int, group: bool) -> Any:
         t = _tensor(x)
-        dist, pg, ranks = self._enter(group, [t])
+        member(self.local.scope(group)[1], src, group, "src")
+        dist, pg, ranks = self._enter(group, "broadcast", [t], root=src)
         out = t.clone()
-        dist.broadcast(out, _member(ranks, src, group, "src"), group=pg)
+        dist.broadcast(out, member(ranks, src, group, "src"), group=pg)
         return out
 
     def scatter(self, xs: Sequence[Any] | None, src: int, group: bool) -> Any:
         _, ranks = self.local.scope(group)
-        src_rank = _member(ranks, src, group, "src")
+        src_rank = member(ranks, src, group, "src")
         if self.local.rank == src_rank:
             if xs is None or len(xs) != len(ranks):
                 raise ValueError(f"scatter on the source needs one value per worker ({len(ranks)})")
@@ -114,18 +131,19 @@ class TorchCollectives:
         else:
             like = None
         # the receivers learn the shape through shared memory, then torch moves the data
-        like = self.local.broadcast(None if like is None else (like.shape, like.dtype), src, group)
+        like = self.local.broadcast(None if like is None else (like.shape, like.dtype), src, group,
+                                    kind="scatter")
         import torch
 
-        dist, pg, _ = self._enter(group, [])
+        dist, pg, _ = self._enter(group, "scatter", [], root=src)
         out = torch.empty(like[0], dtype=like[1])
         dist.scatter(out, mine if self.local.rank == src_rank else None, src=src_rank, group=pg)
         return out
 
     def gather(self, x: Any, dst: int, group: bool) -> list[Any] | None:
         t = _tensor(x)
-        dist, pg, ranks = self._enter(group, [t])
-        dst_rank = _member(ranks, dst, group, "dst")
+        dst_rank = member(self.local.scope(group)[1], dst, group, "dst")
+        dist, pg, ranks = self._enter(group, "gather", [t], root=dst)
         out = [t.new_empty(t.shape) for _ in ranks] if self.local.rank == dst_rank else None
         dist.gather(t.contiguous(), out, dst=dst_rank, group=pg)
         return out

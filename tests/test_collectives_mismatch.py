@@ -1,0 +1,123 @@
+"""Ranks that call different collectives in the same call: every rank raises CollectiveError
+naming both operations (never a silently wrong value), and the session stays usable. The
+same holds for the torch backend, where a mismatch would otherwise reach gloo and abort the
+worker (SIGABRT)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import unison
+from unison import CollectiveError
+
+QUICK = 30.0  # a hang shows up as TimeoutError instead of stalling the run
+
+
+def run_spec(spec: tuple[Any, ...]) -> Any:
+    """Run one collective described by ``spec``: (kind, *arguments)."""
+    kind, *args = spec
+    r = unison.rank()
+    if kind == "allreduce":
+        return unison.allreduce(np.full(4, r + 1.0), *args)
+    if kind == "reduce_scatter":
+        return unison.reduce_scatter(np.full(4, r + 1.0), *args)
+    if kind == "allgather":
+        return unison.allgather(np.full(4, r + 1.0))
+    if kind == "broadcast":
+        return unison.broadcast(f"from {r}", *args)
+    if kind == "scatter":
+        return unison.scatter([f"{r}->{j}" for j in range(unison.world_size())], *args)
+    if kind == "gather":
+        return unison.gather(f"from {r}", *args)
+    if kind == "barrier":
+        return unison.barrier()
+    if kind == "torch-allreduce":
+        import torch
+
+        shape, dtype, op = args
+        return unison.allreduce(torch.ones(shape, dtype=getattr(torch, dtype)), op)
+    if kind == "torch-allgather":
+        import torch
+
+        return unison.allgather(torch.ones(args[0]))
+    if kind == "torch-broadcast":
+        import torch
+
+        return unison.broadcast(torch.ones(4), args[0])
+    raise AssertionError(kind)
+
+
+def mismatched(specs: list[tuple[Any, ...]]) -> tuple[str, str]:
+    """Rank r runs specs[r]; returns ("CollectiveError", message) or ("ok", repr)."""
+    try:
+        return "ok", repr(run_spec(specs[unison.rank()]))
+    except CollectiveError as exc:
+        return "CollectiveError", str(exc)
+
+
+def allreduce_ranks() -> list[float]:
+    return unison.allreduce(np.array([unison.rank() + 1.0])).tolist()
+
+
+def torch_allreduce_ranks() -> list[float]:
+    import torch
+
+    return unison.allreduce(torch.tensor([unison.rank() + 1.0])).tolist()
+
+
+MISMATCHES = [
+    ([("allreduce", "sum"), ("allgather",)], ["allreduce(op='sum')", "allgather()"]),
+    ([("allreduce", "sum"), ("allreduce", "max")], ["op='sum'", "op='max'"]),
+    ([("allreduce", "sum"), ("reduce_scatter", "sum")], ["allreduce", "reduce_scatter"]),
+    ([("barrier",), ("allreduce", "sum")], ["barrier()", "allreduce(op='sum')"]),
+    ([("broadcast", 0), ("broadcast", 1)], ["broadcast(src=0)", "broadcast(src=1)"]),
+    ([("scatter", 0), ("scatter", 1)], ["scatter(src=0)", "scatter(src=1)"]),
+    ([("gather", 0), ("gather", 1)], ["gather(dst=0)", "gather(dst=1)"]),
+    ([("scatter", 0), ("gather", 0)], ["scatter(src=0)", "gather(dst=0)"]),
+    ([("allgather",), ("broadcast", 0)], ["allgather()", "broadcast(src=0)"]),
+]
+
+
+@pytest.mark.parametrize(("specs", "names"), MISMATCHES,
+                         ids=[" vs ".join(n) for _, n in MISMATCHES])
+def test_every_rank_raises_naming_both_operations(shared, specs, names):
+    sess = shared(2)
+    got = sess.run(mismatched, specs, timeout=QUICK)
+    for r, (kind, message) in enumerate(got):
+        assert kind == "CollectiveError", f"worker {r} returned {message} silently"
+        for name in names:
+            assert name in message, (r, message)
+    assert sess.run(allreduce_ranks, timeout=QUICK) == [[3.0], [3.0]]  # still usable
+
+
+def test_three_ranks_where_one_differs(shared):
+    sess = shared(3)
+    specs = [("allreduce", "sum"), ("allreduce", "sum"), ("allgather",)]
+    got = sess.run(mismatched, specs, timeout=QUICK)
+    assert [kind for kind, _ in got] == ["CollectiveError"] * 3, got
+    assert all("allgather" in m and "allreduce" in m for _, m in got), got
+    assert sess.run(allreduce_ranks, timeout=QUICK) == [[6.0]] * 3
+
+
+TORCH_MISMATCHES = [
+    [("torch-allreduce", (4,), "float32", "sum"), ("torch-allreduce", (5,), "float32", "sum")],
+    [("torch-allreduce", (4,), "float32", "sum"), ("torch-allreduce", (4,), "float64", "sum")],
+    [("torch-allreduce", (4,), "float32", "sum"), ("torch-allreduce", (4,), "float32", "max")],
+    [("torch-allgather", (3,)), ("torch-allgather", (2, 2))],
+    [("torch-broadcast", 0), ("torch-broadcast", 1)],
+    [("torch-allreduce", (4,), "float32", "sum"), ("torch-allgather", (4,))],
+]
+
+
+@pytest.mark.parametrize("specs", TORCH_MISMATCHES,
+                         ids=["shape", "dtype", "op", "allgather-shape", "root", "kind"])
+def test_torch_backend_mismatch_raises_instead_of_aborting(shared, specs):
+    pytest.importorskip("torch.distributed")
+    sess = shared(2, collectives="torch")
+    got = sess.run(mismatched, specs, timeout=120)
+    for r, (kind, message) in enumerate(got):
+        assert kind == "CollectiveError", f"worker {r} returned {message} silently"
+    assert sess.run(torch_allreduce_ranks, timeout=120) == [[3.0], [3.0]]  # still usable
