@@ -151,6 +151,7 @@ class SharedSessions:
             sess = unison.Session(n, num_groups, **kw)
             self._open[key] = sess
             pids = sess.run(os.getpid)
+            pids += [psutil.Process(p).ppid() for p in pids]  # each worker's keeper too
             self.pids.update(pids)
             SharedSessions.alive.update(pids)
         return sess

@@ -46,6 +46,8 @@ def test_an_unknown_launcher_is_a_value_error():
 @pytest.mark.parametrize("kw", [
     {"env": {5: {"A": "1"}}},
     {"cpu_affinity": {7: [0]}},
+    {"cpu_affinity": {0: [4096]}},  # a CPU this machine lacks
+    {"cpu_affinity": {0: []}},
 ])
 def test_settings_for_a_rank_that_does_not_exist_are_a_value_error_and_leak_nothing(kw):
     gc.collect()
@@ -61,9 +63,27 @@ def test_settings_for_a_rank_that_does_not_exist_are_a_value_error_and_leak_noth
 
 
 @pytest.mark.parametrize("index", [2, 3, -3, 100])
-def test_a_worker_index_out_of_range_is_a_value_error(sess, index):
-    with pytest.raises(ValueError):
+def test_a_worker_index_out_of_range_is_an_index_error_like_a_sequence(sess, index):
+    with pytest.raises(IndexError):
         sess[index]
+
+
+def test_iterating_a_session_or_view_gives_one_view_per_worker_and_ends(make_session):
+    sess = make_session(3)
+    assert [v.workers for v in sess] == [(0,), (1,), (2,)]
+    assert [v.workers for v in sess[1:]] == [(1,), (2,)]
+    assert list(sess[0]) and len(list(sess)) == 3
+
+
+def test_numpy_integer_ranks_are_accepted_like_ints(make_session):
+    import numpy as np
+
+    sess = make_session(4, num_groups=2)
+    assert sess[np.int64(1)].workers == (1,)
+    assert sess.group(np.int32(1)).workers == (2, 3)
+    ref = sess.call(unison.rank)
+    assert ref.get(worker=np.uint8(3)) == 3
+    assert sess.run(unison.rank)[np.int64(2)] == 2
 
 
 def test_indexing_with_something_else_is_a_type_error(sess):
@@ -221,3 +241,29 @@ def test_a_negative_timeout_is_a_value_error(sess):
         sess.run(unison.rank, timeout=-1)
     assert ref.gather(timeout=10) == [1, 1]
     assert sess.run(unison.rank) == [0, 1]
+
+
+@pytest.mark.parametrize("env", [{0: "A=1"}, {0: ["A", "1"]}, {0: None}, {"0": {"A": "1"}}])
+def test_env_values_that_are_not_mappings_are_refused_before_any_worker_starts(env):
+    before = open_fds()
+    with pytest.raises((TypeError, ValueError)):
+        unison.Session(2, env=env)
+    gc.collect()
+    assert not open_fds() - before
+
+
+@pytest.mark.parametrize("shape", [(-3,), -1, (2, -1), (2.5,), "3"])
+def test_empty_with_a_bad_shape_is_refused(sess, shape):
+    with pytest.raises((TypeError, ValueError)):
+        sess.empty(shape)
+    assert sess.empty((2, 0)).shape == (2, 0)
+    assert sess.empty(3).shape == (3,)
+
+
+@pytest.mark.parametrize("values", [{0: "a", 1: "b"}, {"a", "b"}, "ab", b"ab"])
+def test_scatter_of_a_dict_set_or_string_is_a_type_error(sess, values):
+    with pytest.raises(TypeError, match="one per worker"):
+        sess.scatter(values)
+    with pytest.raises(TypeError, match="one per worker"):
+        sess.scatter_from(values)
+    assert sess.scatter(("a", "b")).gather() == ["a", "b"]

@@ -247,3 +247,49 @@ def test_a_forked_child_exiting_leaves_the_parents_workers_alone(make_session):
             os._exit(0)
     os.waitpid(pid, 0)
     assert sess.run(unison.rank) == [0, 1]
+
+
+# -- an error nobody fetched is not dropped at close() or exit --------------------------------
+
+
+def fails_on(rank, message):
+    if unison.rank() == rank:
+        raise ValueError(message)
+    return unison.rank()
+
+
+def test_close_warns_about_an_error_nobody_fetched_naming_call_and_worker(make_session):
+    sess = make_session(2)
+    sess.call(fails_on, 1, "nobody looked at this")
+    sess.call(unison.rank).gather()  # the failed call has run, its error is still unfetched
+    with pytest.warns(RuntimeWarning, match=r"fails_on raised ValueError: nobody looked at "
+                                            r"this on worker\(s\) \[1\]"):
+        sess.close()
+
+
+def test_close_does_not_warn_about_errors_that_were_fetched(make_session, recwarn):
+    sess = make_session(2)
+    ref = sess.call(fails_on, 0, "seen")
+    with pytest.raises(unison.WorkerError):
+        ref.gather()
+    sess.call(fails_on, 1, "seen at sync")
+    with pytest.raises(unison.WorkerError):
+        sess.sync()
+    sess.close()
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def test_interpreter_exit_warns_about_an_error_nobody_fetched(controller):
+    proc = controller("""
+        import unison
+
+        def boom():
+            raise KeyError("lost at exit")
+
+        sess = unison.Session(2)
+        sess.call(boom)
+        sess.run(unison.rank)
+    """)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "RuntimeWarning" in err and "boom raised KeyError" in err, err

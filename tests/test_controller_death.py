@@ -100,3 +100,56 @@ def test_processes_the_workers_started_exit_too(controller):
     pids = read_pids(proc)
     assert len(pids) == 4  # two workers, each with one child
     _assert_all_gone(_kill_and_time(proc, pids))
+
+
+# A worker stuck in one long C call holds the GIL: no Python thread of its own can run, so
+# the lifeline must not need one. Its grandchild left the process group (setsid) and
+# becomes an orphan once the worker dies: it must go too.
+CONTROLLER_WITH_WORKERS_HOLDING_THE_GIL = """
+    import os, subprocess, sys, time
+    import unison
+
+    def start_child():
+        child = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        return [os.getpid(), child.pid]
+
+    def hold_the_gil():
+        return sum(range(10**11))  # one C call, minutes long, never releases the GIL
+
+    sess = unison.Session(2)
+    pids = [p for pair in sess.run(start_child) for p in pair]
+    ref = sess.call(hold_the_gil)
+    time.sleep(0.3)  # let the call start
+    print(*pids, flush=True)
+    ref.gather()
+"""
+
+
+def test_workers_holding_the_gil_in_a_c_call_exit_with_their_children(controller):
+    proc = controller(CONTROLLER_WITH_WORKERS_HOLDING_THE_GIL)
+    pids = read_pids(proc)
+    assert len(pids) == 4  # two workers, each with one child in a session of its own
+    _assert_all_gone(_kill_and_time(proc, pids))
+
+
+# A session made in a thread that ends at once: nothing tied to the life of that thread
+# (e.g. PR_SET_PDEATHSIG set by a process the thread forked) may take the workers along.
+CONTROLLER_STARTING_IN_A_SHORT_THREAD = """
+    import os, threading, time
+    import unison
+
+    box = []
+    t = threading.Thread(target=lambda: box.append(unison.Session(2)))
+    t.start()
+    t.join()
+    time.sleep(0.5)  # the thread is gone
+    print(*box[0].run(os.getpid), flush=True)
+    box[0].close()
+    time.sleep(600)
+"""
+
+
+def test_a_session_made_in_a_short_lived_thread_outlives_that_thread(controller):
+    proc = controller(CONTROLLER_STARTING_IN_A_SHORT_THREAD)
+    pids = read_pids(proc)
+    assert len(pids) == 2

@@ -339,3 +339,81 @@ def test_a_value_that_cannot_be_pickled_back_fails_at_get_saying_so(sess):
     # The object is still on the workers and usable there.
     assert sess.run(lambda lock: lock.acquire(blocking=False), ref) == [True, True]
     assert sess.run(unison.rank) == [0, 1]
+
+
+# -- exceptions that plain pickle cannot rebuild ---------------------------------------------
+
+
+def test_an_exception_whose_init_does_not_take_its_args_back_arrives_as_itself(sess):
+    with pytest.raises(WorkerError) as info:
+        sess.run(raise_cannot_rebuild)
+    cause = info.value.__cause__
+    assert type(cause) is CannotRebuild
+    assert str(cause) == "1/2"
+
+
+def test_a_scripts_exception_with_a_non_trivial_init_arrives_with_its_attributes(tmp_path):
+    script = tmp_path / "script_with_a_validation_error.py"
+    script.write_text(
+        "import unison\n"
+        "class ValidationError(Exception):\n"
+        "    def __init__(self, field, msg):\n"
+        "        super().__init__(f'{field}: {msg}')\n"
+        "        self.field = field\n"
+        "def fail():\n"
+        "    raise ValidationError('age', 'must be positive')\n"
+        "with unison.Session(2) as sess:\n"
+        "    try:\n"
+        "        sess.run(fail)\n"
+        "    except unison.WorkerError as err:\n"
+        "        c = err.__cause__\n"
+        "        print('caught', type(c) is ValidationError, c.field, '|', c)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True, text=True, timeout=60, env=dict(os.environ), cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "caught True age | age: must be positive" in proc.stdout
+
+
+def test_an_exception_with_an_attribute_that_cannot_cross_is_a_remote_error(sess):
+    with pytest.raises(WorkerError) as info:
+        sess.run(raise_unpicklable)
+    cause = info.value.__cause__
+    assert type(cause) is unison.RemoteError
+    assert isinstance(cause, unison.UnisonError)
+    assert cause.type_name == "HoldsALock"
+    assert cause.message == "this exception holds a lock"
+    assert "lock" in cause.attributes and "lock" in cause.attributes["lock"]
+    assert "raise_unpicklable" in cause.traceback
+    assert sess.run(unison.rank) == [0, 1]
+
+
+def raise_from_a_module_only_the_worker_has(path):
+    sys.path.insert(0, path)
+    import only_on_this_worker  # the point: the controller cannot import it
+
+    only_on_this_worker.fail()
+
+
+def test_an_exception_whose_class_the_controller_cannot_import_is_a_remote_error(
+    make_session, tmp_path
+):
+    (tmp_path / "only_on_this_worker.py").write_text(
+        "class Unknown(Exception):\n"
+        "    def __init__(self, detail):\n"
+        "        super().__init__(f'detail is {detail}')\n"
+        "        self.detail = detail\n"
+        "def fail():\n"
+        "    raise Unknown([1, 2])\n"
+    )
+    sess = make_session(1)
+    with pytest.raises(WorkerError) as info:
+        sess.run(raise_from_a_module_only_the_worker_has, str(tmp_path))
+    cause = info.value.__cause__
+    assert type(cause) is unison.RemoteError
+    assert (cause.type_name, cause.message) == ("Unknown", "detail is [1, 2]")
+    assert cause.attributes == {"detail": "[1, 2]"}
+    assert "only_on_this_worker" in cause.traceback
+    assert "RemoteError" in unison.__all__

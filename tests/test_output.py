@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import unison
 
 LINES = 100
@@ -102,3 +104,57 @@ def test_output_printed_just_before_an_unclosed_session_exits_is_not_lost():
     )
     assert _lines_of(out, 0) == ["said at the very end"]
     assert _lines_of(out, 1) == ["said at the very end"]
+
+
+# Whatever the user puts in sys.stdout, the relay lives on, so a worker that prints more than
+# a pipe holds (64 KiB) never blocks. Each case prints over 1 MB per worker, twice.
+STDOUT_REPLACED = """
+    import sys
+    import unison
+
+    class NoFlush:
+        def __init__(self):
+            self.size = 0
+        def write(self, text):
+            self.size += len(text)
+
+    class Raising:
+        def write(self, text):
+            raise RuntimeError("this stream refuses")
+        def flush(self):
+            pass
+
+    def shout(n):
+        for _ in range(n):
+            print("x" * 1000)
+        return n
+
+    sess = unison.Session(2)
+    keep = sys.stdout
+    sys.stdout = REPLACEMENT
+    results = [sess.run(shout, 1200, timeout=60), sess.run(shout, 1200, timeout=60)]
+    got = sys.stdout
+    sys.stdout = keep
+    sess.close()
+    print("results", results, type(got).__name__, getattr(got, "size", None), flush=True)
+"""
+
+
+@pytest.mark.parametrize("replacement", ["NoFlush()", "Raising()", "None"])
+def test_the_relay_survives_any_stdout_and_never_blocks_the_workers(replacement):
+    out, err = _run_controller(STDOUT_REPLACED.replace("REPLACEMENT", replacement))
+    assert "results [[1200, 1200], [1200, 1200]]" in out, err
+    if replacement == "NoFlush()":
+        size = int(out.split("NoFlush")[1].split()[0])
+        assert size >= 2 * 2 * 1200 * 1000  # it got every line
+
+
+def test_a_huge_line_without_a_newline_is_relayed_in_pieces(capfd):
+    sess = unison.Session(1)
+    try:
+        sess.run(lambda: print("y" * 3_000_000, end="", flush=True))
+    finally:
+        sess.close()
+    out, _ = capfd.readouterr()
+    relayed = "".join(line.removeprefix("[worker 0] ") for line in out.splitlines())
+    assert relayed == "y" * 3_000_000

@@ -165,8 +165,36 @@ def test_pipe_channel_moves_buffers_too(make_session) -> None:  # type: ignore[n
     a = np.arange(1 << 20, dtype=np.float32)
     assert s.run(_sum, a) == [float(a.sum())] * 2
     assert s.run(len, _big_bytes(1 << 21)) == [1 << 21] * 2
-    b = s.empty(10, np.int8)  # an ordinary array there
+    b = s.empty(10, np.int8)  # shared there too (the pipe channel owns an arena)
     assert s.run(lambda x: x.shape, b) == [(10,), (10,)]
+
+
+def _mark(x: np.ndarray) -> None:
+    x[unison.rank()] = unison.rank() + 1
+
+
+@pytest.mark.parametrize("channel", ["shm", "pipe"])
+@pytest.mark.parametrize("size", [2, 100, 8191])
+def test_workers_write_small_shared_arrays_and_their_slices(
+    make_session, channel: str, size: int  # type: ignore[no-untyped-def]
+) -> None:
+    s = make_session(2, channel=channel)
+    a = s.empty(size, np.int64)  # well under the 64 KiB out-of-band threshold
+    a[:] = 0
+    s.run(_mark, a)
+    assert a[:2].tolist() == [1, 2]
+    a[:] = 0
+    s.run(_mark, a[size - 2 :])  # a contiguous slice, just as small
+    assert a[size - 2 :].tolist() == [1, 2]
+    s.run(_mark, s.put(a))  # put, too, shares it
+    assert a[:2].tolist() == [1, 2]
+
+
+def test_a_small_ordinary_array_stays_in_band_and_private(sess: unison.Session) -> None:
+    a = np.zeros(4, np.int64)
+    top = _arena_top(sess)
+    sess.run(_mark, a)
+    assert a.tolist() == [0, 0, 0, 0] and _arena_top(sess) == top
 
 
 def test_function_is_pickled_once(sess: unison.Session, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -174,3 +174,89 @@ def test_an_error_behind_a_timed_out_run_surfaces_at_sync(sess):
     with pytest.raises(WorkerError, match="run gave up waiting"):
         sess.sync()
     assert sess.sync() is None
+
+
+# -- a timeout bounds the whole method, even behind a sender blocked on a full queue ----------
+
+BLOB = b"x" * 400_000  # in-band: five of these fill the shared-memory command ring
+
+
+def _fill_until_blocked(sess, worker, stop_at):
+    """Send to a busy worker until the command queue is full (the call blocks)."""
+    sent = 0
+    while time.monotonic() < stop_at:
+        sess[worker].put(BLOB)
+        sent += 1
+    return sent
+
+
+@pytest.mark.parametrize("channel", ["shm"])
+def test_a_get_timeout_holds_while_another_thread_is_blocked_sending(make_session, channel):
+    sess = make_session(2, channel=channel)
+    sess[0].call(time.sleep, 3.0)
+    other = sess[1].call(unison.rank)
+    blocked = threading.Event()
+    outcome = {}
+
+    def flood():
+        try:
+            blocked.set()
+            for _ in range(40):  # 16 MB: far more than the ring holds
+                sess[0].put(BLOB)
+        except BaseException as exc:
+            outcome["exc"] = exc
+
+    sender = threading.Thread(target=flood, daemon=True)
+    sender.start()
+    blocked.wait()
+    time.sleep(0.3)  # the sender is now waiting for room, holding the send lock
+    for wait in (lambda: other.get(worker=1, timeout=0.5), lambda: sess.sync(timeout=0.5),
+                 lambda: sess.run(unison.rank, timeout=0.5)):
+        assert _timed(wait) < 0.5 + 0.5
+    sender.join(10)
+    assert not sender.is_alive()
+    assert "exc" not in outcome, outcome  # the flood got through once the worker woke
+    assert other.get(worker=1, timeout=10) == 1
+
+
+@pytest.mark.parametrize("channel", ["shm"])
+def test_send_timeout_gives_a_single_threaded_program_a_way_out(make_session, channel):
+    sess = make_session(2, channel=channel, send_timeout=0.5)
+    sess[0].call(time.sleep, 2.0)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="Nothing of it was sent"):
+        _fill_until_blocked(sess, 0, start + 30)
+    assert time.monotonic() - start < 10
+    # the message that timed out was not half-sent: the session goes on, in lockstep
+    assert sess.run(unison.rank, timeout=30) == [0, 1]
+    assert sess.put(7).gather(timeout=30) == [7, 7]
+
+
+def test_bad_timeouts_are_refused_before_anything_changes(sess):
+    ref = sess.call(unison.rank)
+    for bad, kind in ((float("nan"), ValueError), (-1, ValueError), ("1", TypeError),
+                      (True, TypeError), ([1], TypeError)):
+        for wait in (lambda t: ref.get(timeout=t), lambda t: ref.gather(timeout=t),
+                     lambda t: sess.sync(timeout=t), lambda t: sess.run(unison.rank, timeout=t)):
+            with pytest.raises(kind):
+                wait(bad)
+        with pytest.raises(kind):
+            sess.close(timeout=bad)
+        assert not sess.closed
+    with pytest.raises(ValueError, match="finite"):
+        sess.close(timeout=float("inf"))
+    assert not sess.closed
+    # an infinite wait is simply no deadline, and numpy numbers count as numbers
+    import numpy as np
+
+    assert ref.gather(timeout=float("inf")) == [0, 1]
+    assert ref.gather(timeout=np.float32(5)) == [0, 1]
+    assert ref.get(timeout=np.int64(5)) == 0
+    assert sess.run(unison.rank) == [0, 1]
+
+
+def test_bad_session_timeouts_are_refused_before_any_worker_starts(make_session):
+    for kw in ({"start_timeout": float("nan")}, {"start_timeout": -1},
+               {"send_timeout": -0.5}, {"send_timeout": "soon"}):
+        with pytest.raises((TypeError, ValueError)):
+            make_session(2, **kw)

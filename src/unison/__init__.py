@@ -19,7 +19,7 @@ from unison.collective import (
     send,
     send_to_next_group,
 )
-from unison.errors import SessionClosed, UnisonError, WorkerDied, WorkerError
+from unison.errors import RemoteError, SessionClosed, UnisonError, WorkerDied, WorkerError
 from unison.refs import Ref
 from unison.session import Session, View
 from unison.worker import group, group_rank, group_size, rank, world_size
@@ -29,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CollectiveError",
     "Ref",
+    "RemoteError",
     "Session",
     "SessionClosed",
     "UnisonError",

@@ -3,6 +3,8 @@
     Exception
      └── UnisonError
           ├── WorkerError     a worker's function raised; the session stays usable
+          ├── RemoteError     stands in (as WorkerError's cause) for a worker's exception
+          │                   that could not be rebuilt on the controller
           ├── WorkerDied      a worker process died; the session is closed
           └── SessionClosed   the session was closed (by close(), or by a death)
 
@@ -14,7 +16,16 @@ from __future__ import annotations
 
 import signal
 
-__all__ = ["SessionClosed", "UnisonError", "WorkerDied", "WorkerError"]
+__all__ = ["RemoteError", "SessionClosed", "UnisonError", "WorkerDied", "WorkerError"]
+
+EXIT_CONTROLLER_GONE = 75
+"""The exit code of a worker that stopped itself because its controller went away (its
+lifeline closed): it says so, rather than passing for a crash or the OOM killer."""
+
+MESSAGE_LINES = 20
+"""How many of a dead worker's last stderr lines WorkerDied's message shows ..."""
+MESSAGE_LINE_CHARS = 1000
+"""... each cut at this many characters (``.output`` keeps the launcher's whole tail)."""
 
 
 class UnisonError(Exception):
@@ -39,33 +50,71 @@ class WorkerError(UnisonError):
         return (type(self), (self.args[0], self.worker, self.errors))
 
 
+class RemoteError(UnisonError):
+    """A worker's exception that could not be rebuilt on the controller (its class does not
+    import here, or it will not pickle even by value). It is the ``__cause__`` of the
+    WorkerError, in place of the original.
+
+    ``.type_name`` is the original class's qualified name, ``.message`` its ``str()``,
+    ``.traceback`` the remote traceback as text and ``.attributes`` maps each of the
+    exception's attributes to its ``repr()``.
+    """
+
+    def __init__(self, type_name: str, message: str, traceback: str = "",
+                 attributes: dict[str, str] | None = None) -> None:
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+        self.message = message
+        self.traceback = traceback
+        self.attributes = dict(attributes or {})
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.type_name, self.message, self.traceback, self.attributes))
+
+
 class WorkerDied(UnisonError):
     """A worker process died or vanished, so the lockstep is broken and the session is closed.
 
     ``.worker`` is its rank and ``.exitcode`` its exit status, negative for a signal as in
     ``subprocess`` (-9: SIGKILL, often the OOM killer; -11: SIGSEGV, a crash in native code).
-    ``.output`` holds the last lines it wrote to stderr, also shown in the message. Every later
-    use of the session raises SessionClosed with this error as its ``__cause__``.
+    ``.output`` holds the tail of what it wrote to stderr (bounded by the launcher); the
+    message shows only its last 20 lines, each cut at 1,000 characters, so that it stays
+    readable however much the worker wrote. ``.reason``, when unison knows why the worker
+    ended (e.g. it was stopped by unison itself), replaces the guess from the exit code.
+    Every later use of the session raises SessionClosed with this error as its ``__cause__``.
     """
 
-    def __init__(self, worker: int, exitcode: int | None, output: str = "", during: str = ""):
+    def __init__(self, worker: int, exitcode: int | None, output: str = "", during: str = "",
+                 reason: str = ""):
         self.worker = worker
         self.exitcode = exitcode
         self.output = output
-        super().__init__(self._describe(during))
+        self.during = during
+        self.reason = reason
+        super().__init__(self._describe())
 
-    def _describe(self, during: str) -> str:
+    def _describe(self) -> str:
         what = f"worker {self.worker} died"
-        if during:
-            what += f" while {during}"
-        msg = f"{what}: {describe_exitcode(self.exitcode)}. The session is closed."
-        if self.output:
-            tail = "\n".join("    " + line for line in self.output.rstrip("\n").splitlines())
+        if self.during:
+            what += f" while {self.during}"
+        cause = describe_exitcode(self.exitcode, known=bool(self.reason))
+        if self.reason:
+            cause += f": {self.reason}"
+        msg = f"{what}: {cause}. The session is closed."
+        lines = self.output.rstrip("\n").splitlines()[-MESSAGE_LINES:]
+        if lines:
+            tail = "\n".join("    " + _cut(line) for line in lines)
             msg += f"\nLast lines worker {self.worker} wrote to stderr:\n{tail}"
         return msg
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.worker, self.exitcode, self.output))
+        return (type(self), (self.worker, self.exitcode, self.output, self.during, self.reason))
+
+
+def _cut(line: str) -> str:
+    if len(line) <= MESSAGE_LINE_CHARS:
+        return line
+    return f"{line[:MESSAGE_LINE_CHARS]}... ({len(line) - MESSAGE_LINE_CHARS} more characters)"
 
 
 class SessionClosed(UnisonError):
@@ -73,10 +122,14 @@ class SessionClosed(UnisonError):
     the WorkerDied). Open a new Session to go on."""
 
 
-def describe_exitcode(code: int | None) -> str:
-    """Turn an exit status into the likely cause, the way a user would want to read it."""
+def describe_exitcode(code: int | None, known: bool = False) -> str:
+    """Turn an exit status into the likely cause, the way a user would want to read it.
+    With ``known`` (the caller knows the cause), the status is told without guessing."""
     if code is None:
         return "it stopped answering (exit status unknown)"
+    if code == EXIT_CONTROLLER_GONE and not known:
+        return (f"exited with code {code}: it stopped itself because its lifeline to the "
+                "controller closed (the controller went away, or closed the worker's stdin)")
     if code < 0:
         try:
             name = signal.Signals(-code).name
@@ -89,5 +142,7 @@ def describe_exitcode(code: int | None) -> str:
             "SIGBUS": " (a bad memory access, e.g. to a truncated mapping)",
             "SIGTERM": " (terminated from outside)",
         }.get(name, "")
+        if known:
+            hint = ""
         return f"killed by {name} (exit code {code}){hint}"
     return f"exited with code {code}"

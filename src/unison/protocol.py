@@ -2,13 +2,13 @@
 
     controller                                   worker
     ----------                                   ------
-    (CALL,  frees, ref_id, fn_id, args, kwargs) -> regs[ref_id] = fns[fn_id](*args, **kwargs)
+    (CALL,  frees, ref_id, fn_id, args, ranks)  -> regs[ref_id] = fns[fn_id](*args, **kwargs)
     (DEFINE, frees, fn_id, fn_pickle)           -> fns[fn_id] = loads(fn_pickle)
     (PUT,   frees, ref_id, value)               -> regs[ref_id] = value
     (GET,   frees, req_id, ref_id)              -> reply (req_id, OK, regs[ref_id])
     (SYNC,  frees, req_id)                      -> reply (req_id, OK, [unreported errors])
     (NOP,   frees)                              -> nothing (carries frees to every worker)
-    (SHUTDOWN, frees)                           -> leave the loop
+    (SHUTDOWN, frees, req_id)                   -> reply like SYNC, then leave the loop
                               reply <- (req_id, OK | ERR, payload)
 
 Every message is one tuple, pickled once whatever the number of workers. ``frees`` is a
@@ -32,6 +32,10 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
+from unison.channel import Reply
+from unison.channel import arena as _arena
+from unison.errors import RemoteError
+
 if TYPE_CHECKING:
     from unison.refs import Ref
 
@@ -44,7 +48,8 @@ _local = threading.local()
 
 
 OOB_MIN = 1 << 16
-"""Buffers (numpy arrays, PickleBuffers) this large travel out of band, beside the pickle."""
+"""Buffers (numpy arrays, PickleBuffers) this large travel out of band, beside the pickle;
+so do smaller ones that lie in a shared array (``sess.empty``)."""
 
 
 def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None) -> bytes:
@@ -56,7 +61,10 @@ def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None) -> byte
         start = len(buffers)
 
         def callback(pb: pickle.PickleBuffer) -> bool:
-            if pb.raw().nbytes < OOB_MIN:
+            raw = pb.raw()
+            # a shared array (sess.empty) goes by reference whatever its size, or the
+            # workers' writes to it would be lost
+            if raw.nbytes < OOB_MIN and not (_arena._shared_ranges and _arena.is_shared(raw)):
                 return True
             buffers.append(pb)
             return False
@@ -131,7 +139,10 @@ def dumps_with_refs(obj: object) -> tuple[bytes, list[pickle.PickleBuffer], list
         _local.refs = None
 
 
-def loads(data: bytes | memoryview, buffers: list[Any] | None = None) -> Any:
+def loads(data: bytes | memoryview | Reply, buffers: list[Any] | None = None) -> Any:
+    """Unpickle a message; a channel's ``Reply`` brings its own out-of-band buffers."""
+    if isinstance(data, tuple):
+        data, buffers = data
     return pickle.loads(data, buffers=buffers)
 
 
@@ -178,37 +189,99 @@ def _lookup(ref_id: int) -> Any:
 # -- errors across the process boundary -------------------------------------------------------
 
 
-class RemoteError(Exception):
-    """Stands in for a worker's exception that could not be pickled back."""
-
-
 def pack_error(exc: BaseException, where: str) -> tuple[bytes | None, str, str, str, str]:
-    """A worker-side exception as (pickled exception or None, type, message, traceback, where)."""
+    """A worker-side exception as (blob, type, message, traceback, where).
+
+    The blob always unpickles (see unpack_error): it holds the exception pickled as well as
+    it can be (plainly, else by value with cloudpickle, else rebuilt from its class, args and
+    attributes), beside a RemoteError that stands in for it where that cannot be loaded."""
     try:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     except Exception as broken:  # a user exception whose str() or repr() itself raises
         tb = f"(the traceback could not be formatted: {type(broken).__name__}: {broken})\n"
     exc.__traceback__ = None  # frames hold locals that may not pickle, and they are in tb
-    blob: bytes | None
-    try:
-        blob = dumps(exc)
-        pickle.loads(blob)
-    except Exception:
-        blob = None
     try:
         message = str(exc)
     except Exception:
         message = f"<str() of this {type(exc).__qualname__} failed>"
-    return (blob, type(exc).__qualname__, message, tb, where)
+    type_name = type(exc).__qualname__
+    attributes = {k: _safe_repr(v) for k, v in _attributes(exc).items()}
+    stand_in = RemoteError(type_name, message, tb, attributes)
+    blob: bytes | None = None
+    for make in (dumps, _dumps_by_value, _dumps_rebuilt):
+        try:
+            candidate = make(exc)
+            if _loads_exception(candidate) is not None:
+                blob = candidate
+                break
+        except BaseException:  # a __reduce__ may raise anything, even SystemExit
+            continue
+    return (pickle.dumps((blob, stand_in), protocol=5), type_name, message, tb, where)
 
 
 def unpack_error(error: tuple[Any, ...]) -> BaseException:
-    blob, type_name, message = error[0], error[1], error[2]
-    if blob is not None:
+    """The worker's exception, rebuilt; or the RemoteError standing in for it."""
+    packed, type_name, message = error[0], error[1], error[2]
+    stand_in: BaseException = RemoteError(type_name, message, error[3] if len(error) > 3 else "")
+    if packed is not None:
         try:
-            exc = pickle.loads(blob)
-            if isinstance(exc, BaseException):
-                return exc
+            blob, stand_in = pickle.loads(packed)
         except Exception:
-            pass
-    return RemoteError(f"{type_name}: {message}")
+            blob = None
+        if blob is not None:
+            exc = _loads_exception(blob)
+            if exc is not None:
+                return exc
+    return stand_in
+
+
+def _loads_exception(blob: bytes) -> BaseException | None:
+    try:
+        obj = pickle.loads(blob)
+    except Exception:
+        return None
+    return obj if isinstance(obj, BaseException) else None
+
+
+def _dumps_by_value(exc: BaseException) -> bytes:
+    out: bytes = cloudpickle.dumps(exc, protocol=5)
+    return out
+
+
+def _dumps_rebuilt(exc: BaseException) -> bytes:
+    """For an exception whose ``__init__`` does not take its ``args`` back (so that pickle's
+    ``cls(*args)`` fails): its class, args and attributes, rebuilt without calling
+    ``__init__``. An attribute that will not pickle fails it (RemoteError then shows every
+    attribute's repr), rather than arriving silently without it."""
+    return dumps(_Rebuild(type(exc), exc.args, _attributes(exc)))
+
+
+class _Rebuild:
+    """Pickles as a call that rebuilds an exception from its parts."""
+
+    def __init__(self, cls: type[BaseException], args: tuple[Any, ...],
+                 state: dict[str, Any]) -> None:
+        self.parts = (cls, args, state)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_exception, self.parts)
+
+
+def _rebuild_exception(cls: type[BaseException], args: tuple[Any, ...],
+                       state: dict[str, Any]) -> BaseException:
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
+
+def _attributes(exc: BaseException) -> dict[str, Any]:
+    return dict(getattr(exc, "__dict__", None) or {})
+
+
+def _safe_repr(value: object) -> str:
+    try:
+        text = repr(value)
+    except Exception as broken:
+        return f"<repr() failed: {type(broken).__name__}>"
+    return text if len(text) <= 1000 else text[:1000] + "..."

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from unison import protocol
+from unison.deadline import deadline as _deadline
 
 if TYPE_CHECKING:
     from unison.session import Session
@@ -31,11 +32,11 @@ class Ref:
         """One worker's value, copied to the controller. ``worker`` is a global rank and
         defaults to the first of this Ref's workers."""
         rank = self.workers[0] if worker is None else self._session._check_rank(worker, self)
-        return self._session._fetch(self, (rank,), timeout)[0]
+        return self._session._fetch(self, (rank,), _deadline(timeout))[0]
 
     def gather(self, *, timeout: float | None = None) -> list[Any]:
         """Every worker's value, as a list in rank order (even for one worker)."""
-        return self._session._fetch(self, self.workers, timeout)
+        return self._session._fetch(self, self.workers, _deadline(timeout))
 
     def free(self) -> None:
         """Free the workers' objects now (with the next message). Idempotent."""

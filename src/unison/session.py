@@ -19,23 +19,26 @@ from __future__ import annotations
 import atexit
 import collections
 import itertools
+import math
+import operator
 import os
 import pickle
 import secrets
 import sys
 import threading
 import time
+import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from types import BuiltinFunctionType, FunctionType
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
-
-import cloudpickle
 
 from unison import channel as channels
 from unison import collective, protocol
 from unison.collective import shm as collective_shm
+from unison.deadline import deadline as _deadline
+from unison.deadline import seconds as _seconds
 from unison.errors import SessionClosed, WorkerDied, WorkerError
+from unison.fncache import FunctionCache, pickle_function
 from unison.launch.local import LocalLauncher
 from unison.protocol import CALL, DEFINE, GET, NOP, OK, PUT, SHUTDOWN, SYNC
 from unison.refs import Ref
@@ -44,7 +47,6 @@ __all__ = ["Session", "View"]
 
 _NO_BUFFERS: list[pickle.PickleBuffer] = []
 _FN_CACHE = 512  # functions kept defined on the workers; older ones are freed
-_CACHEABLE = frozenset({FunctionType, BuiltinFunctionType})
 _SLICE = 0.5  # longest single sleep of a wait, so close() and deadlines are noticed
 _names = itertools.count()
 _live: weakref.WeakSet[Session] = weakref.WeakSet()
@@ -59,7 +61,7 @@ class _Pending:
         self.req_id = req_id
         self.ref_id = ref_id  # for GET: whose value (or error) the replies carry
         self.remaining = count
-        self.replies: dict[int, bytes] = {}
+        self.replies: dict[int, bytes | channels.Reply] = {}
         self.abandoned = False  # its wait timed out: errors in late replies must be kept
         self.salvaged: set[int] = set()
 
@@ -75,17 +77,19 @@ class View:
 
     def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Ref:
         """Run ``fn(*args, **kwargs)`` on every worker of the view; return a Ref at once."""
-        return self._session._call(self.workers, fn, args, kwargs)
+        session = self._session
+        return session._call(self.workers, fn, args, kwargs, session._send_deadline())
 
     def run(
         self, fn: Callable[..., Any], /, *args: Any, timeout: float | None = None, **kwargs: Any
     ) -> list[Any]:
         """``call`` then ``gather``: every worker's result, in rank order."""
-        if timeout is not None:
-            _deadline(timeout)  # a bad timeout is refused before anything is sent
-        ref = self._session._call(self.workers, fn, args, kwargs)
+        session = self._session
+        deadline = _deadline(timeout)  # a bad timeout is refused before anything is sent
+        send_by = session._send_deadline() if deadline is None else deadline
+        ref = session._call(self.workers, fn, args, kwargs, send_by)
         try:
-            return ref.gather(timeout=timeout)
+            return session._fetch(ref, ref.workers, deadline)
         finally:
             ref.free()
 
@@ -95,7 +99,7 @@ class View:
 
     def scatter(self, values: Sequence[Any]) -> Ref:
         """One value per worker of the view, in rank order."""
-        values = list(values)
+        values = _values_per_worker(values, "scatter")
         if len(values) != len(self.workers):
             raise ValueError(
                 f"scatter needs one value per worker: got {len(values)} values for "
@@ -110,6 +114,11 @@ class View:
 
     def __len__(self) -> int:
         return len(self.workers)
+
+    def __iter__(self) -> Iterator[View]:
+        """One view per worker, in rank order."""
+        session = self._session
+        return iter([View(session, (r,)) for r in self.workers])
 
     def __getitem__(self, key: object) -> View:
         raise TypeError(
@@ -139,10 +148,20 @@ class Session(View):
         cpu_affinity: bool | Mapping[int, Iterable[int]] | None = None,
         collectives: str = "shm",
         start_timeout: float = 60.0,
+        send_timeout: float | None = None,
     ) -> None:
+        """``send_timeout`` bounds how long ``call``, ``put`` and ``scatter`` may block when
+        the workers fall behind and the command queue is full (TimeoutError; nothing of that
+        message was sent). None waits as long as it takes."""
         _check_sizes(num_workers, num_groups)
         if launcher != "local":
             raise ValueError(f"unknown launcher {launcher!r}: use 'local'")
+        if collectives not in ("shm", "torch"):
+            raise ValueError(f"unknown collectives backend {collectives!r}: use 'shm' or 'torch'")
+        start_deadline = _deadline(start_timeout, "start_timeout")
+        _deadline(send_timeout, "send_timeout")
+        cpus = _cpu_plan(num_workers, cpu_affinity)
+        envs = _check_env(num_workers, env)
         self.num_workers = num_workers
         self.num_groups = num_groups
         self.name = f"unison-{os.getpid()}-{next(_names)}-{secrets.token_hex(3)}"
@@ -151,12 +170,10 @@ class Session(View):
         self._owner = os.getpid()
         self._stopping = False
         self._dead: WorkerDied | None = None
+        self._send_timeout = None if send_timeout == math.inf else send_timeout
         self._ids = itertools.count(1)
         self._frees: collections.deque[int] = collections.deque()
-        # fn -> (its id on the workers, what its by-value pickle captured, or None)
-        self._fns: collections.OrderedDict[Callable[..., Any], tuple[int, Any]] = (
-            collections.OrderedDict()
-        )
+        self._fns = FunctionCache(_FN_CACHE)
         self._expect: list[collections.deque[_Pending]] = [
             collections.deque() for _ in range(num_workers)
         ]
@@ -170,15 +187,13 @@ class Session(View):
         self._launcher = LocalLauncher()
         self._procs = self._launcher.workers
         self._pidfds: list[int] = []
-        cpus = _cpu_plan(num_workers, cpu_affinity)
-        envs = _check_env(num_workers, env)
-        if collectives not in ("shm", "torch"):
-            raise ValueError(f"unknown collectives backend {collectives!r}: use 'shm' or 'torch'")
-        self._chan = channels.create(channel, num_workers, self.name)
-        self._coll_fd, _ = collective_shm.create(self.name, num_workers, num_groups)
-        coll_spec = {"fd": self._coll_fd, "backend": collectives,
-                     "torch_address": _free_address() if collectives == "torch" else None}
         try:
+            self._chan = channels.create(channel, num_workers, self.name)
+            coll_spec = None
+            if hasattr(os, "memfd_create"):  # else no collectives: they say so when called
+                self._coll_fd, _ = collective_shm.create(self.name, num_workers, num_groups)
+                coll_spec = {"fd": self._coll_fd, "backend": collectives,
+                             "torch_address": _free_address() if collectives == "torch" else None}
             inits, fds = [], []
             for rank in range(num_workers):
                 spec, rank_fds = self._chan.endpoint(rank)
@@ -187,7 +202,7 @@ class Session(View):
                     "sys_path": list(sys_path()), "channel": spec, "cpus": cpus.get(rank),
                     "collective": coll_spec,
                 })
-                fds.append([*rank_fds, self._coll_fd])
+                fds.append([*rank_fds, self._coll_fd] if self._coll_fd >= 0 else rank_fds)
             ready = _Pending(protocol.READY_REQ, num_workers)
             for q in self._expect:
                 q.append(ready)
@@ -195,7 +210,7 @@ class Session(View):
             self._launcher.start(inits, fds, envs)
             self._pidfds = [w.pidfd for w in self._procs if w.pidfd is not None]
             self._chan.started(self._pidfds)
-            self._wait(ready, _deadline(start_timeout), "starting")
+            self._wait(ready, start_deadline, "starting")
         except BaseException:
             self._shutdown(0)
             raise
@@ -218,14 +233,18 @@ class Session(View):
                     f"sess[{key.start}:{key.stop}] selects no worker of {self.num_workers}"
                 )
             return View(self, ranks)
-        if isinstance(key, int) and not isinstance(key, bool):
-            return View(self, (self._check_rank(key),))
-        raise TypeError(f"index a session with an int rank or a slice, not {type(key).__name__}")
+        rank = _as_rank(key, "index a session with an int rank or a slice")
+        if not -self.num_workers <= rank < self.num_workers:
+            raise IndexError(
+                f"worker index {rank} is out of range for a session of {self.num_workers} workers"
+            )
+        return View(self, (rank % self.num_workers,))
 
     def group(self, g: int) -> View:
         """The workers of group ``g``: ranks g*size .. (g+1)*size - 1."""
         self._check_open()
-        if not isinstance(g, int) or not 0 <= g < self.num_groups:
+        g = _as_rank(g, "a group is named by an int")
+        if not 0 <= g < self.num_groups:
             raise ValueError(f"group must be an int in 0..{self.num_groups - 1}, got {g!r}")
         size = self.num_workers // self.num_groups
         return View(self, tuple(range(g * size, (g + 1) * size)))
@@ -242,7 +261,7 @@ class Session(View):
         """Send the list ``values`` to worker ``src`` alone, then scatter it from there:
         worker r ends up with ``values[r]``."""
         src = self._check_rank(src)
-        values = list(values)
+        values = _values_per_worker(values, "scatter_from")
         if len(values) != self.num_workers:
             raise ValueError(f"scatter_from needs one value per worker ({self.num_workers})")
         return self.call(collective.scatter, self._one_on(src, values), src)
@@ -262,18 +281,23 @@ class Session(View):
 
         Passing it, or any contiguous slice of it, to ``call``, ``put`` or ``scatter`` sends
         no copy: each worker maps the same memory, so workers can also fill it in place for
-        the controller to read. (Other large arrays reach the workers after one copy, as
-        private copy-on-write pages.) With the pipe channel it is an ordinary array and is
-        copied like any other."""
+        the controller to read, at any size. (Other large arrays reach the workers after
+        one copy, as private copy-on-write pages.) The pipe channel shares it too; where
+        there is no memfd to share it with, this raises rather than hand out a copy."""
         import numpy as np
 
         self._check_open()
         dt = np.dtype(dtype)
-        shape_t = (shape,) if isinstance(shape, int) else tuple(shape)
+        shape_t = _shape(shape)
         count = int(np.prod(shape_t, dtype=np.int64))
         arena = getattr(self._chan, "arena", None)
-        if arena is None or count * dt.itemsize == 0:
+        if count * dt.itemsize == 0:
             return np.empty(shape_t, dt)
+        if arena is None:
+            raise RuntimeError(
+                "sess.empty needs shared memory (memfd), which this platform lacks: "
+                "send the array with put/scatter and fetch the workers' results instead"
+            )
         with self._send_lock:
             self._check_open()
             mm = arena.shared_array(count * dt.itemsize)
@@ -287,8 +311,12 @@ class Session(View):
 
     def close(self, timeout: float = 3.0) -> None:
         """Let calls in flight finish for up to ``timeout`` seconds, then stop every worker.
+        Errors of calls that nobody fetched are not lost: each becomes a RuntimeWarning.
         Idempotent."""
-        self._shutdown(timeout)
+        grace = _seconds(timeout, "timeout")
+        if grace == math.inf:
+            raise ValueError("close(timeout=...) needs a finite number of seconds")
+        self._shutdown(grace)
 
     def _shutdown(self, grace: float) -> None:
         with self._state_lock:
@@ -299,22 +327,70 @@ class Session(View):
         if os.getpid() != self._owner:
             return  # a forked child's copy: the workers belong to the parent, leave them be
         deadline = time.monotonic() + grace
+        goodbye = None
         # a thread blocked sending (to busy workers) holds the send lock: don't wait past grace
         if grace > 0 and self._dead is None and self._send_lock.acquire(timeout=grace):
             try:
-                self._chan.send(pickle.dumps((SHUTDOWN, None)), self.workers)
-            except OSError:
-                pass
+                # the workers answer SHUTDOWN with their unreported errors, read below
+                goodbye = _Pending(next(self._ids), self.num_workers)
+                goodbye.abandoned = True
+                for q in self._expect:
+                    q.append(goodbye)
+                self._chan.send(pickle.dumps((SHUTDOWN, None, goodbye.req_id)), self.workers,
+                                deadline=deadline)
+            except OSError:  # TimeoutError too: the workers are stopped all the same
+                goodbye = None
             finally:
                 self._send_lock.release()
         self._launcher.stop(max(0.0, deadline - time.monotonic()))
         # the workers are gone, so a sender still inside the channel fails out of it at once
         with self._send_lock, self._recv_lock:
-            self._chan.close()
+            if goodbye is not None:
+                self._drain()
+            if hasattr(self, "_chan"):  # else the channel's own creation failed
+                self._chan.close()
         if self._coll_fd >= 0:
             os.close(self._coll_fd)
             self._coll_fd = -1
         _live.discard(self)
+        self._warn_unreported()
+
+    def _drain(self) -> None:
+        """The workers are gone: read the replies they left, keeping the errors they carry."""
+        try:
+            while any(self._expect):
+                batch = self._chan.recv(0.0, ())
+                if not batch:
+                    return
+                for rank, data in batch:
+                    if data is None or not self._expect[rank]:
+                        continue
+                    p = self._expect[rank].popleft()
+                    p.replies[rank] = data
+                    p.remaining -= 1
+                    if p.abandoned:
+                        self._salvage(p, rank)
+        except (OSError, ValueError):
+            pass
+
+    def _warn_unreported(self) -> None:
+        """Errors that nobody fetched are said out loud, as asyncio does for a task's."""
+        with self._state_lock:
+            lost, self._unreported = self._unreported, {}
+        for ref_id in sorted(lost):
+            errors = lost[ref_id]
+            ranks = sorted(errors)
+            err = errors[ranks[0]]
+            where = f" of {err[4]}" if len(err) > 4 and err[4] else ""
+            try:
+                warnings.warn(
+                    f"call #{ref_id}{where} raised {err[1]}: {err[2]} on worker(s) {ranks}, and "
+                    f"nobody fetched that error before {self.name} closed: get/gather its Ref "
+                    "or call sess.sync() to see errors as they happen",
+                    RuntimeWarning, stacklevel=4,
+                )
+            except Exception:  # interpreter shutdown: nowhere left to say it
+                return
 
     def __enter__(self) -> Session:
         return self
@@ -334,7 +410,7 @@ class Session(View):
 
     def _call(
         self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        kwargs: dict[str, Any], deadline: float | None = None,
     ) -> Ref:
         if self._closed:
             self._check_open()
@@ -344,37 +420,49 @@ class Session(View):
         if args or kwargs:
             blob, bufs = self._encode_args(ranks, fn, args, kwargs)
         ref_id = next(self._ids)
-        with self._send_lock:
-            entry = self._fns.get(fn) if type(fn) in _CACHEABLE else None
-            if entry is not None and (entry[1] is None or entry[1] == _fingerprint(fn)):
-                fn_id, cached = entry[0], True
-                self._fns.move_to_end(fn)
-            else:
-                fn_id, cached = self._define(fn)
-            self._send(CALL, (ref_id, fn_id, blob, None if ranks == self.workers else ranks),
-                       ranks, bufs)
-            if not cached:
-                self._frees.append(fn_id)  # dropped with the next message, after this call
+        self._lock_send(deadline)
+        try:
+            fn_id, fresh = self._fns.lookup(fn)
+            cached = True
+            if not fn_id:
+                fn_id, cached = self._define(fn, fresh, deadline)
+            try:
+                self._send(CALL, (ref_id, fn_id, blob, None if ranks == self.workers else ranks),
+                           ranks, bufs, deadline)
+            finally:
+                if not cached:
+                    self._frees.append(fn_id)  # dropped with the next message, after this call
+        finally:
+            self._send_lock.release()
         return Ref(self, ref_id, ranks)
 
     def _put(self, ranks: tuple[int, ...], values: list[Any]) -> Ref:
+        if self._closed:
+            self._check_open()
+        deadline = self._send_deadline()
         ref_id = next(self._ids)
         blobs = [self._encode_value(v, what) for v, what in _labelled(values)]
-        with self._send_lock:
+        self._lock_send(deadline)
+        try:
             if len(blobs) == 1:
-                self._send(PUT, (ref_id, blobs[0][0]), ranks, blobs[0][1])
+                self._send(PUT, (ref_id, blobs[0][0]), ranks, blobs[0][1], deadline)
             else:
                 for rank, (blob, bufs) in zip(ranks, blobs):
-                    self._send(PUT, (ref_id, blob), (rank,), bufs)
+                    self._send(PUT, (ref_id, blob), (rank,), bufs, deadline)
+        except TimeoutError:
+            self._frees.append(ref_id)  # the workers that got their value drop it again
+            raise
+        finally:
+            self._send_lock.release()
         return Ref(self, ref_id, ranks)
 
-    def _fetch(self, ref: Ref, ranks: tuple[int, ...], timeout: float | None) -> list[Any]:
+    def _fetch(self, ref: Ref, ranks: tuple[int, ...], deadline: float | None) -> list[Any]:
         self._check_open()
         if ref._session is not self:
             raise ValueError(f"{ref!r} belongs to another session")
         if ref._freed:
             raise ValueError(f"{ref!r} was freed; its value is gone")
-        replies = self._request(GET, (ref._id,), ranks, timeout, "fetching a value")
+        replies = self._request(GET, (ref._id,), ranks, deadline, "fetching a value")
         values, errors = [], {}
         for rank, (status, payload) in zip(ranks, replies):
             if status == OK:
@@ -388,7 +476,7 @@ class Session(View):
         return values
 
     def _sync(self, ranks: tuple[int, ...], timeout: float | None) -> None:
-        replies = self._request(SYNC, (), ranks, timeout, "syncing")
+        replies = self._request(SYNC, (), ranks, _deadline(timeout), "syncing")
         with self._state_lock:
             for rank, (_, errs) in zip(ranks, replies):
                 for ref_id, err in errs:
@@ -404,21 +492,51 @@ class Session(View):
 
     # -- sending -------------------------------------------------------------------------------
 
+    def _send_deadline(self) -> float | None:
+        t = self._send_timeout
+        return None if t is None else time.monotonic() + t
+
+    def _lock_send(self, deadline: float | None) -> None:
+        """Take the send lock, or raise TimeoutError at ``deadline`` (another thread holds
+        it while it waits for room to send)."""
+        if deadline is None:
+            self._send_lock.acquire()
+        elif not self._send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(
+                "another thread was still sending to the workers at the deadline (their command "
+                "queue is full: a worker is busy or stuck). Nothing was sent: wait for the "
+                "workers (sync) or close the session."
+            )
+
     def _send(
         self, op: int, fields: tuple[Any, ...], ranks: tuple[int, ...],
         buffers: list[pickle.PickleBuffer] = [],  # noqa: B006 (never mutated)
+        deadline: float | None = None,
     ) -> None:
-        """Encode one message and write it to ``ranks``; caller holds the send lock."""
+        """Encode one message and write it to ``ranks``; caller holds the send lock. At
+        ``deadline`` it raises TimeoutError, with nothing of the message sent."""
         if self._closed:
             self._check_open()
         frees = self._take_frees() if self._frees else None
         try:
             if frees and len(ranks) != self.num_workers:  # frees must reach every worker
-                self._chan.send(pickle.dumps((NOP, frees)), self.workers)
+                self._chan.send(pickle.dumps((NOP, frees)), self.workers, deadline=deadline)
                 frees = None
-            self._chan.send(pickle.dumps((op, frees, *fields)), ranks, buffers)
+            self._chan.send(pickle.dumps((op, frees, *fields)), ranks, buffers,
+                            deadline=deadline)
+        except TimeoutError:
+            if frees:
+                self._frees.extend(frees)  # they ride on the next message instead
+            raise TimeoutError(
+                "the workers did not take the message by the deadline (their command queue is "
+                "full: a worker is busy or stuck). Nothing of it was sent: wait for the workers "
+                "(sync), or close the session."
+            ) from None
         except OSError:
             raise self._find_death("sending a message") from None
+        except channels.PartialSendError as exc:  # some workers got it, some not: no lockstep
+            self._shutdown(0)
+            raise SessionClosed(f"the session is closed because {exc}") from exc
 
     def _take_frees(self) -> tuple[int, ...]:
         out = []
@@ -427,30 +545,17 @@ class Session(View):
             out.append(pop())
         return tuple(out)
 
-    def _define(self, fn: Callable[..., Any]) -> tuple[int, bool]:
-        """Send ``fn``'s pickle to every worker; return its id, and whether it stays cached.
-
-        Plain functions are pickled once. One that travels by value (a lambda, a closure, a
-        function of ``__main__``) is pickled again when what it captured changes: another
-        object in a closure cell or in a global it names. Bound methods and other callables
-        carry state that may change anywhere, so they go every time."""
-        cacheable = type(fn) in _CACHEABLE
-        try:
-            blob = cloudpickle.dumps(fn, protocol=5)
-        except Exception as exc:
-            raise TypeError(
-                f"the function {fn!r} cannot be pickled for the workers: {exc}"
-            ) from exc
+    def _define(
+        self, fn: Callable[..., Any], blob: bytes | None, deadline: float | None
+    ) -> tuple[int, bool]:
+        """Send ``fn`` (its pickle ``blob``, made here if None) to every worker; return its id
+        and whether it stays defined there (see fncache.py for when a copy stays current)."""
+        if blob is None:
+            blob = pickle_function(fn)
         fn_id = next(self._ids)
-        self._send(DEFINE, (fn_id, blob), self.workers)
-        if cacheable:
-            old = self._fns.pop(fn, None)
-            if old is not None:
-                self._frees.append(old[0])
-            self._fns[fn] = (fn_id, _fingerprint(fn))
-            if len(self._fns) > _FN_CACHE:
-                self._frees.append(self._fns.popitem(last=False)[1][0])
-        return fn_id, cacheable
+        self._send(DEFINE, (fn_id, blob), self.workers, _NO_BUFFERS, deadline)
+        self._frees.extend(self._fns.store(fn, fn_id, blob))
+        return fn_id, self._fns.cacheable(fn)
 
     def _encode_args(
         self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
@@ -493,24 +598,29 @@ class Session(View):
     # -- waiting for replies -------------------------------------------------------------------
 
     def _request(
-        self, op: int, fields: tuple[Any, ...], ranks: tuple[int, ...], timeout: float | None,
+        self, op: int, fields: tuple[Any, ...], ranks: tuple[int, ...], deadline: float | None,
         during: str,
     ) -> list[tuple[int, Any]]:
-        """Send a request to ``ranks`` and return each one's decoded (status, payload)."""
-        deadline = None if timeout is None else _deadline(timeout)
+        """Send a request to ``ranks`` and return each one's decoded (status, payload). The
+        deadline bounds it all: the send lock, the send, and the wait for replies."""
+        if self._closed:
+            self._check_open()
         req_id = next(self._ids)
         pending = _Pending(req_id, len(ranks), fields[0] if op == GET else 0)
-        with self._send_lock:
+        self._lock_send(deadline)
+        try:
             if self._closed:
                 self._check_open()
             for r in ranks:
                 self._expect[r].append(pending)
             try:
-                self._send(op, (req_id, *fields), ranks)
+                self._send(op, (req_id, *fields), ranks, _NO_BUFFERS, deadline)
             except BaseException:
                 for r in ranks:
                     _discard(self._expect[r], pending)
                 raise
+        finally:
+            self._send_lock.release()
         try:
             self._wait(pending, deadline, during)
         except TimeoutError:
@@ -621,6 +731,12 @@ class Session(View):
 
     def _check_open(self) -> None:
         if self._closed:
+            if os.getpid() != self._owner:
+                raise SessionClosed(
+                    f"{self.name} belongs to process {self._owner}; this process "
+                    f"({os.getpid()}) is a fork of it and must not use it. Open a new Session "
+                    "here instead."
+                )
             if self._dead is not None:
                 raise SessionClosed(f"the session is closed because {self._dead}") from self._dead
             raise SessionClosed("the session is closed: open a new Session to go on")
@@ -646,9 +762,12 @@ class Session(View):
             collective_shm.abort(self._coll_fd, rank)  # peers waiting in a collective give up
         worker = self._procs[rank]
         code = worker.wait_exit(1.0)
+        reason = worker.death_reason()  # read before our own kill below
+        if code is None:
+            reason = "its channel broke while it still ran, so unison killed it"
         worker.kill()
         self._dead = WorkerDied(rank, code if code is not None else worker.exitcode(),
-                                worker.output(), during)
+                                worker.output(), during, reason)
         self._shutdown(0)
         return self._dead
 
@@ -657,8 +776,7 @@ class Session(View):
         self._shutdown(0)
 
     def _check_rank(self, rank: object, ref: Ref | None = None) -> int:
-        if not isinstance(rank, int) or isinstance(rank, bool):
-            raise TypeError(f"a worker is named by an int rank, not {type(rank).__name__}")
+        rank = _as_rank(rank, "a worker is named by an int rank")
         if ref is not None:
             if rank not in ref.workers:
                 raise ValueError(
@@ -679,27 +797,6 @@ def sys_path() -> list[str]:
     """The controller's import path, for the workers (so functions pickled by reference and
     the classes of arguments import there too)."""
     return [os.getcwd() if p == "" else p for p in sys.path]
-
-
-def _fingerprint(fn: Any) -> Any:
-    """What a by-value function captured, by identity; None for one pickled by reference
-    (the workers import its module, so there is nothing captured to go stale)."""
-    module = getattr(fn, "__module__", None)
-    code = getattr(fn, "__code__", None)
-    if code is None or (module != "__main__" and "<" not in fn.__qualname__
-                        and module in sys.modules):
-        return None
-    cells = tuple(id(c.cell_contents) if _filled(c) else 0 for c in fn.__closure__ or ())
-    names = fn.__globals__
-    return cells, tuple(id(names.get(n)) for n in code.co_names)
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        _ = cell.cell_contents
-    except ValueError:
-        return False
-    return True
 
 
 def _free_address() -> str:
@@ -725,41 +822,91 @@ def _check_sizes(num_workers: object, num_groups: object) -> None:
         )
 
 
+def _as_rank(value: object, what: str) -> int:
+    """An int index (numpy integers too, as sequences take them); never a bool."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what}, not bool")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what}, not {type(value).__name__}") from None
+
+
+def _rank_key(key: object, n: int, what: str) -> int:
+    try:
+        rank = _as_rank(key, f"{what} keys are int ranks")
+    except TypeError:
+        raise ValueError(f"{what} has key {key!r}, which is not a rank in 0..{n - 1}") from None
+    if not 0 <= rank < n:
+        raise ValueError(f"{what} has key {key!r}, which is not a rank in 0..{n - 1}")
+    return rank
+
+
 def _check_env(n: int, env: Mapping[int, Mapping[str, str]] | None) -> dict[int, dict[str, str]]:
     if env is None:
         return {}
     if not isinstance(env, Mapping):
         raise TypeError("env must map a rank to a dict of environment variables, e.g. {0: {...}}")
     out = {}
-    for rank, values in env.items():
-        if not isinstance(rank, int) or not 0 <= rank < n:
-            raise ValueError(f"env has key {rank!r}, which is not a rank in 0..{n - 1}")
+    for key, values in env.items():
+        rank = _rank_key(key, n, "env")
+        if not isinstance(values, Mapping):
+            raise TypeError(
+                f"env[{key!r}] must be a dict of environment variables, e.g. "
+                f"{{{key!r}: {{'NAME': 'value'}}}}, got {type(values).__name__}"
+            )
         out[rank] = {str(k): str(v) for k, v in values.items()}
     return out
 
 
 def _cpu_plan(n: int, plan: bool | Mapping[int, Iterable[int]] | None) -> dict[int, list[int]]:
-    if not plan:
+    if plan is None or plan is False:
         return {}
+    if not hasattr(os, "sched_getaffinity"):
+        raise ValueError("cpu_affinity needs os.sched_getaffinity, which this platform lacks")
+    usable = sorted(os.sched_getaffinity(0))
     if plan is True:
-        cpus = sorted(os.sched_getaffinity(0))
-        return {r: [cpus[r % len(cpus)]] for r in range(n)}
+        return {r: [usable[r % len(usable)]] for r in range(n)}
     if not isinstance(plan, Mapping):
         raise TypeError("cpu_affinity must be True or map a rank to a list of CPU numbers")
     out = {}
-    for rank, cpus_ in plan.items():
-        if not isinstance(rank, int) or not 0 <= rank < n:
-            raise ValueError(f"cpu_affinity has key {rank!r}, which is not a rank in 0..{n - 1}")
-        out[rank] = [int(c) for c in cpus_]
+    for key, cpus in plan.items():
+        rank = _rank_key(key, n, "cpu_affinity")
+        if isinstance(cpus, (str, bytes)) or not isinstance(cpus, Iterable):
+            raise TypeError(f"cpu_affinity[{key!r}] must be a list of CPU numbers, e.g. [0, 1]")
+        chosen = [_as_rank(c, "a CPU is named by an int") for c in cpus]
+        missing = sorted(set(chosen) - set(usable))
+        if not chosen or missing:
+            raise ValueError(
+                f"cpu_affinity[{key!r}] = {chosen} names CPUs this process cannot use "
+                f"({missing or 'none given'}); the usable CPUs are {usable}"
+            )
+        out[rank] = chosen
     return out
 
 
-def _deadline(timeout: float | None) -> float | None:
-    if timeout is None:
-        return None
-    if timeout < 0:
-        raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
-    return time.monotonic() + timeout
+def _shape(shape: object) -> tuple[int, ...]:
+    dims = (shape,) if not isinstance(shape, (tuple, list)) else tuple(shape)
+    out = tuple(_as_rank(d, "an array's shape is made of ints") for d in dims)
+    if any(d < 0 for d in out):
+        raise ValueError(f"an array's shape cannot have negative sizes: {shape!r}")
+    return out
+
+
+def _values_per_worker(values: object, what: str) -> list[Any]:
+    """A sequence of values, one per worker: a dict (its keys) or a set (no order) would be
+    spread silently wrong, so they are refused."""
+    if isinstance(values, (Mapping, set, frozenset, str, bytes, bytearray)):
+        raise TypeError(
+            f"{what} needs a list (or tuple, or array) of values, one per worker in rank order; "
+            f"got {type(values).__name__}. To send the same value to every worker, use put()."
+        )
+    try:
+        return list(values)  # type: ignore[call-overload,no-any-return]
+    except TypeError:
+        raise TypeError(
+            f"{what} needs a list of values, one per worker, got {type(values).__name__}"
+        ) from None
 
 
 def _timeout_error(pending: _Pending, deadline: float | None) -> TimeoutError:
@@ -809,6 +956,17 @@ def _worker_error(errors: dict[int, tuple[Any, ...]]) -> WorkerError:
     err = WorkerError(text, first, excs)
     err.__cause__ = excs[first]
     return err
+
+
+def _forked() -> None:
+    """In a forked child, the parent's sessions are closed to it (the workers, rings and
+    replies are the parent's): any use raises, naming the owner."""
+    for sess in list(_live):
+        sess._closed = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 @atexit.register

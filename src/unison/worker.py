@@ -9,27 +9,39 @@
                                    SYNC   reply unreported errors, then forget them
                                    SHUTDOWN -> return
 
-A thread watches the lifeline: when the controller dies, stdin reaches EOF and the worker
-kills its own process group at once, even in the middle of a long call. Ctrl-C is ignored
-here (the controller handles it and stops us), so a terminal never shows one traceback per
-worker.
+Each worker is two processes. The one the launcher starts reads its init, forks, and stays
+behind as the worker's *keeper*: a few lines of Python that never run user code, so they
+never wait for a GIL that a long C call holds. The keeper
+
+  * holds the lifeline (stdin): at EOF, or when its parent changes, the controller is gone,
+    and it kills the worker and all the worker started, then exits with EXIT_CONTROLLER_GONE;
+  * is a child subreaper, so whatever the worker starts, even with ``start_new_session=True``
+    or by double-forking, stays below it, and when the worker ends for any reason it kills
+    what is left and exits with the worker's own status (the controller reads that).
+
+The worker dies with its keeper (PR_SET_PDEATHSIG: the keeper is single-threaded, so the
+signal is tied to its life, not to a thread's). Ctrl-C is ignored in both (the controller
+handles it and stops us), so a terminal never shows one traceback per worker.
 
 Inside a function a worker runs, ``unison.rank()`` and friends say who this worker is.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
+import resource
 import select
 import signal
 import sys
-import threading
-from typing import Any
+import time
+from typing import Any, NoReturn
 
-from unison import collective, protocol
+from unison import _proctree, collective, protocol
 from unison.channel import WorkerChannel, connect
 from unison.collective.shm import ShmCollectives
+from unison.errors import EXIT_CONTROLLER_GONE
 from unison.protocol import CALL, DEFINE, ERR, GET, OK, PUT, SHUTDOWN, SYNC, Failed
 
 __all__ = ["group", "group_rank", "group_size", "object_count", "rank", "world_size"]
@@ -131,7 +143,7 @@ def serve(chan: WorkerChannel, coll: ShmCollectives | None = None) -> None:
                 err = protocol.pack_error(LookupError(f"Ref #{ref_id} is not held here"), "get")
                 chan.reply(dumps((req_id, ERR, err)))
             else:
-                chan.reply(_reply_value(req_id, ref_id, obj))
+                _reply_value(chan, req_id, ref_id, obj)
         elif op == SYNC:
             if unreported:
                 chan.reply(dumps((msg[2], OK, list(unreported.items()))))
@@ -151,21 +163,39 @@ def serve(chan: WorkerChannel, coll: ShmCollectives | None = None) -> None:
                 regs[msg[2]] = Failed(err)
                 unreported[msg[2]] = err
         elif op == SHUTDOWN:
+            # the controller warns about errors nobody fetched: hand them over on the way out
+            if len(msg) > 2:
+                if unreported:
+                    chan.reply(dumps((msg[2], OK, list(unreported.items()))))
+                else:
+                    chan.ack()
             return
 
 
 _MISSING = object()
 
 
-def _reply_value(req_id: int, ref_id: int, obj: object) -> bytes:
+def _reply_value(chan: WorkerChannel, req_id: int, ref_id: int, obj: object) -> None:
+    """Reply with a value, its large buffers out of band where the channel takes them (one
+    copy into shared memory). A value that cannot be pickled, even by a BaseException from
+    its ``__reduce__`` (KeyboardInterrupt, SystemExit), or that does not fit in shared
+    memory, becomes an error for the controller instead of a dead worker."""
+    bufs: list[pickle.PickleBuffer] | None = [] if chan.oob_replies else None
     try:
-        return protocol.dumps((req_id, OK, obj))
-    except Exception as exc:
-        err = TypeError(
-            f"the value of Ref #{ref_id} ({type(obj).__qualname__}) cannot be pickled back to "
-            f"the controller: {exc}. Keep it on the worker, or return something picklable."
-        )
-        return protocol.dumps((req_id, ERR, protocol.pack_error(err, "get")))
+        data = protocol.dumps((req_id, OK, obj), bufs)
+    except BaseException as exc:
+        problem = f"cannot be pickled back to the controller: {type(exc).__name__}: {exc}"
+    else:
+        try:
+            chan.reply(data, bufs or ())
+            return
+        except MemoryError as exc:
+            problem = f"does not fit in the shared memory for replies: {exc}"
+    err = TypeError(
+        f"the value of Ref #{ref_id} ({type(obj).__qualname__}) {problem}. Keep it on the "
+        "worker, or return something picklable."
+    )
+    chan.reply(protocol.dumps((req_id, ERR, protocol.pack_error(err, "get"))))
 
 
 def _name(fn: object) -> str:
@@ -181,7 +211,7 @@ def _read_init() -> dict[str, Any]:
         while len(buf) < n:
             chunk = os.read(0, n - len(buf))
             if not chunk:
-                os._exit(0)  # the controller went away before we started
+                os._exit(EXIT_CONTROLLER_GONE)  # the controller went away before we started
             buf += chunk
         return buf
 
@@ -190,30 +220,128 @@ def _read_init() -> dict[str, Any]:
     return init
 
 
-def _watch_lifeline(ppid: int) -> None:
-    """Exit, taking our process group along, as soon as the controller is gone."""
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> bool:
+    """Linux's prctl(2); False where it is missing or refused."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(option, value, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_lifeline(worker: int, controller: int, rank: int) -> NoReturn:
+    """The keeper's loop (see the module's docstring): it wakes on the lifeline, on SIGCHLD,
+    and once a second to check that its parent is still the controller."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     while True:
-        ready, _, _ = select.select([0], [], [], 1.0)
-        if ready:
+        status = _reap(worker)
+        if status is not None:
+            _kill_below()  # what the worker left behind: nothing outlives it
+            _exit_like(status)
+        try:
+            ready, _, _ = select.select([0, wake_r], [], [], 1.0)
+        except InterruptedError:
+            continue
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        if 0 in ready:
             try:
-                if not os.read(0, 4096):
-                    break
+                gone = not os.read(0, 4096)
             except OSError:
+                gone = True
+            if gone:
                 break
-        if os.getppid() != ppid:
+        if os.getppid() != controller:
             break
-    if os.getpgid(0) == os.getpid():
-        os.killpg(os.getpid(), signal.SIGKILL)
-    os._exit(1)
+    try:
+        os.write(2, f"unison worker {rank}: its controller went away (the lifeline closed); "
+                    "stopping it and everything it started\n".encode())
+    except OSError:
+        pass  # nobody is left to read it
+    _kill_below()
+    os._exit(EXIT_CONTROLLER_GONE)
 
 
-def main() -> None:
-    """Entry point of a worker process (started by a launcher, never by a user)."""
+def _reap(worker: int) -> int | None:
+    """Reap every child that has ended (orphans adopted as subreaper too); the worker's
+    wait status once it has ended, else None."""
+    status = None
+    while True:
+        try:
+            pid, st = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return status
+        if pid == 0:
+            return status
+        if pid == worker:
+            status = st
+
+
+def _kill_below() -> None:
+    """Kill everything below the keeper. Killed parents hand their children to us (we are
+    their subreaper), so look again until nothing is left, for a bounded time."""
+    deadline = time.monotonic() + 2.0
+    while _proctree.kill_tree(os.getpid(), include_root=False) and time.monotonic() < deadline:
+        _reap(-1)
+        time.sleep(0.002)
+    _reap(-1)
+
+
+def _exit_like(status: int) -> NoReturn:
+    """End the keeper with the worker's own wait status, so the controller reads it."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file of the keeper
+            signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+        except (OSError, ValueError):
+            pass
+        os.kill(os.getpid(), sig)
+        time.sleep(1.0)  # the signal is delivered at once; this is only a guard
+        os._exit(128 + sig)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def _become_keeper(worker: int, controller: int, rank: int) -> NoReturn:
+    """The parent side of the fork: drop everything but the lifeline and stderr."""
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 1)  # the relay sees EOF once the worker and its children are done
+    os.close(devnull)
+    os.closerange(3, 65536)  # channel and collective memory: the worker's, not ours
+    _watch_lifeline(worker, controller, rank)
+
+
+def main(controller: int | None = None) -> None:
+    """Entry point of a worker process (started by a launcher, never by a user).
+
+    ``controller`` is the pid of the process that started us: if our parent is another one
+    by the time we look, it is gone already."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     init = _read_init()
-    threading.Thread(
-        target=_watch_lifeline, args=(os.getppid(),), name="unison-lifeline", daemon=True
-    ).start()
+    if controller is None:
+        controller = os.getppid()
+    if os.getppid() != controller:
+        os._exit(EXIT_CONTROLLER_GONE)
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    keeper = os.getpid()
+    child = os.fork()
+    if child:
+        _become_keeper(child, controller, init["rank"])
+    # the worker: it dies with its keeper, and leaves the lifeline to it
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != keeper:
+        os._exit(EXIT_CONTROLLER_GONE)  # the keeper died before the line above
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)  # user code that reads stdin gets EOF, not the lifeline
+    os.close(devnull)
     for path in reversed(init["sys_path"]):
         if path not in sys.path:
             sys.path.insert(0, path)

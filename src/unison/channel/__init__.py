@@ -10,7 +10,14 @@ from one worker arrive in the order it sent them. A channel never waits without 
 watching the fds it was told to (the workers' pidfds), so a dead peer can never hang a wait.
 
 A message may carry out-of-band buffers (pickle protocol 5): the channel moves them as it
-sees fit, and the worker gets them back as memoryviews, in order, beside the payload.
+sees fit, and the worker gets them back as memoryviews, in order, beside the payload. A
+buffer that lies in a shared array (``sess.empty``) always travels by reference, so the
+workers write the controller's memory. Replies may carry buffers too (where the channel
+says ``oob_replies``): the controller then gets a ``Reply`` of the pickle and its buffers.
+
+Sending may be bounded by a deadline (``time.monotonic()``): TimeoutError then means that no
+part of the message reached any worker; ``PartialSendError`` that the deadline passed with
+the message half written, after which the channel is unusable and the session must close.
 
 Backends: ``shm`` (shared-memory rings and an arena for buffers, the fast one, Linux, up to
 64 workers) and ``pipe`` (portable, one pipe pair per worker). ``auto`` picks shm where it
@@ -22,9 +29,22 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["Channel", "WorkerChannel", "connect", "create"]
+__all__ = ["Channel", "PartialSendError", "Reply", "WorkerChannel", "connect", "create"]
+
+
+class Reply(NamedTuple):
+    """A reply with out-of-band buffers: ``protocol.loads`` takes it as it is. Its buffers
+    map shared memory that the worker will not reuse until they are garbage."""
+
+    data: bytes | memoryview
+    buffers: list[memoryview]
+
+
+class PartialSendError(RuntimeError):
+    """A send's deadline passed with part of the message written: the stream to a worker is
+    broken for good, so the session must close."""
 
 
 class Channel(ABC):
@@ -41,17 +61,21 @@ class Channel(ABC):
         treat a readable fd in ``watch`` (a worker's pidfd) as a death while waiting."""
 
     @abstractmethod
-    def send(self, data: bytes, ranks: Sequence[int], buffers: Sequence[Any] = ()) -> None:
+    def send(self, data: bytes, ranks: Sequence[int], buffers: Sequence[Any] = (), *,
+             deadline: float | None = None) -> None:
         """Deliver one message, with its out-of-band buffers (PickleBuffers), to each worker
-        in ``ranks`` (ascending). Raises OSError if a worker is gone."""
+        in ``ranks`` (ascending). Raises OSError if a worker is gone; MemoryError, with
+        nothing sent, if shared memory is full; past ``deadline`` (time.monotonic()),
+        TimeoutError with nothing sent, or PartialSendError if that could not be helped."""
 
     @abstractmethod
     def recv(
         self, timeout: float | None, watch: Sequence[int] = ()
-    ) -> list[tuple[int, bytes | None]]:
+    ) -> list[tuple[int, bytes | Reply | None]]:
         """Replies available now, waiting up to ``timeout`` for the first one.
 
-        Returns ``(rank, data)`` pairs, with ``data=None`` once a worker's stream has ended.
+        Returns ``(rank, data)`` pairs, with ``data=None`` once a worker's stream has ended;
+        ``data`` is a ``Reply`` when the reply has out-of-band buffers.
         Returns early, possibly empty, when one of the ``watch`` fds becomes readable.
         """
 
@@ -68,9 +92,13 @@ class WorkerChannel(ABC):
         """The next message for this worker and its buffers, or None once the controller is
         gone."""
 
+    oob_replies = False
+    """Whether ``reply`` takes out-of-band buffers (else pickle replies in band)."""
+
     @abstractmethod
-    def reply(self, data: bytes) -> None:
-        """Send one reply to the controller."""
+    def reply(self, data: bytes, buffers: Sequence[Any] = ()) -> None:
+        """Send one reply to the controller, with its out-of-band buffers (PickleBuffers)
+        where ``oob_replies``. Raises MemoryError, with nothing sent, if they do not fit."""
 
     def ack(self) -> None:
         """Reply "done, nothing to report": the controller reads it as an empty reply."""
@@ -90,7 +118,7 @@ def create(kind: str, num_workers: int, session_name: str) -> Channel:
     if kind == "pipe":
         from unison.channel.pipe import PipeChannel
 
-        return PipeChannel(num_workers)
+        return PipeChannel(num_workers, session_name)
     raise ValueError(f"unknown channel {kind!r}: use 'auto', 'shm' or 'pipe'")
 
 

@@ -1,18 +1,25 @@
 """Out-of-band buffers: large payloads in one shared, sparse memory file (a memfd).
 
-    controller                                          worker r
-    place(buffers) -> block b (copy once, or none when   view(desc) -> mmap of b's pages
-      the buffer is a shared array already in the arena)   (copy-on-write; shared arrays:
-                                                            the controller's own pages)
-    sent[b][r] += 1 before the message is published      done[b][r] += 1 when that mmap
+    writer (the controller for commands,                reader (a worker for commands,
+            a worker for its replies)                           the controller for replies)
+    place(buffers) -> block b (copy once, or none when   view(desc) -> a mapping of b's pages
+      the buffer is a shared array already in the arena)   (commands: copy-on-write; shared
+                                                            arrays and replies: shared)
+    sent[b][r] += 1 before the message is published      done[b][r] += 1 when that mapping
                                                           is garbage (weakref.finalize)
-    b is reused only when sent == done for every worker and the controller holds no array
-    on it: a worker's numpy array keeps its block alive for as long as the array lives.
+    b is reused only when sent == done for every reader and the writer holds no array on
+    it: a reader's numpy array keeps its block alive for as long as the array lives.
 
-The file is anonymous (memfd): it has a name for /proc (``unison-<session>-arena``) but no
-path, so nothing can outlive the processes that map it, even after SIGKILL. Pages are
-only backed when touched; blocks that are no longer needed keep their pages for reuse up to
-a cache limit, and past it are given back to the kernel (MADV_REMOVE).
+The counters live at the start of the file itself, so a reader's finalizer can count even
+after its session has closed (the file lives as long as any mapping of it). The file is
+anonymous (memfd): it has a name for /proc (``unison-<session>-...``) but no path, so nothing
+can outlive the processes that map it, even after SIGKILL. Pages are only backed when
+touched; blocks that are no longer needed keep their pages for reuse up to a cache limit,
+and past it are given back to the kernel (MADV_REMOVE).
+
+A reader maps blocks with libc's mmap through ctypes rather than ``mmap.mmap``, which
+would hold a duplicate file descriptor per mapping: a program that keeps a thousand
+fetched arrays must not run out of descriptors.
 """
 
 from __future__ import annotations
@@ -20,20 +27,39 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import pickle
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 PAGE = mmap.ALLOCATIONGRANULARITY
 MIN_BLOCK = 1 << 16
 SLOTS = 1 << 16
 WRITABLE = 1 << 32  # descriptor flag: a shared array, writable by the workers
-_KEEP = 1 << 29  # bytes of freed blocks kept backed for reuse
+KEEP = 1 << 29  # bytes of freed blocks kept backed for reuse
 
 
-def counters_size(num_workers: int) -> int:
-    """Bytes of the per-(block, worker) sent/done counters in the control segment."""
-    return SLOTS * num_workers * 8
+def counters_size(num_readers: int) -> int:
+    """Bytes of the per-(block, reader) sent/done counters at the start of the file."""
+    size = SLOTS * num_readers * 8
+    return (size + PAGE - 1) // PAGE * PAGE
+
+
+def default_size() -> int:
+    """An arena as large as the machine's memory (it is sparse: only used pages count)."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 1 << 34
+    return max(1 << 30, min(ram, 1 << 40))
+
+
+def create_file(name: str, num_readers: int, size: int | None = None) -> int:
+    """A new arena file: its fd (close-on-exec; pass it to the other side explicitly)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.ftruncate(fd, counters_size(num_readers) + (size or default_size()))
+    return fd
 
 
 class _Block:
@@ -41,54 +67,96 @@ class _Block:
 
     def __init__(self, offset: int, cap: int, slot: int) -> None:
         self.offset, self.cap, self.slot = offset, cap, slot
-        self.held = False  # the controller holds an array on it (sess.empty)
+        self.held = False  # the writer holds an array on it (sess.empty)
         self.backed = False  # free, with its pages kept for reuse (counted in _kept)
 
 
 class Arena:
-    """The controller's side: allocates blocks and places buffers. Used under the send lock,
-    except ``shared_array``'s finalizer, which only flips a flag."""
+    """The writer's side: allocates blocks and places buffers. Used under the writer's send
+    lock, except ``shared_array``'s finalizer, which only flips a flag.
 
-    def __init__(self, name: str, num_workers: int, counters: memoryview, size: int) -> None:
-        self.fd = os.memfd_create(f"{name}-arena", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, size)
-        self.size = size
-        self._n = num_workers
-        self._counters = counters  # cast('I'): [slot*n*2 + 2*r] sent, [... + 1] done
-        self._map = mmap.mmap(self.fd, size)
-        self._top = 0
+    ``fd``: an arena file made by ``create_file`` (the arena then owns it), or None for a
+    new one named ``name``."""
+
+    def __init__(self, name: str, num_readers: int, fd: int | None = None,
+                 keep: int = KEEP) -> None:
+        self.fd = create_file(name, num_readers) if fd is None else fd
+        self.size = os.fstat(self.fd).st_size
+        self._n = num_readers
+        self._keep = keep
+        self._map = mmap.mmap(self.fd, self.size)
+        base = counters_size(num_readers)
+        self._counters = memoryview(self._map)[:base].cast("I")  # [slot*n*2 + 2r] sent, +1 done
+        self._top = base
         self._slots = 0
         self._free: dict[int, list[_Block]] = {}
         self._busy: list[_Block] = []
         self._kept = 0
-        self._shared: dict[int, tuple[int, _Block]] = {}  # address -> (end, block)
+        # (start address, end, its mapping, block) of each shared array. Replaced whole, and
+        # only here, never by a finalizer: so readers need no lock, and a mapping that is
+        # gone (its weak reference dead) is skipped, as its address may be reused.
+        self._shared: tuple[tuple[int, int, weakref.ref[mmap.mmap], _Block], ...] = ()
         self._lock = threading.Lock()
 
-    def place(self, buffers: list[Any], ranks: tuple[int, ...]) -> list[tuple[int, int, int]]:
-        """Put each buffer (a PickleBuffer) in the arena for ``ranks``: descriptors
-        (offset, length, slot | flags) that a worker turns back into memory."""
+    def place(self, buffers: Sequence[Any], ranks: Sequence[int]) -> list[tuple[int, int, int]]:
+        """Put each buffer (a PickleBuffer, or any contiguous buffer) in the arena for
+        ``ranks``: descriptors (offset, length, slot | flags) that a reader turns back into
+        memory. All or nothing: on MemoryError (the arena is full) nothing is counted."""
+        views = [_raw(b) for b in buffers]
+        spots: list[tuple[_Block, int, int]] = []
+        try:
+            for mv in views:
+                found = self._find_shared(mv)
+                if found is not None:
+                    spots.append((found[0], found[1], WRITABLE))
+                else:
+                    block = self.alloc(mv.nbytes)
+                    spots.append((block, block.offset, 0))
+        except MemoryError:
+            for block, _, flags in spots:  # never counted: they go back at the next reclaim
+                if not flags:
+                    self._busy.remove(block)
+                    self._free.setdefault(block.cap, []).append(block)
+            raise
         out = []
-        for pb in buffers:
-            mv = pb.raw()
-            n = mv.nbytes
-            found = self._find_shared(mv)
-            if found is not None:
-                block, offset = found
-                flags = WRITABLE
-            else:
-                block = self.alloc(n)
-                offset, flags = block.offset, 0
-                self._map[offset : offset + n] = mv
+        for mv, (block, offset, flags) in zip(views, spots):
+            if not flags:
+                self._map[offset : offset + mv.nbytes] = mv
             self._count(block.slot, ranks)
-            out.append((offset, n, block.slot | flags))
+            out.append((offset, mv.nbytes, block.slot | flags))
         return out
 
-    def place_bytes(self, data: bytes, ranks: tuple[int, ...]) -> tuple[int, int, int]:
-        """A whole message too large for the ring."""
-        block = self.alloc(len(data))
-        self._map[block.offset : block.offset + len(data)] = data
+    def place_shared(self, buffer: Any, ranks: Sequence[int]) -> tuple[int, int, int] | None:
+        """The descriptor of ``buffer`` if it lies in a shared array (counted as sent to
+        ``ranks``), else None: the pipe channel sends only those by reference."""
+        mv = _raw(buffer)
+        found = self._find_shared(mv)
+        if found is None:
+            return None
+        block, offset = found
         self._count(block.slot, ranks)
-        return (block.offset, len(data), block.slot)
+        return (offset, mv.nbytes, block.slot | WRITABLE)
+
+    def count_sent(self, descs: Sequence[tuple[int, int, int]], ranks: Sequence[int]) -> None:
+        """Count descriptors (from ``place_shared(buffer, ())``) as sent to ``ranks``."""
+        self._adjust(descs, ranks, 1)
+
+    def unplace(self, descs: Sequence[tuple[int, int, int]], ranks: Sequence[int]) -> None:
+        """Take back descriptors that were placed but will never be sent."""
+        self._adjust(descs, ranks, -1)
+
+    def _adjust(self, descs: Sequence[tuple[int, int, int]], ranks: Sequence[int],
+                delta: int) -> None:
+        c = self._counters
+        for _, _, slot_flags in descs:
+            base = (slot_flags & 0xFFFFFFFF) * self._n * 2
+            for r in ranks:
+                i = base + 2 * r
+                c[i] = (c[i] + delta) & 0xFFFFFFFF
+
+    def place_bytes(self, data: bytes | memoryview, ranks: Sequence[int]) -> tuple[int, int, int]:
+        """A whole message too large for its ring."""
+        return self.place([data], ranks)[0]
 
     def shared_array(self, nbytes: int) -> mmap.mmap:
         """Memory in the arena that the controller writes and the workers see without a copy."""
@@ -98,30 +166,25 @@ class Arena:
         probe = ctypes.c_char.from_buffer(mm)
         addr = ctypes.addressof(probe)
         del probe
+        entry = (addr, addr + block.cap, weakref.ref(mm), block)
         with self._lock:
-            self._shared[addr] = (addr + block.cap, block)
-        weakref.finalize(mm, self._unshare, addr, block)
+            self._shared = (*(e for e in self._shared if e[2]() is not None), entry)
+        _register(entry[:3])
+        weakref.finalize(mm, _unhold, block)
         return mm
-
-    def _unshare(self, addr: int, block: _Block) -> None:
-        with self._lock:
-            self._shared.pop(addr, None)
-        block.held = False
 
     def _find_shared(self, mv: memoryview) -> tuple[_Block, int] | None:
         if not self._shared:
             return None
-        interface = getattr(mv.obj, "__array_interface__", None)
-        if interface is None:
+        addr = _address(mv)
+        if addr is None:
             return None
-        addr = interface["data"][0]
-        with self._lock:
-            for start, (end, block) in self._shared.items():
-                if start <= addr and addr + mv.nbytes <= end:
-                    return block, block.offset + (addr - start)
+        for start, end, alive, block in self._shared:
+            if start <= addr and addr + mv.nbytes <= end and alive() is not None:
+                return block, block.offset + (addr - start)
         return None
 
-    def _count(self, slot: int, ranks: tuple[int, ...]) -> None:
+    def _count(self, slot: int, ranks: Sequence[int]) -> None:
         c, base = self._counters, slot * self._n * 2
         for r in ranks:
             i = base + 2 * r
@@ -150,7 +213,8 @@ class Arena:
                 raise MemoryError(
                     f"the session's shared memory is full ({self.size >> 20} MiB, as much as "
                     f"this machine's memory, in {self._slots} blocks): free the Refs that "
-                    "hold large arrays (ref.free(), or drop them), or send smaller ones"
+                    "hold large arrays (ref.free(), or drop them), or send smaller ones, and "
+                    "drop fetched results that are no longer needed"
                 )
             block = _Block(self._top, cap, self._slots)
             self._top += cap
@@ -165,7 +229,7 @@ class Arena:
                 still.append(block)
                 continue
             self._free.setdefault(block.cap, []).append(block)
-            if give_back_all or self._kept + block.cap > _KEEP:
+            if give_back_all or self._kept + block.cap > self._keep:
                 self._map.madvise(mmap.MADV_REMOVE, block.offset, block.cap)
             else:
                 block.backed = True
@@ -173,6 +237,7 @@ class Arena:
         self._busy = still
 
     def close(self) -> None:
+        self._counters.release()
         try:
             self._map.close()
         except BufferError:
@@ -181,27 +246,109 @@ class Arena:
 
 
 class ArenaReader:
-    """A worker's side: turns descriptors into memory, and counts when that memory is gone."""
+    """A reader's side: turns descriptors into memory, and counts when that memory is gone.
 
-    def __init__(self, fd: int, rank: int, num_workers: int, counters: memoryview) -> None:
+    ``shared``: map every block shared (replies, which the reader owns until it drops
+    them), rather than copy-on-write for all but the writer's shared arrays (commands, so
+    that each worker may change what it got without the others seeing it)."""
+
+    def __init__(self, fd: int, rank: int, num_readers: int, shared: bool = False) -> None:
         self.fd = fd
-        self._counters = counters
+        # no mmap.mmap: it would hold a duplicate of ``fd`` for as long as the reader lives
+        self._counters = map_block(fd, 0, counters_size(num_readers), shared=True).cast("I")
         self._base = 2 * rank + 1
-        self._stride = 2 * num_workers
-        self._lock = threading.Lock()  # finalizers may run on any of the worker's threads
+        self._stride = 2 * num_readers
+        self._shared = shared
+        self._lock = threading.Lock()  # finalizers may run on any of the reader's threads
 
     def view(self, desc: tuple[int, int, int]) -> memoryview:
         offset, length, slot_flags = desc
-        start = offset - offset % PAGE
-        # a shared array maps the controller's pages; anything else is copy-on-write, so a
-        # worker may change what it got without the others (or the block) seeing it
-        flags = mmap.MAP_SHARED if slot_flags & WRITABLE else mmap.MAP_PRIVATE
-        mm = mmap.mmap(self.fd, offset + length - start, flags=flags,
-                       prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
-        weakref.finalize(mm, self._done, (slot_flags & 0xFFFFFFFF) * self._stride + self._base)
-        return memoryview(mm)[offset - start : offset - start + length]
+        shared = self._shared or bool(slot_flags & WRITABLE)
+        done = (slot_flags & 0xFFFFFFFF) * self._stride + self._base
+        if not length:
+            self._done(done)
+            return memoryview(bytearray())
+        try:
+            mv = map_block(self.fd, offset, length, shared)
+        except BaseException:
+            self._done(done)  # never mapped: the block may go back at once
+            raise
+        weakref.finalize(mv.obj, self._done, done)
+        return mv
 
     def _done(self, i: int) -> None:
         with self._lock:
             c = self._counters
             c[i] = (c[i] + 1) & 0xFFFFFFFF
+
+
+# -- mappings without a file descriptor each ----------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def map_block(fd: int, offset: int, length: int, shared: bool) -> memoryview:
+    """``length`` bytes of ``fd`` at ``offset``, mapped read-write; unmapped when the
+    returned view's ``obj`` (and every view or array over it) is garbage."""
+    start = offset - offset % PAGE
+    size = offset - start + length
+    flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, start)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mapping {size} bytes of shared memory: {os.strerror(err)}")
+    holder = (ctypes.c_ubyte * size).from_address(addr)
+    weakref.finalize(holder, _libc.munmap, addr, size)
+    return memoryview(holder).cast("B")[offset - start :]
+
+
+# -- where the writer's shared arrays are (any session of this process) -------------------------
+
+_Range = tuple[int, int, "weakref.ref[mmap.mmap]"]
+_shared_ranges: tuple[_Range, ...] = ()
+"""(start, end, mapping) of every ``shared_array`` of this process, for ``is_shared``:
+replaced whole, never by a finalizer, so readers need no lock; dead mappings are skipped."""
+_ranges_lock = threading.Lock()
+
+
+def _register(entry: _Range) -> None:
+    global _shared_ranges
+    with _ranges_lock:
+        _shared_ranges = (*(r for r in _shared_ranges if r[2]() is not None), entry)
+
+
+def _unhold(block: _Block) -> None:
+    block.held = False
+
+
+def _raw(buffer: Any) -> memoryview:
+    if isinstance(buffer, pickle.PickleBuffer):
+        return buffer.raw()
+    return memoryview(buffer).cast("B")
+
+
+def _address(mv: memoryview) -> int | None:
+    interface = getattr(mv.obj, "__array_interface__", None)
+    if interface is None:
+        return None
+    addr: int = interface["data"][0]
+    return addr
+
+
+def is_shared(mv: memoryview) -> bool:
+    """Whether ``mv`` (a PickleBuffer's raw view) lies in a shared array of some session:
+    such a buffer must travel by reference whatever its size, or writes would be lost."""
+    if not _shared_ranges:
+        return False
+    addr = _address(mv)
+    if addr is None:
+        return False
+    end = addr + mv.nbytes
+    return any(start <= addr and end <= stop and alive() is not None
+               for start, stop, alive in _shared_ranges)

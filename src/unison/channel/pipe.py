@@ -1,66 +1,179 @@
 """The pipe channel: one pipe pair per worker, portable and simple.
 
     controller                                    worker i
-    cmd[i].send_bytes(msg)  ---- pipe ---->  reader thread -> queue -> recv()
+    send(msg) -> frames ---- cmd pipe ---->  reader thread -> queue -> recv()
     recv() <- wait(replies) <--- pipe -----  reply(data)
 
 The worker drains its command pipe on a thread of its own, so the controller's writes never
 block behind a long call, and the controller never has to read and write at once to avoid
 a deadlock. It costs a thread hand-off per message; the shared-memory channel is the fast one.
+
+A command is one frame: ``[payload length, buffer count]``, the payload, then per buffer
+``[kind, length]`` and its bytes, or (kind ``_BY_REF``) the descriptor of a block of the
+shared arena. Where memfd exists the channel owns such an arena for ``sess.empty``: those
+arrays travel by reference, so workers write the controller's memory here too. Every other
+buffer is copied through the pipe (into a writable bytearray on the worker). Replies are
+pickled in band.
+
+The controller's ends are non-blocking, so a send can watch the workers' pidfds and honour
+a deadline: it first waits until every target pipe has room for the whole frame, so a
+timeout leaves nothing written; only a frame larger than a pipe can hold may time out half
+written (PartialSendError).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import queue
+import select
+import struct
+import termios
 import threading
+import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from unison.channel import Channel, WorkerChannel
+from unison.channel import Channel, PartialSendError, Reply, WorkerChannel
 
-_MULTI = b"UB"  # a frame announcing N buffer frames after the message (pickles start b"\x80")
+_HEAD = struct.Struct("<QI")  # payload length, buffer count
+_BUF = struct.Struct("<BQ")  # kind, length
+_DESC = struct.Struct("<QQQ")
+_BYTES, _BY_REF = 0, 1
+_PIPE_SIZE = 1 << 20  # asked of the kernel, up to /proc/sys/fs/pipe-max-size
+_IOV = 512  # buffers per writev call (IOV_MAX is 1024 on Linux)
 
 
 class PipeChannel(Channel):
-    def __init__(self, num_workers: int) -> None:
-        self._cmd: list[Connection] = []
+    def __init__(self, num_workers: int, name: str = "unison") -> None:
+        self._cmd: list[int] = []
         self._replies: list[Connection] = []
         self._child_fds: list[tuple[int, int]] = []
-        for _ in range(num_workers):
-            cmd_r, cmd_w = os.pipe()
-            rep_r, rep_w = os.pipe()
-            self._cmd.append(Connection(cmd_w, readable=False))
-            self._replies.append(Connection(rep_r, writable=False))
-            self._child_fds.append((cmd_r, rep_w))
+        self._watch: list[int] = []
+        self.arena: Any = None  # an Arena where memfd exists (sess.empty is shared there)
+        try:
+            for _ in range(num_workers):
+                cmd_r, cmd_w = os.pipe()
+                rep_r, rep_w = os.pipe()
+                _grow(cmd_w)
+                os.set_blocking(cmd_w, False)
+                self._cmd.append(cmd_w)
+                self._replies.append(Connection(rep_r, writable=False))
+                self._child_fds.append((cmd_r, rep_w))
+            if hasattr(os, "memfd_create"):
+                from unison.channel.arena import Arena
+
+                self.arena = Arena(f"{name}-arena", num_workers)
+        except BaseException:
+            self.close()
+            raise
         self._rank_of = {c.fileno(): i for i, c in enumerate(self._replies)}
         self._open = list(self._replies)
 
     def endpoint(self, rank: int) -> tuple[dict[str, Any], list[int]]:
         cmd_r, rep_w = self._child_fds[rank]
-        return {"kind": "pipe", "cmd": cmd_r, "reply": rep_w}, [cmd_r, rep_w]
+        arena = None if self.arena is None else self.arena.fd
+        spec = {"kind": "pipe", "cmd": cmd_r, "reply": rep_w, "arena": arena, "rank": rank,
+                "n": len(self._cmd)}
+        return spec, [cmd_r, rep_w, *([] if arena is None else [arena])]
 
     def started(self, watch: Sequence[int] = ()) -> None:
         for pair in self._child_fds:
             for fd in pair:
                 _close_fd(fd)
         self._child_fds = []
+        self._watch = list(watch)
 
-    def send(self, data: bytes, ranks: Sequence[int], buffers: Sequence[Any] = ()) -> None:
+    def send(self, data: bytes, ranks: Sequence[int], buffers: Sequence[Any] = (), *,
+             deadline: float | None = None) -> None:
+        ranks = tuple(ranks)
+        frame, refs = self._frame(data, buffers)
+        size = sum(memoryview(p).nbytes for p in frame)
+        if deadline is not None:
+            self._wait_room(ranks, size, deadline)
+        if refs:
+            self.arena.count_sent(refs, ranks)
+        written = False
         for r in ranks:
-            conn = self._cmd[r]
-            if buffers:
-                conn.send_bytes(_MULTI + len(buffers).to_bytes(4, "little"))
-            conn.send_bytes(data)
-            for pb in buffers:
-                conn.send_bytes(pb.raw())
+            written = self._write(r, frame, deadline, written)
+
+    def _frame(self, data: bytes, buffers: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """The frame's parts (to write as they are) and the descriptors of the shared
+        arrays it names (counted as sent only once the frame is sure to go)."""
+        parts: list[Any] = [_HEAD.pack(len(data), len(buffers)), data]
+        refs = []
+        for pb in buffers:
+            raw = pb.raw()
+            desc = None if self.arena is None else self.arena.place_shared(raw, ())
+            if desc is None:
+                parts += [_BUF.pack(_BYTES, raw.nbytes), raw]
+            else:
+                parts += [_BUF.pack(_BY_REF, _DESC.size), _DESC.pack(*desc)]
+                refs.append(desc)
+        return parts, refs
+
+    def _wait_room(self, ranks: tuple[int, ...], size: int, deadline: float) -> None:
+        """Wait until every target pipe can take ``size`` bytes at once (when any pipe could):
+        past the deadline, TimeoutError with nothing written."""
+        delay = 20e-6
+        while True:
+            full = [r for r in ranks if _room(self._cmd[r]) < size]
+            if not full or any(_capacity(self._cmd[r]) < size for r in full):
+                return  # room everywhere, or a frame no pipe holds: write and see
+            self._check_watch()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"the command pipes of workers {full} stayed full until the deadline "
+                    "(the workers are busy); nothing of this message was sent"
+                )
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 5e-3)
+
+    def _write(self, rank: int, frame: list[Any], deadline: float | None,
+               written: bool) -> bool:
+        """Write the whole frame to ``rank``'s pipe, waiting (and watching deaths) while it
+        is full. Returns True once anything was written."""
+        fd = self._cmd[rank]
+        parts = [memoryview(p).cast("B") for p in frame]
+        while parts:
+            try:
+                n = os.writev(fd, parts[:_IOV])
+            except BlockingIOError:
+                n = 0
+            if n:
+                written = True
+                while n and n >= parts[0].nbytes:
+                    n -= parts.pop(0).nbytes
+                if n:
+                    parts[0] = parts[0][n:]
+                continue
+            self._check_watch()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                if written:
+                    raise PartialSendError(
+                        f"the deadline passed while a message was half written to worker "
+                        f"{rank}'s pipe; the channel cannot be used any more"
+                    )
+                raise TimeoutError(
+                    f"worker {rank}'s command pipe stayed full until the deadline; nothing "
+                    "of this message was sent"
+                )
+            wait_s = 1.0 if left is None else min(1.0, left)
+            select.select(self._watch, [fd], [], wait_s)
+        return written
+
+    def _check_watch(self) -> None:
+        if self._watch and select.select(self._watch, [], [], 0)[0]:
+            raise BrokenPipeError("a worker died while its command pipe was full")
 
     def recv(
         self, timeout: float | None, watch: Sequence[int] = ()
-    ) -> list[tuple[int, bytes | None]]:
+    ) -> list[tuple[int, bytes | Reply | None]]:
         ready = wait([*self._open, *watch], timeout)
-        out: list[tuple[int, bytes | None]] = []
+        out: list[tuple[int, bytes | Reply | None]] = []
         for conn in ready:
             if not isinstance(conn, Connection):
                 continue
@@ -73,44 +186,94 @@ class PipeChannel(Channel):
         return out
 
     def close(self) -> None:
-        for conn in (*self._cmd, *self._replies):
+        for fd in self._cmd:
+            _close_fd(fd)
+        self._cmd = []
+        for conn in self._replies:
             try:
                 conn.close()
             except OSError:
                 pass  # already closed by its own finalizer (garbage collection of a cycle)
         self._open = []
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
         self.started()
 
 
 class PipeWorkerChannel(WorkerChannel):
     def __init__(self, spec: dict[str, Any]) -> None:
-        self._cmd = Connection(spec["cmd"], writable=False)
+        self._cmd = spec["cmd"]
         self._reply = Connection(spec["reply"], readable=False)
-        self._inbox: queue.SimpleQueue[tuple[bytes, list[Any]] | None] = queue.SimpleQueue()
+        self._arena = None
+        if spec.get("arena") is not None:
+            from unison.channel.arena import ArenaReader
+
+            self._arena = ArenaReader(spec["arena"], spec["rank"], spec["n"])
+        self._inbox: queue.SimpleQueue[tuple[memoryview, list[Any]] | None] = (
+            queue.SimpleQueue()
+        )
         threading.Thread(target=self._drain, name="unison-cmd-reader", daemon=True).start()
 
     def _drain(self) -> None:
-        recv = self._cmd.recv_bytes
         try:
             while True:
-                data = recv()
-                if data[:2] == _MULTI:
-                    count = int.from_bytes(data[2:], "little")
-                    data = recv()
-                    self._inbox.put((data, [recv() for _ in range(count)]))
-                else:
-                    self._inbox.put((data, []))
+                n, count = _HEAD.unpack(self._read(_HEAD.size))
+                data = memoryview(self._read(n))
+                bufs: list[Any] = []
+                for _ in range(count):
+                    kind, size = _BUF.unpack(self._read(_BUF.size))
+                    got = self._read(size)
+                    if kind == _BY_REF and self._arena is not None:
+                        bufs.append(self._arena.view(_DESC.unpack(got)))
+                    else:
+                        bufs.append(memoryview(got))
+                self._inbox.put((data, bufs))
         except (EOFError, OSError):
             self._inbox.put(None)
 
-    def recv(self) -> tuple[bytes, list[Any]] | None:
+    def _read(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = os.readv(self._cmd, [view[got:]])
+            if not k:
+                raise EOFError
+            got += k
+        return buf
+
+    def recv(self) -> tuple[memoryview, list[Any]] | None:
         return self._inbox.get()
 
-    def reply(self, data: bytes) -> None:
+    def reply(self, data: bytes, buffers: Sequence[Any] = ()) -> None:
+        if buffers:
+            raise ValueError("the pipe channel pickles replies in band")
         self._reply.send_bytes(data)
 
     def close(self) -> None:
         self._reply.close()
+
+
+def _grow(fd: int) -> None:
+    """Ask for a larger pipe buffer, so that fewer sends wait; the default is fine too."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
+    except (OSError, AttributeError):
+        pass
+
+
+def _capacity(fd: int) -> int:
+    try:
+        return int(fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ))
+    except (OSError, AttributeError):
+        return 1 << 16
+
+
+def _room(fd: int) -> int:
+    """Bytes the pipe takes now without blocking."""
+    queued = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+    return _capacity(fd) - int(queued)
 
 
 def _close_fd(fd: int) -> None:

@@ -7,9 +7,10 @@ per worker, and an arena for large buffers.
                          wake r only if r sleeps (eventfd) ---------------->  sleep on eventfd;
                                                                               copy payload out,
                                                                               cmd_read[r] = pos
-    recv() <------------ reply ring r [len|more, bytes], reply_write[r]  <--  reply(data)
-      spin/yield, then sleep on our eventfd (+ the workers' pidfds);          wakes us only if
-      a worker wakes us only when our "sleeping" flag is up                   we sleep
+    recv() <------------ reply ring r [len|flags, descs, bytes],      <--  reply(data, buffers)
+                         reply_write[r]                                       wakes us only if
+      spin/yield, then sleep on our eventfd (+ the workers' pidfds);          we sleep
+      a worker wakes us only when our "sleeping" flag is up
 
 Ordering. A writer publishes the payload first, then the position that covers it; x86 keeps
 stores in order (TSO), and CPython never reorders them, so a reader that sees the position
@@ -26,6 +27,13 @@ than cores usable.
 
 Messages over a quarter of the ring, and pickle-5 buffers of 64 KiB or more, go through the
 arena (see arena.py) instead of the ring, so no message is ever too large.
+
+Replies take the same way back: each worker writes into a reply arena of its own (a memfd
+the controller made), and a reply entry carries the descriptors of its buffers (and of its
+pickle too, when that is over a quarter of the reply ring). The controller maps them, so a
+fetched array lies on the very pages the worker wrote, copied once; a block is reused only
+once the controller's arrays over it are gone, so a result stays valid whatever the worker
+does next.
 """
 
 from __future__ import annotations
@@ -38,8 +46,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from unison.channel import Channel, WorkerChannel
-from unison.channel.arena import Arena, ArenaReader, counters_size
+from unison.channel import Channel, Reply, WorkerChannel
+from unison.channel.arena import Arena, ArenaReader, create_file
 
 MAX_WORKERS = 64
 CMD_RING = 1 << 21
@@ -50,6 +58,8 @@ _LINE = 64
 _WRAP = (1 << 64) - 1
 _OOB = 1  # entry flag: the payload is a descriptor of an arena block
 _MORE = 1 << 32  # reply flag: more chunks of this message follow
+_INDIRECT = 1 << 33  # reply flag: the body is one descriptor of an arena block holding it
+_NDESC = 40  # reply head: the body's number of buffer descriptors, from this bit up
 _ENTRY = 16  # command entry header bytes
 _CTL_SLEEP = _LINE // 8  # index of the controller's sleeping flag
 _NO_VIEWS: list[memoryview] = []
@@ -59,6 +69,8 @@ _fence_lock = threading.Lock()
 _acquire, _release = _fence_lock.acquire, _fence_lock.release
 _CMD_MASK = CMD_RING - 1
 _INLINE_MAX = CMD_RING // 4  # larger messages go through the arena
+_REPLY_INLINE = REPLY_RING // 4  # larger reply bodies go through the reply arena
+REPLY_KEEP = 1 << 27  # bytes of freed reply blocks a worker keeps backed for reuse
 
 
 def _fence() -> None:
@@ -84,18 +96,9 @@ class _Layout:
         self.sleeping = [o + 8 for o in self.cmd_read]
         self.reply_write = [o + 16 for o in self.cmd_read]
         self.reply_read = [o + _LINE for o in self.cmd_read]
-        self.counters = worker0 + 2 * _LINE * n
-        self.cmd_ring = self.counters + counters_size(n)
+        self.cmd_ring = worker0 + 2 * _LINE * n
         self.reply_ring = [self.cmd_ring + CMD_RING + REPLY_RING * r for r in range(n)]
         self.size = self.cmd_ring + CMD_RING + REPLY_RING * n
-
-
-def _arena_size() -> int:
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        ram = 1 << 34
-    return max(1 << 30, min(ram, 1 << 40))
 
 
 class ShmChannel(Channel):
@@ -113,15 +116,16 @@ class ShmChannel(Channel):
         self._mm = mmap.mmap(self._fd, lay.size)
         self._buf = memoryview(self._mm)
         self._q = self._buf.cast("Q")
-        self._counters = self._buf[lay.counters : lay.cmd_ring].cast("I")
-        self.arena = Arena(name, num_workers, self._counters, _arena_size())
+        self.arena = Arena(f"{name}-arena", num_workers)
+        self._reply_fds = [create_file(f"{name}-reply{r}", 1) for r in range(num_workers)]
+        self._readers = [ArenaReader(fd, 0, 1, shared=True) for fd in self._reply_fds]
         self._efd = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(num_workers)]
         self._ctl_efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._wpos = 0
         self._limit = CMD_RING  # cmd_write may grow up to here without re-reading cmd_read
         self._reply_pos = [0] * num_workers
         self._partial: list[list[bytes]] = [[] for _ in range(num_workers)]
-        self._backlog: list[tuple[int, bytes | None]] = []
+        self._backlog: list[tuple[int, bytes | Reply | None]] = []
         self._rx_lock = threading.Lock()
         self._watch: list[int] = []
         self._all_mask = (1 << num_workers) - 1
@@ -139,37 +143,53 @@ class ShmChannel(Channel):
 
     def endpoint(self, rank: int) -> tuple[dict[str, Any], list[int]]:
         spec = {"kind": "shm", "rank": rank, "n": self.n, "ctl": self._fd,
-                "arena": self.arena.fd, "efd": self._efd[rank], "ctl_efd": self._ctl_efd}
-        return spec, [self._fd, self.arena.fd, self._efd[rank], self._ctl_efd]
+                "arena": self.arena.fd, "reply_arena": self._reply_fds[rank],
+                "efd": self._efd[rank], "ctl_efd": self._ctl_efd}
+        return spec, [self._fd, self.arena.fd, self._reply_fds[rank], self._efd[rank],
+                      self._ctl_efd]
 
     def started(self, watch: Sequence[int] = ()) -> None:
         self._watch = list(watch)
 
     # -- commands ------------------------------------------------------------------------------
 
-    def send(self, data: bytes, ranks: Sequence[int], buffers: Sequence[Any] = ()) -> None:
+    def send(self, data: bytes, ranks: Sequence[int], buffers: Sequence[Any] = (), *,
+             deadline: float | None = None) -> None:
         ranks = tuple(ranks)
         if buffers or len(data) > _INLINE_MAX:
-            self._send_large(data, ranks, buffers)
+            self._send_large(data, ranks, buffers, deadline)
         else:
-            self._publish(data, b"", 0, ranks)
+            self._publish(data, b"", 0, ranks, deadline)
 
-    def _send_large(self, data: bytes, ranks: tuple[int, ...], buffers: Sequence[Any]) -> None:
-        descs = self.arena.place(list(buffers), ranks) if buffers else []
+    def _send_large(self, data: bytes, ranks: tuple[int, ...], buffers: Sequence[Any],
+                    deadline: float | None) -> None:
+        """Wait for ring room first, then place the buffers: a timeout leaves nothing placed."""
+        big = len(data) > _INLINE_MAX
+        self._room(_entry_size(_DESC if big else len(data), len(buffers)), deadline)
+        descs = self.arena.place([*buffers, data] if big else buffers, ranks)
         flags = 0
-        if len(data) > _INLINE_MAX:
-            data = _pack_descs([self.arena.place_bytes(data, ranks)])
+        if big:
+            data = _pack_descs(descs[-1:])
+            descs = descs[:-1]
             flags = _OOB
-        self._publish(data, _pack_descs(descs), len(descs) | (flags << 16), ranks)
+        self._publish(data, _pack_descs(descs), len(descs) | (flags << 16), ranks, None)
 
-    def _publish(self, payload: bytes, descs: bytes, meta: int, ranks: tuple[int, ...]) -> None:
-        """Write one entry at the ring's head and make it visible; wake sleeping targets."""
-        n = len(payload)
-        size = (_ENTRY + 7 + n + len(descs)) & ~7
+    def _room(self, size: int, deadline: float | None) -> None:
+        """Wait until an entry of ``size`` bytes fits at the ring's head."""
         pos = self._wpos
         off = pos & _CMD_MASK
         if off + size > CMD_RING or pos + size > self._limit:
-            pos, off = self._make_room(pos, off, size)
+            self._make_room(pos, off, size, deadline)
+
+    def _publish(self, payload: bytes, descs: bytes, meta: int, ranks: tuple[int, ...],
+                 deadline: float | None) -> None:
+        """Write one entry at the ring's head and make it visible; wake sleeping targets."""
+        n = len(payload)
+        size = _entry_size(n, len(descs) // _DESC)
+        pos = self._wpos
+        off = pos & _CMD_MASK
+        if off + size > CMD_RING or pos + size > self._limit:
+            pos, off = self._make_room(pos, off, size, deadline)
         q = self._q
         start = self._cmd_base + off
         q[start >> 3] = n | (meta << 32)
@@ -188,17 +208,18 @@ class ShmChannel(Channel):
             if q[sleep_idx[r]]:
                 os.eventfd_write(self._efd[r], 1)
 
-    def _make_room(self, pos: int, off: int, size: int) -> tuple[int, int]:
+    def _make_room(self, pos: int, off: int, size: int,
+                   deadline: float | None) -> tuple[int, int]:
         """Skip to the ring's start if the entry would cross its end, and wait for space."""
         wrap = CMD_RING - off if off + size > CMD_RING else 0
         end = pos + wrap + size
         if end > self._limit:
             self._limit = self._slowest() + CMD_RING
             if end > self._limit:
-                self._wait_space(end)
+                self._wait_space(end, deadline)
                 self._limit = self._slowest() + CMD_RING
         if wrap:
-            self._q[(self._cmd_base + off) >> 3] = _WRAP
+            self._q[(self._cmd_base + off) >> 3] = _WRAP  # past the published head: unseen
             return pos + wrap, 0
         return pos, off
 
@@ -206,11 +227,16 @@ class ShmChannel(Channel):
         q = self._q
         return min(q[i] for i in self._cr_idx)
 
-    def _wait_space(self, end: int) -> None:
+    def _wait_space(self, end: int, deadline: float | None) -> None:
         """The ring is full: wake every worker, keep draining replies (a worker may be blocked
-        on its own full reply ring), and notice deaths."""
+        on its own full reply ring), and notice deaths and the deadline."""
         delay = 20e-6
         while end - self._slowest() > CMD_RING:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    "the command ring stayed full until the deadline (the workers are busy); "
+                    "nothing of this message was sent"
+                )
             with self._rx_lock:
                 self._backlog.extend(self._collect())
             for r in range(self.n):
@@ -218,14 +244,15 @@ class ShmChannel(Channel):
                     os.eventfd_write(self._efd[r], 1)
             if self._watch and select.select(self._watch, [], [], 0)[0]:
                 raise BrokenPipeError("a worker died while the command ring was full")
-            time.sleep(delay)
+            time.sleep(delay if deadline is None
+                       else max(0.0, min(delay, deadline - time.monotonic())))
             delay = min(delay * 2, 5e-3)
 
     # -- replies -------------------------------------------------------------------------------
 
     def recv(
         self, timeout: float | None, watch: Sequence[int] = ()
-    ) -> list[tuple[int, bytes | None]]:
+    ) -> list[tuple[int, bytes | Reply | None]]:
         if self._has_reply():
             return self._take()
         now = time.perf_counter()
@@ -255,7 +282,7 @@ class ShmChannel(Channel):
                 return True
         return bool(self._backlog)
 
-    def _take(self) -> list[tuple[int, bytes | None]]:
+    def _take(self) -> list[tuple[int, bytes | Reply | None]]:
         with self._rx_lock:
             out = self._backlog
             if out:
@@ -264,9 +291,9 @@ class ShmChannel(Channel):
                 return out
             return self._collect()
 
-    def _collect(self) -> list[tuple[int, bytes | None]]:
+    def _collect(self) -> list[tuple[int, bytes | Reply | None]]:
         """Read every complete reply now in the rings; caller holds the rx lock."""
-        out: list[tuple[int, bytes | None]] = []
+        out: list[tuple[int, bytes | Reply | None]] = []
         q, buf, lay = self._q, self._buf, self._lay
         for r, wi in enumerate(self._rw_idx):
             pos, end = self._reply_pos[r], q[wi]
@@ -281,8 +308,11 @@ class ShmChannel(Channel):
                     continue
                 n = head & 0xFFFFFFFF
                 start = base + off + 8
-                chunk = bytes(buf[start : start + n])
                 pos += _align8(8 + n)
+                if head >> _NDESC or head & _INDIRECT:
+                    out.append((r, self._unpack_reply(r, head, buf[start : start + n])))
+                    continue
+                chunk = bytes(buf[start : start + n])
                 if head & _MORE:
                     self._partial[r].append(chunk)
                     continue
@@ -295,6 +325,18 @@ class ShmChannel(Channel):
             q[self._rr_idx[r]] = pos  # hand the space back
         return out
 
+    def _unpack_reply(self, rank: int, head: int, body: memoryview) -> Reply:
+        """A reply whose buffers (or whole body) lie in worker ``rank``'s reply arena: map
+        them now, so that the blocks are counted as done whenever the reply is dropped."""
+        reader = self._readers[rank]
+        if head & _INDIRECT:
+            body = reader.view(_unpack_descs(body, 1)[0])
+        ndesc = head >> _NDESC
+        descs = _unpack_descs(body, ndesc) if ndesc else []
+        payload = body[_DESC * ndesc :]
+        data = payload if head & _INDIRECT else payload.tobytes()
+        return Reply(data, [reader.view(d) for d in descs])
+
     def close(self) -> None:
         if self._closed:
             return
@@ -302,7 +344,8 @@ class ShmChannel(Channel):
         for fd in (*self._efd, self._ctl_efd):
             os.close(fd)
         self.arena.close()
-        self._counters.release()
+        for fd in self._reply_fds:
+            os.close(fd)  # the controller's mappings of fetched arrays keep their pages
         self._q.release()
         self._buf.release()
         try:
@@ -322,8 +365,8 @@ class ShmWorkerChannel(WorkerChannel):
         self._mm = mmap.mmap(spec["ctl"], lay.size)
         self._buf = memoryview(self._mm)
         self._q = self._buf.cast("Q")
-        counters = self._buf[lay.counters : lay.cmd_ring].cast("I")
-        self._arena = ArenaReader(spec["arena"], r, n, counters)
+        self._arena = ArenaReader(spec["arena"], r, n)
+        self._replies = Arena("", 1, fd=spec["reply_arena"], keep=REPLY_KEEP)
         self._efd, self._ctl_efd = spec["efd"], spec["ctl_efd"]
         self._bit = 1 << r
         self._pos = self._q[lay.cmd_read[r] // 8]
@@ -349,7 +392,7 @@ class ShmWorkerChannel(WorkerChannel):
                 continue
             n, meta = head & 0xFFFFFFFF, head >> 32
             nbufs = meta & 0xFFFF
-            size = (_ENTRY + 7 + n + _DESC * nbufs) & ~7
+            size = _entry_size(n, nbufs)
             if not q[i + 1] & self._bit:
                 pos += size
                 self._pos = q[self._read_idx] = pos
@@ -381,17 +424,39 @@ class ShmWorkerChannel(WorkerChannel):
         finally:
             q[self._sleep_idx] = 0
 
-    def reply(self, data: bytes) -> None:
-        step = REPLY_RING // 2 - 8
-        if len(data) <= step:
-            self._put(data, False)
+    oob_replies = True
+
+    def reply(self, data: bytes, buffers: Sequence[Any] = ()) -> None:
+        """Small replies go in the ring; buffers, and a body over a quarter of the ring, go
+        through this worker's reply arena, copied once. Raises MemoryError, with nothing
+        sent, if buffers do not fit there (a large pickle alone falls back to the ring)."""
+        if not buffers and len(data) <= _REPLY_INLINE:
+            self._put(data, 0)
             return
+        arena, ctl = self._replies, (0,)
+        descs = arena.place(buffers, ctl) if buffers else []
+        body = _pack_descs(descs) + data if descs else data
+        head = len(descs) << _NDESC
+        if len(body) > _REPLY_INLINE:
+            try:
+                body = _pack_descs([arena.place_bytes(body, ctl)])
+                head |= _INDIRECT
+            except MemoryError:
+                if descs:
+                    arena.unplace(descs, ctl)
+                    raise
+                self._chunked(data)  # no room: the ring, a chunk at a time
+                return
+        self._put(body, head)
+
+    def _chunked(self, data: bytes) -> None:
+        step = REPLY_RING // 2 - 8
         view = memoryview(data)
         for i in range(0, len(view), step):
             chunk = view[i : i + step]
-            self._put(chunk, more=i + step < len(view))
+            self._put(chunk, _MORE if i + step < len(view) else 0)
 
-    def _put(self, chunk: bytes | memoryview, more: bool) -> None:
+    def _put(self, chunk: bytes | memoryview, flags: int) -> None:
         q, buf = self._q, self._buf
         n = len(chunk)
         size = _align8(8 + n)
@@ -408,7 +473,7 @@ class ShmWorkerChannel(WorkerChannel):
             pos += wrap
             off = 0
         start = self._rbase + off
-        q[start // 8] = n | (_MORE if more else 0)
+        q[start // 8] = n | flags
         buf[start + 8 : start + 8 + n] = chunk
         self._rpos = q[self._rw_idx] = pos + size  # publish
         self._wake_controller()
@@ -418,7 +483,7 @@ class ShmWorkerChannel(WorkerChannel):
         pos = self._rpos
         off = pos & (REPLY_RING - 1)
         if off + 8 > REPLY_RING or pos + 8 - q[self._rr_idx] > REPLY_RING:
-            self._put(b"", False)
+            self._put(b"", 0)
             return
         q[(self._rbase + off) >> 3] = 0  # an empty entry: the ack
         self._rpos = q[self._rw_idx] = pos + 8
@@ -434,6 +499,11 @@ class ShmWorkerChannel(WorkerChannel):
 
     def close(self) -> None:
         pass  # the mappings go with the process
+
+
+def _entry_size(payload: int, ndescs: int) -> int:
+    """Bytes a command entry takes in the ring."""
+    return (_ENTRY + 7 + payload + _DESC * ndescs) & ~7
 
 
 def _mask(ranks: Sequence[int]) -> int:
@@ -452,7 +522,7 @@ def _pack_descs(descs: Sequence[tuple[int, int, int]]) -> bytes:
 
 
 def _unpack_descs(data: bytes | memoryview, count: int) -> list[tuple[int, int, int]]:
-    q = memoryview(data).cast("Q")
+    q = memoryview(data)[: _DESC * count].cast("Q")
     return [(q[3 * i], q[3 * i + 1], q[3 * i + 2]) for i in range(count)]
 
 

@@ -1,15 +1,23 @@
 """Local worker processes: start, watch, relay their output, stop.
 
     controller                                   worker process (fresh interpreter)
-    Popen([python, -c, bootstrap]) ------------> reads its init (rank, channel spec, sys.path)
-      stdin  (init, then held open) -----------> lifeline: EOF means the controller is gone
+    Popen([python, -c, bootstrap]) ------------> reads its init (rank, channel spec, sys.path),
+                                                 forks: it stays as the keeper, the child works
+      stdin  (init, then held open) -----------> keeper's lifeline: EOF = the controller is gone
       stdout/stderr  <------------------------- "[worker r] line" relayed by one thread
       pidfd (readable once it exits)            own process group, so a terminal's Ctrl-C
                                                 reaches the controller alone
 
 Workers never fork from the controller and never import its ``__main__``: a plain script
-without an ``if __name__ == "__main__":`` guard works. Each worker leads a process group of
-its own, so stopping it also stops whatever it started.
+without an ``if __name__ == "__main__":`` guard works. Nor do they import from the
+controller's current directory (``python -c`` would put it first on sys.path): only the
+controller's own sys.path is honoured. Each worker's keeper (see unison.worker) is a subreaper
+that kills whatever the worker started when it ends; the launcher kills the whole tree, found
+through /proc while it lives, when it stops a worker itself.
+
+The relay never dies: a ``sys.stdout`` that is None, lacks ``flush()`` or raises loses the
+output, never the thread, so workers never block on a full pipe. What is kept of a worker's
+stderr for WorkerDied is bounded (_TAIL_CHARS), and so is a line without a newline.
 """
 
 from __future__ import annotations
@@ -27,9 +35,16 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 import unison
+from unison import _proctree
 
-_BOOTSTRAP = "from unison.worker import main; main()"
-_TAIL_LINES = 20
+# python -c puts the current directory first on sys.path (unless safe_path is set): drop it
+# before anything is imported, so a numpy.py lying there is never run.
+_BOOTSTRAP = ("import sys\nif not getattr(sys.flags, 'safe_path', False): del sys.path[0]\n"
+              "from unison.worker import main; main({pid})")
+_TAIL_CHARS = 64 * 1024
+"""How much of a worker's stderr is kept, as its last whole lines, for WorkerDied.output."""
+_LINE_CHARS = 64 * 1024
+"""A line longer than this (or output without a newline) is relayed in pieces this long."""
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                 "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
 
@@ -41,7 +56,10 @@ class WorkerProcess:
         self.rank = rank
         self.popen = popen
         self.pid = popen.pid
-        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self.stderr_tail: collections.deque[str] = collections.deque()
+        self._tail_chars = 0
+        self.killed = False
+        """True once the launcher killed it while it still ran (so the cause is known)."""
         self.output_done = threading.Event()
         self._open_streams = 2
         try:
@@ -59,7 +77,11 @@ class WorkerProcess:
             return None
 
     def kill(self) -> None:
-        """SIGKILL the worker and everything in its process group."""
+        """SIGKILL the worker and every process below it (even those that left its process
+        group), collected while it is alive."""
+        if self.popen.poll() is None:
+            self.killed = True
+            _proctree.kill_tree(self.pid)
         try:
             os.killpg(self.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -73,6 +95,21 @@ class WorkerProcess:
         """The last lines it wrote to stderr, once its streams are drained (briefly waited for)."""
         self.output_done.wait(0.5)
         return "".join(self.stderr_tail)
+
+    def death_reason(self) -> str:
+        """Why it ended, where unison knows better than its exit status (for WorkerDied)."""
+        if self.killed:
+            return "unison stopped it (the session was closing, or it did not exit in time)"
+        return ""
+
+    def keep_tail(self, lines: list[str]) -> None:
+        """Keep the last _TAIL_CHARS characters of stderr, as whole lines where they fit."""
+        for line in lines:
+            line = line[-_TAIL_CHARS:] + "\n"
+            self.stderr_tail.append(line)
+            self._tail_chars += len(line)
+        while self._tail_chars > _TAIL_CHARS and len(self.stderr_tail) > 1:
+            self._tail_chars -= len(self.stderr_tail.popleft())
 
     def release(self) -> None:
         if self.popen.stdin is not None:
@@ -119,7 +156,7 @@ class LocalLauncher:
                 if env and rank in env:
                     worker_env.update({str(k): str(v) for k, v in env[rank].items()})
                 popen = subprocess.Popen(
-                    [sys.executable, "-c", _BOOTSTRAP],
+                    [sys.executable, "-c", _BOOTSTRAP.format(pid=os.getpid())],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
@@ -149,7 +186,7 @@ class LocalLauncher:
         try:
             while self._selector.get_map():
                 self._relay_once()
-        except (OSError, ValueError, RuntimeError):
+        except (OSError, ValueError, RuntimeError, KeyError):
             pass  # the selector was closed under us at stop(): nothing is left to relay
 
     def _relay_once(self) -> None:
@@ -165,6 +202,10 @@ class LocalLauncher:
             if chunk:
                 partial.append(chunk)
                 if b"\n" not in chunk:
+                    if sum(map(len, partial)) >= _LINE_CHARS:  # no newline in sight: bound it
+                        data = b"".join(partial)
+                        partial.clear()
+                        _emit(worker, is_err, [data.decode(errors="replace")])
                     continue
                 data = b"".join(partial)
                 head, _, rest = data.rpartition(b"\n")
@@ -191,8 +232,10 @@ class LocalLauncher:
         for w in self.workers:
             w.kill()  # also reaps anything the worker left behind in its process group
             w.popen.wait()
+        # the keepers killed what the workers started, so the pipes close now; don't wait
+        # long on a process that escaped and still holds them
         if self._relay is not None and self._relay is not threading.current_thread():
-            self._relay.join(timeout=2.0)
+            self._relay.join(timeout=0.5)
         for w in self.workers:
             w.release()
             for stream in (w.popen.stdout, w.popen.stderr):
@@ -206,14 +249,19 @@ class LocalLauncher:
 
 
 def _emit(worker: WorkerProcess, is_err: bool, lines: list[str]) -> None:
+    """Keep stderr's tail, and write the lines to whatever sys.stdout/sys.stderr is now.
+    Whatever the user put there (None, no flush(), a write that raises), the relay goes on:
+    if it stopped, a worker that fills its pipe would block for ever."""
     if is_err:
-        worker.stderr_tail.extend(line + "\n" for line in lines)
+        worker.keep_tail(lines)
     out = sys.stderr if is_err else sys.stdout
     if out is None:
         return
     text = "".join(f"[worker {worker.rank}] {line}\n" for line in lines)
     try:
         out.write(text)
-        out.flush()
-    except (OSError, ValueError):
+        flush = getattr(out, "flush", None)
+        if flush is not None:
+            flush()
+    except Exception:  # a user's stream may raise anything: keep relaying
         pass

@@ -1,0 +1,28 @@
+"""Timeouts, checked once: every wait in unison turns its ``timeout=`` into a deadline here."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+
+__all__ = ["deadline", "seconds"]
+
+
+def seconds(value: object, name: str) -> float:
+    """A number of seconds, checked: a real number, not NaN, not negative (inf is allowed)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds or None, got {type(value).__name__}")
+    seconds = float(value)
+    if math.isnan(seconds) or seconds < 0:
+        raise ValueError(f"{name} must be a number of seconds >= 0 or None, got {value!r}")
+    return seconds
+
+
+def deadline(timeout: object, name: str = "timeout") -> float | None:
+    """The monotonic time at which a wait of ``timeout`` seconds ends (None: never; inf is
+    the same as None)."""
+    if timeout is None:
+        return None
+    secs = seconds(timeout, name)
+    return None if secs == math.inf else time.monotonic() + secs

@@ -1,0 +1,215 @@
+"""Which functions the workers hold, and whether their copy still matches the controller's.
+
+A function is sent to the workers once (DEFINE) and later calls name it by id. That is only
+right while the workers' copy behaves as the controller's would at the moment of the call:
+
+    by reference   (a function of an importable module)  the workers import it: always current
+    by value       (a lambda, closure, ``__main__`` function)  current only while everything it
+                   captured (closure cells, the globals its code names, defaults, and the same
+                   for any by-value function among them) is what was sent:
+        all immutable  -> kept by strong reference and compared by identity (cheap, and an id
+                          can never be reused while we hold the object)
+        else           -> pickled again at every call and compared byte for byte (a dict or an
+                          array changed in place is seen; an unchanged one costs a pickle)
+    anything else  (bound methods, callable objects, partials)  pickled and sent every time
+
+Nothing here is guessed from ``id()`` alone: a stale copy on the workers is impossible.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+
+__all__ = ["FunctionCache"]
+
+BIG_CAPTURE = 1 << 20  # a re-sent by-value function this large earns a warning
+
+_CACHEABLE = (types.FunctionType, types.BuiltinFunctionType)
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes, range,
+                    type(Ellipsis), types.ModuleType, types.CodeType})
+_MISSING = object()
+_MAX_TUPLE = 64  # larger tuples are compared by pickle instead of walked
+
+
+class _Entry:
+    __slots__ = ("blob", "captured", "fn_id")
+
+    def __init__(self, fn_id: int, captured: list[Any] | None, blob: bytes | None) -> None:
+        self.fn_id = fn_id
+        self.captured = captured  # immutable captures, compared by identity
+        self.blob = blob  # the pickle sent, when some capture is mutable
+
+
+class FunctionCache:
+    """Function -> id on the workers, for the functions whose copy there is provably current.
+
+    Not thread-safe: the session calls it under its send lock."""
+
+    def __init__(self, size: int = 512) -> None:
+        self._size = size
+        self._entries: collections.OrderedDict[Callable[..., Any], _Entry] = (
+            collections.OrderedDict()
+        )
+        self._warned: set[Any] = set()
+
+    def lookup(self, fn: Callable[..., Any]) -> tuple[int, bytes | None]:
+        """``(fn_id, None)`` if the workers' copy is current; else ``(0, pickle or None)``,
+        with the pickle when it was already made to compare (so it is made once)."""
+        entry = self._entries.get(fn) if isinstance(fn, _CACHEABLE) else None
+        if entry is None:
+            return 0, None
+        if entry.captured is not None:
+            now: list[Any] = []
+            if _captures(fn, now, set()) and _same(now, entry.captured):
+                self._entries.move_to_end(fn)
+                return entry.fn_id, None
+            return 0, None
+        if entry.blob is None:  # by reference
+            self._entries.move_to_end(fn)
+            return entry.fn_id, None
+        blob = pickle_function(fn)
+        if blob == entry.blob:
+            self._entries.move_to_end(fn)
+            return entry.fn_id, None
+        return 0, blob
+
+    def store(self, fn: Callable[..., Any], fn_id: int, blob: bytes) -> list[int]:
+        """Remember that the workers now hold ``fn`` as ``fn_id`` (from ``blob``). Returns the
+        ids the workers may drop: the replaced definition, and the least recently used one
+        past the cache's size. A function that cannot be cached keeps nothing."""
+        if not isinstance(fn, _CACHEABLE):
+            return []
+        old = self._entries.pop(fn, None)
+        drop = [] if old is None else [old.fn_id]
+        if old is not None and len(blob) > BIG_CAPTURE:
+            self._warn_big(fn, len(blob))
+        if _by_reference(fn):
+            entry = _Entry(fn_id, None, None)
+        else:
+            captured: list[Any] = []
+            safe = _captures(fn, captured, set())
+            entry = _Entry(fn_id, captured if safe else None, None if safe else blob)
+        self._entries[fn] = entry
+        if len(self._entries) > self._size:
+            drop.append(self._entries.popitem(last=False)[1].fn_id)
+        return drop
+
+    @staticmethod
+    def cacheable(fn: object) -> bool:
+        return isinstance(fn, _CACHEABLE)
+
+    def _warn_big(self, fn: Callable[..., Any], size: int) -> None:
+        key = getattr(fn, "__code__", fn)
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        warnings.warn(
+            f"{getattr(fn, '__qualname__', fn)!r} was sent to the workers again because "
+            f"something it captures changed, and its pickle is {size / 2**20:.1f} MiB. Large "
+            "data captured by a function travels at every change: put it on the workers once "
+            "with sess.put(value) and pass the Ref as an argument instead.",
+            RuntimeWarning, stacklevel=4,
+        )
+
+
+def pickle_function(fn: Callable[..., Any]) -> bytes:
+    """The function as the workers receive it (raises TypeError if it cannot be pickled)."""
+    try:
+        blob: bytes = cloudpickle.dumps(fn, protocol=5)
+    except Exception as exc:
+        raise TypeError(f"the function {fn!r} cannot be pickled for the workers: {exc}") from exc
+    return blob
+
+
+def _by_reference(fn: Any) -> bool:
+    """Whether pickle sends ``fn`` (a function or class) as an import of its module."""
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", "")
+    return (module is not None and module != "__main__" and "<" not in qualname
+            and module in sys.modules)
+
+
+def _captures(fn: Any, out: list[Any], seen: set[int]) -> bool:
+    """Append what by-value ``fn`` captured to ``out``; False if any of it is mutable."""
+    if isinstance(fn, types.BuiltinFunctionType):
+        owner = fn.__self__
+        return owner is None or isinstance(owner, types.ModuleType)
+    if id(fn) in seen:
+        return True
+    seen.add(id(fn))
+    code = fn.__code__
+    out.append(code)
+    if fn.__kwdefaults__ or fn.__dict__:
+        return False
+    defaults = fn.__defaults__
+    out.append(defaults)
+    if defaults and not all(_immutable(d, out, seen) for d in defaults):
+        return False
+    for cell in fn.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            value = _MISSING
+        out.append(value)
+        if value is not _MISSING and not _immutable(value, out, seen):
+            return False
+    names = fn.__globals__
+    for name in _global_names(code):
+        value = names.get(name, _MISSING)
+        out.append(value)
+        if value is not _MISSING and not _immutable(value, out, seen):
+            return False
+    return True
+
+
+def _immutable(value: Any, out: list[Any], seen: set[int]) -> bool:
+    """Whether ``value`` pickles the same for as long as it is the same object."""
+    kind = type(value)
+    if kind in _ATOMS:
+        return True
+    if kind is tuple or kind is frozenset:
+        return len(value) <= _MAX_TUPLE and all(_immutable(v, out, seen) for v in value)
+    if kind is types.FunctionType:
+        return _by_reference(value) or _captures(value, out, seen)
+    if kind is types.BuiltinFunctionType:
+        return _captures(value, out, seen)
+    if isinstance(value, type):
+        return _by_reference(value)
+    return False
+
+
+_names_of: dict[int, tuple[types.CodeType, tuple[str, ...]]] = {}
+
+
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """Every name the code (and code nested in it) may look up as a global, as cloudpickle
+    finds them; attribute names come along, and simply are not in the globals. Kept by the
+    code's id (hashing a code object is slow) beside the code itself, so a reused id is seen."""
+    hit = _names_of.get(id(code))
+    if hit is not None and hit[0] is code:
+        return hit[1]
+    found: dict[str, None] = dict.fromkeys(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found.update(dict.fromkeys(_global_names(const)))
+    if len(_names_of) > 4096:  # code made on the fly (exec) must not pile up
+        _names_of.clear()
+    names = tuple(found)
+    _names_of[id(code)] = (code, names)
+    return names
+
+
+def _same(now: list[Any], then: list[Any]) -> bool:
+    if len(now) != len(then):
+        return False
+    for a, b in zip(now, then):  # noqa: SIM110 (a plain loop: this is the hot path)
+        if a is not b:
+            return False
+    return True

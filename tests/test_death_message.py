@@ -1,0 +1,65 @@
+"""WorkerDied's message stays short however much a dying worker wrote, and it names the
+cause where unison knows it instead of guessing from the exit status."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+import unison
+from unison import SessionClosed, WorkerDied
+
+
+def write_then_exit(lines, chars, newline):
+    for i in range(lines):
+        sys.stderr.write(f"line {i} " + "z" * chars + ("\n" if newline else ""))
+    sys.stderr.flush()
+    os._exit(3)
+
+
+def test_twenty_megabytes_on_stderr_in_one_line_give_a_short_message(make_session):
+    sess = make_session(1)
+    with pytest.raises(WorkerDied) as info:
+        sess.run(write_then_exit, 1, 20_000_000, False)
+    died = info.value
+    assert died.exitcode == 3
+    assert len(str(died)) < 2_000
+    assert 0 < len(died.output) <= 100_000  # the launcher keeps a bounded tail
+    assert died.output.rstrip("\n").endswith("z" * 1000)
+    with pytest.raises(SessionClosed) as closed:
+        sess.sync()
+    assert len(str(closed.value)) < 3_000
+
+
+def test_the_message_keeps_the_last_twenty_lines_each_cut_and_output_keeps_more(make_session):
+    sess = make_session(1)
+    with pytest.raises(WorkerDied) as info:
+        sess.run(write_then_exit, 200, 1_500, True)
+    text = str(info.value)
+    shown = [line for line in text.splitlines() if line.strip().startswith("line ")]
+    assert [line.split()[1] for line in shown] == [str(i) for i in range(180, 200)]
+    assert all(len(line) < 1_100 for line in shown)
+    assert "more characters" in shown[-1]
+    assert "line 170 " in info.value.output  # the attribute keeps more than the message
+
+
+def close_my_lifeline():
+    """Nothing in the worker may close the lifeline: the controller's end is the test's."""
+    return os.getpid()
+
+
+def test_a_worker_stopped_by_its_lifeline_says_so_and_blames_no_oom_killer(make_session):
+    sess = make_session(2)
+    sess.run(close_my_lifeline)
+    keeper = sess._procs[1].popen
+    keeper.stdin.close()  # what the controller's death looks like to a worker
+    keeper.wait(10)  # the keeper stops the worker, then itself
+    with pytest.raises(WorkerDied) as info:
+        sess.sync(timeout=10)
+    died = info.value
+    assert (died.worker, died.exitcode) == (1, unison.errors.EXIT_CONTROLLER_GONE)
+    text = str(died)
+    assert "lifeline" in text
+    assert "OOM" not in text

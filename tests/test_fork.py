@@ -1,0 +1,46 @@
+"""A session is used only by the process that made it: a forked child that touches it gets a
+clear error naming the owner, and the parent's next results are its own."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import unison
+
+
+def square(x):
+    return x * x
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_cannot_use_the_parents_session(sess):
+    assert sess.run(square, 3) == [9, 9]
+    ref = sess.call(square, 4)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: every use must raise, naming the owner
+        code = 0
+        for attempt in (lambda: sess.run(square, 100), lambda: ref.gather(),
+                        lambda: sess.put(1), lambda: sess.sync(), lambda: sess[0]):
+            try:
+                attempt()
+                code = 1
+            except unison.SessionClosed as exc:
+                if str(os.getppid()) not in str(exc) or "fork" not in str(exc):
+                    code = 2
+            except BaseException:
+                code = 3
+        os.write(write, bytes([code]))
+        os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    verdict = os.read(read, 1)
+    os.close(read)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert verdict == b"\x00", f"child verdict {verdict!r}"
+    # the parent's session is intact, and its next results are its own
+    assert ref.gather() == [16, 16]
+    assert sess.run(square, 5) == [25, 25]
+    assert not sess.closed

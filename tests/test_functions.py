@@ -1,0 +1,207 @@
+"""A function defined in the user's script sees the controller's state at the moment of the
+call, as concurrent.futures and loky give it: the workers never run a stale copy.
+
+Each check runs in a real controller script, since a script's ``__main__`` functions are what
+travel by value."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+import unison
+from support import stop
+
+TOTAL = 30.0
+
+
+def run_script(controller, code: str) -> str:
+    proc = controller(code)
+    try:
+        out, err = proc.communicate(timeout=TOTAL)
+    except BaseException:
+        stop(proc)
+        raise
+    assert proc.returncode == 0, f"controller failed:\n{err}"
+    return out
+
+
+def test_a_rebound_global_is_seen_even_when_the_old_object_address_is_reused(controller):
+    # CPython reuses a freed object's address at once for an object of the same size, so
+    # a cache keyed on id() of the captured global would keep the workers' old copy
+    out = run_script(controller, """
+        import unison
+
+        class Box:
+            def __init__(self, v):
+                self.v = v
+
+        CONFIG = Box(1)
+
+        def read():
+            return CONFIG.v
+
+        with unison.Session(2) as sess:
+            seen = []
+            for i in range(2, 40):
+                seen.append(sess.run(read)[0])
+                del CONFIG  # the old Box is freed first, so the new one takes its address
+                CONFIG = Box(i)
+            print(seen == list(range(1, 39)), seen)
+    """)
+    assert out.startswith("True"), out
+
+
+def test_a_mutable_global_changed_in_place_is_seen(controller):
+    out = run_script(controller, """
+        import numpy as np
+        import unison
+
+        SETTINGS = {"scale": 1}
+        TABLE = [1, 2]
+        WEIGHTS = np.zeros(3)
+
+        def read():
+            return SETTINGS["scale"], sum(TABLE), float(WEIGHTS.sum())
+
+        with unison.Session(2) as sess:
+            first = sess.run(read)
+            SETTINGS["scale"] = 7
+            TABLE.append(10)
+            WEIGHTS[:] = 2.0
+            second = sess.run(read)
+            print(first, second)
+            assert first == [(1, 3, 0.0)] * 2, first
+            assert second == [(7, 13, 6.0)] * 2, second
+    """)
+    assert "(7, 13, 6.0)" in out
+
+
+def test_a_closure_cell_changed_in_place_or_rebound_is_seen(controller):
+    run_script(controller, """
+        import unison
+
+        def make():
+            state = {"n": 0}
+            count = 0
+            def read():
+                return state["n"], count
+            def bump():
+                nonlocal count
+                state["n"] += 1  # the same dict, changed in place
+                count += 100  # a new int in the same cell
+            return read, bump
+
+        read, bump = make()
+        with unison.Session(2) as sess:
+            for i in range(5):
+                assert sess.run(read) == [(i, 100 * i)] * 2, (i, sess.run(read))
+                bump()
+    """)
+
+
+def test_a_nested_script_function_that_captures_state_is_seen(controller):
+    run_script(controller, """
+        import unison
+
+        LIMIT = [5]
+
+        def inner(x):
+            return min(x, LIMIT[0])
+
+        def outer(x):
+            return inner(x) + 1
+
+        with unison.Session(2) as sess:
+            assert sess.run(outer, 9) == [6, 6]
+            LIMIT[0] = 2
+            assert sess.run(outer, 9) == [3, 3]
+            def inner(x):  # rebinding a function the outer one calls
+                return -x
+            assert sess.run(outer, 9) == [-8, -8]
+    """)
+
+
+def test_an_unchanged_function_is_not_sent_again(controller):
+    # both kinds of by-value function (all-immutable captures, and a mutable one unchanged)
+    # keep one definition on the workers: the worker-side function object is the same one
+    out = run_script(controller, """
+        import unison
+
+        SCALE = 3
+        TABLE = {"a": 1}
+
+        def plain(x, y):
+            return x * SCALE + y
+
+        def with_dict():
+            return TABLE["a"]
+
+        def fn_ids(f):
+            import gc
+            return sum(1 for o in gc.get_objects()
+                       if type(o).__name__ == "function" and o.__name__ == f)
+
+        with unison.Session(1) as sess:
+            for _ in range(50):
+                sess.run(plain, 1, 2)
+                sess.run(with_dict)
+            print(sess.run(fn_ids, "plain")[0], sess.run(fn_ids, "with_dict")[0])
+    """)
+    assert out.split() == ["1", "1"], out
+
+
+def test_resending_a_large_captured_global_warns_once_and_points_at_put(controller):
+    proc = controller("""
+        import warnings
+        import numpy as np
+        import unison
+
+        BIG = np.zeros(300_000)  # 2.4 MB, captured by the function below
+
+        def total():
+            return float(BIG.sum())
+
+        with unison.Session(1) as sess:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for i in range(4):
+                    BIG[0] = i
+                    assert sess.run(total) == [float(i)]
+            texts = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+            print(len(texts))
+            print(texts[0] if texts else "")
+    """)
+    out, err = proc.communicate(timeout=TOTAL)
+    assert proc.returncode == 0, err
+    count, text = out.split("\n", 1)
+    assert count == "1", out
+    assert "sess.put" in text and "MiB" in text
+
+
+def module_level(x, y):
+    return x + y
+
+
+def test_module_functions_and_lambdas_still_work_in_process(sess):
+    assert sess.run(module_level, 1, 2) == [3, 3]
+    k = 5
+    assert sess.run(lambda: k) == [5, 5]
+    k = 6
+    assert sess.run(lambda: k) == [6, 6]
+
+
+def test_a_function_that_cannot_be_pickled_is_refused_clearly(sess):
+    import threading
+
+    lock = threading.Lock()
+
+    def holds_a_lock():
+        return lock.locked()
+
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        sess.call(holds_a_lock)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sess.run(unison.rank) == [0, 1]
