@@ -639,7 +639,12 @@ class Session(View):
                     f"the reply of worker {r} cannot be unpickled on the controller: {exc}. "
                     "Make its type importable here, or return plain data."
                 ) from exc
-            assert got_id == req_id, f"reply {got_id} for request {req_id}: out of order"
+            if got_id != req_id:  # never hand a reply to the wrong call, even under -O
+                self._shutdown(0)
+                raise SessionClosed(
+                    f"worker {r} answered request {got_id} where {req_id} was expected: the "
+                    "replies are out of step, so the session was closed. Please report this."
+                )
             out.append((status, payload))
         return out
 
