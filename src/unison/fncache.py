@@ -38,12 +38,43 @@ _MISSING = object()
 _MAX_TUPLE = 64  # larger tuples are compared by pickle instead of walked
 
 
-class _Entry:
-    __slots__ = ("blob", "captured", "fn_id")
+class _Plan:
+    """What to look at, at each call, to prove that a by-value function would pickle the
+    same: for it and every by-value function it reaches, its code, defaults and attribute
+    dict; every closure cell's object; every global it names. All of them immutable, so
+    the same objects pickle the same (held here, so no address can be reused)."""
 
-    def __init__(self, fn_id: int, captured: list[Any] | None, blob: bytes | None) -> None:
+    __slots__ = ("cells", "funcs", "names")
+
+    def __init__(self) -> None:
+        self.funcs: list[tuple[Any, types.CodeType, Any]] = []
+        self.cells: list[tuple[Any, Any]] = []
+        self.names: list[tuple[dict[str, Any], str, Any]] = []
+
+    def holds(self) -> bool:
+        """True while everything is what it was when the plan was made."""
+        for fn, code, defaults in self.funcs:
+            if fn.__code__ is not code or fn.__defaults__ is not defaults or fn.__dict__:
+                return False
+        for cell, value in self.cells:
+            try:
+                if cell.cell_contents is not value:
+                    return False
+            except ValueError:  # an empty cell
+                if value is not _MISSING:
+                    return False
+        for names, name, value in self.names:  # noqa: SIM110 (a plain loop: the hot path)
+            if names.get(name, _MISSING) is not value:
+                return False
+        return True
+
+
+class _Entry:
+    __slots__ = ("blob", "fn_id", "plan")
+
+    def __init__(self, fn_id: int, plan: _Plan | None, blob: bytes | None) -> None:
         self.fn_id = fn_id
-        self.captured = captured  # immutable captures, compared by identity
+        self.plan = plan  # immutable captures, checked by identity
         self.blob = blob  # the pickle sent, when some capture is mutable
 
 
@@ -65,20 +96,16 @@ class FunctionCache:
         entry = self._entries.get(fn) if isinstance(fn, _CACHEABLE) else None
         if entry is None:
             return 0, None
-        if entry.captured is not None:
-            now: list[Any] = []
-            if _captures(fn, now, set()) and _same(now, entry.captured):
-                self._entries.move_to_end(fn)
-                return entry.fn_id, None
-            return 0, None
-        if entry.blob is None:  # by reference
-            self._entries.move_to_end(fn)
-            return entry.fn_id, None
-        blob = pickle_function(fn)
-        if blob == entry.blob:
-            self._entries.move_to_end(fn)
-            return entry.fn_id, None
-        return 0, blob
+        plan = entry.plan
+        if plan is not None:
+            if not plan.holds():
+                return 0, None
+        elif entry.blob is not None:  # something captured is mutable: compare the pickles
+            blob = pickle_function(fn)
+            if blob != entry.blob:
+                return 0, blob
+        self._entries.move_to_end(fn)
+        return entry.fn_id, None
 
     def store(self, fn: Callable[..., Any], fn_id: int, blob: bytes) -> list[int]:
         """Remember that the workers now hold ``fn`` as ``fn_id`` (from ``blob``). Returns the
@@ -93,9 +120,9 @@ class FunctionCache:
         if _by_reference(fn):
             entry = _Entry(fn_id, None, None)
         else:
-            captured: list[Any] = []
-            safe = _captures(fn, captured, set())
-            entry = _Entry(fn_id, captured if safe else None, None if safe else blob)
+            plan = _Plan()
+            safe = _captures(fn, plan, set())
+            entry = _Entry(fn_id, plan if safe else None, None if safe else blob)
         self._entries[fn] = entry
         if len(self._entries) > self._size:
             drop.append(self._entries.popitem(last=False)[1].fn_id)
@@ -136,50 +163,48 @@ def _by_reference(fn: Any) -> bool:
             and module in sys.modules)
 
 
-def _captures(fn: Any, out: list[Any], seen: set[int]) -> bool:
-    """Append what by-value ``fn`` captured to ``out``; False if any of it is mutable."""
+def _captures(fn: Any, plan: _Plan, seen: set[int]) -> bool:
+    """Add what by-value ``fn`` captured to ``plan``; False if any of it is mutable."""
     if isinstance(fn, types.BuiltinFunctionType):
         owner = fn.__self__
         return owner is None or isinstance(owner, types.ModuleType)
     if id(fn) in seen:
         return True
     seen.add(id(fn))
-    code = fn.__code__
-    out.append(code)
     if fn.__kwdefaults__ or fn.__dict__:
         return False
-    defaults = fn.__defaults__
-    out.append(defaults)
-    if defaults and not all(_immutable(d, out, seen) for d in defaults):
+    code, defaults = fn.__code__, fn.__defaults__
+    plan.funcs.append((fn, code, defaults))
+    if defaults and not all(_immutable(d, plan, seen) for d in defaults):
         return False
     for cell in fn.__closure__ or ():
         try:
             value = cell.cell_contents
         except ValueError:
             value = _MISSING
-        out.append(value)
-        if value is not _MISSING and not _immutable(value, out, seen):
+        plan.cells.append((cell, value))
+        if value is not _MISSING and not _immutable(value, plan, seen):
             return False
     names = fn.__globals__
     for name in _global_names(code):
         value = names.get(name, _MISSING)
-        out.append(value)
-        if value is not _MISSING and not _immutable(value, out, seen):
+        plan.names.append((names, name, value))
+        if value is not _MISSING and not _immutable(value, plan, seen):
             return False
     return True
 
 
-def _immutable(value: Any, out: list[Any], seen: set[int]) -> bool:
+def _immutable(value: Any, plan: _Plan, seen: set[int]) -> bool:
     """Whether ``value`` pickles the same for as long as it is the same object."""
     kind = type(value)
     if kind in _ATOMS:
         return True
     if kind is tuple or kind is frozenset:
-        return len(value) <= _MAX_TUPLE and all(_immutable(v, out, seen) for v in value)
+        return len(value) <= _MAX_TUPLE and all(_immutable(v, plan, seen) for v in value)
     if kind is types.FunctionType:
-        return _by_reference(value) or _captures(value, out, seen)
+        return _by_reference(value) or _captures(value, plan, seen)
     if kind is types.BuiltinFunctionType:
-        return _captures(value, out, seen)
+        return _captures(value, plan, seen)
     if isinstance(value, type):
         return _by_reference(value)
     return False
@@ -204,12 +229,3 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
     names = tuple(found)
     _names_of[id(code)] = (code, names)
     return names
-
-
-def _same(now: list[Any], then: list[Any]) -> bool:
-    if len(now) != len(then):
-        return False
-    for a, b in zip(now, then):  # noqa: SIM110 (a plain loop: this is the hot path)
-        if a is not b:
-            return False
-    return True

@@ -3,6 +3,7 @@
     controller                                   worker
     ----------                                   ------
     (CALL,  frees, ref_id, fn_id, args, ranks)  -> regs[ref_id] = fns[fn_id](*args, **kwargs)
+                 (args: None, a tuple of plain values, or the pickle of (args, kwargs))
     (DEFINE, frees, fn_id, fn_pickle)           -> fns[fn_id] = loads(fn_pickle)
     (PUT,   frees, ref_id, value)               -> regs[ref_id] = value
     (GET,   frees, req_id, ref_id)              -> reply (req_id, OK, regs[ref_id])

@@ -416,9 +416,12 @@ class Session(View):
             self._check_open()
         if not callable(fn):
             raise TypeError(f"call needs a callable first, got {type(fn).__name__}")
-        blob, bufs = None, _NO_BUFFERS
-        if args or kwargs:
+        blob: Any = None
+        bufs = _NO_BUFFERS
+        if kwargs or (args and not _plain(args)):
             blob, bufs = self._encode_args(ranks, fn, args, kwargs)
+        elif args:
+            blob = args  # plain values ride inside the message itself: no second pickle
         ref_id = next(self._ids)
         self._lock_send(deadline)
         try:
@@ -888,6 +891,19 @@ def _cpu_plan(n: int, plan: bool | Mapping[int, Iterable[int]] | None) -> dict[i
             )
         out[rank] = chosen
     return out
+
+
+_PLAIN = frozenset({int, float, bool, type(None), str, complex})
+
+
+def _plain(args: tuple[Any, ...]) -> bool:
+    """Arguments that pickle small and alike everywhere (numbers, short strings)."""
+    if len(args) > 8:
+        return False
+    for a in args:  # noqa: SIM110 (a plain loop: the hot path)
+        if type(a) not in _PLAIN or (type(a) is str and len(a) > 256):
+            return False
+    return True
 
 
 def _shape(shape: object) -> tuple[int, ...]:

@@ -124,6 +124,8 @@ def serve(chan: WorkerChannel, coll: ShmCollectives | None = None) -> None:
                     )
                 if blob is None:
                     regs[ref_id] = fn()  # type: ignore[misc]
+                elif type(blob) is tuple:  # plain positional values, inside the message
+                    regs[ref_id] = fn(*blob)  # type: ignore[misc]
                 else:
                     args, kwargs = loads(blob, bufs)
                     regs[ref_id] = fn(*args, **kwargs)  # type: ignore[misc]
