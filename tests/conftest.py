@@ -1,21 +1,31 @@
 """Fixtures: sessions that are always closed, controller scripts that are always reaped,
-and a leak check around every test.
+the contract tests run once per channel, a leak check around every test (leaks.py) and a
+hygiene check when the run ends.
 
 Everything here uses real worker processes; nothing is mocked.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import secrets
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psutil
 import pytest
 
 import unison
-from support import (
+
+# leaks.py is also this suite's plugin (pytest_plugins below): let pytest rewrite it first.
+pytest.register_assert_rewrite("leaks")
+
+from leaks import Resources, module_check, processes, shm_entries  # noqa: E402
+from support import (  # noqa: E402
     MARKER,
     SharedSessions,
     kill_all,
@@ -25,56 +35,116 @@ from support import (
     wait_gone,
 )
 
+pytest_plugins = ["leaks"]
+
 # Tag every process this run starts (workers inherit the controller's environment), so the
 # leak checks see this run's workers and never those of another run on the same machine.
 os.environ.setdefault(MARKER, secrets.token_hex(8))
 
+CHANNELS = ("shm", "pipe")
+"""The channels every contract test runs against, as CPython runs each executor test once
+per start method."""
 
-def _shm_entries() -> set[str]:
-    try:
-        return {name for name in os.listdir("/dev/shm") if "unison" in name}
-    except FileNotFoundError:
-        return set()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def leak_baseline() -> Iterator[dict[str, Any]]:
-    """Session-wide check helper: records what existed before the run (shared-memory names)
-    and, once the run is over, sweeps whatever a failing test may have left behind, so one
-    broken test cannot poison the next run. test_zz_hygiene.py asserts on this state."""
-    baseline = {"shm": _shm_entries()}
-    yield baseline
-    kill_all(stray_workers())
+CONTRACT_MODULES = frozenset({
+    "test_api", "test_views", "test_errors", "test_free", "test_close", "test_timeout",
+    "test_threads", "test_functions", "test_bad_input", "test_death",
+})
+"""Modules whose tests taking the ``channel`` fixture (``sess``, ``make_session``) run once
+per channel; a module outside this list opts in with ``pytestmark = pytest.mark.channels``."""
 
 
-@pytest.fixture(autouse=True)
-def no_stray_workers(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After each test (and after its sessions are closed), none of this run's workers may
-    still run, but those of a module's ``shared`` sessions (checked once the module ends): a
-    leak is blamed on the test that caused it, then swept."""
-    yield
-    left = [p for p in stray_workers() if p.pid not in SharedSessions.alive]
-    if left:
-        left_pids = wait_gone([p.pid for p in left], 3.0)
-        if left_pids:
-            kill_all(p for p in left if p.pid in left_pids)
-            pytest.fail(f"{request.node.nodeid} left worker processes running: {left_pids}")
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrise the ``channel`` fixture over CHANNELS in the contract modules, unless a
+    test names its channels itself (``@pytest.mark.parametrize("channel", [...])``)."""
+    if "channel" not in metafunc.fixturenames or _parametrizes_channel(metafunc):
+        return
+    module = metafunc.module.__name__.rpartition(".")[2]
+    if module in CONTRACT_MODULES or metafunc.definition.get_closest_marker("channels"):
+        metafunc.parametrize("channel", CHANNELS, indirect=True)
+
+
+def _parametrizes_channel(metafunc: pytest.Metafunc) -> bool:
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0] if mark.args else mark.kwargs.get("argnames", ())
+        if isinstance(names, str):
+            names = [n.strip() for n in names.split(",")]
+        if "channel" in names:
+            return True
+    return False
+
+
+_SHM_BEFORE = pytest.StashKey[set[str]]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.stash[_SHM_BEFORE] = shm_entries()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The hygiene check once every test and fixture is done: no worker process of this run,
+    no child process of the test runner and no new "unison" entry in /dev/shm. What is left
+    is reported, swept (so one broken run cannot poison the next) and fails the run."""
+    gc.collect()  # sessions dropped without close() are closed by now
+    problems = []
+    workers = wait_gone([p.pid for p in stray_workers()], 3.0)
+    if workers:
+        problems.append(f"worker processes outlived the tests: {workers}")
+    children = wait_gone(_running_children(), 3.0)
+    if children:
+        problems.append(f"child processes of the test runner outlived the tests: {children}")
+    before: set[str] = session.stash[_SHM_BEFORE]
+    shm = sorted(shm_entries() - before)
+    if shm:
+        problems.append(f"shared-memory segments outlived their sessions: {shm}")
+    if not problems:
+        return
+    kill_all(p for p in stray_workers() if p.pid in workers)
+    kill_all(processes(children))
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_sep("=", "hygiene check failed", red=True, bold=True)
+    for line in problems:
+        if reporter is not None:
+            reporter.write_line(line, red=True)
+        else:
+            print(f"hygiene check failed: {line}", file=sys.stderr)
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _running_children() -> list[int]:
+    """Child processes of the test runner; zombies are reaped (they run no code)."""
+    running = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(child.pid, os.WNOHANG)
+                continue
+            running.append(child.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return running
 
 
 @pytest.fixture(scope="module")
-def shared(request: pytest.FixtureRequest) -> SharedSessions:
+def shared(request: pytest.FixtureRequest) -> Iterator[SharedSessions]:
     """``shared(n, num_groups=1, **kw)``: one session per configuration for the whole module
-    (starting one costs a good part of a second), closed when the module ends."""
+    (starting one costs a good part of a second), closed when the module ends; then nothing
+    they opened may be left (the per-test leak check leaves their fds and threads to this)."""
+    before = Resources.now()
     sessions = SharedSessions()
-    request.addfinalizer(sessions.close)
-    return sessions
+    yield sessions
+    sessions.close()
+    module_check(before)
 
 
 @pytest.fixture
-def channel() -> str | None:
-    """The channel sessions of ``make_session`` use: None, the default. A test module that
-    must hold for every channel overrides this fixture with a parametrized one."""
-    return None
+def channel(request: pytest.FixtureRequest) -> str | None:
+    """The channel sessions of ``make_session`` use: one of CHANNELS in the contract modules
+    (see pytest_generate_tests), else None, the default."""
+    return getattr(request, "param", None)
 
 
 @pytest.fixture

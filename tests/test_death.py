@@ -20,12 +20,6 @@ from unison import SessionClosed, WorkerDied
 
 DETECT = 1.0  # the contract: WorkerDied within 1 s of the death
 
-@pytest.fixture(params=["auto", "pipe"])
-def channel(request):
-    """These behaviours must hold whatever channel carries the messages."""
-    return request.param
-
-
 
 def sleep_then_rank(seconds):
     time.sleep(seconds)

@@ -7,18 +7,10 @@ import random
 import threading
 import time
 
-import pytest
-
 import unison
 
 THREADS = 8
 OPS = 50
-
-@pytest.fixture(params=["auto", "pipe"])
-def channel(request):
-    """These behaviours must hold whatever channel carries the messages."""
-    return request.param
-
 
 
 def add(a, b):

@@ -15,12 +15,6 @@ SLOW = 0.6  # seconds a slow call sleeps
 SHORT = 0.1  # a timeout well below SLOW
 QUICK = SHORT + 0.5  # how long a timed-out wait may take at most
 
-@pytest.fixture(params=["auto", "pipe"])
-def channel(request):
-    """These behaviours must hold whatever channel carries the messages."""
-    return request.param
-
-
 
 def slow(seconds=SLOW):
     time.sleep(seconds)
