@@ -53,7 +53,7 @@ def close_my_lifeline():
 def test_a_worker_stopped_by_its_lifeline_says_so_and_blames_no_oom_killer(make_session):
     sess = make_session(2)
     sess.run(close_my_lifeline)
-    keeper = sess._procs[1].popen
+    keeper = sess._res.launcher.workers[1].popen  # type: ignore[attr-defined]
     keeper.stdin.close()  # what the controller's death looks like to a worker
     keeper.wait(10)  # the keeper stops the worker, then itself
     with pytest.raises(WorkerDied) as info:

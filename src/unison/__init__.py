@@ -6,7 +6,6 @@
 """
 
 from unison.collective import (
-    CollectiveError,
     allgather,
     allreduce,
     barrier,
@@ -19,7 +18,14 @@ from unison.collective import (
     send,
     send_to_next_group,
 )
-from unison.errors import RemoteError, SessionClosed, UnisonError, WorkerDied, WorkerError
+from unison.errors import (
+    CollectiveError,
+    RemoteError,
+    SessionClosed,
+    UnisonError,
+    WorkerDied,
+    WorkerError,
+)
 from unison.refs import Ref
 from unison.session import Session, View
 from unison.worker import group, group_rank, group_size, rank, world_size

@@ -2,11 +2,13 @@
 
     Exception
      └── UnisonError
-          ├── WorkerError     a worker's function raised; the session stays usable
-          ├── RemoteError     stands in (as WorkerError's cause) for a worker's exception
-          │                   that could not be rebuilt on the controller
-          ├── WorkerDied      a worker process died; the session is closed
-          └── SessionClosed   the session was closed (by close(), or by a death)
+          ├── WorkerError       a worker's function raised; the session stays usable
+          ├── RemoteError       stands in (as WorkerError's cause) for a worker's exception
+          │                     that could not be rebuilt on the controller
+          ├── WorkerDied        a worker process died; the session is closed
+          ├── SessionClosed     the session was closed (by close(), or by a death)
+          └── CollectiveError   raised inside a worker: a collective could not complete
+                                (a peer left, died, or called something else)
 
 TimeoutError (the builtin) comes from any wait given ``timeout=``; ValueError and
 TypeError from bad arguments, always saying what to do instead.
@@ -16,7 +18,9 @@ from __future__ import annotations
 
 import signal
 
-__all__ = ["RemoteError", "SessionClosed", "UnisonError", "WorkerDied", "WorkerError"]
+__all__ = [
+    "CollectiveError", "RemoteError", "SessionClosed", "UnisonError", "WorkerDied", "WorkerError",
+]
 
 EXIT_CONTROLLER_GONE = 75
 """The exit code of a worker that stopped itself because its controller went away (its
@@ -120,6 +124,14 @@ def _cut(line: str) -> str:
 class SessionClosed(UnisonError):
     """The session was closed, by ``close()`` or because a worker died (then ``__cause__`` is
     the WorkerDied). Open a new Session to go on."""
+
+
+class CollectiveError(UnisonError):
+    """A collective could not complete: a peer left the call without joining it (it raised,
+    returned early, or called a different collective), a peer died, the workers called
+    different collectives, or they passed arrays that do not match. The message names the
+    peer and what to fix. It is raised inside the worker's function, so the controller sees
+    it as a WorkerError whose ``.errors`` hold it for each rank that gave up."""
 
 
 def describe_exitcode(code: int | None, known: bool = False) -> str:

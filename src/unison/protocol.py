@@ -44,6 +44,76 @@ CALL, DEFINE, PUT, GET, SYNC, NOP, SHUTDOWN = range(1, 8)
 OK, ERR = 0, 1
 READY_REQ = -1  # the req_id of the hello a worker sends once its loop is up
 
+_dump = pickle.dumps
+
+
+# -- messages: each kind is built and read here, and nowhere else ------------------------------
+# The controller builds one with the frees it batches (None for none); the worker unpickles it
+# once, reads (op, frees) = msg[0], msg[1], then the rest with the reader of that op.
+
+
+def call_msg(frees: tuple[int, ...] | None, ref_id: int, fn_id: int, args: Any,
+             ranks: tuple[int, ...] | None) -> bytes:
+    """Run function ``fn_id`` into register ``ref_id``. ``args``: None, a tuple of plain
+    values, or the pickle of ``(args, kwargs)``; ``ranks``: the call's workers if not all."""
+    return _dump((CALL, frees, ref_id, fn_id, args, ranks), 5)
+
+
+def read_call(msg: tuple[Any, ...]) -> tuple[int, int, Any, tuple[int, ...] | None]:
+    _, _, ref_id, fn_id, args, ranks = msg
+    return ref_id, fn_id, args, ranks
+
+
+def define_msg(frees: tuple[int, ...] | None, fn_id: int, fn_pickle: bytes) -> bytes:
+    """Load a function (cloudpickled) as ``fn_id``."""
+    return _dump((DEFINE, frees, fn_id, fn_pickle), 5)
+
+
+def read_define(msg: tuple[Any, ...]) -> tuple[int, bytes]:
+    _, _, fn_id, fn_pickle = msg
+    return fn_id, fn_pickle
+
+
+def put_msg(frees: tuple[int, ...] | None, ref_id: int, value_pickle: bytes) -> bytes:
+    """Load a value (with the message's out-of-band buffers) into register ``ref_id``."""
+    return _dump((PUT, frees, ref_id, value_pickle), 5)
+
+
+def read_put(msg: tuple[Any, ...]) -> tuple[int, bytes]:
+    _, _, ref_id, value_pickle = msg
+    return ref_id, value_pickle
+
+
+def get_msg(frees: tuple[int, ...] | None, req_id: int, ref_id: int) -> bytes:
+    """Reply ``(req_id, OK, value)`` of register ``ref_id``, or ``(req_id, ERR, error)``."""
+    return _dump((GET, frees, req_id, ref_id), 5)
+
+
+def read_get(msg: tuple[Any, ...]) -> tuple[int, int]:
+    _, _, req_id, ref_id = msg
+    return req_id, ref_id
+
+
+def sync_msg(frees: tuple[int, ...] | None, req_id: int) -> bytes:
+    """Reply ``(req_id, OK, [(ref_id, error), ...])`` of the unreported errors (or an ack)."""
+    return _dump((SYNC, frees, req_id), 5)
+
+
+def shutdown_msg(frees: tuple[int, ...] | None, req_id: int) -> bytes:
+    """Reply as SYNC does, then leave the loop."""
+    return _dump((SHUTDOWN, frees, req_id), 5)
+
+
+def read_request(msg: tuple[Any, ...]) -> int:
+    """The req_id of a SYNC or SHUTDOWN."""
+    _, _, req_id = msg
+    return int(req_id)
+
+
+def nop_msg(frees: tuple[int, ...] | None) -> bytes:
+    """Nothing to run: carries frees to every worker."""
+    return _dump((NOP, frees), 5)
+
 _MAIN = b"__main__"
 _local = threading.local()
 
@@ -156,35 +226,9 @@ def ref_reduce(ref: Ref) -> tuple[object, tuple[int]]:
             "use ref.get() or ref.gather() to fetch its value"
         )
     refs.append(ref)
-    return (_lookup, (ref._id,))
+    from unison.worker import lookup  # the receiving worker's register file
 
-
-# -- worker side of Ref arguments -------------------------------------------------------------
-
-registers: dict[int, Any] = {}
-"""The register file of this process, when it is a worker: id -> object."""
-
-
-class Failed:
-    """What a register holds when the call that should have filled it raised."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: tuple[Any, ...]) -> None:
-        self.error = error
-
-
-def _lookup(ref_id: int) -> Any:
-    try:
-        obj = registers[ref_id]
-    except KeyError:
-        raise LookupError(f"Ref #{ref_id} is not held by this worker (freed already?)") from None
-    if isinstance(obj, Failed):
-        raise ValueError(
-            f"argument Ref #{ref_id} holds no value on this worker: the call that made it "
-            f"raised {obj.error[1]}: {obj.error[2]}"
-        )
-    return obj
+    return (lookup, (ref._id,))
 
 
 # -- errors across the process boundary -------------------------------------------------------

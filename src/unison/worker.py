@@ -1,6 +1,6 @@
 """The worker: a loop that runs what the controller sends, keeping results in a register file.
 
-    stdin (init, then lifeline) --> main(): sys.path, affinity, identity
+    stdin (init, then lifeline) --> main(): keeper --> run(spec): sys.path, affinity, identity
     channel.recv() --> message --> frees dropped first
                                    CALL   regs[ref] = fn(*args)    failure -> Failed + unreported
                                    DEFINE fns[id] = loads(pickle)
@@ -40,9 +40,24 @@ from typing import Any, NoReturn
 
 from unison import _proctree, collective, protocol
 from unison.channel import WorkerChannel, connect
-from unison.collective.shm import ShmCollectives
+from unison.collective.base import Collectives
 from unison.errors import EXIT_CONTROLLER_GONE
-from unison.protocol import CALL, DEFINE, ERR, GET, OK, PUT, SHUTDOWN, SYNC, Failed
+from unison.protocol import (
+    CALL,
+    DEFINE,
+    ERR,
+    GET,
+    OK,
+    PUT,
+    SHUTDOWN,
+    SYNC,
+    read_call,
+    read_define,
+    read_get,
+    read_put,
+    read_request,
+)
+from unison.spec import WorkerSpec
 
 __all__ = ["group", "group_rank", "group_size", "object_count", "rank", "world_size"]
 
@@ -86,16 +101,45 @@ def group_size() -> int:
 
 def object_count() -> int:
     """How many objects this worker's register file holds (to check that frees arrive)."""
-    return len(protocol.registers)
+    return len(registers)
+
+
+# -- the register file ------------------------------------------------------------------------
+
+registers: dict[int, Any] = {}
+"""This worker's objects, by the id of the call (or put) that made them."""
+
+
+class Failed:
+    """What a register holds when the call that should have filled it raised."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: tuple[Any, ...]) -> None:
+        self.error = error
+
+
+def lookup(ref_id: int) -> Any:
+    """A Ref argument, as it unpickles on a worker: that worker's own object."""
+    try:
+        obj = registers[ref_id]
+    except KeyError:
+        raise LookupError(f"Ref #{ref_id} is not held by this worker (freed already?)") from None
+    if isinstance(obj, Failed):
+        raise ValueError(
+            f"argument Ref #{ref_id} holds no value on this worker: the call that made it "
+            f"raised {obj.error[1]}: {obj.error[2]}"
+        )
+    return obj
 
 
 # -- the loop ----------------------------------------------------------------------------------
 
 
-def serve(chan: WorkerChannel, coll: ShmCollectives | None = None) -> None:
+def serve(chan: WorkerChannel, coll: Collectives | None = None) -> None:
     """Run messages until SHUTDOWN, or until the controller is gone. ``coll`` learns which
     call runs, so that collectives can tell a peer that left the call from a slow one."""
-    regs = protocol.registers
+    regs = registers
     fns: dict[int, Any] = {}
     unreported: dict[int, tuple[Any, ...]] = {}
     loads, dumps = protocol.loads, protocol.dumps
@@ -111,10 +155,10 @@ def serve(chan: WorkerChannel, coll: ShmCollectives | None = None) -> None:
                 if regs.pop(i, None) is None:
                     fns.pop(i, None)
         if op == CALL:
-            ref_id, fn_id, blob = msg[2], msg[3], msg[4]
+            ref_id, fn_id, blob, ranks = read_call(msg)
             fn = fns.get(fn_id)
             if coll is not None:
-                coll.begin(ref_id, msg[5])
+                coll.begin(ref_id, ranks)
             try:
                 if isinstance(fn, Failed):
                     raise RuntimeError(
@@ -136,7 +180,7 @@ def serve(chan: WorkerChannel, coll: ShmCollectives | None = None) -> None:
             if coll is not None:
                 coll.end(ref_id)
         elif op == GET:
-            req_id, ref_id = msg[2], msg[3]
+            req_id, ref_id = read_get(msg)
             obj = regs.get(ref_id, _MISSING)
             if isinstance(obj, Failed):
                 unreported.pop(ref_id, None)
@@ -146,32 +190,29 @@ def serve(chan: WorkerChannel, coll: ShmCollectives | None = None) -> None:
                 chan.reply(dumps((req_id, ERR, err)))
             else:
                 _reply_value(chan, req_id, ref_id, obj)
-        elif op == SYNC:
+        elif op in (SYNC, SHUTDOWN):
+            # SHUTDOWN too: the controller warns about errors nobody fetched
             if unreported:
-                chan.reply(dumps((msg[2], OK, list(unreported.items()))))
+                chan.reply(dumps((read_request(msg), OK, list(unreported.items()))))
                 unreported.clear()
             else:
                 chan.ack()
+            if op == SHUTDOWN:
+                return
         elif op == DEFINE:
+            fn_id, fn_pickle = read_define(msg)
             try:
-                fns[msg[2]] = loads(msg[3])
+                fns[fn_id] = loads(fn_pickle)
             except BaseException as exc:
-                fns[msg[2]] = Failed(protocol.pack_error(exc, "loading a function"))
+                fns[fn_id] = Failed(protocol.pack_error(exc, "loading a function"))
         elif op == PUT:
+            ref_id, value_pickle = read_put(msg)
             try:
-                regs[msg[2]] = loads(msg[3], bufs)
+                regs[ref_id] = loads(value_pickle, bufs)
             except BaseException as exc:
                 err = protocol.pack_error(exc, "loading a put value")
-                regs[msg[2]] = Failed(err)
-                unreported[msg[2]] = err
-        elif op == SHUTDOWN:
-            # the controller warns about errors nobody fetched: hand them over on the way out
-            if len(msg) > 2:
-                if unreported:
-                    chan.reply(dumps((msg[2], OK, list(unreported.items()))))
-                else:
-                    chan.ack()
-            return
+                regs[ref_id] = Failed(err)
+                unreported[ref_id] = err
 
 
 _MISSING = object()
@@ -207,7 +248,7 @@ def _name(fn: object) -> str:
 # -- process set-up ----------------------------------------------------------------------------
 
 
-def _read_init() -> dict[str, Any]:
+def _read_init() -> WorkerSpec:
     def read_exact(n: int) -> bytes:
         buf = b""
         while len(buf) < n:
@@ -218,7 +259,9 @@ def _read_init() -> dict[str, Any]:
         return buf
 
     size = int.from_bytes(read_exact(8), "little")
-    init: dict[str, Any] = pickle.loads(read_exact(size))
+    init = pickle.loads(read_exact(size))
+    if not isinstance(init, WorkerSpec):
+        raise TypeError(f"a worker needs a WorkerSpec to start, got {type(init).__name__}")
     return init
 
 
@@ -322,7 +365,8 @@ def _become_keeper(worker: int, controller: int, rank: int) -> NoReturn:
 
 
 def main(controller: int | None = None) -> None:
-    """Entry point of a worker process (started by a launcher, never by a user).
+    """Entry point of a local worker process (LocalLauncher's bootstrap, never a user): read
+    the spec from stdin, fork into keeper and worker, then run(spec) in the worker.
 
     ``controller`` is the pid of the process that started us: if our parent is another one
     by the time we look, it is gone already."""
@@ -336,7 +380,7 @@ def main(controller: int | None = None) -> None:
     keeper = os.getpid()
     child = os.fork()
     if child:
-        _become_keeper(child, controller, init["rank"])
+        _become_keeper(child, controller, init.rank)
     # the worker: it dies with its keeper, and leaves the lifeline to it
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != keeper:
@@ -344,16 +388,22 @@ def main(controller: int | None = None) -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)  # user code that reads stdin gets EOF, not the lifeline
     os.close(devnull)
-    for path in reversed(init["sys_path"]):
+    run(init)
+
+
+def run(spec: WorkerSpec) -> None:
+    """Be worker ``spec.rank`` until the controller says stop: import path, affinity and
+    identity from the spec, then connect and serve. What is launcher-specific (how the spec
+    arrived, what ends us with the controller) is done before; main() is the local one."""
+    for path in reversed(spec.sys_path):
         if path not in sys.path:
             sys.path.insert(0, path)
-    if init.get("cpus"):
-        os.sched_setaffinity(0, init["cpus"])
-    r, n, g = init["rank"], init["world_size"], init["num_groups"]
-    gsize = n // g
-    _identity.update(rank=r, world_size=n, group=r // gsize, group_rank=r % gsize, group_size=gsize)
-    coll = collective.setup(init.get("collective"), r, n, g)
-    chan = connect(init["channel"])
+    if spec.cpus:
+        os.sched_setaffinity(0, spec.cpus)
+    _identity.update(rank=spec.rank, world_size=spec.world_size, group=spec.group,
+                     group_rank=spec.group_rank, group_size=spec.group_size)
+    coll = collective.setup(spec.collective, spec.rank, spec.world_size, spec.num_groups)
+    chan = connect(spec.channel)
     chan.reply(protocol.dumps((protocol.READY_REQ, OK, os.getpid())))
     try:
         serve(chan, coll)

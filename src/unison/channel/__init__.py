@@ -7,7 +7,8 @@
 A channel moves opaque messages; it knows nothing of calls or Refs. The controller writes
 each message once for any number of workers (a channel may fan it out or share it). Replies
 from one worker arrive in the order it sent them. A channel never waits without also
-watching the fds it was told to (the workers' pidfds), so a dead peer can never hang a wait.
+watching the fds it was given once, at ``started`` (the workers' pidfds), so a dead peer
+can never hang a wait.
 
 A message may carry out-of-band buffers (pickle protocol 5): the channel moves them as it
 sees fit, and the worker gets them back as memoryviews, in order, beside the payload. A
@@ -29,7 +30,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from unison.channel.arena import Arena
 
 __all__ = ["Channel", "PartialSendError", "Reply", "WorkerChannel", "connect", "create"]
 
@@ -49,7 +53,15 @@ class PartialSendError(RuntimeError):
 
 class Channel(ABC):
     """The controller's end. Used from several threads: send() and recv() are each called
-    under the session's own lock for that direction."""
+    under the session's own lock for that direction.
+
+    What a channel can do beyond moving messages is said by its attributes, never found by
+    probing: ``arena`` (shared arrays, ``sess.empty``)."""
+
+    arena: Arena | None = None
+    """The shared arena that ``sess.empty`` allocates in (buffers in it travel by
+    reference, so workers write the controller's memory), or None where the channel has
+    none; then ``sess.empty`` is not available."""
 
     @abstractmethod
     def endpoint(self, rank: int) -> tuple[dict[str, Any], list[int]]:
@@ -58,7 +70,11 @@ class Channel(ABC):
     @abstractmethod
     def started(self, watch: Sequence[int] = ()) -> None:
         """The workers are up: drop the controller's copies of their fds, and from now on
-        treat a readable fd in ``watch`` (a worker's pidfd) as a death while waiting."""
+        treat a readable fd in ``watch`` (a worker's pidfd) as a death while waiting: a
+        waiting ``recv`` returns at once, a send raises OSError. The only place the fds to
+        watch are given. They must stay open while a send or a ``recv`` with a non-zero
+        timeout may run (until ``close()``, or ``started(())``); a poll, ``recv(0.0)``,
+        does not look at them, so it may drain replies after they are closed."""
 
     @abstractmethod
     def send(self, data: bytes, ranks: Sequence[int], buffers: Sequence[Any] = (), *,
@@ -70,13 +86,16 @@ class Channel(ABC):
 
     @abstractmethod
     def recv(
-        self, timeout: float | None, watch: Sequence[int] = ()
+        self, timeout: float | None, watch: Sequence[int] | None = None
     ) -> list[tuple[int, bytes | Reply | None]]:
         """Replies available now, waiting up to ``timeout`` for the first one.
 
         Returns ``(rank, data)`` pairs, with ``data=None`` once a worker's stream has ended;
         ``data`` is a ``Reply`` when the reply has out-of-band buffers.
-        Returns early, possibly empty, when one of the ``watch`` fds becomes readable.
+        Returns early, possibly empty, when one of the fds given to ``started`` is readable.
+
+        ``watch`` is deprecated and ignored (the fds come from ``started``): it is accepted
+        for one transition only, so that callers written against the old signature work.
         """
 
     @abstractmethod

@@ -33,9 +33,13 @@ import threading
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unison.channel import Channel, PartialSendError, Reply, WorkerChannel
+from unison.pacing import Pacer
+
+if TYPE_CHECKING:
+    from unison.channel.arena import Arena
 
 _HEAD = struct.Struct("<QI")  # payload length, buffer count
 _BUF = struct.Struct("<BQ")  # kind, length
@@ -51,7 +55,7 @@ class PipeChannel(Channel):
         self._replies: list[Connection] = []
         self._child_fds: list[tuple[int, int]] = []
         self._watch: list[int] = []
-        self.arena: Any = None  # an Arena where memfd exists (sess.empty is shared there)
+        self.arena: Arena | None = None  # where memfd exists (sess.empty is shared there)
         try:
             for _ in range(num_workers):
                 cmd_r, cmd_w = os.pipe()
@@ -93,6 +97,7 @@ class PipeChannel(Channel):
         if deadline is not None:
             self._wait_room(ranks, size, deadline)
         if refs:
+            assert self.arena is not None  # only the arena's shared arrays give refs
             self.arena.count_sent(refs, ranks)
         written = False
         for r in ranks:
@@ -116,7 +121,7 @@ class PipeChannel(Channel):
     def _wait_room(self, ranks: tuple[int, ...], size: int, deadline: float) -> None:
         """Wait until every target pipe can take ``size`` bytes at once (when any pipe could):
         past the deadline, TimeoutError with nothing written."""
-        delay = 20e-6
+        pacer = Pacer()
         while True:
             full = [r for r in ranks if _room(self._cmd[r]) < size]
             if not full or any(_capacity(self._cmd[r]) < size for r in full):
@@ -128,8 +133,7 @@ class PipeChannel(Channel):
                     f"the command pipes of workers {full} stayed full until the deadline "
                     "(the workers are busy); nothing of this message was sent"
                 )
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, 5e-3)
+            pacer.pause(deadline)
 
     def _write(self, rank: int, frame: list[Any], deadline: float | None,
                written: bool) -> bool:
@@ -170,9 +174,12 @@ class PipeChannel(Channel):
             raise BrokenPipeError("a worker died while its command pipe was full")
 
     def recv(
-        self, timeout: float | None, watch: Sequence[int] = ()
+        self, timeout: float | None, watch: Sequence[int] | None = None
     ) -> list[tuple[int, bytes | Reply | None]]:
-        ready = wait([*self._open, *watch], timeout)
+        """See Channel.recv: wait on the reply pipes and the watch fds (``watch``:
+        deprecated, ignored)."""
+        # a poll (timeout 0) needs no watch: it may come after the watch fds closed
+        ready = wait([*self._open, *self._watch] if timeout != 0 else self._open, timeout)
         out: list[tuple[int, bytes | Reply | None]] = []
         for conn in ready:
             if not isinstance(conn, Connection):

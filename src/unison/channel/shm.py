@@ -20,10 +20,13 @@ uncontended lock round trip (a locked instruction) gives it. Every sleep also ha
 timeout, so a lost wake-up could only cost latency, never a hang. Hosts with weaker memory
 models (ARM) would need real fences around the position stores: use ``channel="pipe"`` there.
 
-Waiting. Spinning with ``sched_yield`` for up to 200 us catches the reply of a quick call
-without a kernel wake-up (tens of us on these machines); past that the waiter sleeps, so an
-idle session costs no CPU. Yielding, not pure spinning, keeps a machine with more workers
-than cores usable.
+Waiting (unison.pacing). Spinning with ``sched_yield`` for up to 200 us catches the reply of
+a quick call without a kernel wake-up (tens of us on these machines); past that the waiter
+sleeps on its eventfd (the controller also on the fds given to ``started``), so an idle
+session costs no CPU. A writer waiting for room in a full ring polls with a Pacer instead.
+
+Positions (ring.py). Every ring position only grows; its offset is ``pos & mask``. An entry
+never straddles a ring's end: the writer marks the rest of the lap ``_WRAP`` and skips it.
 
 Messages over a quarter of the ring, and pickle-5 buffers of 64 KiB or more, go through the
 arena (see arena.py) instead of the ring, so no message is ever too large.
@@ -48,6 +51,8 @@ from typing import Any
 
 from unison.channel import Channel, Reply, WorkerChannel
 from unison.channel.arena import Arena, ArenaReader, create_file
+from unison.channel.ring import Ring
+from unison.pacing import Pacer, spin
 
 MAX_WORKERS = 64
 CMD_RING = 1 << 21
@@ -67,7 +72,10 @@ _DESC = 24
 
 _fence_lock = threading.Lock()
 _acquire, _release = _fence_lock.acquire, _fence_lock.release
-_CMD_MASK = CMD_RING - 1
+_CMD = Ring(CMD_RING)
+_REPLY = Ring(REPLY_RING)
+_CMD_MASK = _CMD.mask  # the hot paths inline Ring.offset
+_REPLY_MASK = _REPLY.mask
 _INLINE_MAX = CMD_RING // 4  # larger messages go through the arena
 _REPLY_INLINE = REPLY_RING // 4  # larger reply bodies go through the reply arena
 REPLY_KEEP = 1 << 27  # bytes of freed reply blocks a worker keeps backed for reuse
@@ -116,7 +124,7 @@ class ShmChannel(Channel):
         self._mm = mmap.mmap(self._fd, lay.size)
         self._buf = memoryview(self._mm)
         self._q = self._buf.cast("Q")
-        self.arena = Arena(f"{name}-arena", num_workers)
+        self.arena: Arena = Arena(f"{name}-arena", num_workers)
         self._reply_fds = [create_file(f"{name}-reply{r}", 1) for r in range(num_workers)]
         self._readers = [ArenaReader(fd, 0, 1, shared=True) for fd in self._reply_fds]
         self._efd = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(num_workers)]
@@ -128,6 +136,7 @@ class ShmChannel(Channel):
         self._backlog: list[tuple[int, bytes | Reply | None]] = []
         self._rx_lock = threading.Lock()
         self._watch: list[int] = []
+        self._sleep_fds = [self._ctl_efd]  # what a waiting recv sleeps on: + the watch fds
         self._all_mask = (1 << num_workers) - 1
         self._closed = False
         # hot-path index tables
@@ -150,6 +159,7 @@ class ShmChannel(Channel):
 
     def started(self, watch: Sequence[int] = ()) -> None:
         self._watch = list(watch)
+        self._sleep_fds = [self._ctl_efd, *self._watch]
 
     # -- commands ------------------------------------------------------------------------------
 
@@ -211,7 +221,7 @@ class ShmChannel(Channel):
     def _make_room(self, pos: int, off: int, size: int,
                    deadline: float | None) -> tuple[int, int]:
         """Skip to the ring's start if the entry would cross its end, and wait for space."""
-        wrap = CMD_RING - off if off + size > CMD_RING else 0
+        wrap = _CMD.skip(pos, size)
         end = pos + wrap + size
         if end > self._limit:
             self._limit = self._slowest() + CMD_RING
@@ -230,8 +240,8 @@ class ShmChannel(Channel):
     def _wait_space(self, end: int, deadline: float | None) -> None:
         """The ring is full: wake every worker, keep draining replies (a worker may be blocked
         on its own full reply ring), and notice deaths and the deadline."""
-        delay = 20e-6
-        while end - self._slowest() > CMD_RING:
+        pacer = Pacer()
+        while not _CMD.fits(end, self._slowest()):
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(
                     "the command ring stayed full until the deadline (the workers are busy); "
@@ -244,31 +254,29 @@ class ShmChannel(Channel):
                     os.eventfd_write(self._efd[r], 1)
             if self._watch and select.select(self._watch, [], [], 0)[0]:
                 raise BrokenPipeError("a worker died while the command ring was full")
-            time.sleep(delay if deadline is None
-                       else max(0.0, min(delay, deadline - time.monotonic())))
-            delay = min(delay * 2, 5e-3)
+            pacer.pause(deadline)
 
     # -- replies -------------------------------------------------------------------------------
 
     def recv(
-        self, timeout: float | None, watch: Sequence[int] = ()
+        self, timeout: float | None, watch: Sequence[int] | None = None
     ) -> list[tuple[int, bytes | Reply | None]]:
-        if self._has_reply():
+        """See Channel.recv: spin 200 us, then sleep on our eventfd and the watch fds."""
+        has_reply = self._has_reply
+        if has_reply():
             return self._take()
         now = time.perf_counter()
-        spin_end = now + (SPIN if timeout is None else min(SPIN, timeout))
-        has_reply = self._has_reply
-        while time.perf_counter() < spin_end:
-            os.sched_yield()
-            if has_reply():
-                return self._take()
+        if spin(has_reply, SPIN if timeout is None else min(SPIN, timeout)):
+            return self._take()
         q = self._q
         q[_CTL_SLEEP] = 1  # we are going to sleep
         _fence()
         try:
             if not has_reply():
                 wait = SLEEP if timeout is None else max(0.0, timeout - (time.perf_counter() - now))
-                ready = select.select([self._ctl_efd, *watch], [], [], wait)[0]
+                # a poll (timeout 0) needs no watch: it may come after the watch fds closed
+                fds = self._sleep_fds if timeout != 0 else self._sleep_fds[:1]
+                ready = select.select(fds, [], [], wait)[0]
                 if self._ctl_efd in ready:
                     _drain_eventfd(self._ctl_efd)
         finally:
@@ -301,10 +309,10 @@ class ShmChannel(Channel):
                 continue
             base = lay.reply_ring[r]
             while pos != end:
-                off = pos % REPLY_RING
+                off = pos & _REPLY_MASK
                 head = q[(base + off) // 8]
                 if head == _WRAP:
-                    pos += REPLY_RING - off
+                    pos = _REPLY.next_lap(pos)
                     continue
                 n = head & 0xFFFFFFFF
                 start = base + off + 8
@@ -388,7 +396,7 @@ class ShmWorkerChannel(WorkerChannel):
             i = (base + off) >> 3
             head = q[i]
             if head == _WRAP:
-                pos += CMD_RING - off
+                pos = _CMD.next_lap(pos)
                 continue
             n, meta = head & 0xFFFFFFFF, head >> 32
             nbufs = meta & 0xFFFF
@@ -410,11 +418,8 @@ class ShmWorkerChannel(WorkerChannel):
 
     def _wait(self, pos: int) -> None:
         q = self._q
-        spin_end = time.perf_counter() + SPIN
-        while time.perf_counter() < spin_end:
-            os.sched_yield()
-            if q[0] != pos:
-                return
+        if spin(lambda: q[0] != pos, SPIN):
+            return
         q[self._sleep_idx] = 1
         _fence()
         try:
@@ -461,13 +466,13 @@ class ShmWorkerChannel(WorkerChannel):
         n = len(chunk)
         size = _align8(8 + n)
         pos = self._rpos
-        off = pos % REPLY_RING
-        wrap = REPLY_RING - off if off + size > REPLY_RING else 0
-        delay = 20e-6
-        while pos + wrap + size - q[self._rr_idx] > REPLY_RING:
+        off = pos & _REPLY_MASK
+        wrap = _REPLY.skip(pos, size)
+        pacer: Pacer | None = None
+        while not _REPLY.fits(pos + wrap + size, q[self._rr_idx]):
             self._wake_controller()
-            time.sleep(delay)  # the controller drains replies whenever it waits
-            delay = min(delay * 2, 5e-3)
+            pacer = pacer or Pacer()
+            pacer.pause()  # the controller drains replies whenever it waits
         if wrap:
             q[(self._rbase + off) // 8] = _WRAP
             pos += wrap
@@ -481,7 +486,7 @@ class ShmWorkerChannel(WorkerChannel):
     def ack(self) -> None:
         q = self._q
         pos = self._rpos
-        off = pos & (REPLY_RING - 1)
+        off = pos & _REPLY_MASK  # Ring.skip and Ring.fits, inlined: the hot path
         if off + 8 > REPLY_RING or pos + 8 - q[self._rr_idx] > REPLY_RING:
             self._put(b"", 0)
             return

@@ -16,6 +16,11 @@ group). Every collective returns new objects and leaves its input unchanged.
 Backends: shared memory (default: numpy arrays of any dtype and shape, CPU torch tensors,
 numbers, and any picklable object for the moving collectives); torch.distributed
 (``Session(collectives="torch")``, and always for CUDA tensors: gloo on CPU, NCCL on CUDA).
+Both implement the Collectives interface (collective/base.py); the checks they share are in
+collective/checks.py. The functions below pick a backend per call:
+
+    unison.allreduce(x)  -->  _backend(x)  -->  TorchCollectives   (torch session, or CUDA x)
+                                           -->  ShmCollectives     (otherwise)
 """
 
 from __future__ import annotations
@@ -23,21 +28,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from unison.collective.shm import CollectiveError, ShmCollectives
+from unison.collective.base import Collectives
+from unison.collective.shm import ShmCollectives
+from unison.errors import CollectiveError
 
 __all__ = [
-    "CollectiveError", "allgather", "allreduce", "barrier", "broadcast", "gather", "recv",
-    "recv_from_prev_group", "reduce_scatter", "scatter", "send", "send_to_next_group",
+    "CollectiveError", "Collectives", "allgather", "allreduce", "barrier", "broadcast", "gather",
+    "recv", "recv_from_prev_group", "reduce_scatter", "scatter", "send", "send_to_next_group",
 ]
 
 _local: ShmCollectives | None = None
-_torch: Any = None  # TorchCollectives, made on a worker when the session asks for it
+_torch: Collectives | None = None  # TorchCollectives, made on a worker when the session asks
 _torch_default = False
 _missing = ""  # why a worker of a session has no collectives, if it has none
 
 
-def setup(spec: dict[str, Any] | None, rank: int, n: int, groups: int) -> ShmCollectives | None:
-    """Called once by the worker at start with the session's collective spec."""
+def setup(spec: dict[str, Any] | None, rank: int, n: int, groups: int) -> Collectives | None:
+    """Called once by the worker at start with the session's collective spec. Returns the
+    backend the worker loop tells where each call begins and ends: the shared-memory one,
+    which the torch backend relies on for exactly that."""
     global _local, _torch, _torch_default, _missing
     if spec is None:
         _missing = (
@@ -54,7 +63,9 @@ def setup(spec: dict[str, Any] | None, rank: int, n: int, groups: int) -> ShmCol
     return _local
 
 
-def _backend(*values: Any) -> Any:
+def _backend(*values: Any) -> Collectives:
+    """The backend for a collective on ``values``: torch when the session asked for it or a
+    value is a CUDA tensor, shared memory otherwise."""
     if _local is None:
         if _missing:
             raise CollectiveError(_missing)
@@ -91,7 +102,7 @@ def scatter(xs: Sequence[Any] | None, src: int = 0, *, group: bool = False) -> A
 
 def gather(x: Any, dst: int = 0, *, group: bool = False) -> list[Any] | None:
     """Every worker's x, as a list in rank order, on worker ``dst``; None on the others."""
-    return _backend(x).gather(x, dst, group)  # type: ignore[no-any-return]
+    return _backend(x).gather(x, dst, group)
 
 
 def reduce_scatter(x: Any, op: str = "sum", *, group: bool = False) -> Any:

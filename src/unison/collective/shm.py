@@ -46,10 +46,7 @@ anything a call can return, a collective can carry.
 from __future__ import annotations
 
 import mmap
-import operator
 import os
-import time
-import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -57,7 +54,19 @@ from typing import Any
 import numpy as np
 
 from unison import protocol
-from unison.errors import UnisonError
+from unison.collective.base import Collectives
+from unison.collective.checks import (
+    array_signature,
+    check_members,
+    check_op,
+    check_peer,
+    check_scatter_values,
+    describe,
+    descriptor,
+    member,
+)
+from unison.errors import CollectiveError
+from unison.pacing import Pacer
 
 SLOT = 32 << 20  # bytes per worker slot and per result area; larger data goes in rounds
 SMALL = 64 << 10  # reductions up to this size: every worker reduces all of it itself
@@ -67,12 +76,9 @@ _REC = 2 * _LINE  # one worker's record: see Layout
 _SPIN = 1e-3
 _CHECK = 0.002  # while sleeping, re-check the peers this often (s)
 
-OPS: dict[str, Callable[..., Any]] = {
+_UFUNCS: dict[str, Callable[..., Any]] = {
     "sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "mean": np.add,
 }
-_OP_NAMES = tuple(OPS)
-KINDS = ("barrier", "allreduce", "reduce_scatter", "allgather", "broadcast", "scatter", "gather")
-"""The collectives a descriptor can name (its low byte is an index in this tuple)."""
 
 # words of a worker's record
 _GEN_W, _GEN_G, _LEFT, _PID, _NBYTES, _SIG, _DESC = range(7)  # _DESC: 8 words, see _desc_at
@@ -80,13 +86,6 @@ _GEN_W, _GEN_G, _LEFT, _PID, _NBYTES, _SIG, _DESC = range(7)  # _DESC: 8 words, 
 _E_IDX, _E_CALL, _E_TOTAL, _E_WHERE, _E_TAG = range(5)
 TAG_SEND, TAG_SCATTER, TAG_GATHER = 0, 1, 2
 _TAG_NAMES = ("send", "scatter", "gather")
-
-
-class CollectiveError(UnisonError):
-    """A collective could not complete: a peer left the call without joining it (it raised,
-    returned early, or called a different collective), a peer died, the workers called
-    different collectives, or they passed arrays that do not match. The message names the
-    peer and what to fix."""
 
 
 def _p2p_bytes(n: int) -> int:
@@ -136,8 +135,10 @@ def abort(fd: int, dead: int) -> None:
         mv.release()
 
 
-class ShmCollectives:
-    """One worker's end of the shared-memory collectives."""
+class ShmCollectives(Collectives):
+    """One worker's end of the shared-memory collectives. Besides the Collectives interface
+    it offers ``scope`` and ``arrive`` (a barrier that checks what every rank calls), on
+    which the torch backend builds."""
 
     def __init__(self, fd: int, rank: int, n: int, groups: int) -> None:
         self.lay = lay = Layout(n, groups)
@@ -182,12 +183,8 @@ class ShmCollectives:
         if self._call == 0:
             raise RuntimeError("unison collectives only work inside a function a worker runs")
         ranks = self._scopes[group]
-        if self._call_ranks is not None and not set(ranks) <= set(self._call_ranks):
-            raise CollectiveError(
-                f"this call runs on workers {list(self._call_ranks)}, but a "
-                f"{'group' if group else 'world'} collective needs workers {list(ranks)}: "
-                "call it on the whole session (or the whole group with group=True)"
-            )
+        if self._call_ranks is not None:
+            check_members(self._call_ranks, ranks, group)
         return (1 if group else 0), ranks
 
     def _next(self, which: int) -> int:
@@ -262,7 +259,7 @@ class ShmCollectives:
         (``kind``, ``op``, ``root``) on data of the same ``sig`` (see shape_signature).
         Returns the participating ranks."""
         which, ranks = self.scope(group)
-        self._meet(which, ranks, self._next(which), _desc(kind, op, root), sig)
+        self._meet(which, ranks, self._next(which), descriptor(kind, op, root), sig)
         return ranks
 
     def barrier(self, group: bool = False) -> None:
@@ -272,16 +269,16 @@ class ShmCollectives:
 
     def allreduce(self, x: Any, op: str, group: bool) -> Any:
         check_op(op)
-        return self._allreduce(x, op, group, _desc("allreduce", op))
+        return self._allreduce(x, op, group, descriptor("allreduce", op))
 
     def _allreduce(self, x: Any, op: str, group: bool, desc: int) -> Any:
         arr, restore = _as_array(x)
-        ufunc = _op(op)
+        ufunc = _ufunc(op)
         which, ranks = self.scope(group)
         if op == "mean" and arr.dtype.kind in "biu":
             arr = arr.astype(np.float64)  # as numpy's mean does
         out = np.empty_like(arr)
-        sig = _signature(arr)
+        sig = array_signature(arr)
         if arr.nbytes <= SLOT:
             self._allreduce_flat(arr.reshape(-1), out.reshape(-1), ufunc, which, ranks, sig,
                                  desc)
@@ -317,9 +314,9 @@ class ShmCollectives:
 
     def reduce_scatter(self, x: Any, op: str, group: bool) -> Any:
         arr, restore = _as_array(x)
-        ufunc = _op(op)
+        ufunc = _ufunc(op)
         which, ranks = self.scope(group)
-        desc = _desc("reduce_scatter", op)
+        desc = descriptor("reduce_scatter", op)
         if op == "mean" and arr.dtype.kind in "biu":
             arr = arr.astype(np.float64)
         if arr.ndim == 0:
@@ -329,7 +326,7 @@ class ShmCollectives:
             part = np.array_split(full, len(ranks))[ranks.index(self.rank)]
             return restore(_mean(part, len(ranks), arr.dtype) if op == "mean" else part.copy())
         gen = self._next(which)
-        slots = self._publish(arr.reshape(-1), _signature(arr), which, ranks, gen, desc)
+        slots = self._publish(arr.reshape(-1), array_signature(arr), which, ranks, gen, desc)
         first, last = _share(arr.shape[0], len(ranks), ranks.index(self.rank))
         row = int(np.prod(arr.shape[1:], dtype=np.int64))
         lo, hi = first * row, last * row
@@ -375,7 +372,7 @@ class ShmCollectives:
 
     def allgather(self, x: Any, group: bool) -> list[Any]:
         which, ranks = self.scope(group)
-        got = self._exchange(which, ranks, _encode(x), ranks, _desc("allgather"))
+        got = self._exchange(which, ranks, _encode(x), ranks, descriptor("allgather"))
         return [_decode(got[j]) for j in ranks]
 
     def broadcast(self, x: Any, src: int, group: bool, *, kind: str = "broadcast") -> Any:
@@ -383,14 +380,14 @@ class ShmCollectives:
         which, ranks = self.scope(group)
         src_rank = member(ranks, src, group, "src")
         payload = _encode(x) if self.rank == src_rank else []
-        got = self._exchange(which, ranks, payload, (src_rank,), _desc(kind, root=src))
+        got = self._exchange(which, ranks, payload, (src_rank,), descriptor(kind, root=src))
         return _decode(got[src_rank])
 
     def scatter(self, xs: Sequence[Any] | None, src: int, group: bool) -> Any:
         _, ranks = self.scope(group)
         src_rank = member(ranks, src, group, "src")
-        if self.rank == src_rank and (xs is None or len(xs) != len(ranks)):
-            raise ValueError(f"scatter on the source needs one value per worker ({len(ranks)})")
+        if self.rank == src_rank:
+            xs = check_scatter_values(xs, len(ranks))
         self.arrive(group, "scatter", root=src)
         if self.rank == src_rank:
             assert xs is not None
@@ -447,16 +444,12 @@ class ShmCollectives:
     # -- point to point ------------------------------------------------------------------------
 
     def send(self, x: Any, dst: int) -> None:
-        if not isinstance(dst, int) or not 0 <= dst < self.n or dst == self.rank:
-            raise ValueError(
-                f"send needs a destination rank in 0..{self.n - 1} other than {self.rank}"
-            )
+        check_peer(dst, self.rank, self.n, "send")
         self._check_peer(dst)
         self._send(x, dst, TAG_SEND)
 
     def recv(self, src: int) -> Any:
-        if not isinstance(src, int) or not 0 <= src < self.n or src == self.rank:
-            raise ValueError(f"recv needs a source rank in 0..{self.n - 1} other than {self.rank}")
+        check_peer(src, self.rank, self.n, "recv")
         self._check_peer(src)
         return self._recv(src, TAG_SEND)
 
@@ -608,64 +601,20 @@ class ShmCollectives:
 # -- helpers -----------------------------------------------------------------------------------
 
 
-class _Pacer:
-    """How a wait passes time: yield the core for its first millisecond, then sleep in
-    naps growing to 2 ms, so a long wait costs little CPU but still checks its peers."""
+class _Pacer(Pacer):
+    """How a collective's wait passes time (unison.pacing): yield the core for its first
+    millisecond, then sleep in naps growing to 2 ms, so a long wait costs little CPU but
+    still checks its peers."""
 
-    __slots__ = ("_nap", "_spin_end")
+    __slots__ = ()
 
     def __init__(self) -> None:
-        self._spin_end = time.perf_counter() + _SPIN
-        self._nap = 20e-6
-
-    def pause(self) -> None:
-        if time.perf_counter() < self._spin_end:
-            os.sched_yield()
-        else:
-            time.sleep(self._nap)
-            self._nap = min(self._nap * 2, _CHECK)
+        super().__init__(spin=_SPIN, cap=_CHECK)
 
 
-def _desc(kind: str, op: str | None = None, root: int | None = None) -> int:
-    """What a rank calls, as one number: kind, op and root (as the caller passed it)."""
-    return (KINDS.index(kind) | (0 if op is None else _OP_NAMES.index(op) + 1) << 8
-            | (0 if root is None else root + 1) << 16)
-
-
-def describe(desc: int) -> str:
-    """A descriptor as the call that made it, e.g. "allreduce(op='sum')"."""
-    kind, op, root = desc & 0xFF, (desc >> 8) & 0xFF, desc >> 16
-    if kind >= len(KINDS) or op > len(_OP_NAMES):
-        return f"an unknown collective ({desc:#x})"
-    args = []
-    if op:
-        args.append(f"op={_OP_NAMES[op - 1]!r}")
-    if root:
-        args.append(f"{'dst' if KINDS[kind] == 'gather' else 'src'}={root - 1}")
-    return f"{KINDS[kind]}({', '.join(args)})"
-
-
-def member(ranks: tuple[int, ...], r: Any, group: bool, what: str) -> int:
-    """``r`` is a rank in the scope (group-local with group=True): its global rank."""
-    try:
-        i = operator.index(r)
-    except TypeError:
-        i = -1
-    if isinstance(r, bool) or not 0 <= i < len(ranks):
-        scope = "group" if group else "world"
-        raise ValueError(f"{what}={r!r} is not a rank of the {scope} (0..{len(ranks) - 1})")
-    return ranks[i]
-
-
-def check_op(op: str) -> Callable[..., Any]:
-    """The ufunc of a reduction op; ValueError for an unknown one."""
-    try:
-        return OPS[op]
-    except (KeyError, TypeError):
-        raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}") from None
-
-
-_op = check_op
+def _ufunc(op: str) -> Callable[..., Any]:
+    """The numpy ufunc that reduces by ``op`` (mean sums, then divides)."""
+    return _UFUNCS[check_op(op)]
 
 
 def _as_array(x: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
@@ -687,19 +636,6 @@ def _as_array(x: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
     raise TypeError(
         f"reductions take numpy arrays, CPU torch tensors or numbers, not {type(x).__name__}"
     )
-
-
-def shape_signature(shape: Sequence[int], dtype: str) -> int:
-    """Shape and dtype as one number below 2**56, the same in every process (unlike hash())."""
-    sig = zlib.crc32(dtype.encode())
-    for d in shape:
-        sig = (sig * 1_000_003 + d + 1) & 0xFFFF_FFFF_FFFF
-    return sig
-
-
-def _signature(a: np.ndarray) -> int:
-    """Shape and dtype of an array (byte order and datetime units count too)."""
-    return (shape_signature(a.shape, a.dtype.str) << 8) | a.dtype.num
 
 
 def _contiguous(a: np.ndarray) -> np.ndarray:

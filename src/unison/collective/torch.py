@@ -12,6 +12,10 @@ peer that raised or returned early fails the collective at once, instead of leav
 others blocked in gloo or NCCL until their timeout; and a mismatch (a different collective,
 op, root, shape or dtype) raises CollectiveError on every rank instead of reaching gloo,
 which would abort the process.
+
+Barriers and point to point (send/recv) are delegated to the shared-memory backend, as are
+``begin``/``end`` of a call; the argument checks come from collective/checks.py, as the
+shared-memory backend's do.
 """
 
 from __future__ import annotations
@@ -20,21 +24,20 @@ import datetime
 from collections.abc import Sequence
 from typing import Any
 
-from unison.collective.shm import (
-    CollectiveError,
-    ShmCollectives,
-    check_op,
-    member,
-    shape_signature,
-)
+from unison.collective.base import Collectives
+from unison.collective.checks import check_op, check_scatter_values, member, shape_signature
+from unison.collective.shm import ShmCollectives
+from unison.errors import CollectiveError
 
 
-class TorchCollectives:
+class TorchCollectives(Collectives):
     """One worker's torch.distributed backend; ``local`` supplies the barriers and the
     call context (scopes, peers)."""
 
     def __init__(self, local: ShmCollectives, address: str, timeout_s: float) -> None:
         self.local = local
+        self.rank, self.n = local.rank, local.n
+        self.groups, self.gsize = local.groups, local.gsize
         self.address = address
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._groups: dict[tuple[str, int], Any] = {}
@@ -124,9 +127,7 @@ class TorchCollectives:
         _, ranks = self.local.scope(group)
         src_rank = member(ranks, src, group, "src")
         if self.local.rank == src_rank:
-            if xs is None or len(xs) != len(ranks):
-                raise ValueError(f"scatter on the source needs one value per worker ({len(ranks)})")
-            mine = [_tensor(v) for v in xs]
+            mine = [_tensor(v) for v in check_scatter_values(xs, len(ranks))]
             like = mine[ranks.index(src_rank)]
         else:
             like = None
@@ -147,6 +148,12 @@ class TorchCollectives:
         out = [t.new_empty(t.shape) for _ in ranks] if self.local.rank == dst_rank else None
         dist.gather(t.contiguous(), out, dst=dst_rank, group=pg)
         return out
+
+    def begin(self, call_id: int, ranks: tuple[int, ...] | None) -> None:
+        self.local.begin(call_id, ranks)
+
+    def end(self, call_id: int) -> None:
+        self.local.end(call_id)
 
     def barrier(self, group: bool) -> None:
         self.local.barrier(group)

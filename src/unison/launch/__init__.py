@@ -1,1 +1,104 @@
-"""How workers start, are watched and are stopped (``local``: processes on this host)."""
+"""How workers start, are watched and are stopped: the Launcher seam, and ``create``.
+
+    session                                   a Launcher (``local``: processes on this host)
+    create("local" | launcher) ------------>  the launcher to use
+    start(specs, env) --------------------->  one worker per WorkerSpec, carried to it
+    watch_fds()  <-------------------------   fds that turn readable when a worker ends;
+                                              the channel's waits sleep on them
+    ended()      <-------------------------   which worker has ended, if any (polled)
+    death(rank, grace)  ------------------>   its DeathReport: exit status, stderr tail, why
+    stop(grace)  -------------------------->  every worker gone, nothing left behind
+
+The session knows only this interface; how a worker gets its spec, what keeps it from
+outliving the controller and how its output reaches the user are each launcher's business.
+``Session(launcher=...)`` takes a name or an instance, as httpx's ``Client(transport=...)``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from unison.spec import WorkerSpec
+
+__all__ = ["DeathReport", "Launcher", "create"]
+
+NAMES = ("local",)
+"""The launchers ``create`` knows by name."""
+
+
+@dataclass(frozen=True)
+class DeathReport:
+    """What a launcher knows about a worker that ended (the makings of a WorkerDied)."""
+
+    rank: int
+    exitcode: int | None
+    """Its exit status, negative for a signal as in subprocess; None where it is unknown."""
+    output: str
+    """The tail of what it wrote to stderr, bounded by the launcher."""
+    reason: str
+    """Why it ended, where the launcher knows better than the exit status; else ""."""
+
+
+class Launcher(ABC):
+    """Starts a session's workers, tells it when one ends, and stops them.
+
+    The contract:
+
+    * ``start`` is called once, with one WorkerSpec per rank (ranks 0..n-1, in order). Each
+      worker must receive its spec and inherit the fds it names. If starting fails, whatever
+      was started is stopped before the error is raised.
+    * ``watch_fds`` are file descriptors that become readable once a worker has ended, so
+      a waiting controller wakes at once. It may be empty: the session then polls ``ended``.
+      They stay owned by the launcher and valid until ``stop``.
+    * ``ended`` never blocks: the rank of a worker that has ended, or None.
+    * ``death`` describes one worker for the user: it waits up to ``grace`` seconds for the
+      worker's exit and kills it (with all it started) if it still runs.
+    * ``stop`` waits up to ``grace`` seconds for every worker to exit, then kills what is
+      left, its process trees included, and releases the launcher's resources. It is
+      idempotent, and may be called after a failed ``start``.
+
+    No method is on the hot path: the session calls them at start, on a death and at close.
+    """
+
+    @abstractmethod
+    def start(self, specs: Sequence[WorkerSpec], env: Mapping[int, Mapping[str, str]]) -> None:
+        """Start one worker per spec; ``env[rank]`` adds to that worker's environment."""
+
+    @abstractmethod
+    def watch_fds(self) -> list[int]:
+        """Fds that become readable when a worker ends (may be empty)."""
+
+    @abstractmethod
+    def ended(self) -> int | None:
+        """The rank of a worker that has ended, if any (non-blocking)."""
+
+    @abstractmethod
+    def death(self, rank: int, grace: float) -> DeathReport:
+        """Wait up to ``grace`` for worker ``rank`` to exit, kill it if it still runs, and
+        describe it."""
+
+    @abstractmethod
+    def stop(self, grace: float) -> None:
+        """Wait up to ``grace`` for every worker to exit, then kill what is left. Idempotent."""
+
+
+def create(launcher: str | Launcher) -> Launcher:
+    """The launcher a session asked for: a name from NAMES (a new launcher each time), or a
+    Launcher instance, used as it is."""
+    if isinstance(launcher, Launcher):
+        return launcher
+    if isinstance(launcher, str):
+        if launcher == "local":
+            from unison.launch.local import LocalLauncher  # here: local.py imports this module
+
+            return LocalLauncher()
+        raise ValueError(
+            f"unknown launcher {launcher!r}: use one of {', '.join(map(repr, NAMES))} "
+            "or a unison.launch.Launcher instance"
+        )
+    raise TypeError(
+        f"launcher must be a name ({', '.join(map(repr, NAMES))}) or a unison.launch.Launcher "
+        f"instance, not {type(launcher).__name__}"
+    )

@@ -18,6 +18,9 @@ through /proc while it lives, when it stops a worker itself.
 The relay never dies: a ``sys.stdout`` that is None, lacks ``flush()`` or raises loses the
 output, never the thread, so workers never block on a full pipe. What is kept of a worker's
 stderr for WorkerDied is bounded (_TAIL_CHARS), and so is a line without a newline.
+
+The session sees only the Launcher interface (unison.launch): the pidfds are its watch_fds,
+and death() turns a WorkerProcess into a DeathReport.
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import IO, Any
+from typing import IO
 
 import unison
 from unison import _proctree
+from unison.launch import DeathReport, Launcher
+from unison.spec import WorkerSpec
 
 # python -c puts the current directory first on sys.path (unless safe_path is set): drop it
 # before anything is imported, so a numpy.py lying there is never run.
@@ -122,22 +127,28 @@ class WorkerProcess:
             self.pidfd = None
 
 
-class LocalLauncher:
+class LocalLauncher(Launcher):
     """Starts workers as fresh local interpreters and relays their output, prefixed by rank."""
 
     def __init__(self) -> None:
         self.workers: list[WorkerProcess] = []
         self.stopped = False
+        self._started = False
+        self._watch: list[int] = []
         self._relay: threading.Thread | None = None
-        self._selector = selectors.DefaultSelector()
+        self._selector: selectors.BaseSelector | None = None
+        """Made at start(), so a launcher that never starts holds no fd."""
 
     def start(
         self,
-        inits: Sequence[dict[str, Any]],
-        fds: Sequence[Sequence[int]],
+        specs: Sequence[WorkerSpec],
         env: Mapping[int, Mapping[str, str]] | None = None,
-    ) -> list[WorkerProcess]:
-        """Start one worker per init dict; ``fds[r]`` are inherited by worker ``r``."""
+    ) -> None:
+        """Start one worker per spec; each inherits the fds its spec names."""
+        if self._started or self.stopped:
+            raise RuntimeError("a LocalLauncher starts its workers once: make a new one")
+        self._started = True
+        selector = self._selector = selectors.DefaultSelector()
         base_env = dict(os.environ)
         pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(unison.__file__)))
         base_env["PYTHONPATH"] = os.pathsep.join(
@@ -147,11 +158,11 @@ class LocalLauncher:
         # N workers each running a BLAS or OpenMP pool as wide as the machine would fight
         # over the cores (and their spinning threads over our waits): share them out, as
         # loky and torchrun do, unless the user chose already.
-        share = str(max(1, len(os.sched_getaffinity(0)) // max(1, len(inits))))
+        share = str(max(1, _cpu_count() // max(1, len(specs))))
         for var in _THREAD_VARS:
             base_env.setdefault(var, share)
         try:
-            for rank, init in enumerate(inits):
+            for rank, init in enumerate(specs):
                 worker_env = dict(base_env)
                 if env and rank in env:
                     worker_env.update({str(k): str(v) for k, v in env[rank].items()})
@@ -160,7 +171,7 @@ class LocalLauncher:
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
-                    pass_fds=tuple(fds[rank]),
+                    pass_fds=init.fds,
                     env=worker_env,
                     start_new_session=True,
                 )
@@ -173,24 +184,43 @@ class LocalLauncher:
                 for stream, is_err in ((popen.stdout, False), (popen.stderr, True)):
                     assert stream is not None
                     os.set_blocking(stream.fileno(), False)
-                    self._selector.register(stream, selectors.EVENT_READ, (worker, is_err, []))
+                    selector.register(stream, selectors.EVENT_READ, (worker, is_err, []))
         except BaseException:
             self.stop(grace=0)
             raise
-        self._relay = threading.Thread(target=self._relay_output, name="unison-output", daemon=True)
+        self._watch = [w.pidfd for w in self.workers if w.pidfd is not None]
+        self._relay = threading.Thread(target=self._relay_output, args=(selector,),
+                                       name="unison-output", daemon=True)
         self._relay.start()
-        return self.workers
 
-    def _relay_output(self) -> None:
+    def watch_fds(self) -> list[int]:
+        """The workers' pidfds (none where the platform has no pidfd_open), until stop()."""
+        return list(self._watch)
+
+    def ended(self) -> int | None:
+        return next((w.rank for w in self.workers if w.exitcode() is not None), None)
+
+    def death(self, rank: int, grace: float) -> DeathReport:
+        worker = self.workers[rank]
+        code = worker.wait_exit(grace)
+        reason = worker.death_reason()  # read before our own kill below
+        if code is None:
+            reason = "its channel broke while it still ran, so unison killed it"
+        worker.kill()
+        if code is None:
+            code = worker.exitcode()
+        return DeathReport(rank, code, worker.output(), reason)
+
+    def _relay_output(self, selector: selectors.BaseSelector) -> None:
         """Copy every worker's output to ours, line by line, each line prefixed by its rank."""
         try:
-            while self._selector.get_map():
-                self._relay_once()
+            while selector.get_map():
+                self._relay_once(selector)
         except (OSError, ValueError, RuntimeError, KeyError):
             pass  # the selector was closed under us at stop(): nothing is left to relay
 
-    def _relay_once(self) -> None:
-        for key, _ in self._selector.select(timeout=1.0):
+    def _relay_once(self, selector: selectors.BaseSelector) -> None:
+        for key, _ in selector.select(timeout=1.0):
             worker, is_err, partial = key.data
             stream: IO[bytes] = key.fileobj  # type: ignore[assignment]
             try:
@@ -214,7 +244,7 @@ class LocalLauncher:
                 continue
             if partial:
                 _emit(worker, is_err, b"".join(partial).decode(errors="replace").split("\n"))
-            self._selector.unregister(stream)
+            selector.unregister(stream)
             worker._open_streams -= 1
             if worker._open_streams == 0:
                 worker.output_done.set()
@@ -225,6 +255,7 @@ class LocalLauncher:
         if self.stopped:
             return
         self.stopped = True
+        self._watch = []
         deadline = time.monotonic() + max(grace, 0.0)
         for w in self.workers:
             if w.wait_exit(max(deadline - time.monotonic(), 0.0)) is None:
@@ -236,16 +267,19 @@ class LocalLauncher:
         # long on a process that escaped and still holds them
         if self._relay is not None and self._relay is not threading.current_thread():
             self._relay.join(timeout=0.5)
+        selector = self._selector
         for w in self.workers:
             w.release()
             for stream in (w.popen.stdout, w.popen.stderr):
                 if stream is not None:
-                    try:
-                        self._selector.unregister(stream)
-                    except (KeyError, ValueError):
-                        pass
+                    if selector is not None:
+                        try:
+                            selector.unregister(stream)
+                        except (KeyError, ValueError):
+                            pass
                     stream.close()
-        self._selector.close()
+        if selector is not None:
+            selector.close()
 
 
 def _emit(worker: WorkerProcess, is_err: bool, lines: list[str]) -> None:
@@ -265,3 +299,10 @@ def _emit(worker: WorkerProcess, is_err: bool, lines: list[str]) -> None:
             flush()
     except Exception:  # a user's stream may raise anything: keep relaying
         pass
+
+
+def _cpu_count() -> int:
+    """The CPUs this process may run on (where the platform says), else all of them."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

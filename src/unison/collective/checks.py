@@ -1,0 +1,108 @@
+"""The checks every collectives backend shares: argument validation, and the vocabulary in
+which ranks compare what they call.
+
+    user arguments --> check_op / member / check_peer / check_scatter_values   (ValueError)
+    what a rank calls (kind, op, root) --> descriptor() --> one 64-bit word      \\ published in
+    the data it passes (shape, dtype) --> shape_signature / array_signature      / shared memory
+    peers' words differ --> describe(descriptor) names both calls in the CollectiveError
+
+Both backends publish the same words through the shared-memory barrier (the torch backend
+arrives at it before every torch op), so a mismatch reads the same whichever backend runs.
+Everything here is pure: no shared memory, no processes, so it is unit-tested directly.
+"""
+
+from __future__ import annotations
+
+import operator
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from unison.errors import CollectiveError
+
+__all__ = [
+    "KINDS", "OPS", "array_signature", "check_members", "check_op", "check_peer",
+    "check_scatter_values", "describe", "descriptor", "member", "shape_signature",
+]
+
+OPS = ("sum", "prod", "min", "max", "mean")
+"""The reduction ops, in the order their index is encoded in a descriptor."""
+KINDS = ("barrier", "allreduce", "reduce_scatter", "allgather", "broadcast", "scatter", "gather")
+"""The collectives a descriptor can name (its low byte is an index in this tuple)."""
+
+
+def check_op(op: Any) -> str:
+    """``op`` if it names a reduction; ValueError that lists the valid ones otherwise."""
+    if isinstance(op, str) and op in OPS:
+        return op
+    raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
+
+
+def member(ranks: tuple[int, ...], r: Any, group: bool, what: str) -> int:
+    """``r`` is a rank in the scope (group-local with group=True): its global rank."""
+    try:
+        i = operator.index(r)
+    except TypeError:
+        i = -1
+    if isinstance(r, bool) or not 0 <= i < len(ranks):
+        scope = "group" if group else "world"
+        raise ValueError(f"{what}={r!r} is not a rank of the {scope} (0..{len(ranks) - 1})")
+    return ranks[i]
+
+
+def check_members(call_ranks: tuple[int, ...], ranks: tuple[int, ...], group: bool) -> None:
+    """Every rank a collective needs runs this call; else no peer outside it would ever come."""
+    if not set(ranks) <= set(call_ranks):
+        raise CollectiveError(
+            f"this call runs on workers {list(call_ranks)}, but a "
+            f"{'group' if group else 'world'} collective needs workers {list(ranks)}: "
+            "call it on the whole session (or the whole group with group=True)"
+        )
+
+
+def check_peer(peer: Any, me: int, n: int, what: str) -> None:
+    """``peer`` is a global rank other than ``me``, for send (``what``="send") or recv."""
+    if not isinstance(peer, int) or not 0 <= peer < n or peer == me:
+        role = "destination" if what == "send" else "source"
+        raise ValueError(f"{what} needs a {role} rank in 0..{n - 1} other than {me}")
+
+
+def check_scatter_values(xs: Sequence[Any] | None, size: int) -> Sequence[Any]:
+    """The source of a scatter passes one value per worker of the scope."""
+    if xs is None or len(xs) != size:
+        raise ValueError(f"scatter on the source needs one value per worker ({size})")
+    return xs
+
+
+def descriptor(kind: str, op: str | None = None, root: int | None = None) -> int:
+    """What a rank calls, as one number: kind, op and root (as the caller passed it)."""
+    return (KINDS.index(kind) | (0 if op is None else OPS.index(op) + 1) << 8
+            | (0 if root is None else root + 1) << 16)
+
+
+def describe(desc: int) -> str:
+    """A descriptor as the call that made it, e.g. "allreduce(op='sum')"."""
+    kind, op, root = desc & 0xFF, (desc >> 8) & 0xFF, desc >> 16
+    if kind >= len(KINDS) or op > len(OPS):
+        return f"an unknown collective ({desc:#x})"
+    args = []
+    if op:
+        args.append(f"op={OPS[op - 1]!r}")
+    if root:
+        args.append(f"{'dst' if KINDS[kind] == 'gather' else 'src'}={root - 1}")
+    return f"{KINDS[kind]}({', '.join(args)})"
+
+
+def shape_signature(shape: Sequence[int], dtype: str) -> int:
+    """Shape and dtype as one number below 2**56, the same in every process (unlike hash())."""
+    sig = zlib.crc32(dtype.encode())
+    for d in shape:
+        sig = (sig * 1_000_003 + d + 1) & 0xFFFF_FFFF_FFFF
+    return sig
+
+
+def array_signature(a: np.ndarray) -> int:
+    """Shape and dtype of a numpy array (byte order and datetime units count too)."""
+    return (shape_signature(a.shape, a.dtype.str) << 8) | a.dtype.num

@@ -1,0 +1,689 @@
+"""Session and View: the controller's face. They turn calls into messages and replies into
+values; the rooms next door do the rest.
+
+    sess.call(fn, *args) -> checks.py (arguments) -> fncache.py (is fn on the workers?)
+                         -> protocol.py (one message) -> channel.send(msg, ranks) -> workers
+                            returns a Ref at once; frees of dropped Refs ride along
+    ref.gather()         -> GET to each rank -> router.py waits (one thread reads the channel
+                            and hands each reply to its request) -> values, or WorkerError
+    a death              -> resources.py describes it (launcher) and stops peers in
+                            collectives; the session closes; WorkerDied, then SessionClosed
+    close()              -> SHUTDOWN (workers answer with errors nobody fetched:
+                            unreported.py warns) -> resources.close()
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import math
+import os
+import pickle
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+from unison import channel as channels
+from unison import collective, protocol
+from unison.deadline import deadline as _deadline
+from unison.deadline import seconds as _seconds
+from unison.errors import SessionClosed, WorkerDied, WorkerError
+from unison.launch import Launcher
+from unison.launch import create as create_launcher
+from unison.protocol import (
+    OK,
+    call_msg,
+    define_msg,
+    get_msg,
+    nop_msg,
+    put_msg,
+    shutdown_msg,
+    sync_msg,
+)
+from unison.refs import Ref
+from unison.session import checks
+from unison.session.fncache import FunctionCache, pickle_function
+from unison.session.resources import Resources
+from unison.session.router import OutOfStep, Request, Router
+from unison.session.unreported import UnreportedErrors
+
+__all__ = ["Session", "View"]
+
+_NO_BUFFERS: list[pickle.PickleBuffer] = []
+_FN_CACHE = 512  # functions kept defined on the workers; older ones are freed
+_names = itertools.count()
+_live: weakref.WeakSet[Session] = weakref.WeakSet()
+
+
+class View:
+    """A set of workers of a session, addressed by global rank: ``sess[i]``, ``sess[a:b]``,
+    ``sess.group(g)``, or the whole session. A view is not indexed again."""
+
+    def __init__(self, session: Session, ranks: tuple[int, ...]) -> None:
+        self._session = session
+        self.workers = ranks
+        """The global ranks in this view, ascending."""
+
+    def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Ref:
+        """Run ``fn(*args, **kwargs)`` on every worker of the view; return a Ref at once."""
+        session = self._session
+        return session._call(self.workers, fn, args, kwargs, session._send_deadline())
+
+    def run(
+        self, fn: Callable[..., Any], /, *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """``call`` then ``gather``: every worker's result, in rank order."""
+        session = self._session
+        deadline = _deadline(timeout)  # a bad timeout is refused before anything is sent
+        send_by = session._send_deadline() if deadline is None else deadline
+        ref = session._call(self.workers, fn, args, kwargs, send_by)
+        try:
+            return session._fetch(ref, ref.workers, deadline)
+        finally:
+            ref.free()
+
+    def put(self, value: Any) -> Ref:
+        """The same value on every worker of the view."""
+        return self._session._put(self.workers, [value])
+
+    def scatter(self, values: Sequence[Any]) -> Ref:
+        """One value per worker of the view, in rank order."""
+        values = checks.values_per_worker(values, "scatter")
+        if len(values) != len(self.workers):
+            raise ValueError(
+                f"scatter needs one value per worker: got {len(values)} values for "
+                f"{len(self.workers)} workers {list(self.workers)}"
+            )
+        return self._session._put(self.workers, values)
+
+    def sync(self, timeout: float | None = None) -> None:
+        """Wait until every worker of the view has done all it was sent; raise any error from
+        those calls that nobody fetched yet (each error is reported once)."""
+        self._session._sync(self.workers, timeout)
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def __iter__(self) -> Iterator[View]:
+        """One view per worker, in rank order."""
+        session = self._session
+        return iter([View(session, (r,)) for r in self.workers])
+
+    def __getitem__(self, key: object) -> View:
+        raise TypeError(
+            "a view is not indexed again: index the session itself with global ranks, "
+            "e.g. sess[2] or sess[1:3]"
+        )
+
+    def __repr__(self) -> str:
+        return f"<unison view of workers {list(self.workers)}>"
+
+
+class Session(View):
+    """One controller driving ``num_workers`` worker processes in lockstep.
+
+    Usable from several threads at once; closed by ``close()``, by leaving a ``with`` block,
+    at garbage collection and at interpreter exit.
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        num_groups: int = 1,
+        *,
+        launcher: str | Launcher = "local",
+        channel: str = "auto",
+        env: Mapping[int, Mapping[str, str]] | None = None,
+        cpu_affinity: bool | Mapping[int, Iterable[int]] | None = None,
+        collectives: str = "shm",
+        start_timeout: float = 60.0,
+        send_timeout: float | None = None,
+    ) -> None:
+        """``launcher`` is "local" or a Launcher instance. ``send_timeout`` bounds how long
+        ``call``, ``put`` and ``scatter`` may block when the workers fall behind and the
+        command queue is full (TimeoutError; nothing of that message was sent)."""
+        checks.check_sizes(num_workers, num_groups)
+        if collectives not in ("shm", "torch"):
+            raise ValueError(f"unknown collectives backend {collectives!r}: use 'shm' or 'torch'")
+        start_deadline = _deadline(start_timeout, "start_timeout")
+        _deadline(send_timeout, "send_timeout")
+        cpus = checks.cpu_plan(num_workers, cpu_affinity)
+        envs = checks.check_env(num_workers, env)
+        the_launcher = create_launcher(launcher)
+        self.num_workers = num_workers
+        self.num_groups = num_groups
+        self.name = f"unison-{os.getpid()}-{next(_names)}-{secrets.token_hex(3)}"
+        self.workers = tuple(range(num_workers))
+        self._closed = True  # until the workers are up
+        self._owner = os.getpid()
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._send_timeout = None if send_timeout == math.inf else send_timeout
+        self._ids = itertools.count(1)
+        self._frees: collections.deque[int] = collections.deque()
+        self._fns = FunctionCache(_FN_CACHE)
+        self._errors = UnreportedErrors()
+        self._send_lock = threading.RLock()
+        self._state_lock = threading.Lock()
+        self._res = Resources(self.name, num_workers, num_groups, channel, collectives,
+                              the_launcher)
+        self._chan = self._res.chan
+        self._router = Router(num_workers, self._chan, self._errors, self, watched=False)
+        try:
+            ready = Request(protocol.READY_REQ, num_workers)
+            self._router.expect(ready, self.workers)
+            self._closed = False
+            self._res.start(self._res.specs(num_workers, num_groups, cpus), envs)
+            self._router.set_watched(self._res.watched)
+            self._router.wait(ready, start_deadline, "starting")
+        except BaseException:
+            self._shutdown(0)
+            raise
+        _live.add(self)
+
+    @property
+    def _session(self) -> Session:  # type: ignore[override]
+        """A session is the view of all its workers (a property: no reference cycle, so the
+        session is closed as soon as the last reference to it goes)."""
+        return self
+
+    # -- views ---------------------------------------------------------------------------------
+
+    def __getitem__(self, key: object) -> View:
+        self.check_open()
+        if isinstance(key, slice):
+            ranks = tuple(range(self.num_workers)[key])
+            if not ranks:
+                raise ValueError(
+                    f"sess[{key.start}:{key.stop}] selects no worker of {self.num_workers}"
+                )
+            return View(self, ranks)
+        rank = checks.as_rank(key, "index a session with an int rank or a slice")
+        if not -self.num_workers <= rank < self.num_workers:
+            raise IndexError(
+                f"worker index {rank} is out of range for a session of {self.num_workers} workers"
+            )
+        return View(self, (rank % self.num_workers,))
+
+    def group(self, g: int) -> View:
+        """The workers of group ``g``: ranks g*size .. (g+1)*size - 1."""
+        self.check_open()
+        g = checks.as_rank(g, "a group is named by an int")
+        if not 0 <= g < self.num_groups:
+            raise ValueError(f"group must be an int in 0..{self.num_groups - 1}, got {g!r}")
+        size = self.num_workers // self.num_groups
+        return View(self, tuple(range(g * size, (g + 1) * size)))
+
+    # -- Disco's idioms: data through one worker, then over the collectives --------------------
+
+    def broadcast_from(self, value: Any, src: int = 0) -> Ref:
+        """Send ``value`` to worker ``src`` alone, then broadcast it from there to every worker
+        over the collectives (NCCL for CUDA tensors with collectives="torch")."""
+        src = self._check_rank(src)
+        return self.call(collective.broadcast, self._one_on(src, value), src)
+
+    def scatter_from(self, values: Sequence[Any], src: int = 0) -> Ref:
+        """Send the list ``values`` to worker ``src`` alone, then scatter it from there:
+        worker r ends up with ``values[r]``."""
+        src = self._check_rank(src)
+        values = checks.values_per_worker(values, "scatter_from")
+        if len(values) != self.num_workers:
+            raise ValueError(f"scatter_from needs one value per worker ({self.num_workers})")
+        return self.call(collective.scatter, self._one_on(src, values), src)
+
+    def gather_to(self, ref: Ref, dst: int = 0) -> Ref:
+        """Gather every worker's object of ``ref`` to worker ``dst``, as a list in rank
+        order (None on the others); fetch it with ``.get(worker=dst)``."""
+        return self.call(collective.gather, ref, self._check_rank(dst))
+
+    def _one_on(self, rank: int, value: Any) -> Ref:
+        return self.scatter([value if r == rank else None for r in self.workers])
+
+    # -- shared memory -------------------------------------------------------------------------
+
+    def empty(self, shape: int | tuple[int, ...], dtype: Any = float) -> Any:
+        """A numpy array in the session's shared memory.
+
+        Passing it, or any contiguous slice of it, to ``call``, ``put`` or ``scatter`` sends
+        no copy: each worker maps the same memory, so workers can also fill it in place for
+        the controller to read, at any size. (Other large arrays reach the workers after
+        one copy, as private copy-on-write pages.) The pipe channel shares it too; where
+        there is no memfd to share it with, this raises rather than hand out a copy."""
+        import numpy as np
+
+        self.check_open()
+        dt = np.dtype(dtype)
+        shape_t = checks.shape(shape)
+        count = int(np.prod(shape_t, dtype=np.int64))
+        if count * dt.itemsize == 0:
+            return np.empty(shape_t, dt)
+        arena = self._chan.arena
+        if arena is None:
+            raise RuntimeError(
+                "sess.empty needs shared memory (memfd), which this platform lacks: "
+                "send the array with put/scatter and fetch the workers' results instead"
+            )
+        with self._send_lock:
+            self.check_open()
+            mm = arena.shared_array(count * dt.itemsize)
+        return np.frombuffer(mm, dt, count).reshape(shape_t)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, timeout: float = 3.0) -> None:
+        """Let calls in flight finish for up to ``timeout`` seconds, then stop every worker.
+        Errors of calls that nobody fetched are not lost: each becomes a RuntimeWarning.
+        Idempotent."""
+        grace = _seconds(timeout, "timeout")
+        if grace == math.inf:
+            raise ValueError("close(timeout=...) needs a finite number of seconds")
+        self._shutdown(grace)
+
+    def _shutdown(self, grace: float) -> None:
+        with self._state_lock:
+            self._closed = True
+            if self._stopping:
+                return
+            self._stopping = True
+        router = getattr(self, "_router", None)
+        if router is not None:
+            router.closed = True
+        if os.getpid() != self._owner:
+            return  # a forked child's copy: the workers belong to the parent, leave them be
+        res = getattr(self, "_res", None)
+        if res is None or router is None:
+            return  # the resources' own creation failed, and released what it made
+        deadline = time.monotonic() + grace
+        goodbye = None
+        # a thread blocked sending (to busy workers) holds the send lock: don't wait past grace
+        if grace > 0 and self._dead is None and self._send_lock.acquire(timeout=grace):
+            try:
+                # the workers answer SHUTDOWN with their unreported errors, read below
+                goodbye = Request(next(self._ids), self.num_workers)
+                goodbye.abandoned = True
+                router.expect(goodbye, self.workers)
+                self._chan.send(shutdown_msg(None, goodbye.req_id), self.workers,
+                                deadline=deadline)
+            except OSError:  # TimeoutError too: the workers are stopped all the same
+                goodbye = None
+            finally:
+                self._send_lock.release()
+        locks = _Both(self._send_lock, router.recv_lock)
+        # once the workers are gone, a sender still inside the channel fails out at once
+        res.close(max(0.0, deadline - time.monotonic()),
+                  router.drain if goodbye is not None else None, locks)
+        _live.discard(self)
+        self._errors.warn_all(self.name)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(timeout=3.0 if exc[0] is None else 0)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.close(timeout=1.0)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<unison.Session {self.name} workers={self.num_workers} {state}>"
+
+    # -- the calls behind Session, View and Ref ------------------------------------------------
+
+    def _call(
+        self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
+        kwargs: dict[str, Any], deadline: float | None = None,
+    ) -> Ref:
+        if self._closed:
+            self.check_open()
+        if not callable(fn):
+            raise TypeError(f"call needs a callable first, got {type(fn).__name__}")
+        blob: Any = None
+        bufs = _NO_BUFFERS
+        if kwargs or (args and not checks.plain_args(args)):
+            blob, bufs = self._encode_args(ranks, fn, args, kwargs)
+        elif args:
+            blob = args  # plain values ride inside the message itself: no second pickle
+        ref_id = next(self._ids)
+        self._lock_send(deadline)
+        try:
+            fn_id, fresh = self._fns.lookup(fn)
+            cached = True
+            if not fn_id:
+                fn_id, cached = self._define(fn, fresh, deadline)
+            try:
+                self._send(call_msg, (ref_id, fn_id, blob,
+                                      None if ranks == self.workers else ranks),
+                           ranks, bufs, deadline)
+            finally:
+                if not cached:
+                    self._frees.append(fn_id)  # dropped with the next message, after this call
+        finally:
+            self._send_lock.release()
+        return Ref(self, ref_id, ranks)
+
+    def _put(self, ranks: tuple[int, ...], values: list[Any]) -> Ref:
+        if self._closed:
+            self.check_open()
+        deadline = self._send_deadline()
+        ref_id = next(self._ids)
+        blobs = [self._encode_value(v, what) for v, what in _labelled(values)]
+        self._lock_send(deadline)
+        try:
+            if len(blobs) == 1:
+                self._send(put_msg, (ref_id, blobs[0][0]), ranks, blobs[0][1], deadline)
+            else:
+                for rank, (blob, bufs) in zip(ranks, blobs):
+                    self._send(put_msg, (ref_id, blob), (rank,), bufs, deadline)
+        except TimeoutError:
+            self._frees.append(ref_id)  # the workers that got their value drop it again
+            raise
+        finally:
+            self._send_lock.release()
+        return Ref(self, ref_id, ranks)
+
+    def _fetch(self, ref: Ref, ranks: tuple[int, ...], deadline: float | None) -> list[Any]:
+        self.check_open()
+        if ref._session is not self:
+            raise ValueError(f"{ref!r} belongs to another session")
+        if ref._freed:
+            raise ValueError(f"{ref!r} was freed; its value is gone")
+        replies = self._request(get_msg, ref._id, ranks, deadline, "fetching a value")
+        values, errors = [], {}
+        for rank, (status, payload) in zip(ranks, replies):
+            if status == OK:
+                values.append(payload)
+            else:
+                errors[rank] = payload
+        if errors:
+            self._errors.forget(ref._id)
+            raise _worker_error(errors)
+        return values
+
+    def _sync(self, ranks: tuple[int, ...], timeout: float | None) -> None:
+        replies = self._request(sync_msg, 0, ranks, _deadline(timeout), "syncing")
+        for rank, (_, errs) in zip(ranks, replies):
+            self._errors.add_all(rank, errs)
+        errors = self._errors.pop_earliest()
+        if errors is not None:
+            raise _worker_error(errors)
+
+    def _release(self, ref_id: int) -> None:
+        """Called from Ref.__del__, in any thread: so no lock, just an atomic append."""
+        self._frees.append(ref_id)
+
+    def _request(
+        self, build: Callable[..., bytes], ref_id: int, ranks: tuple[int, ...],
+        deadline: float | None, during: str,
+    ) -> list[tuple[int, Any]]:
+        """Send a request (GET of ``ref_id``, or SYNC) to ``ranks`` and return each one's
+        decoded (status, payload). The deadline bounds it all: the send lock, the send, and
+        the wait for replies."""
+        if self._closed:
+            self.check_open()
+        req = Request(next(self._ids), len(ranks), ref_id)
+        fields = (req.req_id, ref_id) if ref_id else (req.req_id,)
+        router = self._router
+        self._lock_send(deadline)
+        try:
+            if self._closed:
+                self.check_open()
+            router.expect(req, ranks)
+            try:
+                self._send(build, fields, ranks, _NO_BUFFERS, deadline)
+            except BaseException:
+                router.forget(req, ranks)
+                raise
+        finally:
+            self._send_lock.release()
+        router.wait(req, deadline, during)
+        try:
+            return router.decode(req, ranks)
+        except OutOfStep as exc:
+            self._shutdown(0)
+            raise SessionClosed(str(exc)) from None
+
+    # -- sending -------------------------------------------------------------------------------
+
+    def _send_deadline(self) -> float | None:
+        t = self._send_timeout
+        return None if t is None else time.monotonic() + t
+
+    def _lock_send(self, deadline: float | None) -> None:
+        """Take the send lock, or raise TimeoutError at ``deadline`` (another thread holds
+        it while it waits for room to send)."""
+        if deadline is None:
+            self._send_lock.acquire()
+        elif not self._send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(
+                "another thread was still sending to the workers at the deadline (their command "
+                "queue is full: a worker is busy or stuck). Nothing was sent: wait for the "
+                "workers (sync) or close the session."
+            )
+
+    def _send(
+        self, build: Callable[..., bytes], fields: tuple[Any, ...], ranks: tuple[int, ...],
+        buffers: list[pickle.PickleBuffer] = [],  # noqa: B006 (never mutated)
+        deadline: float | None = None,
+    ) -> None:
+        """Build one message (``build(frees, *fields)``, a protocol builder) and write it to
+        ``ranks``; caller holds the send lock. At ``deadline`` it raises TimeoutError, with
+        nothing of the message sent."""
+        if self._closed:
+            self.check_open()
+        frees = self._take_frees() if self._frees else None
+        try:
+            if frees and len(ranks) != self.num_workers:  # frees must reach every worker
+                self._chan.send(nop_msg(frees), self.workers, deadline=deadline)
+                frees = None
+            self._chan.send(build(frees, *fields), ranks, buffers, deadline=deadline)
+        except TimeoutError:
+            if frees:
+                self._frees.extend(frees)  # they ride on the next message instead
+            raise TimeoutError(
+                "the workers did not take the message by the deadline (their command queue is "
+                "full: a worker is busy or stuck). Nothing of it was sent: wait for the workers "
+                "(sync), or close the session."
+            ) from None
+        except OSError:
+            raise self.died("sending a message", None) from None
+        except channels.PartialSendError as exc:  # some workers got it, some not: no lockstep
+            self._shutdown(0)
+            raise SessionClosed(f"the session is closed because {exc}") from exc
+
+    def _take_frees(self) -> tuple[int, ...]:
+        out = []
+        pop = self._frees.popleft
+        while self._frees:
+            out.append(pop())
+        return tuple(out)
+
+    def _define(
+        self, fn: Callable[..., Any], blob: bytes | None, deadline: float | None
+    ) -> tuple[int, bool]:
+        """Send ``fn`` (its pickle ``blob``, made here if None) to every worker; return its id
+        and whether it stays defined there (see fncache.py for when a copy stays current)."""
+        if blob is None:
+            blob = pickle_function(fn)
+        fn_id = next(self._ids)
+        self._send(define_msg, (fn_id, blob), self.workers, _NO_BUFFERS, deadline)
+        self._frees.extend(self._fns.store(fn, fn_id, blob))
+        return fn_id, self._fns.cacheable(fn)
+
+    def _encode_args(
+        self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[bytes, list[pickle.PickleBuffer]]:
+        try:
+            blob, bufs, refs = protocol.dumps_with_refs((args, kwargs))
+        except Exception as exc:
+            for what, value in [*((f"argument {i}", a) for i, a in enumerate(args)),
+                                *((f"keyword argument {k!r}", v) for k, v in kwargs.items())]:
+                try:
+                    protocol.dumps_with_refs(value)
+                except Exception as bad:
+                    raise _unpicklable(f"{what} of {_fn_name(fn)}", value, bad) from bad
+            raise _unpicklable(f"the arguments of {_fn_name(fn)}", args, exc) from exc
+        for ref in refs:
+            self._check_ref_arg(ref, ranks)
+        return blob, bufs
+
+    def _encode_value(self, value: Any, what: str) -> tuple[bytes, list[pickle.PickleBuffer]]:
+        try:
+            bufs: list[pickle.PickleBuffer] = []
+            return protocol.dumps(value, bufs), bufs
+        except Exception as exc:
+            raise _unpicklable(what, value, exc) from exc
+
+    def _check_ref_arg(self, ref: Ref, ranks: tuple[int, ...]) -> None:
+        if ref._session is not self:
+            state = " (a closed one)" if ref._session._closed else ""
+            raise ValueError(f"{ref!r} belongs to another session{state}: pass it only to its own")
+        if ref._freed:
+            raise ValueError(f"{ref!r} was freed and cannot be passed to a call")
+        missing = sorted(set(ranks) - set(ref.workers))
+        if missing:
+            raise ValueError(
+                f"{ref!r} is not held by workers {missing} that this call runs on: call on a "
+                f"view of its workers, or put the value there first"
+            )
+
+    # -- liveness (also the router's owner interface) -----------------------------------------
+
+    def check_open(self) -> None:
+        """Raise SessionClosed if the session is closed, saying why."""
+        if self._closed:
+            if os.getpid() != self._owner:
+                raise SessionClosed(
+                    f"{self.name} belongs to process {self._owner}; this process "
+                    f"({os.getpid()}) is a fork of it and must not use it. Open a new Session "
+                    "here instead."
+                )
+            if self._dead is not None:
+                raise SessionClosed(f"the session is closed because {self._dead}") from self._dead
+            raise SessionClosed("the session is closed: open a new Session to go on")
+
+    _check_open = check_open  # the name Ref and older code use
+
+    def check_alive(self, during: str) -> None:
+        """Raise WorkerDied if a worker has ended (a wait found nothing to read)."""
+        rank = self._res.launcher.ended()
+        if rank is not None:
+            raise self.died(during, rank)
+
+    def died(self, during: str, rank: int | None) -> BaseException:
+        """A worker is gone (or its stream broke): close the session and describe the death."""
+        if self._closed:
+            if self._dead is not None:
+                return SessionClosed(f"the session is closed because {self._dead}")
+            return SessionClosed("the session is closed: open a new Session to go on")
+        if rank is None:  # a broken write: find who, for a moment
+            end = time.monotonic() + 1.0
+            while rank is None and time.monotonic() < end:
+                rank = self._res.launcher.ended()
+                time.sleep(0.005)
+        report = self._res.on_death(rank, 1.0)
+        self._dead = WorkerDied(report.rank, report.exitcode, report.output, during,
+                                report.reason)
+        self._shutdown(0)
+        return self._dead
+
+    def interrupted(self) -> None:
+        """Ctrl-C during a wait: stop the workers now, quietly."""
+        self._shutdown(0)
+
+    def _check_rank(self, rank: object, ref: Ref | None = None) -> int:
+        rank = checks.as_rank(rank, "a worker is named by an int rank")
+        if ref is not None:
+            if rank not in ref.workers:
+                raise ValueError(
+                    f"worker {rank} does not hold {ref!r}: pick one of {list(ref.workers)}"
+                )
+            return rank
+        if not -self.num_workers <= rank < self.num_workers:
+            raise ValueError(
+                f"worker index {rank} is out of range for a session of {self.num_workers} workers"
+            )
+        return rank % self.num_workers
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+class _Both:
+    """Two locks taken together, in order, as one context."""
+
+    def __init__(self, first: threading.RLock, second: threading.RLock) -> None:
+        self._first, self._second = first, second
+
+    def __enter__(self) -> None:
+        self._first.acquire()
+        self._second.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._second.release()
+        self._first.release()
+
+
+def _labelled(values: list[Any]) -> Iterable[tuple[Any, str]]:
+    if len(values) == 1:
+        yield values[0], "the value to put"
+    else:
+        for i, v in enumerate(values):
+            yield v, f"scatter value {i}"
+
+
+def _unpicklable(what: str, value: object, exc: BaseException) -> TypeError:
+    return TypeError(
+        f"{what} ({type(value).__qualname__}) cannot be pickled: {exc}. Pass a picklable "
+        "value, or build the object on the workers inside the function."
+    )
+
+
+def _fn_name(fn: object) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _worker_error(errors: dict[int, tuple[Any, ...]]) -> WorkerError:
+    ranks = sorted(errors)
+    first = ranks[0]
+    excs = {r: protocol.unpack_error(errors[r]) for r in ranks}
+    _, type_name, message, tb, where = errors[first]
+    text = f"worker {first} raised {type_name}: {message}"
+    if where:
+        text += f" (in {where})"
+    if len(ranks) > 1:
+        text += f"; workers {ranks[1:]} failed too (see .errors)"
+    text += f"\n\nRemote traceback (worker {first}):\n{tb.rstrip()}"
+    err = WorkerError(text, first, excs)
+    err.__cause__ = excs[first]
+    return err
+
+
+def _forked() -> None:
+    """In a forked child, the parent's sessions are closed to it (the workers, rings and
+    replies are the parent's): any use raises, naming the owner."""
+    for sess in list(_live):
+        sess._closed = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
+@atexit.register
+def _close_all() -> None:
+    for sess in list(_live):
+        try:
+            sess.close(timeout=1.0)
+        except Exception:
+            pass

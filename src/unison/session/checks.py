@@ -1,0 +1,127 @@
+"""Arguments checked before anything changes: a bad one raises ValueError or TypeError that
+says what to do, and no worker is started, nothing is sent, nothing is marked closed."""
+
+from __future__ import annotations
+
+import operator
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = ["as_rank", "check_env", "check_sizes", "cpu_plan", "plain_args", "shape",
+           "values_per_worker"]
+
+
+def check_sizes(num_workers: object, num_groups: object) -> None:
+    for name, v in (("num_workers", num_workers), ("num_groups", num_groups)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if v < 1:
+            raise ValueError(f"{name} must be at least 1, got {v}")
+    assert isinstance(num_workers, int) and isinstance(num_groups, int)
+    if num_workers % num_groups:
+        raise ValueError(
+            f"num_workers ({num_workers}) must be divisible by num_groups ({num_groups}), "
+            "so that every group has the same size"
+        )
+
+
+def as_rank(value: object, what: str) -> int:
+    """An int index (numpy integers too, as sequences take them); never a bool."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what}, not bool")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what}, not {type(value).__name__}") from None
+
+
+def _rank_key(key: object, n: int, what: str) -> int:
+    try:
+        rank = as_rank(key, f"{what} keys are int ranks")
+    except TypeError:
+        raise ValueError(f"{what} has key {key!r}, which is not a rank in 0..{n - 1}") from None
+    if not 0 <= rank < n:
+        raise ValueError(f"{what} has key {key!r}, which is not a rank in 0..{n - 1}")
+    return rank
+
+
+def check_env(n: int, env: Mapping[int, Mapping[str, str]] | None) -> dict[int, dict[str, str]]:
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping):
+        raise TypeError("env must map a rank to a dict of environment variables, e.g. {0: {...}}")
+    out = {}
+    for key, values in env.items():
+        rank = _rank_key(key, n, "env")
+        if not isinstance(values, Mapping):
+            raise TypeError(
+                f"env[{key!r}] must be a dict of environment variables, e.g. "
+                f"{{{key!r}: {{'NAME': 'value'}}}}, got {type(values).__name__}"
+            )
+        out[rank] = {str(k): str(v) for k, v in values.items()}
+    return out
+
+
+def cpu_plan(n: int, plan: bool | Mapping[int, Iterable[int]] | None) -> dict[int, list[int]]:
+    if plan is None or plan is False:
+        return {}
+    if not hasattr(os, "sched_getaffinity"):
+        raise ValueError("cpu_affinity needs os.sched_getaffinity, which this platform lacks")
+    usable = sorted(os.sched_getaffinity(0))
+    if plan is True:
+        return {r: [usable[r % len(usable)]] for r in range(n)}
+    if not isinstance(plan, Mapping):
+        raise TypeError("cpu_affinity must be True or map a rank to a list of CPU numbers")
+    out = {}
+    for key, cpus in plan.items():
+        rank = _rank_key(key, n, "cpu_affinity")
+        if isinstance(cpus, (str, bytes)) or not isinstance(cpus, Iterable):
+            raise TypeError(f"cpu_affinity[{key!r}] must be a list of CPU numbers, e.g. [0, 1]")
+        chosen = [as_rank(c, "a CPU is named by an int") for c in cpus]
+        missing = sorted(set(chosen) - set(usable))
+        if not chosen or missing:
+            raise ValueError(
+                f"cpu_affinity[{key!r}] = {chosen} names CPUs this process cannot use "
+                f"({missing or 'none given'}); the usable CPUs are {usable}"
+            )
+        out[rank] = chosen
+    return out
+
+
+_PLAIN = frozenset({int, float, bool, type(None), str, complex})
+
+
+def plain_args(args: tuple[Any, ...]) -> bool:
+    """Arguments that pickle small and alike everywhere (numbers, short strings)."""
+    if len(args) > 8:
+        return False
+    for a in args:  # noqa: SIM110 (a plain loop: the hot path)
+        if type(a) not in _PLAIN or (type(a) is str and len(a) > 256):
+            return False
+    return True
+
+
+def shape(value: object) -> tuple[int, ...]:
+    """An array shape: an int or a sequence of ints, none negative."""
+    dims = (value,) if not isinstance(value, (tuple, list)) else tuple(value)
+    out = tuple(as_rank(d, "an array's shape is made of ints") for d in dims)
+    if any(d < 0 for d in out):
+        raise ValueError(f"an array's shape cannot have negative sizes: {value!r}")
+    return out
+
+
+def values_per_worker(values: object, what: str) -> list[Any]:
+    """A sequence of values, one per worker: a dict (its keys) or a set (no order) would be
+    spread silently wrong, so they are refused."""
+    if isinstance(values, (Mapping, set, frozenset, str, bytes, bytearray)):
+        raise TypeError(
+            f"{what} needs a list (or tuple, or array) of values, one per worker in rank order; "
+            f"got {type(values).__name__}. To send the same value to every worker, use put()."
+        )
+    try:
+        return list(values)  # type: ignore[call-overload,no-any-return]
+    except TypeError:
+        raise TypeError(
+            f"{what} needs a list of values, one per worker, got {type(values).__name__}"
+        ) from None

@@ -1,0 +1,121 @@
+"""Everything a session holds outside Python, owned in one place: the channel, the collective
+segment and the launcher's workers. Made in order, released in reverse, on every path:
+
+    Resources(...)   channel -> collective segment     (a failure releases what was made)
+    start(specs)     launcher starts the workers; the channel learns which fds mean a death
+    on_death(rank)   peers in a collective give up; the dead worker is described, its tree killed
+    close(grace)     workers stopped (after grace); then ``before_release`` (read what they
+                     left); then channel and segment closed. Idempotent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any
+
+from unison import channel as channels
+from unison.collective import shm as collective_shm
+from unison.launch import DeathReport, Launcher
+from unison.spec import WorkerSpec
+
+__all__ = ["Resources", "sys_path"]
+
+
+class Resources:
+    """The OS resources of one session."""
+
+    def __init__(self, name: str, num_workers: int, num_groups: int, channel: str,
+                 collectives: str, launcher: Launcher) -> None:
+        self.launcher = launcher
+        self._lock = threading.Lock()
+        self._closed = False
+        self.coll_fd = -1
+        self.chan = channels.create(channel, num_workers, name)
+        try:
+            self.coll_spec: dict[str, Any] | None = None
+            if hasattr(os, "memfd_create"):  # else no collectives: they say so when called
+                self.coll_fd, _ = collective_shm.create(name, num_workers, num_groups)
+                self.coll_spec = {
+                    "fd": self.coll_fd, "backend": collectives,
+                    "torch_address": _free_address() if collectives == "torch" else None,
+                }
+        except BaseException:
+            self.chan.close()
+            raise
+
+    def specs(self, num_workers: int, num_groups: int,
+              cpus: Mapping[int, list[int]]) -> list[WorkerSpec]:
+        """What each worker needs to start."""
+        out = []
+        for rank in range(num_workers):
+            chan_spec, fds = self.chan.endpoint(rank)
+            if self.coll_fd >= 0:
+                fds = [*fds, self.coll_fd]
+            out.append(WorkerSpec(
+                rank=rank, world_size=num_workers, num_groups=num_groups, channel=chan_spec,
+                sys_path=sys_path(), cpus=cpus.get(rank), collective=self.coll_spec,
+                fds=tuple(fds),
+            ))
+        return out
+
+    def start(self, specs: list[WorkerSpec], env: Mapping[int, Mapping[str, str]]) -> None:
+        self.launcher.start(specs, env)
+        self.chan.started(self.launcher.watch_fds())
+
+    @property
+    def watched(self) -> bool:
+        """Whether a death wakes a waiting recv at once (else waits poll)."""
+        return bool(self.launcher.watch_fds())
+
+    def on_death(self, rank: int | None, grace: float = 1.0) -> DeathReport:
+        """A worker ended (``rank``, or whichever did): stop peers waiting in a collective for
+        it, and describe it."""
+        if rank is None:
+            rank = self.launcher.ended()
+        if rank is None:
+            rank = 0
+        if self.coll_fd >= 0:
+            collective_shm.abort(self.coll_fd, rank)
+        return self.launcher.death(rank, grace)
+
+    def close(self, grace: float, before_release: Callable[[], None] | None = None,
+              guard: AbstractContextManager[Any] | None = None) -> None:
+        """Stop the workers (waiting up to ``grace`` for them), then release everything.
+        ``before_release`` runs once the workers are gone and the channel is still open;
+        it and the channel's close run inside ``guard`` (the session's locks)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self.launcher.stop(grace)
+        finally:
+            with guard or contextlib.nullcontext():
+                try:
+                    if before_release is not None:
+                        before_release()
+                finally:
+                    self.chan.close()
+            if self.coll_fd >= 0:
+                os.close(self.coll_fd)
+                self.coll_fd = -1
+
+
+def sys_path() -> list[str]:
+    """The controller's import path, for the workers (so functions pickled by reference and
+    the classes of arguments import there too)."""
+    return [os.getcwd() if p == "" else p for p in sys.path]
+
+
+def _free_address() -> str:
+    """A loopback address with a free port, for torch.distributed's rendezvous."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"

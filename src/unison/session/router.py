@@ -1,0 +1,247 @@
+"""The reply router: which reply belongs to which request, and who reads the channel.
+
+    sender (holds the send lock)           router                          channel
+    expect(req, ranks) ----------------->  per-rank FIFO of requests
+    channel.send(...)  ------------------------------------------------->  workers
+    wait(req, deadline) --> leader?  yes:  recv() a batch, hand each reply <-- replies, in
+                                           to the head of its rank's FIFO     each worker's
+                                           (a request timed out earlier      request order
+                                           still takes its reply: errors in
+                                           it are salvaged), wake followers
+                                    no:    sleep on a condition until the leader
+                                           has filled this request, or the deadline
+
+A worker answers its requests in the order they were sent, so the head of a rank's FIFO is
+always the request a reply of that rank belongs to. Every wait is bounded: a wait slice
+never exceeds half a second, so a closed session, a death (the owner's check_alive) and the
+deadline are all noticed. A timeout abandons only the wait: the request stays in its FIFOs,
+and any error its replies bring is kept for the next sync.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from unison import protocol
+from unison.channel import Channel, Reply
+from unison.protocol import OK
+from unison.session.unreported import UnreportedErrors
+
+__all__ = ["Request", "Router", "RouterOwner"]
+
+SLICE = 0.5  # the longest single sleep of a wait, so close() and deadlines are noticed
+
+
+class Request:
+    """One request awaiting a reply from each of its ranks."""
+
+    __slots__ = ("abandoned", "ref_id", "remaining", "replies", "req_id", "salvaged")
+
+    def __init__(self, req_id: int, count: int, ref_id: int = 0) -> None:
+        self.req_id = req_id
+        self.ref_id = ref_id  # for GET: whose value (or error) the replies carry
+        self.remaining = count
+        self.replies: dict[int, bytes | Reply] = {}
+        self.abandoned = False  # its wait timed out: errors in late replies must be kept
+        self.salvaged: set[int] = set()
+
+
+class RouterOwner(Protocol):
+    """What the router needs from the session that owns it."""
+
+    def check_open(self) -> None:
+        """Raise SessionClosed if the session is closed."""
+
+    def died(self, during: str, rank: int | None) -> BaseException:
+        """A worker's stream ended: close the session; the error to raise."""
+
+    def check_alive(self, during: str) -> None:
+        """Raise (as died() does) if a worker has ended."""
+
+    def interrupted(self) -> None:
+        """Ctrl-C during a wait: stop the workers."""
+
+
+class Router:
+    """Matches replies to requests for one session, from any number of waiting threads."""
+
+    def __init__(self, num_workers: int, chan: Channel, errors: UnreportedErrors,
+                 owner: RouterOwner, watched: bool) -> None:
+        self._chan = chan
+        self._errors = errors
+        self._owner = owner
+        self._expect: list[collections.deque[Request]] = [
+            collections.deque() for _ in range(num_workers)
+        ]
+        self._recv_lock = threading.RLock()
+        self._state_lock = threading.Lock()
+        self._cv = threading.Condition(threading.Lock())
+        self._followers = 0
+        self._slice = SLICE if watched else 0.05  # no death fds to wake us: poll more often
+        self.closed = False  # set by the owner; checked at every slice
+
+    def set_watched(self, watched: bool) -> None:
+        """Whether a death wakes a waiting recv (then waits need not poll as often)."""
+        self._slice = SLICE if watched else 0.05
+
+    @property
+    def recv_lock(self) -> threading.RLock:
+        """Held by the reading thread; the owner takes it to close the channel safely."""
+        return self._recv_lock
+
+    def expect(self, req: Request, ranks: Sequence[int]) -> None:
+        """``req`` is about to be sent to ``ranks`` (caller holds the send lock)."""
+        for r in ranks:
+            self._expect[r].append(req)
+
+    def forget(self, req: Request, ranks: Sequence[int]) -> None:
+        """``req`` could not be sent after all."""
+        for r in ranks:
+            try:
+                self._expect[r].remove(req)
+            except ValueError:
+                pass
+
+    def wait(self, req: Request, deadline: float | None, during: str) -> None:
+        """Until every rank of ``req`` has replied; TimeoutError at ``deadline`` (the request
+        is then abandoned: its late replies' errors are kept for the next sync)."""
+        try:
+            while req.remaining:
+                if self._recv_lock.acquire(blocking=False):
+                    try:
+                        self._pump(req, deadline, during)
+                    finally:
+                        self._recv_lock.release()
+                        if self._followers:
+                            with self._cv:
+                                self._cv.notify_all()
+                else:
+                    self._follow(req, deadline)
+        except TimeoutError:
+            self._abandon(req)
+            raise
+        except KeyboardInterrupt:
+            self._owner.interrupted()
+            raise
+
+    def decode(self, req: Request, ranks: Sequence[int]) -> list[tuple[int, Any]]:
+        """Each rank's (status, payload) of a completed request, in ``ranks`` order."""
+        out = []
+        for r in ranks:
+            raw = req.replies[r]
+            if not raw:  # an ack: done, nothing to report
+                out.append((OK, ()))
+                continue
+            try:
+                got_id, status, payload = protocol.loads(raw)
+            except Exception as exc:
+                raise TypeError(
+                    f"the reply of worker {r} cannot be unpickled on the controller: {exc}. "
+                    "Make its type importable here, or return plain data."
+                ) from exc
+            if got_id != req.req_id:  # never hand a reply to the wrong call, even under -O
+                raise OutOfStep(
+                    f"worker {r} answered request {got_id} where {req.req_id} was expected: the "
+                    "replies are out of step, so the session was closed. Please report this."
+                )
+            out.append((status, payload))
+        return out
+
+    def drain(self) -> None:
+        """The workers are gone: read the replies they left, keeping the errors they carry
+        (for abandoned requests, such as the one SHUTDOWN makes)."""
+        try:
+            while any(self._expect):
+                batch = self._chan.recv(0.0)
+                if not batch:
+                    return
+                for rank, data in batch:
+                    if data is None or not self._expect[rank]:
+                        continue
+                    self._deliver(rank, data)
+        except (OSError, ValueError):
+            pass
+
+    # -- the leader reads, followers sleep ------------------------------------------------------
+
+    def _pump(self, req: Request, deadline: float | None, during: str) -> None:
+        """Read replies for everyone until ``req`` is complete; caller holds the recv lock."""
+        chan, owner, slice_ = self._chan, self._owner, self._slice
+        while req.remaining:
+            if self.closed:
+                owner.check_open()
+            timeout = slice_ if deadline is None else min(slice_, deadline - time.monotonic())
+            if timeout <= 0:
+                raise _timeout_error(req)
+            batch = chan.recv(timeout)
+            if not batch:
+                owner.check_alive(during)
+                continue
+            for rank, data in batch:
+                if data is None:
+                    raise owner.died(during, rank)
+                self._deliver(rank, data)
+            if self._followers:
+                with self._cv:
+                    self._cv.notify_all()
+
+    def _deliver(self, rank: int, data: bytes | Reply) -> None:
+        p = self._expect[rank].popleft()
+        p.replies[rank] = data
+        p.remaining -= 1
+        if p.abandoned:
+            self._salvage(p, rank)
+
+    def _follow(self, req: Request, deadline: float | None) -> None:
+        """Another thread reads the channel: sleep until it hands over our replies."""
+        with self._cv:
+            self._followers += 1
+            try:
+                if req.remaining:
+                    left = SLICE if deadline is None else deadline - time.monotonic()
+                    self._cv.wait(max(0.0, min(SLICE, left)))
+            finally:
+                self._followers -= 1
+        self._owner.check_open()
+        if req.remaining and deadline is not None and time.monotonic() >= deadline:
+            raise _timeout_error(req)
+
+    # -- abandoned requests keep their errors ----------------------------------------------------
+
+    def _abandon(self, req: Request) -> None:
+        with self._state_lock:
+            req.abandoned = True
+        for rank in list(req.replies):
+            self._salvage(req, rank)
+
+    def _salvage(self, req: Request, rank: int) -> None:
+        with self._state_lock:
+            if rank in req.salvaged:
+                return
+            req.salvaged.add(rank)
+        raw = req.replies[rank]
+        if not raw:
+            return
+        try:
+            _, status, payload = protocol.loads(raw)
+        except Exception:
+            return  # a value that cannot be unpickled here carries no error
+        if req.ref_id and status != OK:
+            self._errors.add(req.ref_id, rank, payload)
+        elif not req.ref_id:
+            self._errors.add_all(rank, payload)
+
+
+class OutOfStep(RuntimeError):
+    """A reply carried another request's id: the session must close."""
+
+
+def _timeout_error(req: Request) -> TimeoutError:
+    return TimeoutError(
+        f"{req.remaining} worker(s) had not answered by the deadline. The work goes on and "
+        "the Ref stays valid: wait again (get/gather/sync), or close the session."
+    )

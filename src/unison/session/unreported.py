@@ -1,0 +1,68 @@
+"""Errors the workers reported that nobody has fetched yet: kept until a get, gather or sync
+raises them, or until close() says them out loud. Each error is reported exactly once.
+
+    worker: failed call -> its register holds Failed, and it lists the error as unreported
+    GET of that Ref      -> the error comes back (and the worker strikes it)  -> raised there
+    SYNC                 -> the worker's list comes back, then it forgets it  -> add_all()
+    abandoned wait       -> the errors its late replies carry                 -> add()/add_all()
+    sync() raises the earliest call's error; close() warns about what is left.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+__all__ = ["UnreportedErrors"]
+
+Error = tuple[Any, ...]  # protocol.pack_error's (pickle, type name, message, traceback, where)
+
+
+class UnreportedErrors:
+    """ref id -> {rank: error}, safe to use from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._errors: dict[int, dict[int, Error]] = {}
+
+    def add(self, ref_id: int, rank: int, error: Error) -> None:
+        with self._lock:
+            self._errors.setdefault(ref_id, {})[rank] = error
+
+    def add_all(self, rank: int, errors: list[tuple[int, Error]]) -> None:
+        """A worker's list of unreported errors, as a SYNC (or SHUTDOWN) reply carries it."""
+        with self._lock:
+            for ref_id, error in errors:
+                self._errors.setdefault(ref_id, {})[rank] = error
+
+    def forget(self, ref_id: int) -> None:
+        """That call's error was just raised to the user."""
+        with self._lock:
+            self._errors.pop(ref_id, None)
+
+    def pop_earliest(self) -> dict[int, Error] | None:
+        """The errors of the earliest call that has any, by rank, or None."""
+        with self._lock:
+            if not self._errors:
+                return None
+            return self._errors.pop(min(self._errors))
+
+    def warn_all(self, session: str) -> None:
+        """Say every error left, as asyncio does for a task's exception nobody retrieved."""
+        with self._lock:
+            lost, self._errors = self._errors, {}
+        for ref_id in sorted(lost):
+            errors = lost[ref_id]
+            ranks = sorted(errors)
+            err = errors[ranks[0]]
+            where = f" of {err[4]}" if len(err) > 4 and err[4] else ""
+            try:
+                warnings.warn(
+                    f"call #{ref_id}{where} raised {err[1]}: {err[2]} on worker(s) {ranks}, and "
+                    f"nobody fetched that error before {session} closed: get/gather its Ref "
+                    "or call sess.sync() to see errors as they happen",
+                    RuntimeWarning, stacklevel=5,
+                )
+            except Exception:  # interpreter shutdown: nowhere left to say it
+                return

@@ -1,0 +1,275 @@
+"""The channel layer below the Session, in one process: both ends of a channel, the rings'
+arithmetic, the arena's blocks and the pacing of waits. No worker process is started, so
+these run in milliseconds and fail close to the cause.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import random
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from unison import pacing
+from unison.channel import Channel
+from unison.channel import shm as shm_channel
+from unison.channel.arena import MIN_BLOCK, Arena, ArenaReader, create_file
+from unison.channel.pipe import PipeChannel
+from unison.channel.ring import Ring
+from unison.channel.shm import ShmChannel, ShmWorkerChannel
+
+_NAME = f"unison-test-unit-{os.getpid()}"
+
+
+@pytest.fixture
+def shm_pair() -> Iterator[tuple[ShmChannel, list[ShmWorkerChannel]]]:
+    """A controller end and both workers' ends of a two-worker shm channel, all here."""
+    chan = ShmChannel(2, _NAME)
+    workers = [ShmWorkerChannel(chan.endpoint(r)[0]) for r in range(2)]
+    yield chan, workers
+    workers.clear()
+    chan.close()
+    gc.collect()
+
+
+def _payload(i: int, n: int) -> bytes:
+    return (i.to_bytes(4, "little") * (n // 4 + 1))[:n]
+
+
+# -- the ring's arithmetic ---------------------------------------------------------------------
+
+
+def test_a_ring_places_entries_so_that_none_straddles_its_end() -> None:
+    ring = Ring(64)
+    assert ring.offset(64 * 5 + 8) == 8
+    assert ring.skip(8, 56) == 0  # ends exactly at the ring's end
+    assert ring.skip(16, 56) == 48  # would cross it: skip to the next lap
+    assert ring.next_lap(64 * 5 + 8) == 64 * 6
+    assert ring.next_lap(64 * 6) == 64 * 7
+    assert ring.fits(100, 36) and not ring.fits(101, 36)
+    with pytest.raises(ValueError, match="power of two"):
+        Ring(48)
+
+
+# -- the shm channel's rings, both ends in this process ----------------------------------------
+
+
+def test_commands_straddling_the_ring_end_arrive_whole_lap_after_lap(
+    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]],
+) -> None:
+    chan, workers = shm_pair
+    rng = random.Random(8)
+    targets = [(0, 1), (1,), (0,), (0, 1)]  # each worker skips at most one entry in a row
+    sent = 0
+    for i in range(500):
+        n = rng.choice([1, 7, 8, 9, 4096, 100_000, 250_000, rng.randrange(1, 300_000)])
+        ranks = targets[i % len(targets)]
+        data = _payload(i, n)
+        chan.send(data, ranks)
+        sent += n
+        for r in ranks:
+            got = workers[r].recv()
+            assert got is not None
+            assert bytes(got[0]) == data and got[1] == []
+    assert sent > 10 * shm_channel.CMD_RING  # many laps, so many wraps
+
+
+def test_replies_straddling_the_ring_end_arrive_whole_and_in_order(
+    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]],
+) -> None:
+    chan, workers = shm_pair
+    rng = random.Random(9)
+    sent = 0
+    for i in range(600):
+        r = i % 2
+        if i % 5 == 0:
+            workers[r].ack()  # the inlined fast path of the same ring
+            expect = b""
+        else:
+            expect = _payload(i, rng.choice([1, 9, 70_000, 150_000, rng.randrange(1, 200_000)]))
+            workers[r].reply(expect)
+        sent += len(expect)
+        assert chan.recv(0.0) == [(r, expect)]
+    assert sent > 20 * shm_channel.REPLY_RING
+
+
+def test_a_send_on_a_full_ring_times_out_at_its_deadline_having_sent_nothing(
+    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]],
+) -> None:
+    chan, workers = shm_pair
+    sent: list[bytes] = []
+    for size in (100_000, 1000, 1):  # nobody reads: fill the ring to the last entry
+        while True:
+            data = _payload(len(sent), size)
+            start = time.monotonic()
+            try:
+                chan.send(data, (0, 1), deadline=start + 0.02)
+            except TimeoutError as exc:
+                assert "nothing of this message was sent" in str(exc)
+                assert 0.015 <= time.monotonic() - start < 1.0
+                break
+            sent.append(data)
+            assert len(sent) < 10_000, "the ring never filled up"
+    top = chan.arena._top
+    big = pickle.PickleBuffer(bytearray(1 << 17))  # would go through the arena
+    with pytest.raises(TimeoutError, match="nothing of this message was sent"):
+        chan.send(b"x", (0, 1), [big], deadline=time.monotonic() + 0.01)
+    assert chan.arena._top == top  # no buffer was placed either
+    for r in (0, 1):
+        for data in sent:
+            got = workers[r].recv()
+            assert got is not None and bytes(got[0]) == data
+    chan.send(b"next", (0, 1), deadline=time.monotonic() + 1.0)  # room again
+    for r in (0, 1):
+        got = workers[r].recv()
+        assert got is not None and bytes(got[0]) == b"next"  # the timed-out ones never came
+
+
+# -- watching for deaths -------------------------------------------------------------------------
+
+
+def _channel(kind: str) -> tuple[Channel, list[int]]:
+    """A one-worker channel of ``kind`` and fds to close afterwards: for the pipe, a copy of
+    the worker's reply end, so that the controller's recv sees no end of stream."""
+    if kind == "shm":
+        return ShmChannel(1, _NAME), []
+    chan = PipeChannel(1, _NAME)
+    return chan, [os.dup(chan.endpoint(0)[0]["reply"])]
+
+
+@pytest.mark.parametrize("kind", ["shm", "pipe"])
+def test_a_waiting_recv_returns_at_once_when_a_watched_fd_becomes_readable(kind: str) -> None:
+    chan, keep = _channel(kind)
+    r, w = os.pipe()  # stands in for a worker's pidfd
+    try:
+        chan.started([r])
+        timer = threading.Timer(0.1, os.write, (w, b"x"))
+        timer.start()
+        start = time.monotonic()
+        assert chan.recv(10.0) == []
+        assert time.monotonic() - start < 2.0
+        timer.join()
+        assert chan.recv(10.0, [r]) == []  # the deprecated second argument is still taken
+    finally:
+        chan.close()
+        for fd in (r, w, *keep):
+            os.close(fd)
+
+
+@pytest.mark.parametrize("kind", ["shm", "pipe"])
+def test_a_poll_does_not_look_at_the_watched_fds_so_it_drains_after_they_closed(
+    kind: str,
+) -> None:
+    chan, keep = _channel(kind)
+    r, w = os.pipe()
+    try:
+        chan.started([r])
+        os.close(r)
+        os.close(w)
+        assert chan.recv(0.0) == []
+    finally:
+        chan.close()
+        for fd in keep:
+            os.close(fd)
+
+
+def test_a_channels_abilities_are_attributes_of_the_interface() -> None:
+    assert Channel.arena is None
+    chan = ShmChannel(1, _NAME)
+    try:
+        assert isinstance(chan.arena, Arena)
+    finally:
+        chan.close()
+
+
+# -- the arena -----------------------------------------------------------------------------------
+
+
+def test_an_arena_block_is_reused_only_once_every_reader_is_done_with_it() -> None:
+    arena = Arena(_NAME, 2)
+    readers = [ArenaReader(arena.fd, r, 2) for r in range(2)]
+    try:
+        data = bytes(range(256)) * 400  # 100 KiB: one block of 128 KiB
+        first = arena.place([data], (0, 1))[0]
+        views = [reader.view(first) for reader in readers]
+        assert bytes(views[0]) == data and bytes(views[1]) == data
+        views[0][0] = 255  # commands are copy-on-write: the other reader does not see it
+        assert views[1][0] == 0
+        second = arena.place([data], (0, 1))[0]
+        assert second[0] != first[0]  # both readers still map the first block
+        del views[0]
+        gc.collect()
+        third = arena.place([data], (0, 1))[0]
+        assert third[0] not in (first[0], second[0])  # reader 1 still maps it
+        del views
+        gc.collect()
+        fourth = arena.place([data], (0, 1))[0]
+        assert fourth[0] == first[0]  # done everywhere: reused
+        sent_not_read = arena.place([b"y" * 10], (0,))[0]  # never viewed: never done
+        assert arena.place([b"z" * 10], (0,))[0][0] != sent_not_read[0]
+    finally:
+        readers.clear()
+        gc.collect()
+        arena.close()
+
+
+def test_a_full_arena_raises_memoryerror_and_recovers_once_a_block_is_done() -> None:
+    fd = create_file(_NAME, 1, size=2 * MIN_BLOCK)
+    arena = Arena(_NAME, 1, fd=fd)
+    reader = ArenaReader(fd, 0, 1)
+    try:
+        a = arena.place([b"a" * MIN_BLOCK], (0,))[0]
+        b = reader.view(arena.place([b"b" * MIN_BLOCK], (0,))[0])
+        with pytest.raises(MemoryError, match="shared memory is full"):
+            arena.place([b"c" * 10, b"d" * 10], (0,))
+        view = reader.view(a)  # done with a once this view is garbage
+        del view
+        gc.collect()
+        c = arena.place([b"c" * 10], (0,))[0]
+        assert c[0] == a[0]
+        assert bytes(b[:1]) == b"b"
+        del b
+    finally:
+        gc.collect()
+        arena.close()
+
+
+# -- pacing --------------------------------------------------------------------------------------
+
+
+def test_a_pacer_naps_double_up_to_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    naps: list[float] = []
+    monkeypatch.setattr(pacing.time, "sleep", naps.append)
+    pacer = pacing.Pacer(cap=160e-6)
+    for _ in range(6):
+        pacer.pause()
+    assert naps == pytest.approx([20e-6, 40e-6, 80e-6, 160e-6, 160e-6, 160e-6])
+
+
+def test_a_pacer_yields_within_its_spin_budget_and_never_sleeps_past_a_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    naps: list[float] = []
+    monkeypatch.setattr(pacing.time, "sleep", naps.append)
+    spinning = pacing.Pacer(spin=60.0)
+    for _ in range(3):
+        spinning.pause()
+    assert naps == []
+    pacing.Pacer().pause(deadline=time.monotonic() - 1.0)
+    pacing.Pacer(nap=1.0).pause(deadline=time.monotonic() + 0.01)
+    assert naps[0] == 0.0 and 0.0 < naps[1] <= 0.01
+
+
+def test_spin_stops_when_ready_or_when_its_budget_is_spent() -> None:
+    calls = iter(range(10))
+    assert pacing.spin(lambda: next(calls) == 3, 60.0)
+    assert next(calls) == 4  # checked after each yield, no more
+    start = time.perf_counter()
+    assert not pacing.spin(lambda: False, 0.005)
+    assert time.perf_counter() - start >= 0.005
+    assert not pacing.spin(lambda: True, 0.0)  # no budget: not even one look

@@ -1,0 +1,164 @@
+"""The Launcher seam, specified through LocalLauncher and the interface alone: real workers
+started from hand-made WorkerSpecs over a pipe channel, no Session in between (but the last
+test, which checks that a Session takes a Launcher instance)."""
+
+from __future__ import annotations
+
+import dataclasses
+import select
+import signal
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import psutil
+import pytest
+
+import unison
+from unison import channel as channels
+from unison.launch import DeathReport, Launcher, create
+from unison.launch.local import LocalLauncher
+from unison.spec import WorkerSpec
+
+RANK_VAR = "UNISON_TEST_LAUNCH_RANK"
+
+
+def _specs(chan: channels.Channel, n: int) -> list[WorkerSpec]:
+    specs = []
+    for rank in range(n):
+        chan_spec, fds = chan.endpoint(rank)
+        specs.append(WorkerSpec(rank=rank, world_size=n, num_groups=1, channel=chan_spec,
+                                sys_path=list(sys.path), fds=tuple(fds)))
+    return specs
+
+
+def _wait_ready(chan: channels.Channel, n: int, timeout: float = 60.0) -> None:
+    """Each worker's first reply is its hello: once all n came, every worker is up."""
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while len(seen) < n:
+        left = deadline - time.monotonic()
+        assert left > 0, f"only workers {sorted(seen)} started"
+        for rank, data in chan.recv(left):
+            assert data is not None, f"worker {rank} ended before saying hello"
+            seen.add(rank)
+
+
+def _keeper(rank: int) -> psutil.Process:
+    """The process the launcher started for ``rank`` (found by the env it was given)."""
+    for child in psutil.Process().children():
+        try:
+            if child.environ().get(RANK_VAR) == str(rank):
+                return child
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    raise AssertionError(f"no process of worker {rank} found")
+
+
+def _wait_ended(launcher: Launcher, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while (rank := launcher.ended()) is None:
+        assert time.monotonic() < deadline, "no worker was seen to end"
+        time.sleep(0.01)
+    return rank
+
+
+@pytest.fixture
+def launched() -> Iterator[tuple[Launcher, channels.Channel]]:
+    """Two workers started by a LocalLauncher, up and waiting for commands."""
+    chan = channels.create("pipe", 2, "unison-test-launch")
+    launcher = create("local")
+    try:
+        launcher.start(_specs(chan, 2), {r: {RANK_VAR: str(r)} for r in range(2)})
+        chan.started(launcher.watch_fds())
+        _wait_ready(chan, 2)
+        yield launcher, chan
+    finally:
+        launcher.stop(0.5)
+        chan.close()
+
+
+def test_create_takes_a_name_or_an_instance() -> None:
+    made = create("local")
+    assert isinstance(made, LocalLauncher) and isinstance(made, Launcher)
+    assert create("local") is not made  # a name makes a new launcher each time
+    assert create(made) is made  # an instance is used as it is
+    with pytest.raises(ValueError, match="'local'"):
+        create("no-such-launcher")
+    with pytest.raises(TypeError, match="Launcher"):
+        create(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        Launcher()  # type: ignore[abstract]
+
+
+def test_started_workers_run_until_stopped(
+        launched: tuple[Launcher, channels.Channel]) -> None:
+    launcher, _ = launched
+    assert launcher.ended() is None
+    if sys.platform == "linux":
+        assert len(launcher.watch_fds()) == 2  # one pidfd per worker
+    ready, _, _ = select.select(launcher.watch_fds(), [], [], 0)
+    assert ready == []  # nobody has ended
+    launcher.stop(0.5)
+    launcher.stop(0.5)  # idempotent
+    assert launcher.watch_fds() == []  # released with the workers
+
+
+def test_a_killed_worker_is_seen_and_described(
+        launched: tuple[Launcher, channels.Channel]) -> None:
+    launcher, _ = launched
+    watch = launcher.watch_fds()
+    _keeper(1).send_signal(signal.SIGKILL)
+    if watch:
+        ready, _, _ = select.select(watch, [], [], 10.0)
+        assert len(ready) == 1  # the dead worker's pidfd, and only it
+    assert _wait_ended(launcher) == 1
+    report = launcher.death(1, grace=5.0)
+    assert report == DeathReport(rank=1, exitcode=-9, output=report.output, reason="")
+    assert isinstance(report.output, str)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.rank = 0  # type: ignore[misc]
+
+
+def test_death_kills_a_worker_that_still_runs(
+        launched: tuple[Launcher, channels.Channel]) -> None:
+    launcher, _ = launched
+    report = launcher.death(0, grace=0.05)
+    assert report.rank == 0
+    assert report.exitcode in (None, -9)  # killed just now: maybe not reaped yet
+    assert "still ran, so unison killed it" in report.reason
+    assert _wait_ended(launcher) == 0
+
+
+def test_a_failed_start_stops_what_it_started() -> None:
+    chan = channels.create("pipe", 2, "unison-test-launch")
+    launcher = create("local")
+    try:
+        specs = _specs(chan, 2)
+        broken = dataclasses.replace(specs[1], fds=(*specs[1].fds, 999_999))  # no such fd
+        with pytest.raises((OSError, ValueError)):
+            launcher.start([specs[0], broken], {})
+        assert launcher.watch_fds() == []
+        launcher.stop(0)  # still fine after a failed start
+    finally:
+        chan.close()
+    # the conftest's leak check asserts that worker 0 was not left running
+
+
+class _CountingLauncher(LocalLauncher):
+    """A LocalLauncher that counts its starts: proof that the session used this one."""
+
+    starts = 0
+
+    def start(self, specs: Sequence[WorkerSpec],
+              env: Mapping[int, Mapping[str, str]] | None = None) -> None:
+        _CountingLauncher.starts += 1
+        super().start(specs, env)
+
+
+def test_a_session_takes_a_launcher_instance() -> None:
+    launcher: Any = _CountingLauncher()  # Any: until Session's signature takes a Launcher
+    with unison.Session(2, launcher=launcher) as sess:
+        assert sess.run(unison.rank) == [0, 1]
+    assert _CountingLauncher.starts == 1

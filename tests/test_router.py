@@ -1,0 +1,238 @@
+"""The reply router, below the Session: replies matched to requests, leader and followers,
+timeouts, abandoned requests that keep their errors, deaths. In-process, against an
+in-memory channel: no worker processes, so each case runs in milliseconds."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+
+from unison import protocol
+from unison.protocol import ERR, OK
+from unison.session.router import OutOfStep, Request, Router
+from unison.session.unreported import UnreportedErrors
+
+
+class MemoryChannel:
+    """Replies put by the test, read by the router: (rank, bytes or None for a dead stream)."""
+
+    def __init__(self) -> None:
+        self._q: queue.Queue[tuple[int, bytes | None]] = queue.Queue()
+        self.reads = 0
+
+    def reply(self, rank: int, req_id: int, status: int = OK, payload: object = None) -> None:
+        self._q.put((rank, protocol.dumps((req_id, status, payload))))
+
+    def ack(self, rank: int) -> None:
+        self._q.put((rank, b""))
+
+    def end(self, rank: int) -> None:
+        self._q.put((rank, None))
+
+    def recv(self, timeout: float | None) -> list[tuple[int, bytes | None]]:
+        self.reads += 1
+        try:
+            first = self._q.get(timeout=timeout) if timeout else self._q.get_nowait()
+        except queue.Empty:
+            return []
+        out = [first]
+        while True:
+            try:
+                out.append(self._q.get_nowait())
+            except queue.Empty:
+                return out
+
+
+class Owner:
+    def __init__(self) -> None:
+        self.alive_checks = 0
+        self.deaths: list[tuple[str, int | None]] = []
+        self.closed = False
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("closed")
+
+    def died(self, during: str, rank: int | None) -> BaseException:
+        self.deaths.append((during, rank))
+        return ConnectionError(f"worker {rank} died while {during}")
+
+    def check_alive(self, during: str) -> None:
+        self.alive_checks += 1
+
+    def interrupted(self) -> None:
+        pass
+
+
+def make(n: int = 2) -> tuple[Router, MemoryChannel, UnreportedErrors, Owner]:
+    chan, errors, owner = MemoryChannel(), UnreportedErrors(), Owner()
+    return Router(n, chan, errors, owner, watched=True), chan, errors, owner  # type: ignore[arg-type]
+
+
+def error(message: str) -> tuple[object, ...]:
+    return protocol.pack_error(ValueError(message), "f")
+
+
+def test_replies_go_to_requests_in_each_workers_order():
+    router, chan, _, _ = make(2)
+    first, second = Request(1, 2, ref_id=10), Request(2, 2, ref_id=11)
+    router.expect(first, (0, 1))
+    router.expect(second, (0, 1))
+    chan.reply(0, 1, OK, "a0")
+    chan.reply(1, 1, OK, "a1")
+    chan.reply(0, 2, OK, "b0")
+    chan.reply(1, 2, OK, "b1")
+    router.wait(second, None, "testing")  # the leader completes both on the way
+    assert first.remaining == 0
+    assert router.decode(first, (0, 1)) == [(OK, "a0"), (OK, "a1")]
+    assert router.decode(second, (0, 1)) == [(OK, "b0"), (OK, "b1")]
+
+
+def test_an_ack_decodes_as_ok_with_nothing():
+    router, chan, _, _ = make(1)
+    req = Request(3, 1)
+    router.expect(req, (0,))
+    chan.ack(0)
+    router.wait(req, None, "testing")
+    assert router.decode(req, (0,)) == [(OK, ())]
+
+
+def test_a_follower_is_handed_its_reply_by_the_leader():
+    router, chan, _, _ = make(2)
+    mine, theirs = Request(1, 1), Request(2, 1)
+    router.expect(mine, (0,))
+    router.expect(theirs, (1,))
+    done = threading.Event()
+
+    def follower():
+        router.wait(theirs, time.monotonic() + 10, "following")
+        done.set()
+
+    leader_holds = threading.Event()
+    router.recv_lock.acquire()  # make this thread the reader while the follower starts
+    t = threading.Thread(target=follower)
+    t.start()
+    time.sleep(0.05)
+    router.recv_lock.release()
+    leader_holds.set()
+    chan.reply(1, 2, OK, "theirs")
+    chan.reply(0, 1, OK, "mine")
+    router.wait(mine, time.monotonic() + 10, "leading")
+    t.join(10)
+    assert done.is_set()
+    assert router.decode(theirs, (1,)) == [(OK, "theirs")]
+
+
+def test_a_timeout_abandons_the_request_and_a_late_error_is_kept():
+    router, chan, errors, _ = make(1)
+    req = Request(5, 1, ref_id=42)
+    router.expect(req, (0,))
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="had not answered"):
+        router.wait(req, time.monotonic() + 0.1, "waiting")
+    assert time.monotonic() - start < 1.0
+    assert req.abandoned
+    later = Request(6, 1)
+    router.expect(later, (0,))
+    chan.reply(0, 5, ERR, error("late failure"))  # the abandoned GET's reply comes first
+    chan.ack(0)
+    router.wait(later, None, "testing")
+    kept = errors.pop_earliest()
+    assert kept is not None and kept[0][2] == "late failure"
+
+
+def test_a_late_value_of_an_abandoned_request_is_not_an_error():
+    router, chan, errors, _ = make(1)
+    req = Request(5, 1, ref_id=42)
+    router.expect(req, (0,))
+    with pytest.raises(TimeoutError):
+        router.wait(req, time.monotonic() + 0.05, "waiting")
+    later = Request(6, 1)
+    router.expect(later, (0,))
+    chan.reply(0, 5, OK, "fine")
+    chan.ack(0)
+    router.wait(later, None, "testing")
+    assert errors.pop_earliest() is None
+
+
+def test_an_abandoned_sync_keeps_every_error_it_carries():
+    router, chan, errors, _ = make(1)
+    req = Request(7, 1)  # SYNC: ref_id 0, the payload lists (ref_id, error)
+    router.expect(req, (0,))
+    with pytest.raises(TimeoutError):
+        router.wait(req, time.monotonic() + 0.05, "syncing")
+    chan.reply(0, 7, OK, [(3, error("three")), (4, error("four"))])
+    router.drain()
+    assert errors.pop_earliest()[0][2] == "three"
+    assert errors.pop_earliest()[0][2] == "four"
+
+
+def test_an_ended_stream_is_a_death():
+    router, chan, _, owner = make(2)
+    req = Request(1, 2)
+    router.expect(req, (0, 1))
+    chan.end(1)
+    with pytest.raises(ConnectionError, match="worker 1 died while fetching"):
+        router.wait(req, None, "fetching")
+    assert owner.deaths == [("fetching", 1)]
+
+
+def test_an_idle_wait_checks_that_the_workers_live():
+    router, _, _, owner = make(1)
+    router.set_watched(False)  # no death fds: poll often
+    req = Request(1, 1)
+    router.expect(req, (0,))
+    with pytest.raises(TimeoutError):
+        router.wait(req, time.monotonic() + 0.3, "waiting")
+    assert owner.alive_checks >= 2
+
+
+def test_a_reply_for_another_request_is_never_taken():
+    router, chan, _, _ = make(1)
+    req = Request(9, 1)
+    router.expect(req, (0,))
+    chan.reply(0, 8, OK, "not yours")
+    router.wait(req, None, "testing")
+    with pytest.raises(OutOfStep, match="out of step"):
+        router.decode(req, (0,))
+
+
+def test_a_request_that_could_not_be_sent_is_forgotten():
+    router, chan, _, _ = make(2)
+    lost, kept = Request(1, 2), Request(2, 2)
+    router.expect(lost, (0, 1))
+    router.forget(lost, (0, 1))
+    router.expect(kept, (0, 1))
+    chan.reply(0, 2, OK, 0)
+    chan.reply(1, 2, OK, 1)
+    router.wait(kept, None, "testing")
+    assert router.decode(kept, (0, 1)) == [(OK, 0), (OK, 1)]
+
+
+def test_a_closed_owner_ends_the_wait():
+    router, _, _, owner = make(1)
+    req = Request(1, 1)
+    router.expect(req, (0,))
+    owner.closed = True
+    router.closed = True
+    with pytest.raises(RuntimeError, match="closed"):
+        router.wait(req, None, "waiting")
+
+
+def test_the_unreported_store_reports_each_error_once_earliest_first():
+    errors = UnreportedErrors()
+    errors.add(7, 1, error("seven on 1"))
+    errors.add_all(0, [(3, error("three on 0")), (7, error("seven on 0"))])
+    errors.forget(99)
+    first = errors.pop_earliest()
+    assert sorted(first) == [0] and first[0][2] == "three on 0"
+    second = errors.pop_earliest()
+    assert sorted(second) == [0, 1]
+    assert errors.pop_earliest() is None
+    errors.add(8, 0, error("lost"))
+    with pytest.warns(RuntimeWarning, match=r"call #8 of f raised ValueError: lost"):
+        errors.warn_all("a session")
+    assert errors.pop_earliest() is None
