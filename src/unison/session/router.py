@@ -181,10 +181,15 @@ class Router:
             if not batch:
                 owner.check_alive(during)
                 continue
-            for rank, data in batch:
+            expect = self._expect
+            for rank, data in batch:  # _deliver, inlined: this is the hot path
                 if data is None:
                     raise owner.died(during, rank)
-                self._deliver(rank, data)
+                p = expect[rank].popleft()
+                p.replies[rank] = data
+                p.remaining -= 1
+                if p.abandoned:
+                    self._salvage(p, rank)
             if self._followers:
                 with self._cv:
                     self._cv.notify_all()
