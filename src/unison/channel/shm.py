@@ -54,6 +54,8 @@ from unison.channel.arena import Arena, ArenaReader, create_file
 from unison.channel.ring import Ring
 from unison.pacing import Pacer, spin
 
+_clock, _yield = time.perf_counter, os.sched_yield
+
 MAX_WORKERS = 64
 CMD_RING = 1 << 21
 REPLY_RING = 1 << 20
@@ -418,8 +420,11 @@ class ShmWorkerChannel(WorkerChannel):
 
     def _wait(self, pos: int) -> None:
         q = self._q
-        if spin(lambda: q[0] != pos, SPIN):
-            return
+        end = _clock() + SPIN  # pacing.spin, inlined: the worker's hot path
+        while _clock() < end:
+            _yield()
+            if q[0] != pos:
+                return
         q[self._sleep_idx] = 1
         _fence()
         try:
@@ -467,12 +472,12 @@ class ShmWorkerChannel(WorkerChannel):
         size = _align8(8 + n)
         pos = self._rpos
         off = pos & _REPLY_MASK
-        wrap = _REPLY.skip(pos, size)
-        pacer: Pacer | None = None
-        while not _REPLY.fits(pos + wrap + size, q[self._rr_idx]):
-            self._wake_controller()
-            pacer = pacer or Pacer()
-            pacer.pause()  # the controller drains replies whenever it waits
+        wrap = REPLY_RING - off if off + size > REPLY_RING else 0  # Ring.skip, inlined
+        if pos + wrap + size - q[self._rr_idx] > REPLY_RING:  # not Ring.fits: wait for room
+            pacer = Pacer()
+            while not _REPLY.fits(pos + wrap + size, q[self._rr_idx]):
+                self._wake_controller()
+                pacer.pause()  # the controller drains replies whenever it waits
         if wrap:
             q[(self._rbase + off) // 8] = _WRAP
             pos += wrap
