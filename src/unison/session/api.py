@@ -170,10 +170,10 @@ class Session(View):
         self._send_lock = threading.RLock()
         self._state_lock = threading.Lock()
         self._res = Resources(self.name, num_workers, num_groups, channel, collectives,
-                              the_launcher)
-        self._chan = self._res.chan
-        self._router = Router(num_workers, self._chan, self._errors, self, watched=False)
+                              the_launcher)  # on failure, it releases what it made
         try:
+            self._chan = self._res.chan
+            self._router = Router(num_workers, self._chan, self._errors, self, watched=False)
             ready = Request(protocol.READY_REQ, num_workers)
             self._router.expect(ready, self.workers)
             self._closed = False
@@ -299,8 +299,11 @@ class Session(View):
         if os.getpid() != self._owner:
             return  # a forked child's copy: the workers belong to the parent, leave them be
         res = getattr(self, "_res", None)
-        if res is None or router is None:
+        if res is None:
             return  # the resources' own creation failed, and released what it made
+        if router is None:  # failed right after: nothing was started, release the rest
+            res.close(0.0)
+            return
         deadline = time.monotonic() + grace
         goodbye = None
         # a thread blocked sending (to busy workers) holds the send lock: don't wait past grace
