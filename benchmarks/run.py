@@ -1,9 +1,11 @@
 """Run the unison benchmark: ``python benchmarks/run.py --help`` lists the flags.
 
 unison against the usual ways to drive N local worker processes (one Pipe per worker,
-multiprocessing queues, a Manager mailbox; Ray and mpi4py where installed), every workload
-side by side in one run. The harness lives in ``benchmarks/harness/`` (what each workload
-measures: ``harness/measure.py``); the allreduce comparison in ``benchmarks/collectives.py``.
+multiprocessing queues, a Manager mailbox; Ray and mpi4py where installed) and against
+``floor``, the smallest pure-Python shared-memory ring doing the same round trip (the floor
+unison is read against, "unison / floor"), every workload side by side in one run. The
+harness lives in ``benchmarks/harness/`` (what each workload measures: ``harness/measure.py``);
+the allreduce comparison in ``benchmarks/collectives.py``.
 
 This file is also the user's script of the ``dispatch_script_fn`` workload: ``script_fn``
 below is a function of ``__main__``, which unison sends by value, as it would any function

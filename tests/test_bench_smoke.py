@@ -5,29 +5,42 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from harness.measure import percentile  # noqa: E402
-from harness.report import END_MARK, START_MARK, update_section  # noqa: E402
+from harness.measure import Cell, percentile  # noqa: E402
+from harness.report import (  # noqa: E402
+    END_MARK,
+    START_MARK,
+    render_floor_ratios,
+    update_section,
+)
+from support import wait_gone  # noqa: E402
 from unison.cli import bench_script  # noqa: E402
 
-SYSTEMS = ("unison", "pipe")
+SYSTEMS = ("unison", "pipe", "floor")
 METRICS = {
     "dispatch": "us", "dispatch_script_fn": "us", "gather_small": "us",
-    "fetch": "GB/s", "fetch_time": "ms", "fetch_memory": "x",
+    "fetch": "GB/s", "fetch_time": "ms", "fetch_memory": "x", "dispatch_hogs": "us",
 }
+BULK = ("fetch", "fetch_time", "fetch_memory")
+"""Metrics the floor system does not offer."""
 
 
 def test_quick_run_produces_numbers(tmp_path: Path) -> None:
     out_json, out_md = tmp_path / "bench.json", tmp_path / "benchmarks.md"
     cmd = [
         sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--workers", "1,2",
-        "--only", "dispatch,dispatch_script_fn,gather_small,fetch", "--fetch-mib", "1",
+        "--only", "dispatch,dispatch_script_fn,gather_small,fetch,dispatch_hogs",
+        "--fetch-mib", "1",
         "--systems", ",".join(SYSTEMS), "--json", str(out_json), "--out", str(out_md),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, cwd=tmp_path)
@@ -35,7 +48,8 @@ def test_quick_run_produces_numbers(tmp_path: Path) -> None:
 
     data = json.loads(out_json.read_text())
     cells = {(c["system"], c["metric"], c["n"]): c for c in data["results"]}
-    assert set(cells) == {(s, m, n) for s in SYSTEMS for m in METRICS for n in (1, 2)}
+    assert set(cells) == {(s, m, n) for s in SYSTEMS for m in METRICS for n in (1, 2)
+                          if not (s == "floor" and m in BULK)}
     for key, cell in cells.items():
         assert cell["error"] is None, key
         assert cell["unit"] == METRICS[key[1]], key
@@ -53,6 +67,57 @@ def test_quick_run_produces_numbers(tmp_path: Path) -> None:
     assert "Speed-up over the pipe baseline" in text
     assert "dispatch_script_fn / dispatch" in text
     assert "| dispatch_script_fn (µs, median / p99) | 1 |" in proc.stdout
+    assert "| dispatch with 2 CPU hogs (µs, median / p99) | 2 |" in text
+    assert "unison / floor" in text and "| N | dispatch: unison | gather_small: unison |" in text
+    assert "dispatch_hogs: unison" in text  # read against the pipe too
+    # (the hogs carry this run's marker: the leak check fails the test should one outlive it)
+
+
+FLOOR_SCRIPT = """
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from harness.systems.floor import FloorSystem
+if __name__ == "__main__":
+    system = FloorSystem()
+    system.start(2)
+    system.dispatch()
+    pids = system.worker_pids()
+    assert system.gather_small() == pids
+    for _ in range(200):  # enough rounds for waits to take both the spin and sleep paths
+        system.dispatch()
+    if sys.argv[2] == "close":
+        system.close()
+    else:
+        time.sleep(0.3)  # the workers are asleep on their eventfd by now
+    print(*pids, flush=True)
+    if sys.argv[2] == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("end", ["close", "die"])
+def test_floor_round_trips_and_leaves_nothing(tmp_path: Path, end: str) -> None:
+    """The floor's workers answer, and leave when closed or when the controller dies (in a
+    script: multiprocessing's resource tracker would outlive a test run in this process)."""
+    (tmp_path / "ctl.py").write_text(FLOOR_SCRIPT)
+    proc = subprocess.run([sys.executable, str(tmp_path / "ctl.py"), str(ROOT / "benchmarks"),
+                           end], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == (0 if end == "close" else -signal.SIGKILL), proc.stderr
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2
+    left = wait_gone(pids, 3.0)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
+    assert not [e for e in os.listdir("/dev/shm") if "floor" in e]
+
+
+def test_floor_ratio_table() -> None:
+    cells = [Cell(s, m, n, "us", value=v) for s, v in (("unison", 13.0), ("floor", 10.0))
+             for m in ("dispatch", "gather_small") for n in (1, 2)]
+    table = render_floor_ratios(cells, ["unison", "floor"], [1, 2])
+    assert table.splitlines()[0] == "| N | dispatch: unison | gather_small: unison |"
+    assert table.splitlines()[-1] == "| 2 | 1.30x | 1.30x |"
 
 
 def test_update_section_keeps_the_rest(tmp_path: Path) -> None:

@@ -120,6 +120,7 @@ def main(argv: Sequence[str] | None = None, script: ScriptCall | None = None) ->
     date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     print(report.render_table(cells, systems, workers))
     for title, table in (
+        (report.FLOOR_RATIO_TITLE, report.render_floor_ratios(cells, systems, workers)),
         (report.PIPE_RATIO_TITLE, report.render_ratios(cells, systems, workers)),
         (report.SCRIPT_RATIO_TITLE, report.render_script_ratios(cells, systems, workers)),
         ("", collective_table),

@@ -29,7 +29,14 @@ number of workers N.
                   after 1 s of rest (all its threads, from /proc/PID/task/*/schedstat in ns;
                   psutil's cpu_times, in 10 ms ticks, where /proc lacks it); in % of one
                   core, the mean over the workers (the JSON also has the busiest worker).
+    dispatch_hogs the dispatch workload on a busy machine: HOGS CPU-bound processes (each
+                  ``while True: pass``) run beside the benchmark, started before the warm-up
+                  and killed after the timed loop, always (issue 9: unison must never be
+                  slower than the Pipe there). Median and p99, in µs.
     allreduce     between the workers, timed inside them: benchmarks/collectives.py.
+
+A system measures only the workloads it offers (``System.workloads``): the ``floor`` system
+carries small commands only, so put and fetch are "-" for it.
 
 How it times: ``time.perf_counter_ns`` around each round, after warm-up rounds, with the
 garbage collector paused during the timed loop. A loop runs at least ``min`` and at most
@@ -49,20 +56,22 @@ import importlib
 import math
 import os
 import statistics
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.systems import System, make_system
+from harness.systems import System, make_system, supports
 from harness.tasks import check_block
 
 __all__ = ["FULL", "QUICK", "WORKLOADS", "Cell", "Loop", "Plan", "ScriptCall", "percentile",
            "run_benchmark"]
 
 WORKLOADS = ("dispatch", "dispatch_script_fn", "gather_small", "put", "fetch", "start", "idle",
-             "allreduce")
+             "dispatch_hogs", "allreduce")
 """What ``--only`` chooses from."""
 
 PUT_SIZES = {"put_1MiB": 1 << 20, "put_64MiB": 64 << 20}
@@ -75,6 +84,7 @@ METRICS_OF = {
     "fetch": ("fetch", "fetch_time", "fetch_memory"),
     "start": ("start", "close"),
     "idle": ("idle",),
+    "dispatch_hogs": ("dispatch_hogs",),
 }
 """The metrics (rows of the table) each per-system workload produces."""
 
@@ -268,6 +278,36 @@ def measure_idle(system: System, plan: Plan) -> Cell:
     return cell
 
 
+HOGS = 2
+"""CPU-bound processes running beside the ``dispatch_hogs`` workload."""
+
+_HOG = ("import ctypes, os, signal, sys\n"
+        "try:\n"
+        "    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG: die with us\n"
+        "except (OSError, AttributeError):\n"
+        "    pass\n"
+        "if os.getppid() != int(sys.argv[1]):\n"
+        "    sys.exit()\n"
+        "while True: pass\n")
+"""A hog: ``while True: pass``, which also dies with the benchmark should that be killed."""
+
+
+def with_hogs(op: Callable[[], list[int]], count: int = HOGS) -> list[int]:
+    """``op()`` with ``count`` CPU-bound processes running; they are killed after it, always."""
+    hogs: list[subprocess.Popen[bytes]] = []
+    try:
+        for _ in range(count):
+            hogs.append(subprocess.Popen([sys.executable, "-c", _HOG, str(os.getpid())],
+                                         stdin=subprocess.DEVNULL))
+        time.sleep(0.1)  # let them start and reach their loop
+        return op()
+    finally:
+        for hog in hogs:
+            hog.kill()
+        for hog in hogs:
+            hog.wait()
+
+
 def _status_bytes(field_name: str) -> int:
     """A ``kB`` field of /proc/self/status (VmRSS, VmHWM), in bytes."""
     with open("/proc/self/status") as f:
@@ -338,6 +378,9 @@ def bench_system(
     cells: list[Cell], script: ScriptCall | None = None, fetch_bytes: int = 64 << 20,
 ) -> None:
     """Measure one system at one N, appending a Cell per metric to ``cells`` as it goes."""
+    workloads = [w for w in workloads if supports(name, w)]
+    if not workloads:
+        return
     clock = time.perf_counter_ns
     starts: list[int] = []
     closes: list[int] = []
@@ -394,6 +437,9 @@ def bench_system(
                 add(cell)
         if "idle" in workloads:
             add(measure_idle(system, plan))
+        if "dispatch_hogs" in workloads:
+            add(latency_cell(name, "dispatch_hogs", n,
+                             with_hogs(lambda: time_loop(system.dispatch, plan.latency))))
 
     session(workloads_on)
     if "start" in workloads:
@@ -419,7 +465,6 @@ def run_benchmark(
         import numpy as np
 
         arrays = {m: np.ones(size // 4, dtype=np.float32) for m, size in PUT_SIZES.items()}
-    metrics = [m for w in workloads if w in METRICS_OF for m in METRICS_OF[w]]
     cells: list[Cell] = []
     for n in workers:
         for name in systems:
@@ -430,7 +475,9 @@ def run_benchmark(
                 done = {c.metric for c in cells if c.system == name and c.n == n}
                 msg = f"{type(exc).__name__}: {exc}"
                 log(f"[bench] {name} N={n} failed: {msg}\n{traceback.format_exc()}")
-                cells.extend(Cell(name, m, n, "", error=msg) for m in metrics if m not in done)
+                cells.extend(Cell(name, m, n, "", error=msg) for w in workloads
+                             if w in METRICS_OF and supports(name, w)
+                             for m in METRICS_OF[w] if m not in done)
             log(f"[bench] {name:<12} N={n}  {time.perf_counter() - t0:5.1f} s  "
                 + _summary(cells, name, n))
     return cells

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness.measure import Cell
+from harness.measure import HOGS, Cell
 from harness.systems import describe
 
 START_MARK = "<!-- bench:start -->"
@@ -32,12 +32,19 @@ ROWS: dict[str, tuple[str, str]] = {
     "start": ("start", "ms"),
     "close": ("close", "ms"),
     "idle": ("idle", "% of a core per worker"),
+    "dispatch_hogs": (f"dispatch with {HOGS} CPU hogs", "µs, median / p99"),
 }
 """Every row of the table, in order: metric -> (label, unit)."""
 
 LATENCY = ("dispatch", "dispatch_script_fn", "gather_small")
+PIPE_RATIO_METRICS = (*LATENCY, "dispatch_hogs")
+"""The rows read against the pipe baseline (issue 9: never slower, CPU hogs or not)."""
 SCRIPT_TARGET = 1.3
 """Issue 7: a script's function with two arguments within 1.3x of a module function."""
+FLOOR = "floor"
+FLOOR_METRICS = ("dispatch", "gather_small")
+FLOOR_TARGET = 1.3
+"""Issue 9: unison's dispatch and gather_small at most 1.3x the floor system's, same run."""
 
 
 def _num(x: float | None) -> str:
@@ -107,7 +114,7 @@ def ratios(cells: Sequence[Cell], systems: Sequence[str], workers: Sequence[int]
     at = _index(cells)
     out = {}
     for s in (s for s in systems if s.startswith("unison")):
-        for metric in LATENCY:
+        for metric in PIPE_RATIO_METRICS:
             for n in workers:
                 r = _ratio(at, ("pipe", metric, n), (s, metric, n))
                 if r is not None:
@@ -118,7 +125,35 @@ def ratios(cells: Sequence[Cell], systems: Sequence[str], workers: Sequence[int]
 def render_ratios(cells: Sequence[Cell], systems: Sequence[str], workers: Sequence[int]) -> str:
     """Markdown: how many times faster than the pipe baseline each unison system is."""
     r = ratios(cells, systems, workers)
-    cols = sorted({(s, m) for s, m, _ in r}, key=lambda k: (LATENCY.index(k[1]), k[0]))
+    cols = sorted({(s, m) for s, m, _ in r},
+                  key=lambda k: (PIPE_RATIO_METRICS.index(k[1]), k[0]))
+    return _ratio_table(r, cols, workers)
+
+
+def floor_ratios(cells: Sequence[Cell], systems: Sequence[str], workers: Sequence[int]
+                 ) -> dict[tuple[str, str, int], float]:
+    """(unison system, metric, N) -> that system's median / the floor system's median."""
+    at = _index(cells)
+    out = {}
+    for s in (s for s in systems if s.startswith("unison")):
+        for metric in FLOOR_METRICS:
+            for n in workers:
+                r = _ratio(at, (s, metric, n), (FLOOR, metric, n))
+                if r is not None:
+                    out[(s, metric, n)] = r
+    return out
+
+
+def render_floor_ratios(cells: Sequence[Cell], systems: Sequence[str],
+                        workers: Sequence[int]) -> str:
+    """Markdown: unison / floor, the median ratio per workload and N."""
+    r = floor_ratios(cells, systems, workers)
+    cols = sorted({(s, m) for s, m, _ in r}, key=lambda k: (FLOOR_METRICS.index(k[1]), k[0]))
+    return _ratio_table(r, cols, workers)
+
+
+def _ratio_table(r: dict[tuple[str, str, int], float], cols: Sequence[tuple[str, str]],
+                 workers: Sequence[int]) -> str:
     if not cols:
         return ""
     lines = [
@@ -162,6 +197,11 @@ SCRIPT_RATIO_TITLE = (
     "A function of the script with two arguments against a module function without any "
     f"(dispatch_script_fn / dispatch, medians of the same run; target for unison: at most "
     f"{SCRIPT_TARGET}x):"
+)
+FLOOR_RATIO_TITLE = (
+    "unison / floor: unison's median latency divided by the floor system's (the smallest "
+    "pure-Python ring doing the same round trip), same run; target: at most "
+    f"{FLOOR_TARGET}x:"
 )
 PIPE_RATIO_TITLE = (
     "Speed-up over the pipe baseline (its median latency divided by unison's; above 1 means "
@@ -261,7 +301,8 @@ def render_section(
     if quick:
         out.append("- **--quick run**: few samples, for a smoke test, not for comparison.")
     out += ["", render_table(cells, systems, workers), ""]
-    for title, table in ((PIPE_RATIO_TITLE, render_ratios(cells, systems, workers)),
+    for title, table in ((FLOOR_RATIO_TITLE, render_floor_ratios(cells, systems, workers)),
+                         (PIPE_RATIO_TITLE, render_ratios(cells, systems, workers)),
                          (SCRIPT_RATIO_TITLE, render_script_ratios(cells, systems, workers))):
         if table:
             out += [title, "", table, ""]

@@ -1,6 +1,7 @@
 """Every system the benchmark knows, one file each, in the order of the table's columns.
 
     unison, unison-pipe   unison_session.py
+    floor                 floor.py      the smallest pure-Python shared-memory ring (issue 9)
     pipe                  pipe.py       one multiprocessing.Pipe per worker
     mpqueue               mpqueue.py    multiprocessing.Queues
     manager               manager.py    a Manager mailbox, like optimum-tpu's
@@ -16,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 
 from harness.systems.base import System
+from harness.systems.floor import FloorSystem
 from harness.systems.manager import ManagerSystem
 from harness.systems.mpi import MpiSystem
 from harness.systems.mpqueue import MpQueueSystem
@@ -23,9 +25,11 @@ from harness.systems.pipe import PipeSystem
 from harness.systems.ray_actors import RaySystem
 from harness.systems.unison_session import UnisonSystem
 
-__all__ = ["BASELINES", "SYSTEMS", "System", "available", "describe", "make_system"]
+__all__ = ["BASELINES", "SYSTEMS", "System", "available", "describe", "make_system",
+           "supports"]
 
 BASELINES: dict[str, type[System]] = {
+    "floor": FloorSystem,
     "pipe": PipeSystem,
     "mpqueue": MpQueueSystem,
     "manager": ManagerSystem,
@@ -51,6 +55,12 @@ def make_system(name: str) -> System:
     if name == "unison-pipe":
         return UnisonSystem("unison-pipe", "pipe")
     return BASELINES[name]()
+
+
+def supports(name: str, workload: str) -> bool:
+    """Whether the system ``name`` offers ``workload`` (``System.workloads``)."""
+    offered = BASELINES[name].workloads if name in BASELINES else System.workloads
+    return offered is None or workload in offered
 
 
 def describe(name: str) -> str:

@@ -32,6 +32,9 @@ class System(abc.ABC):
 
     name: str = ""
     description: str = ""
+    workloads: frozenset[str] | None = None
+    """The benchmark's workloads (measure.WORKLOADS) this system offers; None: all of them.
+    The others are skipped for it (no cells: "-" in the table)."""
 
     @abc.abstractmethod
     def start(self, n: int) -> None:
