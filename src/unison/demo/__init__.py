@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 import numpy as np
@@ -33,11 +34,15 @@ def main(num_workers: int = 2, size: int = 512) -> int:
         started = time.perf_counter() - t0
         for line in sess.run(_describe):
             print(f"  {line}")
-        t1 = time.perf_counter()
-        rounds = 200
-        for _ in range(rounds):
+        for _ in range(100):  # warm up: the first calls define the function, touch pages
             sess.run(os.getpid)
-        per_call = (time.perf_counter() - t1) / rounds * 1e6
+        rounds = 1000
+        times = []
+        for _ in range(rounds):
+            t1 = time.perf_counter()
+            sess.run(os.getpid)
+            times.append(time.perf_counter() - t1)
+        per_call = statistics.median(times) * 1e6
         a_blocks = sess.scatter(np.array_split(a, num_workers))
         b_all = sess.put(b)
         c_blocks = sess.call(_block_matmul, a_blocks, b_all)
@@ -46,5 +51,5 @@ def main(num_workers: int = 2, size: int = 512) -> int:
     print(f"session of {num_workers} workers started in {started * 1000:.0f} ms")
     print(f"A @ B ({size}x{size}, float32) split by rows over {num_workers} workers: "
           f"{'matches numpy' if ok else 'MISMATCH'}")
-    print(f"round trip: {per_call:.1f} us per call to all workers and back (mean of {rounds})")
+    print(f"round trip: {per_call:.1f} us per call to all workers and back (median of {rounds})")
     return 0 if ok else 1
