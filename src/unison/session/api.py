@@ -575,8 +575,6 @@ class Session(View):
                 raise SessionClosed(f"the session is closed because {self._dead}") from self._dead
             raise SessionClosed("the session is closed: open a new Session to go on")
 
-    _check_open = check_open  # the name Ref and older code use
-
     def check_alive(self, during: str) -> None:
         """Raise WorkerDied if a worker has ended (a wait found nothing to read)."""
         rank = self._res.launcher.ended()
