@@ -30,6 +30,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.cli import int_list
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 WORKTREE = "WORKTREE"
@@ -47,16 +49,6 @@ class Rev:
     units: dict[str, str] = field(default_factory=dict)
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like 2,4, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive numbers like 2,4, got {text!r}")
-    return values
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python benchmarks/compare_revs.py",
@@ -66,7 +58,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--base", required=True, help="the revision to compare against (git rev)")
     p.add_argument("--head", default=WORKTREE,
                    help=f"a git rev, or {WORKTREE} for this checkout as it is (default)")
-    p.add_argument("--workers", type=_int_list, default=[2, 4],
+    p.add_argument("--workers", type=int_list, default=[2, 4],
                    help="comma-separated worker counts (default 2,4)")
     p.add_argument("--reps", type=int, default=3, help="repetitions of each revision (3)")
     p.add_argument("--quick", action="store_true",

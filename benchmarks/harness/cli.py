@@ -17,7 +17,8 @@ from harness.measure import FULL, QUICK, WORKLOADS, ScriptCall, run_benchmark
 from harness.systems import SYSTEMS, available, describe
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """``--workers 1,2,4``: positive ints, comma-separated (also used by compare_revs.py)."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -53,7 +54,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Dispatch, gather, put, fetch, start and idle costs of unison and its "
                     "baselines, and allreduce against gloo.",
     )
-    p.add_argument("--workers", type=_int_list, default=[1, 2, 4, 8],
+    p.add_argument("--workers", type=int_list, default=[1, 2, 4, 8],
                    help="comma-separated worker counts (default 1,2,4,8)")
     p.add_argument("--quick", action="store_true",
                    help="few iterations and short windows: a smoke test, not a measurement")
