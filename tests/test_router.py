@@ -111,13 +111,11 @@ def test_a_follower_is_handed_its_reply_by_the_leader():
         router.wait(theirs, time.monotonic() + 10, "following")
         done.set()
 
-    leader_holds = threading.Event()
     router.recv_lock.acquire()  # make this thread the reader while the follower starts
     t = threading.Thread(target=follower)
     t.start()
     time.sleep(0.05)
     router.recv_lock.release()
-    leader_holds.set()
     chan.reply(1, 2, OK, "theirs")
     chan.reply(0, 1, OK, "mine")
     router.wait(mine, time.monotonic() + 10, "leading")

@@ -71,7 +71,9 @@ class View:
     def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Ref:
         """Run ``fn(*args, **kwargs)`` on every worker of the view; return a Ref at once."""
         session = self._session
-        return session._call(self.workers, fn, args, kwargs, session._send_deadline())
+        limit = session._send_timeout  # _send_deadline(), inlined: the hot path
+        deadline = None if limit is None else time.monotonic() + limit
+        return session._call(self.workers, fn, args, kwargs, deadline)
 
     def run(
         self, fn: Callable[..., Any], /, *args: Any, timeout: float | None = None, **kwargs: Any
