@@ -252,7 +252,7 @@ def test_a_pacer_naps_double_up_to_the_cap(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_a_pacer_yields_within_its_spin_budget_and_never_sleeps_past_a_deadline(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, calm: None,
 ) -> None:
     naps: list[float] = []
     monkeypatch.setattr(pacing.time, "sleep", naps.append)
@@ -265,7 +265,14 @@ def test_a_pacer_yields_within_its_spin_budget_and_never_sleeps_past_a_deadline(
     assert naps[0] == 0.0 and 0.0 < naps[1] <= 0.01
 
 
-def test_spin_stops_when_ready_or_when_its_budget_is_spent() -> None:
+@pytest.fixture
+def calm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine that never looks crowded, whatever else runs beside the test."""
+    monkeypatch.setattr(pacing, "LONG_YIELD", 60.0)
+    monkeypatch.setattr(pacing.crowd, "until", 0.0)
+
+
+def test_spin_stops_when_ready_or_when_its_budget_is_spent(calm: None) -> None:
     calls = iter(range(10))
     assert pacing.spin(lambda: next(calls) == 3, 60.0)
     assert next(calls) == 4  # checked after each yield, no more
@@ -273,3 +280,36 @@ def test_spin_stops_when_ready_or_when_its_budget_is_spent() -> None:
     assert not pacing.spin(lambda: False, 0.005)
     assert time.perf_counter() - start >= 0.005
     assert not pacing.spin(lambda: True, 0.0)  # no budget: not even one look
+
+
+def test_a_long_yield_makes_waits_sleep_at_once_for_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A yield that lost the core for a stranger's time slice (a CPU hog) ends the spin, and
+    for CROWDED seconds every wait skips its spin: a sleeper woken by an eventfd preempts
+    the hog, a yielder waits for its slice (issue 9: 4-8 ms per round trip beside hogs)."""
+    monkeypatch.setattr(pacing.crowd, "until", 0.0)
+    monkeypatch.setattr(pacing, "_yield", lambda: time.sleep(2 * pacing.LONG_YIELD))
+    looks: list[int] = []
+    assert not pacing.spin(lambda: looks.append(1) is not None, 60.0)
+    assert looks == [1]  # one look after the long yield, then it gave up
+    assert pacing.crowd.until > pacing._clock()
+    assert not pacing.spin(lambda: looks.append(1) is not None, 60.0)
+    assert looks == [1]  # crowded: no yield, no look
+    naps: list[float] = []
+    monkeypatch.setattr(pacing.time, "sleep", naps.append)
+    pacing.Pacer(spin=60.0).pause()
+    assert naps == [pacing.FIRST_NAP]  # crowded: a Pacer naps instead of yielding
+    monkeypatch.setattr(pacing.crowd, "until", pacing._clock() - 1.0)  # CROWDED passed
+    monkeypatch.setattr(pacing, "_yield", lambda: None)
+    calls = iter(range(10))
+    assert pacing.spin(lambda: next(calls) == 2, 60.0)  # it probes with a spin again
+
+
+def test_a_long_yield_inside_a_pacer_marks_the_machine_crowded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(pacing.crowd, "until", 0.0)
+    monkeypatch.setattr(pacing, "_yield", lambda: time.sleep(2 * pacing.LONG_YIELD))
+    pacing.Pacer(spin=60.0).pause()
+    assert pacing.crowd.until > pacing._clock()

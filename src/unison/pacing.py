@@ -11,6 +11,16 @@ collective) uses these two pieces, each with its own budget and cap, so that a q
 is caught without a kernel wake-up and an idle wait costs (almost) no CPU. Yielding rather
 than pure spinning keeps a machine with more workers than cores usable.
 
+Crowded machines. A yield hands the core to another runnable process. When that process is a
+peer of ours (3 processes on 2 cores), it does its few microseconds of work and yields back:
+yielding is the fast hand-over. When it is a CPU-bound stranger, it keeps the core for its
+whole time slice (milliseconds), so every yield costs a slice and a spinning wait collapses
+(issue 9 measured 4-8 ms per round trip beside two CPU hogs). A sleeper woken by an eventfd
+preempts such a stranger at once. So each wait times its yields: one that took longer than
+LONG_YIELD marks this process crowded, and for the next CROWDED seconds its waits skip the
+spin and sleep at once, as a pipe would. Then one wait probes with a spin again: under a
+lasting crowd that costs one slice per CROWDED seconds.
+
 The waits and their parameters:
 
     channel.shm   controller recv, worker recv   spin 200 us, then sleep on an eventfd
@@ -26,25 +36,52 @@ import os
 import time
 from collections.abc import Callable
 
-__all__ = ["FIRST_NAP", "Pacer", "spin"]
+__all__ = ["CROWDED", "FIRST_NAP", "LONG_YIELD", "Pacer", "crowd", "spin"]
 
 FIRST_NAP = 20e-6
 """The first nap of a Pacer once its spin budget is spent (s); each next nap doubles."""
 
+LONG_YIELD = 500e-6
+"""A yield that kept us off the core longer than this (s) went to a stranger's time slice,
+not to a peer's quick hand-over: the machine is crowded."""
+CROWDED = 0.05
+"""How long (s) waits sleep at once after a long yield, before a spin probes again."""
+
 _yield = os.sched_yield
 _clock = time.perf_counter
+
+
+class _Crowd:
+    """This process's view of the machine: ``until`` is the time (perf_counter) before which
+    waits skip the spin. One per process: every wait of ours meets the same strangers."""
+
+    __slots__ = ("until",)
+
+    def __init__(self) -> None:
+        self.until = 0.0
+
+
+crowd = _Crowd()
 
 
 def spin(ready: Callable[[], bool], budget: float) -> bool:
     """Yield the core and check ``ready()`` until it is true or ``budget`` seconds passed.
 
     Returns whether ``ready()`` became true: when not, the caller sleeps on a kernel object
-    (and must check again after announcing that it sleeps)."""
-    end = _clock() + budget
-    while _clock() < end:
+    (and must check again after announcing that it sleeps). On a crowded machine (see the
+    module's docstring) it returns False at once, or after the first long yield."""
+    now = _clock()
+    if now < crowd.until:
+        return False
+    end = now + budget
+    while now < end:
         _yield()
         if ready():
             return True
+        then, now = now, _clock()
+        if now - then > LONG_YIELD:
+            crowd.until = now + CROWDED
+            return False
     return False
 
 
@@ -63,9 +100,13 @@ class Pacer:
     def pause(self, deadline: float | None = None) -> None:
         """Let time pass once. ``deadline`` (time.monotonic()): never sleep past it; the
         caller checks the deadline itself."""
-        if self._spin_end and _clock() < self._spin_end:
-            _yield()
-            return
+        if self._spin_end:
+            now = _clock()
+            if now < self._spin_end and now >= crowd.until:
+                _yield()
+                if _clock() - now > LONG_YIELD:
+                    crowd.until = _clock() + CROWDED
+                return
         nap = self._nap
         self._nap = min(nap * 2, self._cap)
         if deadline is not None:

@@ -2,8 +2,10 @@
 
     controller                                   worker
     ----------                                   ------
-    (CALL,  frees, ref_id, fn_id, args, ranks)  -> regs[ref_id] = fns[fn_id](*args, **kwargs)
-                 (args: None, a tuple of plain values, or the pickle of (args, kwargs))
+    (CALL,  frees, ref_id, fn_id, args, ranks, req_id)
+                                                -> regs[ref_id] = fns[fn_id](*args, **kwargs)
+                 (args: None, a tuple of plain values, or the pickle of (args, kwargs));
+                 with a req_id (run): reply (req_id, OK | ERR, result) instead, keep nothing
     (DEFINE, frees, fn_id, fn_pickle)           -> fns[fn_id] = loads(fn_pickle)
     (PUT,   frees, ref_id, value)               -> regs[ref_id] = value
     (GET,   frees, req_id, ref_id)              -> reply (req_id, OK, regs[ref_id])
@@ -53,15 +55,16 @@ _dump = pickle.dumps
 
 
 def call_msg(frees: tuple[int, ...] | None, ref_id: int, fn_id: int, args: Any,
-             ranks: tuple[int, ...] | None) -> bytes:
+             ranks: tuple[int, ...] | None, req_id: int = 0) -> bytes:
     """Run function ``fn_id`` into register ``ref_id``. ``args``: None, a tuple of plain
-    values, or the pickle of ``(args, kwargs)``; ``ranks``: the call's workers if not all."""
-    return _dump((CALL, frees, ref_id, fn_id, args, ranks), 5)
+    values, or the pickle of ``(args, kwargs)``; ``ranks``: the call's workers if not all;
+    ``req_id``: reply with the result (or error) at once, keeping nothing (``run``)."""
+    return _dump((CALL, frees, ref_id, fn_id, args, ranks, req_id), 5)
 
 
-def read_call(msg: tuple[Any, ...]) -> tuple[int, int, Any, tuple[int, ...] | None]:
-    _, _, ref_id, fn_id, args, ranks = msg
-    return ref_id, fn_id, args, ranks
+def read_call(msg: tuple[Any, ...]) -> tuple[int, int, Any, tuple[int, ...] | None, int]:
+    _, _, ref_id, fn_id, args, ranks, req_id = msg
+    return ref_id, fn_id, args, ranks, req_id
 
 
 def define_msg(frees: tuple[int, ...] | None, fn_id: int, fn_pickle: bytes) -> bytes:

@@ -3,6 +3,7 @@
     stdin (init, then lifeline) --> main(): keeper --> run(spec): sys.path, affinity, identity
     channel.recv() --> message --> frees dropped first
                                    CALL   regs[ref] = fn(*args)    failure -> Failed + unreported
+                                          (run: reply the result or error at once, keep nothing)
                                    DEFINE fns[id] = loads(pickle)
                                    PUT    regs[ref] = value
                                    GET    reply value (or its error, which then counts as reported)
@@ -155,7 +156,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None) -> None:
                 if regs.pop(i, None) is None:
                     fns.pop(i, None)
         if op == CALL:
-            ref_id, fn_id, blob, ranks = read_call(msg)
+            ref_id, fn_id, blob, ranks, req_id = read_call(msg)
             fn = fns.get(fn_id)
             if coll is not None:
                 coll.begin(ref_id, ranks)
@@ -167,34 +168,49 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None) -> None:
                         "sys.path and cwd), or define it in the script that drives the session"
                     )
                 if blob is None:
-                    regs[ref_id] = fn()  # type: ignore[misc]
+                    value = fn()  # type: ignore[misc]
                 elif type(blob) is tuple:  # plain positional values, inside the message
-                    regs[ref_id] = fn(*blob)  # type: ignore[misc]
+                    value = fn(*blob)  # type: ignore[misc]
                 else:
                     args, kwargs = loads(blob, bufs)
-                    regs[ref_id] = fn(*args, **kwargs)  # type: ignore[misc]
+                    value = fn(*args, **kwargs)  # type: ignore[misc]
             except BaseException as exc:  # SystemExit and friends from user code are errors too
                 err = protocol.pack_error(exc, _name(fn))
-                regs[ref_id] = Failed(err)
-                unreported[ref_id] = err
+                if coll is not None:
+                    coll.end(ref_id)
+                if req_id:  # run: the error goes straight back
+                    chan.reply(dumps((req_id, ERR, err)))
+                else:
+                    regs[ref_id] = Failed(err)
+                    unreported[ref_id] = err
+                    chan.unreported(len(unreported))
+                continue
             if coll is not None:
                 coll.end(ref_id)
+            if req_id:  # run: the result goes straight back, nothing is kept
+                _reply_value(chan, req_id, f"the result of {_name(fn)}", value)
+            else:
+                regs[ref_id] = value
+            value = None
         elif op == GET:
             req_id, ref_id = read_get(msg)
             obj = regs.get(ref_id, _MISSING)
             if isinstance(obj, Failed):
-                unreported.pop(ref_id, None)
+                if unreported.pop(ref_id, None) is not None:
+                    chan.unreported(len(unreported))
                 chan.reply(dumps((req_id, ERR, obj.error)))
             elif obj is _MISSING:
                 err = protocol.pack_error(LookupError(f"Ref #{ref_id} is not held here"), "get")
                 chan.reply(dumps((req_id, ERR, err)))
             else:
-                _reply_value(chan, req_id, ref_id, obj)
+                _reply_value(chan, req_id, f"the value of Ref #{ref_id}", obj)
+            obj = None
         elif op in (SYNC, SHUTDOWN):
             # SHUTDOWN too: the controller warns about errors nobody fetched
             if unreported:
                 chan.reply(dumps((read_request(msg), OK, list(unreported.items()))))
                 unreported.clear()
+                chan.unreported(0)
             else:
                 chan.ack()
             if op == SHUTDOWN:
@@ -213,12 +229,13 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None) -> None:
                 err = protocol.pack_error(exc, "loading a put value")
                 regs[ref_id] = Failed(err)
                 unreported[ref_id] = err
+                chan.unreported(len(unreported))
 
 
 _MISSING = object()
 
 
-def _reply_value(chan: WorkerChannel, req_id: int, ref_id: int, obj: object) -> None:
+def _reply_value(chan: WorkerChannel, req_id: int, what: str, obj: object) -> None:
     """Reply with a value, its large buffers out of band where the channel takes them (one
     copy into shared memory). A value that cannot be pickled, even by a BaseException from
     its ``__reduce__`` (KeyboardInterrupt, SystemExit), or that does not fit in shared
@@ -235,8 +252,8 @@ def _reply_value(chan: WorkerChannel, req_id: int, ref_id: int, obj: object) -> 
         except MemoryError as exc:
             problem = f"does not fit in the shared memory for replies: {exc}"
     err = TypeError(
-        f"the value of Ref #{ref_id} ({type(obj).__qualname__}) {problem}. Keep it on the "
-        "worker, or return something picklable."
+        f"{what} ({type(obj).__qualname__}) {problem}. Keep it on the worker, or return "
+        "something picklable."
     )
     chan.reply(protocol.dumps((req_id, ERR, protocol.pack_error(err, "get"))))
 

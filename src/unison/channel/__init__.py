@@ -63,6 +63,26 @@ class Channel(ABC):
     reference, so workers write the controller's memory), or None where the channel has
     none; then ``sess.empty`` is not available."""
 
+    tracks_progress = False
+    """Whether workers publish how far through the messages they have run, and whether they
+    hold errors nobody fetched: then ``sync`` is a wait on ``progress``, with no message and
+    no reply (else it sends SYNC and waits for the answers)."""
+
+    def mark(self) -> int:
+        """A position covering every message sent so far (where ``tracks_progress``)."""
+        raise NotImplementedError
+
+    def wait_done(self, ranks: Sequence[int], mark: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` until every worker in ``ranks`` has run every message up to
+        ``mark``; whether they have. Returns early, False, when a watched fd is readable
+        (a death): the caller looks, then waits again."""
+        raise NotImplementedError
+
+    def unreported(self, ranks: Sequence[int]) -> bool:
+        """Whether a worker in ``ranks`` holds errors nobody fetched (read after
+        ``wait_done``: it covers everything up to the mark)."""
+        raise NotImplementedError
+
     @abstractmethod
     def endpoint(self, rank: int) -> tuple[dict[str, Any], list[int]]:
         """What worker ``rank`` needs to connect: a picklable spec and fds it must inherit."""
@@ -122,6 +142,11 @@ class WorkerChannel(ABC):
     def ack(self) -> None:
         """Reply "done, nothing to report": the controller reads it as an empty reply."""
         self.reply(b"")
+
+    def unreported(self, count: int) -> None:
+        """This worker now holds ``count`` errors nobody fetched (where the controller's end
+        ``tracks_progress``, it reads this instead of asking). Others need not hear it."""
+        return None
 
     @abstractmethod
     def close(self) -> None: ...

@@ -23,7 +23,14 @@ models (ARM) would need real fences around the position stores: use ``channel="p
 Waiting (unison.pacing). Spinning with ``sched_yield`` for up to 200 us catches the reply of
 a quick call without a kernel wake-up (tens of us on these machines); past that the waiter
 sleeps on its eventfd (the controller also on the fds given to ``started``), so an idle
-session costs no CPU. A writer waiting for room in a full ring polls with a Pacer instead.
+session costs no CPU. On a crowded machine (a yield that lost the core to a stranger's time
+slice) waits sleep at once for a while: a woken sleeper preempts the stranger. A writer
+waiting for room in a full ring polls with a Pacer instead.
+
+Progress. Each worker publishes its *done* position (every command before it has run) when
+it comes back for the next one, and how many errors it holds that nobody fetched; the
+controller's ``wait_done`` spins, then sleeps on a second eventfd, on those words. So
+``sync`` costs no message (see session/api.py).
 
 Positions (ring.py). Every ring position only grows; its offset is ``pos & mask``. An entry
 never straddles a ring's end: the writer marks the rest of the lap ``_WRAP`` and skips it.
@@ -52,7 +59,7 @@ from typing import Any
 from unison.channel import Channel, Reply, WorkerChannel
 from unison.channel.arena import Arena, ArenaReader, create_file
 from unison.channel.ring import Ring
-from unison.pacing import Pacer, spin
+from unison.pacing import CROWDED, LONG_YIELD, Pacer, crowd, spin
 
 _clock, _yield = time.perf_counter, os.sched_yield
 
@@ -68,7 +75,8 @@ _MORE = 1 << 32  # reply flag: more chunks of this message follow
 _INDIRECT = 1 << 33  # reply flag: the body is one descriptor of an arena block holding it
 _NDESC = 40  # reply head: the body's number of buffer descriptors, from this bit up
 _ENTRY = 16  # command entry header bytes
-_CTL_SLEEP = _LINE // 8  # index of the controller's sleeping flag
+_CTL_SLEEP = _LINE // 8  # index of the controller's sleeping flag (waiting for replies)
+_CTL_DONE = _CTL_SLEEP + 1  # index of its flag "waiting for workers' progress"
 _NO_VIEWS: list[memoryview] = []
 _DESC = 24
 
@@ -101,10 +109,13 @@ class _Layout:
         self.cmd_write = 0  # line 0, controller-written
         self.ctl_sleep = _LINE  # line 1, controller-written
         worker0 = 2 * _LINE
-        # per worker: line A (worker-written): cmd_read, sleeping, reply_write; line B: reply_read
+        # per worker: line A (worker-written): cmd_read, sleeping, reply_write, done,
+        # unreported; line B (controller-written): reply_read
         self.cmd_read = [worker0 + 2 * _LINE * r for r in range(n)]
         self.sleeping = [o + 8 for o in self.cmd_read]
         self.reply_write = [o + 16 for o in self.cmd_read]
+        self.done = [o + 24 for o in self.cmd_read]  # every command before it has run
+        self.unreported = [o + 32 for o in self.cmd_read]  # errors nobody fetched
         self.reply_read = [o + _LINE for o in self.cmd_read]
         self.cmd_ring = worker0 + 2 * _LINE * n
         self.reply_ring = [self.cmd_ring + CMD_RING + REPLY_RING * r for r in range(n)]
@@ -131,6 +142,8 @@ class ShmChannel(Channel):
         self._readers = [ArenaReader(fd, 0, 1, shared=True) for fd in self._reply_fds]
         self._efd = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(num_workers)]
         self._ctl_efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._done_efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._done_lock = threading.Lock()  # one thread sleeps on the done eventfd at a time
         self._wpos = 0
         self._limit = CMD_RING  # cmd_write may grow up to here without re-reading cmd_read
         self._reply_pos = [0] * num_workers
@@ -146,6 +159,8 @@ class ShmChannel(Channel):
         self._rw_idx = [o // 8 for o in lay.reply_write]
         self._rr_idx = [o // 8 for o in lay.reply_read]
         self._cr_idx = [o // 8 for o in lay.cmd_read]
+        self._done_idx = [o // 8 for o in lay.done]
+        self._unrep_idx = [o // 8 for o in lay.unreported]
         self._cmd_base = lay.cmd_ring
         self._masks = {tuple(range(num_workers)): self._all_mask}
         self._masks.update({(r,): 1 << r for r in range(num_workers)})
@@ -155,9 +170,9 @@ class ShmChannel(Channel):
     def endpoint(self, rank: int) -> tuple[dict[str, Any], list[int]]:
         spec = {"kind": "shm", "rank": rank, "n": self.n, "ctl": self._fd,
                 "arena": self.arena.fd, "reply_arena": self._reply_fds[rank],
-                "efd": self._efd[rank], "ctl_efd": self._ctl_efd}
+                "efd": self._efd[rank], "ctl_efd": self._ctl_efd, "done_efd": self._done_efd}
         return spec, [self._fd, self.arena.fd, self._reply_fds[rank], self._efd[rank],
-                      self._ctl_efd]
+                      self._ctl_efd, self._done_efd]
 
     def started(self, watch: Sequence[int] = ()) -> None:
         self._watch = list(watch)
@@ -258,6 +273,53 @@ class ShmChannel(Channel):
                 raise BrokenPipeError("a worker died while the command ring was full")
             pacer.pause(deadline)
 
+    # -- progress: sync without a message ------------------------------------------------------
+
+    tracks_progress = True
+
+    def mark(self) -> int:
+        return self._wpos
+
+    def _done(self, ranks: Sequence[int], mark: int) -> bool:
+        q, idx = self._q, self._done_idx
+        for r in ranks:  # noqa: SIM110 (a plain loop: the hot path)
+            if q[idx[r]] < mark:
+                return False
+        return True
+
+    def wait_done(self, ranks: Sequence[int], mark: int, timeout: float) -> bool:
+        """See Channel.wait_done: spin 200 us, then sleep on the done eventfd and the watch
+        fds; a worker that moves its done position wakes us only while our flag is up.
+        Done or not, a readable watch fd makes it False: the caller looks for a death, so
+        that sync notices a dead worker even when it had finished everything."""
+        done = self._done
+        if not done(ranks, mark) and not spin(lambda: done(ranks, mark), min(SPIN, timeout)):
+            self._sleep_done(ranks, mark, timeout)
+            if not done(ranks, mark):
+                return False
+        return not (self._watch and select.select(self._watch, [], [], 0)[0])
+
+    def _sleep_done(self, ranks: Sequence[int], mark: int, timeout: float) -> None:
+        start = time.perf_counter()
+        if not self._done_lock.acquire(timeout=max(0.0, timeout)):
+            return  # another thread slept meanwhile
+        q = self._q
+        try:
+            q[_CTL_DONE] = 1
+            _fence()
+            if not self._done(ranks, mark):
+                wait = max(0.0, timeout - (time.perf_counter() - start))
+                ready = select.select([self._done_efd, *self._watch], [], [], wait)[0]
+                if self._done_efd in ready:
+                    _drain_eventfd(self._done_efd)
+        finally:
+            q[_CTL_DONE] = 0
+            self._done_lock.release()
+
+    def unreported(self, ranks: Sequence[int]) -> bool:
+        q, idx = self._q, self._unrep_idx
+        return any(q[idx[r]] for r in ranks)
+
     # -- replies -------------------------------------------------------------------------------
 
     def recv(
@@ -351,7 +413,7 @@ class ShmChannel(Channel):
         if self._closed:
             return
         self._closed = True
-        for fd in (*self._efd, self._ctl_efd):
+        for fd in (*self._efd, self._ctl_efd, self._done_efd):
             os.close(fd)
         self.arena.close()
         for fd in self._reply_fds:
@@ -377,13 +439,15 @@ class ShmWorkerChannel(WorkerChannel):
         self._q = self._buf.cast("Q")
         self._arena = ArenaReader(spec["arena"], r, n)
         self._replies = Arena("", 1, fd=spec["reply_arena"], keep=REPLY_KEEP)
-        self._efd, self._ctl_efd = spec["efd"], spec["ctl_efd"]
+        self._efd, self._ctl_efd, self._done_efd = spec["efd"], spec["ctl_efd"], spec["done_efd"]
         self._bit = 1 << r
         self._pos = self._q[lay.cmd_read[r] // 8]
         self._read_idx = lay.cmd_read[r] // 8
         self._sleep_idx = lay.sleeping[r] // 8
         self._rw_idx = lay.reply_write[r] // 8
         self._rr_idx = lay.reply_read[r] // 8
+        self._done_idx = lay.done[r] // 8
+        self._unrep_idx = lay.unreported[r] // 8
         self._rbase = lay.reply_ring[r]
         self._rpos = self._q[self._rw_idx]
         self._cmd_base = lay.cmd_ring
@@ -391,8 +455,11 @@ class ShmWorkerChannel(WorkerChannel):
     def recv(self) -> tuple[bytes | memoryview, list[Any]] | None:
         q, base = self._q, self._cmd_base
         pos = self._pos
+        self._progress(pos)  # everything before pos has run
         while True:
             if q[0] == pos:
+                if q[self._done_idx] != pos:  # skipped commands for others: done too
+                    self._progress(pos)
                 self._wait(pos)
             off = pos & _CMD_MASK
             i = (base + off) >> 3
@@ -418,13 +485,33 @@ class ShmWorkerChannel(WorkerChannel):
                 payload = self._arena.view(_unpack_descs(payload, 1)[0])
             return payload, [self._arena.view(d) for d in descs]
 
+    def _progress(self, pos: int) -> None:
+        """Publish how far this worker has run; wake the controller if it waits on that."""
+        q = self._q
+        q[self._done_idx] = pos
+        _acquire()  # a full fence between publishing and reading the flag
+        _release()
+        if q[_CTL_DONE]:
+            os.eventfd_write(self._done_efd, 1)
+
+    def unreported(self, count: int) -> None:
+        self._q[self._unrep_idx] = count  # published with the next done position
+
     def _wait(self, pos: int) -> None:
         q = self._q
-        end = _clock() + SPIN  # pacing.spin, inlined: the worker's hot path
-        while _clock() < end:
-            _yield()
-            if q[0] != pos:
-                return
+        now = _clock()  # pacing.spin, inlined: the worker's hot path
+        if now >= crowd.until:
+            end = now + SPIN
+            while True:
+                _yield()
+                if q[0] != pos:
+                    return
+                then, now = now, _clock()
+                if now - then > LONG_YIELD:
+                    crowd.until = now + CROWDED
+                    break
+                if now >= end:
+                    break
         q[self._sleep_idx] = 1
         _fence()
         try:

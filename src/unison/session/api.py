@@ -82,11 +82,7 @@ class View:
         session = self._session
         deadline = _deadline(timeout)  # a bad timeout is refused before anything is sent
         send_by = session._send_deadline() if deadline is None else deadline
-        ref = session._call(self.workers, fn, args, kwargs, send_by)
-        try:
-            return session._fetch(ref, ref.workers, deadline)
-        finally:
-            ref.free()
+        return session._run(self.workers, fn, args, kwargs, send_by, deadline)
 
     def put(self, value: Any) -> Ref:
         """The same value on every worker of the view."""
@@ -348,6 +344,14 @@ class Session(View):
         self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
         kwargs: dict[str, Any], deadline: float | None = None,
     ) -> Ref:
+        return Ref(self, self._send_call(ranks, fn, args, kwargs, deadline), ranks)
+
+    def _send_call(
+        self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
+        kwargs: dict[str, Any], deadline: float | None, req: Request | None = None,
+    ) -> int:
+        """Send a CALL; its ref id. With ``req`` (run), the workers reply with the result at
+        once and keep nothing."""
         if self._closed:
             self.check_open()
         if not callable(fn):
@@ -358,23 +362,33 @@ class Session(View):
             blob, bufs = self._encode_args(ranks, fn, args, kwargs)
         elif args:
             blob = args  # plain values ride inside the message itself: no second pickle
-        ref_id = next(self._ids)
-        self._lock_send(deadline)
+        ref_id = next(self._ids) if req is None else req.ref_id
+        if deadline is None:  # _lock_send, inlined: the hot path
+            self._send_lock.acquire()
+        else:
+            self._lock_send(deadline)
         try:
             fn_id, fresh = self._fns.lookup(fn)
             cached = True
             if not fn_id:
                 fn_id, cached = self._define(fn, fresh, deadline)
+            if req is not None:
+                self._router.expect(req, ranks)
             try:
                 self._send(call_msg, (ref_id, fn_id, blob,
-                                      None if ranks == self.workers else ranks),
+                                      None if ranks == self.workers else ranks,
+                                      0 if req is None else req.req_id),
                            ranks, bufs, deadline)
+            except BaseException:
+                if req is not None:
+                    self._router.forget(req, ranks)
+                raise
             finally:
                 if not cached:
                     self._frees.append(fn_id)  # dropped with the next message, after this call
         finally:
             self._send_lock.release()
-        return Ref(self, ref_id, ranks)
+        return ref_id
 
     def _put(self, ranks: tuple[int, ...], values: list[Any]) -> Ref:
         if self._closed:
@@ -396,31 +410,83 @@ class Session(View):
             self._send_lock.release()
         return Ref(self, ref_id, ranks)
 
+    def _run(
+        self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
+        kwargs: dict[str, Any], send_by: float | None, deadline: float | None,
+    ) -> list[Any]:
+        """call and gather in one message each way: the workers reply with the result and
+        keep nothing, so no Ref is made or freed."""
+        req = Request(next(self._ids), len(ranks), next(self._ids))
+        self._send_call(ranks, fn, args, kwargs, send_by, req)
+        return self._results(req, ranks, deadline, "running a call")
+
+    def _results(self, req: Request, ranks: tuple[int, ...], deadline: float | None,
+                 during: str) -> list[Any]:
+        """Wait for ``req`` (a GET or a run); each rank's value, or WorkerError."""
+        self._router.wait(req, deadline, during)
+        values, errors = [], {}
+        for rank, (status, payload) in zip(ranks, self._decode(req, ranks)):
+            if status == OK:
+                values.append(payload)
+            else:
+                errors[rank] = payload
+        if errors:
+            self._errors.forget(req.ref_id)
+            raise _worker_error(errors)
+        return values
+
     def _fetch(self, ref: Ref, ranks: tuple[int, ...], deadline: float | None) -> list[Any]:
         self.check_open()
         if ref._session is not self:
             raise ValueError(f"{ref!r} belongs to another session")
         if ref._freed:
             raise ValueError(f"{ref!r} was freed; its value is gone")
-        replies = self._request(get_msg, ref._id, ranks, deadline, "fetching a value")
-        values, errors = [], {}
-        for rank, (status, payload) in zip(ranks, replies):
-            if status == OK:
-                values.append(payload)
-            else:
-                errors[rank] = payload
-        if errors:
-            self._errors.forget(ref._id)
-            raise _worker_error(errors)
-        return values
+        req = self._request(get_msg, ref._id, ranks, deadline)
+        return self._results(req, ranks, deadline, "fetching a value")
 
     def _sync(self, ranks: tuple[int, ...], timeout: float | None) -> None:
-        replies = self._request(sync_msg, 0, ranks, _deadline(timeout), "syncing")
-        for rank, (_, errs) in zip(ranks, replies):
-            self._errors.add_all(rank, errs)
+        """Where the channel tracks progress (and no request is in flight to these ranks,
+        whose late errors a SYNC's replies would bring in), wait on the workers' done
+        positions and ask for errors only if one holds some; else send SYNC."""
+        deadline = _deadline(timeout)
+        if self._chan.tracks_progress and self._router.idle(ranks):
+            self._wait_done(ranks, deadline)
+            ask = self._chan.unreported(ranks)
+        else:
+            ask = True
+        if ask:
+            req = self._request(sync_msg, 0, ranks, deadline)
+            self._router.wait(req, deadline, "syncing")
+            for rank, (_, errs) in zip(ranks, self._decode(req, ranks)):
+                self._errors.add_all(rank, errs)
         errors = self._errors.pop_earliest()
         if errors is not None:
             raise _worker_error(errors)
+
+    def _wait_done(self, ranks: tuple[int, ...], deadline: float | None) -> None:
+        """Until every worker in ``ranks`` has run everything sent so far; in slices, so
+        that a death, close() and the deadline are noticed."""
+        if self._closed:
+            self.check_open()
+        chan, router = self._chan, self._router
+        mark = chan.mark()
+        try:
+            while True:
+                left = router.slice if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    busy = [r for r in ranks if not chan.wait_done((r,), mark, 0.0)]
+                    raise TimeoutError(
+                        f"worker(s) {busy} had not finished what was sent to them by the "
+                        "deadline. The work goes on: sync again, or close the session."
+                    )
+                if chan.wait_done(ranks, mark, min(left, router.slice)):
+                    return
+                if self._closed:
+                    self.check_open()
+                self.check_alive("syncing")
+        except KeyboardInterrupt:
+            self.interrupted()
+            raise
 
     def _release(self, ref_id: int) -> None:
         """Called from Ref.__del__, in any thread: so no lock, just an atomic append."""
@@ -428,11 +494,10 @@ class Session(View):
 
     def _request(
         self, build: Callable[..., bytes], ref_id: int, ranks: tuple[int, ...],
-        deadline: float | None, during: str,
-    ) -> list[tuple[int, Any]]:
-        """Send a request (GET of ``ref_id``, or SYNC) to ``ranks`` and return each one's
-        decoded (status, payload). The deadline bounds it all: the send lock, the send, and
-        the wait for replies."""
+        deadline: float | None,
+    ) -> Request:
+        """Send a request (GET of ``ref_id``, or SYNC) to ``ranks``; the router expects its
+        replies. The deadline bounds taking the send lock and the send."""
         if self._closed:
             self.check_open()
         req = Request(next(self._ids), len(ranks), ref_id)
@@ -450,9 +515,11 @@ class Session(View):
                 raise
         finally:
             self._send_lock.release()
-        router.wait(req, deadline, during)
+        return req
+
+    def _decode(self, req: Request, ranks: tuple[int, ...]) -> list[tuple[int, Any]]:
         try:
-            return router.decode(req, ranks)
+            return self._router.decode(req, ranks)
         except OutOfStep as exc:
             self._shutdown(0)
             raise SessionClosed(str(exc)) from None

@@ -89,6 +89,16 @@ class Router:
         self._slice = SLICE if watched else 0.05
 
     @property
+    def slice(self) -> float:
+        """The longest single sleep of a wait (s)."""
+        return self._slice
+
+    def idle(self, ranks: Sequence[int]) -> bool:
+        """Whether no request to ``ranks`` awaits a reply."""
+        expect = self._expect
+        return not any(expect[r] for r in ranks)
+
+    @property
     def recv_lock(self) -> threading.RLock:
         """Held by the reading thread; the owner takes it to close the channel safely."""
         return self._recv_lock

@@ -1,0 +1,105 @@
+"""``sync`` and ``run`` take the floor system's shape (issue 9): ``run`` is one message each
+way, and on the shm channel ``sync`` sends nothing, waiting on the workers' published done
+positions, yet still reports every error exactly once and never returns early."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import unison
+
+pytestmark = pytest.mark.channels
+
+
+def boom() -> None:
+    raise ValueError("boom")
+
+
+@pytest.mark.parametrize("channel", ["shm"], indirect=True)
+def test_run_is_one_message_and_sync_none_on_shm(make_session):
+    sess = make_session(2)
+    sess.run(int)
+    chan = sess._chan
+    before = chan.mark()
+    sess.sync()
+    assert chan.mark() == before  # nothing was sent
+    sess.run(int)
+    one = chan.mark() - before
+    sess.run(int)
+    assert chan.mark() - before == 2 * one  # one entry per run, no GET behind it
+
+
+def test_sync_waits_for_everything_sent(sess):
+    ref = sess.call(time.sleep, 0.3)
+    start = time.monotonic()
+    sess.sync()
+    assert time.monotonic() - start >= 0.25
+    del ref
+
+
+def test_sync_of_one_worker_skips_what_others_run(sess):
+    busy = sess[0].call(time.sleep, 3)
+    start = time.monotonic()
+    sess[1].sync(timeout=2)  # worker 1 skips worker 0's call: done at once
+    assert time.monotonic() - start < 1.5
+    with pytest.raises(TimeoutError, match="worker"):
+        sess[0].sync(timeout=0.2)
+    del busy
+
+
+def test_errors_reach_sync_once_and_run_reports_its_own(sess):
+    sess.call(boom)
+    with pytest.raises(unison.WorkerError) as info:
+        sess.sync()
+    assert isinstance(info.value.__cause__, ValueError)
+    sess.sync()  # reported once: nothing left
+    with pytest.raises(unison.WorkerError):
+        sess.run(boom)
+    sess.sync()  # run's error went back with its reply, never into the unreported list
+
+
+def test_a_failed_call_fetched_by_get_is_not_reported_again(sess):
+    ref = sess.call(boom)
+    with pytest.raises(unison.WorkerError):
+        ref.gather()
+    sess.sync()
+
+
+def test_an_error_behind_a_timed_out_wait_reaches_the_next_sync(sess):
+    ref = sess.call(lambda: (time.sleep(0.4), 1 / 0))
+    with pytest.raises(TimeoutError):
+        ref.gather(timeout=0.05)  # abandoned: its late ERR replies are salvaged
+    with pytest.raises(unison.WorkerError) as info:
+        sess.sync()
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    sess.sync()
+
+
+def test_run_that_times_out_keeps_its_error_for_sync(sess):
+    with pytest.raises(TimeoutError):
+        sess.run(lambda: (time.sleep(0.4), 1 / 0), timeout=0.05)
+    with pytest.raises(unison.WorkerError):
+        sess.sync()
+    assert sess.run(unison.rank) == [0, 1]
+
+
+def test_threads_syncing_at_once_all_return(sess):
+    import threading
+
+    sess.call(time.sleep, 0.2)
+    done: list[float] = []
+
+    def sync() -> None:
+        sess.sync(timeout=10)
+        done.append(time.monotonic())
+
+    threads = [threading.Thread(target=sync) for _ in range(4)]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(done) == 4
+    assert max(done) - start < 2.0  # one sleeps on the eventfd, the others nap: none is lost
