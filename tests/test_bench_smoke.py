@@ -120,6 +120,22 @@ def test_floor_ratio_table() -> None:
     assert table.splitlines()[-1] == "| 2 | 1.30x | 1.30x |"
 
 
+def test_start_is_read_against_bare_interpreters() -> None:
+    cells = [Cell("unison", "start", 4, "ms", value=260.0), Cell("bare", "start", 4, "ms",
+                                                                  value=200.0)]
+    table = render_floor_ratios(cells, ["unison", "bare"], [4])
+    assert table.splitlines()[0] == "| N | start: unison |"
+    assert table.splitlines()[-1] == "| 4 | 1.30x |"
+
+
+def test_bare_system_starts_interpreters() -> None:
+    from harness.systems import make_system
+
+    bare = make_system("bare")
+    bare.start(2)  # returns once both have imported numpy and exited
+    bare.close()
+
+
 def test_update_section_keeps_the_rest(tmp_path: Path) -> None:
     doc = tmp_path / "b.md"
     update_section(doc, "first\n")

@@ -2,6 +2,7 @@
 
     unison, unison-pipe   unison_session.py
     floor                 floor.py      the smallest pure-Python shared-memory ring (issue 9)
+    bare                  bare.py       N bare interpreters importing numpy: the start floor
     pipe                  pipe.py       one multiprocessing.Pipe per worker
     mpqueue               mpqueue.py    multiprocessing.Queues
     manager               manager.py    a Manager mailbox, like optimum-tpu's
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from harness.systems.bare import BareSystem
 from harness.systems.base import System
 from harness.systems.floor import FloorSystem
 from harness.systems.manager import ManagerSystem
@@ -30,6 +32,7 @@ __all__ = ["BASELINES", "SYSTEMS", "System", "available", "describe", "make_syst
 
 BASELINES: dict[str, type[System]] = {
     "floor": FloorSystem,
+    "bare": BareSystem,
     "pipe": PipeSystem,
     "mpqueue": MpQueueSystem,
     "manager": ManagerSystem,
