@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from unison import protocol
@@ -37,6 +38,20 @@ class Ref:
     def gather(self, *, timeout: float | None = None) -> list[Any]:
         """Every worker's value, as a list in rank order (even for one worker)."""
         return self._session._fetch(self, self.workers, _deadline(timeout))
+
+    async def get_async(self, worker: int | None = None, *,
+                        timeout: float | None = None) -> Any:
+        """``get`` for asyncio: the event loop goes on while the value comes."""
+        rank = self.workers[0] if worker is None else self._session._check_rank(worker, self)
+        return (await self._session._fetch_async(self, (rank,), timeout))[0]
+
+    async def gather_async(self, *, timeout: float | None = None) -> list[Any]:
+        """``gather`` for asyncio; ``await ref`` is the same. Cancelling the awaiting task
+        (or ``timeout``) abandons only the wait: the Ref stays valid."""
+        return await self._session._fetch_async(self, self.workers, timeout)
+
+    def __await__(self) -> Generator[Any, None, list[Any]]:
+        return self.gather_async().__await__()
 
     def free(self) -> None:
         """Free the workers' objects now (with the next message). Idempotent."""

@@ -188,7 +188,10 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None) -> None:
             if coll is not None:
                 coll.end(ref_id)
             if req_id:  # run: the result goes straight back, nothing is kept
-                _reply_value(chan, req_id, f"the result of {_name(fn)}", value)
+                if type(value) in _SCALARS:  # nothing out of band, nothing by value
+                    chan.reply(_dump((req_id, OK, value), 5))
+                else:
+                    _reply_value(chan, req_id, f"the result of {_name(fn)}", value)
             else:
                 regs[ref_id] = value
             value = None
@@ -233,6 +236,9 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None) -> None:
 
 
 _MISSING = object()
+_SCALARS = frozenset({type(None), bool, int, float, str, bytes})
+"""Results that plain pickle takes as they are (no buffers, no __main__ class)."""
+_dump = pickle.dumps
 
 
 def _reply_value(chan: WorkerChannel, req_id: int, what: str, obj: object) -> None:

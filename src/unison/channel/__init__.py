@@ -118,6 +118,21 @@ class Channel(ABC):
         for one transition only, so that callers written against the old signature work.
         """
 
+    def wake_fds(self) -> list[int]:
+        """Fds an event loop watches for replies (``loop.add_reader``): each becomes
+        readable when a reply may be waiting, while ``async_waiting(True)``; then
+        ``clear_wake()`` and ``recv(0.0)``."""
+        raise NotImplementedError
+
+    def async_waiting(self, on: bool) -> None:
+        """Whether an event loop waits on ``wake_fds``: then every reply must make one
+        readable, not only those a sleeping ``recv`` waits for. (A pipe always is.)"""
+        return None
+
+    def clear_wake(self) -> None:
+        """Reset the wake fds after they were readable (before reading the replies)."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Release every resource; idempotent."""

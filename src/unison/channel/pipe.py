@@ -192,6 +192,9 @@ class PipeChannel(Channel):
                 out.append((rank, None))
         return out
 
+    def wake_fds(self) -> list[int]:
+        return [c.fileno() for c in self._open]  # a reply pipe with data is readable
+
     def close(self) -> None:
         for fd in self._cmd:
             _close_fd(fd)

@@ -77,6 +77,7 @@ _NDESC = 40  # reply head: the body's number of buffer descriptors, from this bi
 _ENTRY = 16  # command entry header bytes
 _CTL_SLEEP = _LINE // 8  # index of the controller's sleeping flag (waiting for replies)
 _CTL_DONE = _CTL_SLEEP + 1  # index of its flag "waiting for workers' progress"
+_CTL_ASYNC = _CTL_SLEEP + 2  # index of its flag "an event loop waits on the reply eventfd"
 _NO_VIEWS: list[memoryview] = []
 _DESC = 24
 
@@ -320,6 +321,18 @@ class ShmChannel(Channel):
         q, idx = self._q, self._unrep_idx
         return any(q[idx[r]] for r in ranks)
 
+    # -- an event loop's wait ------------------------------------------------------------------
+
+    def wake_fds(self) -> list[int]:
+        return [self._ctl_efd]
+
+    def async_waiting(self, on: bool) -> None:
+        self._q[_CTL_ASYNC] = 1 if on else 0
+        _fence()  # the caller polls next: a reply published before the flag is seen then
+
+    def clear_wake(self) -> None:
+        _drain_eventfd(self._ctl_efd)
+
     # -- replies -------------------------------------------------------------------------------
 
     def recv(
@@ -469,7 +482,7 @@ class ShmWorkerChannel(WorkerChannel):
                 continue
             n, meta = head & 0xFFFFFFFF, head >> 32
             nbufs = meta & 0xFFFF
-            size = _entry_size(n, nbufs)
+            size = (_ENTRY + 7 + n + _DESC * nbufs) & ~7  # _entry_size, inlined
             if not q[i + 1] & self._bit:
                 pos += size
                 self._pos = q[self._read_idx] = pos
@@ -573,7 +586,10 @@ class ShmWorkerChannel(WorkerChannel):
         q[start // 8] = n | flags
         buf[start + 8 : start + 8 + n] = chunk
         self._rpos = q[self._rw_idx] = pos + size  # publish
-        self._wake_controller()
+        _acquire()  # _wake_controller, inlined: a fence, then the flags
+        _release()
+        if q[_CTL_SLEEP] or q[_CTL_ASYNC]:
+            os.eventfd_write(self._ctl_efd, 1)
 
     def ack(self) -> None:
         q = self._q
@@ -586,12 +602,12 @@ class ShmWorkerChannel(WorkerChannel):
         self._rpos = q[self._rw_idx] = pos + 8
         _acquire()
         _release()
-        if q[_CTL_SLEEP]:
+        if q[_CTL_SLEEP] or q[_CTL_ASYNC]:
             os.eventfd_write(self._ctl_efd, 1)
 
     def _wake_controller(self) -> None:
         _fence()
-        if self._q[_CTL_SLEEP]:
+        if self._q[_CTL_SLEEP] or self._q[_CTL_ASYNC]:
             os.eventfd_write(self._ctl_efd, 1)
 
     def close(self) -> None:

@@ -46,6 +46,7 @@ from unison.protocol import (
 )
 from unison.refs import Ref
 from unison.session import checks
+from unison.session.aio import Waits
 from unison.session.fncache import FunctionCache, pickle_function
 from unison.session.resources import Resources
 from unison.session.router import OutOfStep, Request, Router
@@ -83,6 +84,28 @@ class View:
         deadline = _deadline(timeout)  # a bad timeout is refused before anything is sent
         send_by = session._send_deadline() if deadline is None else deadline
         return session._run(self.workers, fn, args, kwargs, send_by, deadline)
+
+    async def run_async(
+        self, fn: Callable[..., Any], /, *args: Any, timeout: float | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """``run`` for asyncio: the event loop goes on while the workers run ``fn``.
+        Cancelling the awaiting task (or ``timeout``) abandons only the wait."""
+        session = self._session
+        deadline = _deadline(timeout)
+        send_by = session._send_deadline() if deadline is None else deadline
+        req = Request(next(session._ids), len(self.workers), next(session._ids))
+        fut = session._waits.prepare(req)
+        try:
+            session._send_call(self.workers, fn, args, kwargs, send_by, req)
+        except BaseException:
+            session._waits.cancel(req)
+            raise
+        return await session._results_async(req, fut, self.workers, timeout, "running a call")
+
+    async def sync_async(self, timeout: float | None = None) -> None:
+        """``sync`` for asyncio."""
+        await self._session._sync_async(self.workers, timeout)
 
     def put(self, value: Any) -> Ref:
         """The same value on every worker of the view."""
@@ -172,6 +195,7 @@ class Session(View):
         try:
             self._chan = self._res.chan
             self._router = Router(num_workers, self._chan, self._errors, self, watched=False)
+            self._waits = Waits(self, self._chan, self._router)
             ready = Request(protocol.READY_REQ, num_workers)
             self._router.expect(ready, self.workers)
             self._closed = False
@@ -318,9 +342,12 @@ class Session(View):
             finally:
                 self._send_lock.release()
         locks = _Both(self._send_lock, router.recv_lock)
+        self._waits.close()  # an event loop stops watching fds that are about to close
         # once the workers are gone, a sender still inside the channel fails out at once
         res.close(max(0.0, deadline - time.monotonic()),
                   router.drain if goodbye is not None else None, locks)
+        router.fail_all(self._dead if self._dead is not None else SessionClosed(
+            "the session was closed while this wait was pending"))
         _live.discard(self)
         self._errors.warn_all(self.name)
 
@@ -436,13 +463,63 @@ class Session(View):
         return values
 
     def _fetch(self, ref: Ref, ranks: tuple[int, ...], deadline: float | None) -> list[Any]:
+        self._check_fetch(ref)
+        req = self._request(get_msg, ref._id, ranks, deadline)
+        return self._results(req, ranks, deadline, "fetching a value")
+
+    def _check_fetch(self, ref: Ref) -> None:
         self.check_open()
         if ref._session is not self:
             raise ValueError(f"{ref!r} belongs to another session")
         if ref._freed:
             raise ValueError(f"{ref!r} was freed; its value is gone")
-        req = self._request(get_msg, ref._id, ranks, deadline)
-        return self._results(req, ranks, deadline, "fetching a value")
+
+    # -- asyncio (aio.py) ------------------------------------------------------------------------
+
+    async def _fetch_async(self, ref: Ref, ranks: tuple[int, ...],
+                           timeout: float | None) -> list[Any]:
+        self._check_fetch(ref)
+        req = Request(next(self._ids), len(ranks), ref._id)
+        fut = self._waits.prepare(req)
+        try:
+            self._request(get_msg, ref._id, ranks, _deadline(timeout), req)
+        except BaseException:
+            self._waits.cancel(req)
+            raise
+        return await self._results_async(req, fut, ranks, timeout, "fetching a value")
+
+    async def _results_async(self, req: Request, fut: Any, ranks: tuple[int, ...],
+                             timeout: float | None, during: str) -> list[Any]:
+        await self._waits.wait(req, fut, timeout, during)
+        values, errors = [], {}
+        for rank, (status, payload) in zip(ranks, self._decode(req, ranks)):
+            if status == OK:
+                values.append(payload)
+            else:
+                errors[rank] = payload
+        if errors:
+            self._errors.forget(req.ref_id)
+            raise _worker_error(errors)
+        return values
+
+    async def _sync_async(self, ranks: tuple[int, ...], timeout: float | None) -> None:
+        req = Request(next(self._ids), len(ranks))
+        fut = self._waits.prepare(req)
+        try:
+            self._request(sync_msg, 0, ranks, _deadline(timeout), req)
+        except BaseException:
+            self._waits.cancel(req)
+            raise
+        await self._waits.wait(req, fut, timeout, "syncing")
+        for rank, (_, errs) in zip(ranks, self._decode(req, ranks)):
+            self._errors.add_all(rank, errs)
+        errors = self._errors.pop_earliest()
+        if errors is not None:
+            raise _worker_error(errors)
+
+    def watch_fds(self) -> list[int]:
+        """The fds whose readability means a worker ended (for an event loop to watch)."""
+        return list(self._res.launcher.watch_fds())
 
     def _sync(self, ranks: tuple[int, ...], timeout: float | None) -> None:
         """Where the channel tracks progress (and no request is in flight to these ranks,
@@ -494,13 +571,14 @@ class Session(View):
 
     def _request(
         self, build: Callable[..., bytes], ref_id: int, ranks: tuple[int, ...],
-        deadline: float | None,
+        deadline: float | None, req: Request | None = None,
     ) -> Request:
         """Send a request (GET of ``ref_id``, or SYNC) to ``ranks``; the router expects its
         replies. The deadline bounds taking the send lock and the send."""
         if self._closed:
             self.check_open()
-        req = Request(next(self._ids), len(ranks), ref_id)
+        if req is None:
+            req = Request(next(self._ids), len(ranks), ref_id)
         fields = (req.req_id, ref_id) if ref_id else (req.req_id,)
         router = self._router
         self._lock_send(deadline)

@@ -11,6 +11,11 @@
                                     no:    sleep on a condition until the leader
                                            has filled this request, or the deadline
 
+An event loop waits differently (session/aio.py): its request carries a ``done`` callback,
+the loop watches the channel's wake fds, and on each wake ``poll()`` delivers what is there
+without blocking; whoever delivers a request's last reply (the loop, or a blocking leader in
+another thread) calls ``done``.
+
 A worker answers its requests in the order they were sent, so the head of a rank's FIFO is
 always the request a reply of that rank belongs to. Every wait is bounded: a wait slice
 never exceeds half a second, so a closed session, a death (the owner's check_alive) and the
@@ -23,7 +28,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from unison import protocol
@@ -39,7 +44,7 @@ SLICE = 0.5  # the longest single sleep of a wait, so close() and deadlines are 
 class Request:
     """One request awaiting a reply from each of its ranks."""
 
-    __slots__ = ("abandoned", "ref_id", "remaining", "replies", "req_id", "salvaged")
+    __slots__ = ("abandoned", "done", "ref_id", "remaining", "replies", "req_id", "salvaged")
 
     def __init__(self, req_id: int, count: int, ref_id: int = 0) -> None:
         self.req_id = req_id
@@ -48,6 +53,9 @@ class Request:
         self.replies: dict[int, bytes | Reply] = {}
         self.abandoned = False  # its wait timed out: errors in late replies must be kept
         self.salvaged: set[int] = set()
+        self.done: Callable[[BaseException | None], None] | None = None
+        """Called (from any thread) once the last reply is in, or with the error that ends
+        the wait (the session closed); an event loop's wait sets it."""
 
 
 class RouterOwner(Protocol):
@@ -200,6 +208,8 @@ class Router:
                 p.remaining -= 1
                 if p.abandoned:
                     self._salvage(p, rank)
+                if p.done is not None and not p.remaining:
+                    p.done(None)
             if self._followers:
                 with self._cv:
                     self._cv.notify_all()
@@ -210,6 +220,43 @@ class Router:
         p.remaining -= 1
         if p.abandoned:
             self._salvage(p, rank)
+        if p.done is not None and not p.remaining:
+            p.done(None)
+
+    # -- an event loop's wait ---------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Deliver the replies there are now, without blocking; nothing if another thread is
+        reading (it delivers them, and the wake fd stays readable until it has). A death
+        fails every waiting request (through the owner, which closes the session)."""
+        if not self._recv_lock.acquire(blocking=False):
+            return
+        try:
+            self._chan.clear_wake()
+            for rank, data in self._chan.recv(0.0):
+                if data is None:
+                    self.fail_all(self._owner.died("waiting for replies", rank))
+                    return
+                if self._expect[rank]:
+                    self._deliver(rank, data)
+        finally:
+            self._recv_lock.release()
+            if self._followers:
+                with self._cv:
+                    self._cv.notify_all()
+
+    def fail_all(self, exc: BaseException) -> None:
+        """The session is over: end every wait that has a ``done`` callback with ``exc``."""
+        for fifo in self._expect:
+            for p in list(fifo):
+                if p.done is not None and p.remaining:
+                    done, p.done = p.done, None
+                    done(exc)
+
+    def abandon(self, req: Request) -> None:
+        """A wait gave up (timeout, cancellation): keep the errors its replies bring."""
+        req.done = None
+        self._abandon(req)
 
     def _follow(self, req: Request, deadline: float | None) -> None:
         """Another thread reads the channel: sleep until it hands over our replies."""

@@ -1,0 +1,170 @@
+"""asyncio: waiting for replies without blocking the event loop, and without a thread per
+wait.
+
+    await ref / sess.run_async(f)  -> a Request with a ``done`` callback, sent as usual
+                                   -> Waits.wait(req): a future of the running loop
+    loop.add_reader(wake fds)      -> Router.poll(): deliver what is there, no blocking;
+                                      the last reply calls req.done -> the future is set
+    loop.add_reader(pidfds)        -> a death: the session closes, every future fails
+
+One ``Waits`` per session, bound to the first event loop that waits on it (a second loop
+while the first still waits is refused: the replies are read in one place). The readers are
+added while at least one wait is pending and removed after the last, so a session that an
+event loop no longer waits on costs the blocking path nothing. Cancelling the waiting task
+(``asyncio.wait_for``, ``task.cancel()``) abandons only the wait, as ``timeout=`` does: the
+work goes on, and errors in its late replies are kept for the next sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Protocol
+
+from unison.channel import Channel
+from unison.session.router import Request, Router
+
+__all__ = ["Waits"]
+
+
+class Owner(Protocol):
+    """What the waits need from their session."""
+
+    def check_open(self) -> None: ...
+
+    def check_alive(self, during: str) -> None: ...
+
+    def watch_fds(self) -> list[int]: ...
+
+
+class Waits:
+    """The event loop's side of one session's replies."""
+
+    def __init__(self, owner: Owner, chan: Channel, router: Router) -> None:
+        self._owner = owner
+        self._chan = chan
+        self._router = router
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = 0
+        self._pending = 0
+        self._fds: list[int] = []
+        self._watch: list[int] = []
+
+    async def wait(self, req: Request, fut: asyncio.Future[None], timeout: float | None,
+                   during: str) -> None:
+        """Until every reply of ``req`` is in (``fut`` is what ``prepare`` gave, before
+        ``req`` was sent). TimeoutError after ``timeout`` seconds; what ended the wait
+        otherwise (the session closed: SessionClosed, WorkerDied)."""
+        try:
+            self._router.poll()  # replies may be in already (or a death)
+            if timeout is None:
+                await fut
+            else:
+                await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            self._router.abandon(req)
+            raise TimeoutError(
+                f"{req.remaining} worker(s) had not answered within {timeout} s ({during}). "
+                "The work goes on and the Ref stays valid: wait again, or close the session."
+            ) from None
+        except asyncio.CancelledError:
+            self._router.abandon(req)
+            raise
+        finally:
+            self._release()
+
+    def prepare(self, req: Request) -> asyncio.Future[None]:
+        """A future of the running loop for ``req``, set from whichever thread delivers its
+        last reply; the wake fds are watched while any such wait is pending. Call before
+        sending, and ``wait`` (or ``cancel``) after."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._loop is not None and self._loop is not loop and self._pending:
+                if not self._loop.is_closed():
+                    raise RuntimeError(
+                        "this session is already awaited from another event loop: await it "
+                        "from one loop at a time"
+                    )
+                self._pending = 0  # a closed loop's waits are gone with it
+            if self._pending == 0:
+                self._attach(loop)
+            self._pending += 1
+        fut = loop.create_future()
+        thread = self._thread
+
+        def done(exc: BaseException | None) -> None:
+            if threading.get_ident() == thread:
+                _settle(fut, exc)
+            else:
+                try:
+                    loop.call_soon_threadsafe(_settle, fut, exc)
+                except RuntimeError:
+                    pass  # the loop is closed: nobody waits any more
+
+        req.done = done
+        return fut
+
+    def cancel(self, req: Request) -> None:
+        """``req`` was never sent after ``prepare``."""
+        req.done = None
+        self._release()
+
+    def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.get_ident()
+        self._fds = self._chan.wake_fds()
+        self._watch = self._owner.watch_fds()
+        for fd in self._fds:
+            loop.add_reader(fd, self._router.poll)
+        for fd in self._watch:
+            loop.add_reader(fd, self._death)
+        self._chan.async_waiting(True)
+
+    def _release(self) -> None:
+        with self._lock:
+            self._pending -= 1
+            if self._pending > 0 or self._loop is None:
+                return
+            loop, self._loop = self._loop, None
+        self._detach(loop)
+
+    def _detach(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            self._chan.async_waiting(False)
+        except (ValueError, OSError):
+            pass  # the channel is closed
+        if loop.is_closed():
+            return
+        for fd in (*self._fds, *self._watch):
+            loop.remove_reader(fd)
+
+    def close(self) -> None:
+        """The session closes: stop watching its fds (before they are closed)."""
+        with self._lock:
+            loop, self._loop = self._loop, None
+            self._pending = 0
+        if loop is not None and threading.get_ident() == self._thread:
+            self._detach(loop)
+        # from another thread, the loop's selector drops the closed fds by itself
+
+    def _death(self) -> None:
+        """A watched fd is readable: a worker ended. The session closes and fails every
+        pending wait."""
+        try:
+            self._owner.check_alive("waiting for replies")
+        except BaseException as exc:  # the session closed: SessionClosed or WorkerDied
+            self._router.fail_all(exc)
+            with self._lock:
+                loop, self._loop = self._loop, None
+            if loop is not None:
+                self._detach(loop)
+
+
+def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)

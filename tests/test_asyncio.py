@@ -1,0 +1,175 @@
+"""The asyncio face (issue 11): ``await ref``, ``get_async``, ``run_async``, ``sync_async``.
+Waits never block the event loop and cost no thread; cancelling a wait abandons only the
+wait; a death or a close ends every pending wait with the session's error."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import unison
+
+pytestmark = pytest.mark.channels
+
+
+def boom() -> None:
+    raise ValueError("boom")
+
+
+def slow_fail() -> None:
+    time.sleep(0.4)
+    raise ZeroDivisionError("late")
+
+
+def test_await_ref_and_the_async_forms(sess):
+    async def main() -> None:
+        ref = sess.call(lambda: 40 + unison.rank())
+        assert await ref == [40, 41]
+        assert await ref.gather_async() == [40, 41]
+        assert await ref.get_async(1) == 41
+        assert await sess.run_async(unison.rank) == [0, 1]
+        assert await sess[1].run_async(unison.rank) == [1]
+        sess.call(int)
+        await sess.sync_async()
+
+    asyncio.run(main())
+
+
+def test_errors_reach_the_awaiting_task(sess):
+    async def main() -> None:
+        with pytest.raises(unison.WorkerError) as info:
+            await sess.run_async(boom)
+        assert isinstance(info.value.__cause__, ValueError)
+        sess.call(boom)
+        with pytest.raises(unison.WorkerError):
+            await sess.sync_async()
+        await sess.sync_async()  # reported once
+
+    asyncio.run(main())
+
+
+def test_a_thousand_pending_awaits_and_no_thread_per_wait(sess):
+    async def main() -> None:
+        threads = threading.active_count()
+        refs = [sess.call(lambda i=i: i * 2) for i in range(1000)]
+        tasks = [asyncio.ensure_future(ref.get_async(0)) for ref in refs]
+        await asyncio.sleep(0)
+        assert threading.active_count() == threads
+        assert await asyncio.gather(*tasks) == [i * 2 for i in range(1000)]
+
+    asyncio.run(main())
+
+
+def test_the_event_loop_runs_while_workers_work(sess):
+    async def main() -> int:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        t = asyncio.ensure_future(ticker())
+        await sess.run_async(time.sleep, 0.5)
+        t.cancel()
+        return ticks
+
+    assert asyncio.run(main()) >= 20  # a blocking wait would have allowed none
+
+
+def test_wait_for_and_cancel_abandon_only_the_wait(sess):
+    async def main() -> None:
+        ref = sess.call(time.sleep, 0.4)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(ref.gather_async(), 0.05)
+        with pytest.raises(TimeoutError, match="stays valid"):
+            await ref.gather_async(timeout=0.05)
+        task = asyncio.ensure_future(sess.run_async(time.sleep, 0.3))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await ref == [None, None]  # the Ref stayed valid
+        assert await sess.run_async(unison.rank) == [0, 1]
+
+    asyncio.run(main())
+
+
+def test_an_error_behind_a_cancelled_wait_reaches_sync(sess):
+    async def main() -> None:
+        task = asyncio.ensure_future(sess.run_async(slow_fail))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with pytest.raises(unison.WorkerError) as info:
+            await sess.sync_async()
+        assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+    asyncio.run(main())
+
+
+def test_a_death_ends_every_pending_wait(sess):
+    pids = sess.run(os.getpid)
+
+    async def main() -> float:
+        waits = [asyncio.ensure_future(sess.run_async(time.sleep, 30)) for _ in range(3)]
+        await asyncio.sleep(0.2)
+        start = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        results = await asyncio.gather(*waits, return_exceptions=True)
+        took = time.monotonic() - start
+        assert all(isinstance(r, (unison.WorkerDied, unison.SessionClosed)) for r in results)
+        assert any(isinstance(r, unison.WorkerDied) and r.worker == 1 for r in results)
+        return took
+
+    assert asyncio.run(main()) < 2.0
+    with pytest.raises(unison.SessionClosed):
+        sess.run(int)
+
+
+def test_close_from_another_thread_ends_pending_waits(sess):
+    async def main() -> None:
+        wait = asyncio.ensure_future(sess.run_async(time.sleep, 30))
+        await asyncio.sleep(0.1)
+        closer = threading.Thread(target=sess.close, kwargs={"timeout": 0})
+        closer.start()
+        with pytest.raises(unison.SessionClosed):
+            await asyncio.wait_for(wait, 5)
+        closer.join()
+
+    asyncio.run(main())
+
+
+def test_blocking_waits_in_a_thread_and_awaits_in_the_loop_mix(sess):
+    stop = threading.Event()
+    seen: list[list[int]] = []
+
+    def blocking() -> None:
+        while not stop.is_set():
+            seen.append(sess.run(unison.rank))
+
+    async def main() -> None:
+        for _ in range(200):
+            assert await sess.run_async(unison.rank) == [0, 1]
+
+    t = threading.Thread(target=blocking)
+    t.start()
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        stop.set()
+        t.join()
+    assert seen and all(s == [0, 1] for s in seen)
+
+
+def test_a_second_event_loop_after_the_first_is_done(sess):
+    assert asyncio.run(sess.run_async(unison.rank)) == [0, 1]
+    assert asyncio.run(sess.run_async(unison.rank)) == [0, 1]
+    assert sess.run(unison.rank) == [0, 1]  # and the blocking path still works
