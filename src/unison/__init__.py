@@ -5,6 +5,7 @@
         ref.gather()                 # every worker's value, in rank order
 """
 
+from unison.cancel import Cancelled
 from unison.collective import (
     allgather,
     allreduce,
@@ -19,6 +20,7 @@ from unison.collective import (
     send_to_next_group,
 )
 from unison.errors import (
+    CancelledError,
     CollectiveError,
     RemoteError,
     SessionClosed,
@@ -28,11 +30,13 @@ from unison.errors import (
 )
 from unison.refs import Ref
 from unison.session import Session, View
-from unison.worker import group, group_rank, group_size, rank, world_size
+from unison.worker import cancelled, group, group_rank, group_size, rank, world_size
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Cancelled",
+    "CancelledError",
     "CollectiveError",
     "Ref",
     "RemoteError",
@@ -46,6 +50,7 @@ __all__ = [
     "allreduce",
     "barrier",
     "broadcast",
+    "cancelled",
     "gather",
     "group",
     "group_rank",

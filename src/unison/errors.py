@@ -7,6 +7,8 @@
           │                     that could not be rebuilt on the controller
           ├── WorkerDied        a worker process died; the session is closed
           ├── SessionClosed     the session was closed (by close(), or by a death)
+          ├── CancelledError    fetching a Ref whose call was cancelled (ref.cancel());
+          │                     also a concurrent.futures.CancelledError
           └── CollectiveError   raised inside a worker: a collective could not complete
                                 (a peer left, died, or called something else)
 
@@ -16,10 +18,12 @@ TypeError from bad arguments, always saying what to do instead.
 
 from __future__ import annotations
 
+import concurrent.futures
 import signal
 
 __all__ = [
-    "CollectiveError", "RemoteError", "SessionClosed", "UnisonError", "WorkerDied", "WorkerError",
+    "CancelledError", "CollectiveError", "RemoteError", "SessionClosed", "UnisonError",
+    "WorkerDied", "WorkerError",
 ]
 
 EXIT_CONTROLLER_GONE = 75
@@ -124,6 +128,19 @@ def _cut(line: str) -> str:
 class SessionClosed(UnisonError):
     """The session was closed, by ``close()`` or because a worker died (then ``__cause__`` is
     the WorkerDied). Open a new Session to go on."""
+
+
+class CancelledError(UnisonError, concurrent.futures.CancelledError):
+    """The call behind this Ref was cancelled (``ref.cancel()``): skipped where it had not
+    started, interrupted (``unison.Cancelled`` raised inside it) where it ran. ``.workers``
+    are the ranks where it was cancelled; the session and every other object stay intact."""
+
+    def __init__(self, message: str, workers: list[int]):
+        super().__init__(message)
+        self.workers = workers
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.workers))
 
 
 class CollectiveError(UnisonError):

@@ -53,6 +53,14 @@ class Ref:
     def __await__(self) -> Generator[Any, None, list[Any]]:
         return self.gather_async().__await__()
 
+    def cancel(self, timeout: float = 1.0) -> None:
+        """Cancel the call behind this Ref on its workers: where it has not started it is
+        skipped; where it runs, ``unison.Cancelled`` is raised in it at its next Python
+        bytecode. Fetching the Ref then raises ``unison.CancelledError``; the session and
+        every other object stay intact. Waits up to ``timeout`` seconds for the call to
+        leave every worker, then raises TimeoutError naming those stuck in C code."""
+        self._session._cancel(self, timeout)
+
     def free(self) -> None:
         """Free the workers' objects now (with the next message). Idempotent."""
         if not self._freed:

@@ -26,6 +26,8 @@ class WorkerSpec:
     """The collectives' spec, or None where the session has none (no memfd)."""
     fds: tuple[int, ...] = ()
     """File descriptors the worker must inherit (the channel's and the collectives')."""
+    cancel: int = -1
+    """The cancellation board's memfd (unison.cancel), or -1 where there is none."""
 
     @property
     def group(self) -> int:

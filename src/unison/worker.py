@@ -40,6 +40,7 @@ import time
 from typing import Any, NoReturn
 
 from unison import _proctree, collective, protocol
+from unison.cancel import SIGNAL, Board, Cancelled
 from unison.channel import WorkerChannel, connect
 from unison.collective.base import Collectives
 from unison.errors import EXIT_CONTROLLER_GONE
@@ -137,10 +138,33 @@ def lookup(ref_id: int) -> Any:
 # -- the loop ----------------------------------------------------------------------------------
 
 
-def serve(chan: WorkerChannel, coll: Collectives | None = None) -> None:
+_current = [0]
+"""The call running now (0: none), for the cancellation signal's handler."""
+_board: Board | None = None
+
+
+def cancelled() -> bool:
+    """Inside a worker's function: whether the controller cancelled this call. Poll it in a
+    long loop, to stop cleanly where ``unison.Cancelled`` would otherwise be raised."""
+    call = _current[0]
+    return bool(call) and _board is not None and call in _board.fresh()
+
+
+def _on_cancel_signal(signum: int, frame: object) -> None:
+    """The controller cancelled a running call: raise Cancelled in it, at the next bytecode.
+    Only while a function runs (``_current``), so the loop's own code is never hit."""
+    call = _current[0]
+    if call and _board is not None and call in _board.fresh():
+        raise Cancelled(f"call #{call} was cancelled by the controller while it ran")
+
+
+def serve(chan: WorkerChannel, coll: Collectives | None = None,
+          board: Board | None = None) -> None:
     """Run messages until SHUTDOWN, or until the controller is gone. ``coll`` learns which
-    call runs, so that collectives can tell a peer that left the call from a slow one."""
+    call runs, so that collectives can tell a peer that left the call from a slow one;
+    ``board`` says which calls are cancelled (unison.cancel)."""
     regs = registers
+    me = _identity.get("rank", 0)
     fns: dict[int, Any] = {}
     unreported: dict[int, tuple[Any, ...]] = {}
     loads, dumps = protocol.loads, protocol.dumps
@@ -161,19 +185,28 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None) -> None:
             if coll is not None:
                 coll.begin(ref_id, ranks)
             try:
-                if isinstance(fn, Failed):
-                    raise RuntimeError(
-                        f"the function could not be loaded on this worker: {fn.error[2]}. "
-                        "Make its module importable here (workers get the controller's "
-                        "sys.path and cwd), or define it in the script that drives the session"
-                    )
-                if blob is None:
-                    value = fn()  # type: ignore[misc]
-                elif type(blob) is tuple:  # plain positional values, inside the message
-                    value = fn(*blob)  # type: ignore[misc]
-                else:
-                    args, kwargs = loads(blob, bufs)
-                    value = fn(*args, **kwargs)  # type: ignore[misc]
+                try:
+                    if board is not None and board.enter(me, ref_id):
+                        raise Cancelled(f"call #{ref_id} was cancelled before it started")
+                    if isinstance(fn, Failed):
+                        raise RuntimeError(
+                            f"the function could not be loaded on this worker: {fn.error[2]}. "
+                            "Make its module importable here (workers get the controller's "
+                            "sys.path and cwd), or define it in the script that drives the "
+                            "session"
+                        )
+                    _current[0] = ref_id  # from here the cancellation signal may raise
+                    if blob is None:
+                        value = fn()  # type: ignore[misc]
+                    elif type(blob) is tuple:  # plain positional values, inside the message
+                        value = fn(*blob)  # type: ignore[misc]
+                    else:
+                        args, kwargs = loads(blob, bufs)
+                        value = fn(*args, **kwargs)  # type: ignore[misc]
+                finally:
+                    _current[0] = 0  # a signal in here still lands in the except below
+                    if board is not None:
+                        board.leave(me)
             except BaseException as exc:  # SystemExit and friends from user code are errors too
                 err = protocol.pack_error(exc, _name(fn))
                 if coll is not None:
@@ -182,8 +215,9 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None) -> None:
                     chan.reply(dumps((req_id, ERR, err)))
                 else:
                     regs[ref_id] = Failed(err)
-                    unreported[ref_id] = err
-                    chan.unreported(len(unreported))
+                    if not isinstance(exc, Cancelled):  # asked for: nothing to report
+                        unreported[ref_id] = err
+                        chan.unreported(len(unreported))
                 continue
             if coll is not None:
                 coll.end(ref_id)
@@ -426,9 +460,13 @@ def run(spec: WorkerSpec) -> None:
     _identity.update(rank=spec.rank, world_size=spec.world_size, group=spec.group,
                      group_rank=spec.group_rank, group_size=spec.group_size)
     coll = collective.setup(spec.collective, spec.rank, spec.world_size, spec.num_groups)
+    global _board
+    if spec.cancel >= 0:
+        _board = Board(spec.world_size, fd=spec.cancel)
+        signal.signal(SIGNAL, _on_cancel_signal)
     chan = connect(spec.channel)
     chan.reply(protocol.dumps((protocol.READY_REQ, OK, os.getpid())))
     try:
-        serve(chan, coll)
+        serve(chan, coll, _board)
     finally:
         chan.close()

@@ -29,9 +29,10 @@ from typing import Any
 
 from unison import channel as channels
 from unison import collective, protocol
+from unison.cancel import Cancelled
 from unison.deadline import deadline as _deadline
 from unison.deadline import seconds as _seconds
-from unison.errors import SessionClosed, WorkerDied, WorkerError
+from unison.errors import CancelledError, SessionClosed, WorkerDied, WorkerError
 from unison.launch import Launcher
 from unison.launch import create as create_launcher
 from unison.protocol import (
@@ -202,6 +203,7 @@ class Session(View):
             self._res.start(self._res.specs(num_workers, num_groups, cpus), envs)
             self._router.set_watched(self._res.watched)
             self._router.wait(ready, start_deadline, "starting")
+            self._pids = [pid for _, pid in self._router.decode(ready, self.workers)]
         except BaseException:
             self._shutdown(0)
             raise
@@ -565,6 +567,22 @@ class Session(View):
             self.interrupted()
             raise
 
+    def _cancel(self, ref: Ref, timeout: float) -> None:
+        board = self._res.board
+        if board is None:
+            raise RuntimeError("cancelling needs shared memory (memfd), which this platform lacks")
+        if ref._session is not self:
+            raise ValueError(f"{ref!r} belongs to another session")
+        self.check_open()
+        stuck = board.stop(ref._id, ref.workers, self._pids, timeout)
+        if stuck:
+            raise TimeoutError(
+                f"worker(s) {stuck} are still inside the call of {ref!r} {timeout} s after it "
+                "was cancelled: they are stuck in C code that does not return to Python (the "
+                "cancellation takes effect at the next Python bytecode). It ends cancelled if "
+                "it ever returns; close the session to stop it now."
+            )
+
     def _release(self, ref_id: int) -> None:
         """Called from Ref.__del__, in any thread: so no lock, just an atomic append."""
         self._frees.append(ref_id)
@@ -801,10 +819,13 @@ def _fn_name(fn: object) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
-def _worker_error(errors: dict[int, tuple[Any, ...]]) -> WorkerError:
+def _worker_error(errors: dict[int, tuple[Any, ...]]) -> WorkerError | CancelledError:
     ranks = sorted(errors)
     first = ranks[0]
     excs = {r: protocol.unpack_error(errors[r]) for r in ranks}
+    if all(isinstance(e, Cancelled) for e in excs.values()):
+        return CancelledError(
+            f"the call was cancelled (ref.cancel()) on workers {ranks}: {excs[first]}", ranks)
     _, type_name, message, tb, where = errors[first]
     text = f"worker {first} raised {type_name}: {message}"
     if where:

@@ -1,7 +1,8 @@
 """Everything a session holds outside Python, owned in one place: the channel, the collective
-segment and the launcher's workers. Made in order, released in reverse, on every path:
+segment, the cancellation board and the launcher's workers. Made in order, released in
+reverse, on every path:
 
-    Resources(...)   channel -> collective segment     (a failure releases what was made)
+    Resources(...)   channel -> collective segment -> board   (a failure releases what was made)
     start(specs)     launcher starts the workers; the channel learns which fds mean a death
     on_death(rank)   peers in a collective give up; the dead worker is described, its tree killed
     close(grace)     workers stopped (after grace); then ``before_release`` (read what they
@@ -19,6 +20,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from unison import channel as channels
+from unison.cancel import Board
 from unison.collective import shm as collective_shm
 from unison.launch import DeathReport, Launcher
 from unison.spec import WorkerSpec
@@ -35,6 +37,7 @@ class Resources:
         self._lock = threading.Lock()
         self._closed = False
         self.coll_fd = -1
+        self.board: Board | None = None
         self.chan = channels.create(channel, num_workers, name)
         try:
             self.coll_spec: dict[str, Any] | None = None
@@ -44,7 +47,10 @@ class Resources:
                     "fd": self.coll_fd, "backend": collectives,
                     "torch_address": _free_address() if collectives == "torch" else None,
                 }
+                self.board = Board(num_workers, name)
         except BaseException:
+            if self.coll_fd >= 0:
+                os.close(self.coll_fd)
             self.chan.close()
             raise
 
@@ -56,10 +62,13 @@ class Resources:
             chan_spec, fds = self.chan.endpoint(rank)
             if self.coll_fd >= 0:
                 fds = [*fds, self.coll_fd]
+            board = -1 if self.board is None else self.board.fd
+            if board >= 0:
+                fds = [*fds, board]
             out.append(WorkerSpec(
                 rank=rank, world_size=num_workers, num_groups=num_groups, channel=chan_spec,
                 sys_path=sys_path(), cpus=cpus.get(rank), collective=self.coll_spec,
-                fds=tuple(fds),
+                fds=tuple(fds), cancel=board,
             ))
         return out
 
@@ -104,6 +113,8 @@ class Resources:
             if self.coll_fd >= 0:
                 os.close(self.coll_fd)
                 self.coll_fd = -1
+            if self.board is not None:
+                self.board.close()
 
 
 def sys_path() -> list[str]:

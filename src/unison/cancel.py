@@ -1,0 +1,144 @@
+"""Cancellation: a board in shared memory that the controller writes and every worker reads
+before each call, and a signal that interrupts a call already running.
+
+    controller: ref.cancel()                        worker r
+      board.post(id): slot[gen % SLOTS] = id         before a call: running[r] = id, fence,
+                      gen += 1, fence                  board.fresh() -> id cancelled? skip it
+      running[r] == id? -> signal worker r           (signal) handler: running[r] is a
+      wait until running[r] != id, or report           cancelled id -> raise Cancelled there
+        that r is stuck in C code                    after the call: running[r] = 0
+
+The controller posts, fences, then reads each worker's running word, and keeps reading it
+while it waits: either the worker sees the cancellation before it starts (and skips the
+call), or the controller sees it running (and signals it, once). The signal is a system
+call, so the worker's handler sees the post.
+
+Python runs a signal handler at the next bytecode of the main thread, so a function in
+Python code, or in a C call that returns on EINTR (time.sleep, a blocking read, a regex),
+gets ``Cancelled`` at once; a C call that never returns to Python cannot be interrupted,
+and ``cancel`` says so after its wait.
+
+One memfd per session (``unison-<session>-cancel``), a page: word 0 the generation, then
+SLOTS cancelled ids (a ring: a worker more than SLOTS cancellations behind re-reads them
+all, as the ring never forgets the last SLOTS), then one cache line per worker.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import threading
+import time
+from collections.abc import Sequence
+
+__all__ = ["SIGNAL", "Board", "Cancelled"]
+
+SLOTS = 256
+_LINE = 8  # words per cache line
+_RUNNING = 1 + SLOTS  # word index of worker 0's line
+SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
+"""The signal that interrupts a running call (a real-time one, which no library uses)."""
+
+_fence_lock = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier: a lock round trip is a locked instruction on x86."""
+    with _fence_lock:
+        pass
+
+
+class Cancelled(BaseException):
+    """Raised inside a worker's function when the controller cancels its call: at the next
+    Python bytecode. A BaseException, like KeyboardInterrupt, so that ``except Exception``
+    in user code does not swallow it."""
+
+
+class Board:
+    """The shared board; ``Board(n)`` on the controller, ``Board(n, fd=...)`` on a worker."""
+
+    def __init__(self, num_workers: int, name: str = "", fd: int = -1) -> None:
+        size = 8 * (_RUNNING + _LINE * num_workers)
+        self.owner = fd < 0
+        if self.owner:
+            fd = os.memfd_create(f"{name}-cancel", os.MFD_CLOEXEC)
+            os.ftruncate(fd, size)
+        self.fd = fd
+        self._mm = mmap.mmap(fd, size)
+        self._q = memoryview(self._mm).cast("Q")
+        self._seen = 0
+        self.cancelled: set[int] = set()
+        """Ids this side has read off the board (a worker's view)."""
+        self._lock = threading.Lock()
+
+    # -- controller --------------------------------------------------------------------------
+
+    def post(self, call_id: int) -> None:
+        """Cancel ``call_id`` on every worker: those that have not started it skip it."""
+        with self._lock:
+            gen = self._q[0]
+            self._q[1 + gen % SLOTS] = call_id
+            self._q[0] = gen + 1  # published after its slot
+        _fence()
+
+    def running(self, rank: int) -> int:
+        """The call worker ``rank`` is inside now (0: none)."""
+        return int(self._q[_RUNNING + _LINE * rank])
+
+    def stop(self, call_id: int, ranks: Sequence[int], pids: Sequence[int],
+             timeout: float) -> list[int]:
+        """Post ``call_id``, signal each worker of ``ranks`` seen inside it (``pids`` by
+        rank), and wait up to ``timeout`` for them to leave it; the ranks still inside."""
+        self.post(call_id)
+        signalled: set[int] = set()
+        end = time.monotonic() + timeout
+        nap = 20e-6
+        while True:
+            inside = [r for r in ranks if self.running(r) == call_id]
+            for r in inside:
+                if r not in signalled:
+                    signalled.add(r)
+                    try:
+                        os.kill(pids[r], SIGNAL)
+                    except ProcessLookupError:
+                        pass  # it died: the session hears of it on its next wait
+            if not inside or time.monotonic() >= end:
+                return inside
+            time.sleep(nap)
+            nap = min(2 * nap, 5e-3)
+
+    # -- worker --------------------------------------------------------------------------------
+
+    def fresh(self) -> set[int]:
+        """The cancelled ids, read again if the controller posted since the last look."""
+        q = self._q
+        gen = q[0]
+        if gen != self._seen:
+            if len(self.cancelled) > 4 * SLOTS:  # ids of calls that never came here
+                self.cancelled = set()
+                self._seen = max(0, gen - SLOTS)
+            for g in range(max(self._seen, gen - SLOTS), gen):
+                self.cancelled.add(q[1 + g % SLOTS])
+            self._seen = gen
+        return self.cancelled
+
+    def enter(self, rank: int, call_id: int) -> bool:
+        """About to run ``call_id``: say so, then whether it is cancelled (skip it then)."""
+        q = self._q
+        q[_RUNNING + _LINE * rank] = call_id
+        if q[0] != self._seen:
+            self.fresh()
+        return call_id in self.cancelled
+
+    def leave(self, rank: int) -> None:
+        self._q[_RUNNING + _LINE * rank] = 0
+
+    def close(self) -> None:
+        self._q.release()
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+        if self.owner:
+            os.close(self.fd)

@@ -1,0 +1,141 @@
+"""Cancellation (issue 11): ``ref.cancel()`` skips a call still queued on a worker and
+interrupts one that runs (``unison.Cancelled`` at its next bytecode); fetching the Ref raises
+``unison.CancelledError``; a call stuck in C code is reported as such; everything else in
+the session stays intact."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import time
+
+import pytest
+
+import unison
+from unison.cancel import SIGNAL
+
+pytestmark = pytest.mark.channels
+
+
+def spin() -> None:
+    while True:
+        pass
+
+
+def stuck_in_c(seconds: float) -> str:
+    """A call the cancellation signal cannot reach, as in a C extension that never returns
+    to Python: the signal stays pending until it ends."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, [SIGNAL])
+    try:
+        time.sleep(seconds)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [SIGNAL])
+    return "done"
+
+
+def catches(seconds: float) -> str:
+    try:
+        time.sleep(seconds)
+    except unison.Cancelled:
+        return "cleaned up"
+    return "finished"
+
+
+def polite() -> int:
+    n = 0
+    while not unison.cancelled():
+        n += 1
+    return n
+
+
+def running(sess, ref, ranks=None) -> None:
+    """Wait until every worker of ``ref`` (or ``ranks``) is inside its call: a fresh session on
+    a loaded machine may take a while to get there, and cancelling earlier skips the call."""
+    board = sess._res.board
+    deadline = time.monotonic() + 20
+    for r in ranks or ref.workers:
+        while board.running(r) != ref._id:
+            assert time.monotonic() < deadline, f"worker {r} never started the call"
+            time.sleep(0.005)
+
+
+def test_a_queued_call_is_skipped(sess):
+    busy = sess.call(time.sleep, 0.5)
+    marks = sess.put([])
+    queued = sess.call(lambda m: m.append("ran") or len(m), marks)
+    queued.cancel()
+    with pytest.raises(unison.CancelledError) as info:
+        queued.gather()
+    assert info.value.workers == [0, 1]
+    assert isinstance(info.value, concurrent.futures.CancelledError)
+    assert busy.gather() == [None, None]  # the call before it was not touched
+    assert marks.gather() == [[], []]  # the skipped call never ran
+
+
+@pytest.mark.parametrize("fn", [spin, lambda: time.sleep(30)], ids=["python-loop", "sleep"])
+def test_a_running_call_is_interrupted(sess, fn):
+    ref = sess.call(fn)
+    running(sess, ref)
+    start = time.monotonic()
+    ref.cancel()
+    assert time.monotonic() - start < 0.5
+    with pytest.raises(unison.CancelledError, match="while it ran"):
+        ref.gather()
+    sess.sync()  # a cancelled call is not an error to report
+    assert sess.run(unison.rank) == [0, 1]
+
+
+def test_the_function_may_catch_cancelled_or_poll(sess):
+    ref = sess.call(catches, 30)
+    running(sess, ref)
+    ref.cancel()
+    assert ref.gather() == ["cleaned up", "cleaned up"]
+    ref = sess.call(polite)
+    running(sess, ref)
+    ref.cancel()  # the signal raises inside the loop unless it saw cancelled() first
+    try:
+        assert all(n > 0 for n in ref.gather())
+    except unison.CancelledError:
+        pass
+
+
+def test_a_call_stuck_in_c_is_reported(sess):
+    ref = sess.call(stuck_in_c, 1.5)
+    running(sess, ref)
+    with pytest.raises(TimeoutError, match="stuck in C"):
+        ref.cancel(timeout=0.3)
+    with pytest.raises(unison.CancelledError):  # once back in Python, the pending signal lands
+        ref.gather(timeout=10)
+    assert sess.run(unison.rank) == [0, 1]
+
+
+def test_cancel_on_one_worker_and_other_objects_stay(sess):
+    keep = sess.put("kept")
+    ref = sess[1].call(time.sleep, 30)
+    running(sess, ref)
+    ref.cancel()
+    with pytest.raises(unison.CancelledError) as info:
+        ref.get(1)
+    assert info.value.workers == [1]
+    assert keep.gather() == ["kept", "kept"]
+
+
+def test_cancelling_a_finished_call_changes_nothing(sess):
+    ref = sess.call(lambda: 7)
+    assert ref.gather() == [7, 7]
+    ref.cancel()
+    assert ref.gather() == [7, 7]
+
+
+def test_async_cancel_of_a_running_call(sess):
+    import asyncio
+
+    async def main() -> None:
+        ref = sess.call(time.sleep, 30)
+        waiter = asyncio.ensure_future(ref.gather_async())
+        running(sess, ref)
+        ref.cancel()
+        with pytest.raises(unison.CancelledError):
+            await waiter
+
+    asyncio.run(main())
