@@ -282,34 +282,42 @@ def test_spin_stops_when_ready_or_when_its_budget_is_spent(calm: None) -> None:
     assert not pacing.spin(lambda: True, 0.0)  # no budget: not even one look
 
 
-def test_a_long_yield_makes_waits_sleep_at_once_for_a_while(
+def test_frequent_long_yields_make_waits_sleep_at_once_for_a_while(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A yield that lost the core for a stranger's time slice (a CPU hog) ends the spin, and
-    for CROWDED seconds every wait skips its spin: a sleeper woken by an eventfd preempts
-    the hog, a yielder waits for its slice (issue 9: 4-8 ms per round trip beside hogs)."""
+    """A yield that lost the core for a stranger's time slice (a CPU hog) ends the spin; once
+    such waits are frequent, for CROWDED seconds every wait skips its spin: a sleeper woken
+    by an eventfd preempts the hog, a yielder waits for its slice (issue 9: 4-8 ms per round
+    trip beside two hogs). A lone long yield does not: sleeping costs a wake-up each time."""
     monkeypatch.setattr(pacing.crowd, "until", 0.0)
+    monkeypatch.setattr(pacing.crowd, "rate", 0.0)
     monkeypatch.setattr(pacing, "_yield", lambda: time.sleep(2 * pacing.LONG_YIELD))
     looks: list[int] = []
     assert not pacing.spin(lambda: looks.append(1) is not None, 60.0)
     assert looks == [1]  # one look after the long yield, then it gave up
+    assert pacing.crowd.until == 0.0  # once is not a crowd
+    for _ in range(3):
+        assert not pacing.spin(lambda: looks.append(1) is not None, 60.0)
+    assert pacing.crowd.rate > pacing.CROWDED_RATE
     assert pacing.crowd.until > pacing._clock()
+    looks.clear()
     assert not pacing.spin(lambda: looks.append(1) is not None, 60.0)
-    assert looks == [1]  # crowded: no yield, no look
+    assert looks == []  # crowded: no yield, no look
     naps: list[float] = []
     monkeypatch.setattr(pacing.time, "sleep", naps.append)
     pacing.Pacer(spin=60.0).pause()
     assert naps == [pacing.FIRST_NAP]  # crowded: a Pacer naps instead of yielding
     monkeypatch.setattr(pacing.crowd, "until", pacing._clock() - 1.0)  # CROWDED passed
     monkeypatch.setattr(pacing, "_yield", lambda: None)
+    rate = pacing.crowd.rate
     calls = iter(range(10))
     assert pacing.spin(lambda: next(calls) == 2, 60.0)  # it probes with a spin again
+    assert pacing.crowd.rate < rate  # and a clean spin brings the rate down
 
 
-def test_a_long_yield_inside_a_pacer_marks_the_machine_crowded(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_long_yield_inside_a_pacer_counts_too(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pacing.crowd, "until", 0.0)
+    monkeypatch.setattr(pacing.crowd, "rate", 0.9)
     monkeypatch.setattr(pacing, "_yield", lambda: time.sleep(2 * pacing.LONG_YIELD))
     pacing.Pacer(spin=60.0).pause()
     assert pacing.crowd.until > pacing._clock()

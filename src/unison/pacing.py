@@ -16,10 +16,12 @@ peer of ours (3 processes on 2 cores), it does its few microseconds of work and 
 yielding is the fast hand-over. When it is a CPU-bound stranger, it keeps the core for its
 whole time slice (milliseconds), so every yield costs a slice and a spinning wait collapses
 (issue 9 measured 4-8 ms per round trip beside two CPU hogs). A sleeper woken by an eventfd
-preempts such a stranger at once. So each wait times its yields: one that took longer than
-LONG_YIELD marks this process crowded, and for the next CROWDED seconds its waits skip the
-spin and sleep at once, as a pipe would. Then one wait probes with a spin again: under a
-lasting crowd that costs one slice per CROWDED seconds.
+preempts such a stranger at once, but each wake-up costs tens of microseconds. So each wait
+times its yields, and the process keeps a running rate of waits that met a yield longer
+than LONG_YIELD. One such wait gives up its spin and sleeps; once the rate passes
+CROWDED_RATE, every wait for the next CROWDED seconds skips the spin and sleeps at once, as
+a pipe would. Then waits probe with a spin again; clean ones bring the rate down. A lone
+stranger, which most spins never meet, leaves the spin in place: sleeping would cost more.
 
 The waits and their parameters:
 
@@ -45,7 +47,10 @@ LONG_YIELD = 500e-6
 """A yield that kept us off the core longer than this (s) went to a stranger's time slice,
 not to a peer's quick hand-over: the machine is crowded."""
 CROWDED = 0.05
-"""How long (s) waits sleep at once after a long yield, before a spin probes again."""
+"""How long (s) waits sleep at once once the machine is crowded, before spins probe again."""
+CROWDED_RATE = 0.3
+"""The share of recent waits meeting a long yield above which the machine counts as crowded."""
+_ALPHA = 0.125  # weight of the latest wait in the running rate
 
 _yield = os.sched_yield
 _clock = time.perf_counter
@@ -55,10 +60,21 @@ class _Crowd:
     """This process's view of the machine: ``until`` is the time (perf_counter) before which
     waits skip the spin. One per process: every wait of ours meets the same strangers."""
 
-    __slots__ = ("until",)
+    __slots__ = ("rate", "until")
 
     def __init__(self) -> None:
         self.until = 0.0
+        self.rate = 0.0
+
+    def met_long_yield(self, now: float) -> None:
+        """A wait met a stranger's time slice."""
+        self.rate = rate = self.rate + _ALPHA * (1.0 - self.rate)
+        if rate > CROWDED_RATE:
+            self.until = now + CROWDED
+
+    def calm(self) -> None:
+        """A wait spun without meeting one."""
+        self.rate -= _ALPHA * self.rate
 
 
 crowd = _Crowd()
@@ -77,11 +93,13 @@ def spin(ready: Callable[[], bool], budget: float) -> bool:
     while now < end:
         _yield()
         if ready():
+            crowd.calm()
             return True
         then, now = now, _clock()
         if now - then > LONG_YIELD:
-            crowd.until = now + CROWDED
+            crowd.met_long_yield(now)
             return False
+    crowd.calm()
     return False
 
 
@@ -104,8 +122,9 @@ class Pacer:
             now = _clock()
             if now < self._spin_end and now >= crowd.until:
                 _yield()
-                if _clock() - now > LONG_YIELD:
-                    crowd.until = _clock() + CROWDED
+                then = _clock()
+                if then - now > LONG_YIELD:
+                    crowd.met_long_yield(then)
                 return
         nap = self._nap
         self._nap = min(nap * 2, self._cap)

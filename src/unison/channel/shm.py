@@ -59,7 +59,7 @@ from typing import Any
 from unison.channel import Channel, Reply, WorkerChannel
 from unison.channel.arena import Arena, ArenaReader, create_file
 from unison.channel.ring import Ring
-from unison.pacing import CROWDED, LONG_YIELD, Pacer, crowd, spin
+from unison.pacing import LONG_YIELD, Pacer, crowd, spin
 
 _clock, _yield = time.perf_counter, os.sched_yield
 
@@ -518,12 +518,14 @@ class ShmWorkerChannel(WorkerChannel):
             while True:
                 _yield()
                 if q[0] != pos:
+                    crowd.calm()
                     return
                 then, now = now, _clock()
                 if now - then > LONG_YIELD:
-                    crowd.until = now + CROWDED
+                    crowd.met_long_yield(now)
                     break
                 if now >= end:
+                    crowd.calm()
                     break
         q[self._sleep_idx] = 1
         _fence()
