@@ -20,8 +20,7 @@ preempts such a stranger at once, but each wake-up costs tens of microseconds. S
 times its yields, and the process keeps a running rate of waits that met a yield longer
 than LONG_YIELD. One such wait gives up its spin and sleeps; once the rate passes
 CROWDED_RATE, every wait for the next CROWDED seconds skips the spin and sleeps at once, as
-a pipe would. Then waits probe with a spin again; clean ones bring the rate down. A lone
-stranger, which most spins never meet, leaves the spin in place: sleeping would cost more.
+a pipe would. Then waits probe with a spin again; clean ones bring the rate down.
 
 The waits and their parameters:
 
@@ -46,11 +45,15 @@ FIRST_NAP = 20e-6
 LONG_YIELD = 500e-6
 """A yield that kept us off the core longer than this (s) went to a stranger's time slice,
 not to a peer's quick hand-over: the machine is crowded."""
-CROWDED = 0.05
-"""How long (s) waits sleep at once once the machine is crowded, before spins probe again."""
-CROWDED_RATE = 0.3
-"""The share of recent waits meeting a long yield above which the machine counts as crowded."""
-_ALPHA = 0.125  # weight of the latest wait in the running rate
+CROWDED = 0.5
+"""How long (s) waits sleep at once once the machine is crowded, before spins probe again.
+Each probe under a lasting crowd costs a time slice; probing every 50 ms instead of 0.5 s
+made dispatch beside two hogs 2-3x slower (and slower than a pipe)."""
+CROWDED_RATE = 0.04
+"""The share of recent waits meeting a long yield above which the machine counts as crowded.
+Small on purpose: such a wait costs a time slice (~4 ms), a sleep's wake-up some 50 us, so
+spinning stops paying once more than a few percent of waits meet a stranger's slice."""
+_ALPHA = 1 / 32  # weight of the latest wait in the running rate
 
 _yield = os.sched_yield
 _clock = time.perf_counter
