@@ -124,6 +124,10 @@ class Channel(ABC):
         ``clear_wake()`` and ``recv(0.0)``."""
         raise NotImplementedError
 
+    def pending(self) -> bool:
+        """Whether a reply is waiting to be read: a cheap look, for polling."""
+        raise NotImplementedError
+
     def async_waiting(self, on: bool) -> None:
         """Whether an event loop waits on ``wake_fds``: then every reply must make one
         readable, not only those a sleeping ``recv`` waits for. (A pipe always is.)"""

@@ -195,6 +195,9 @@ class PipeChannel(Channel):
     def wake_fds(self) -> list[int]:
         return [c.fileno() for c in self._open]  # a reply pipe with data is readable
 
+    def pending(self) -> bool:
+        return bool(self._open) and bool(select.select(self._open, [], [], 0)[0])
+
     def close(self) -> None:
         for fd in self._cmd:
             _close_fd(fd)

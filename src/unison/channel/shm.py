@@ -326,6 +326,9 @@ class ShmChannel(Channel):
     def wake_fds(self) -> list[int]:
         return [self._ctl_efd]
 
+    def pending(self) -> bool:
+        return self._has_reply()
+
     def async_waiting(self, on: bool) -> None:
         self._q[_CTL_ASYNC] = 1 if on else 0
         _fence()  # the caller polls next: a reply published before the flag is seen then

@@ -8,9 +8,13 @@ wait.
     loop.add_reader(pidfds)        -> a death: the session closes, every future fails
 
 One ``Waits`` per session, bound to the first event loop that waits on it (a second loop
-while the first still waits is refused: the replies are read in one place). The readers are
-added while at least one wait is pending and removed after the last, so a session that an
-event loop no longer waits on costs the blocking path nothing. Cancelling the waiting task
+while the first still waits is refused: the replies are read in one place; once the first
+is closed, the next takes over). The readers stay on the loop until the session closes
+(adding and removing them per await cost more than the round trip); the channel is told to
+signal every reply only while at least one await is pending, so a session that no event
+loop waits on costs the blocking path nothing. When the loop has nothing
+else ready to run, an await first spins up to SPIN for its reply, as a blocking wait does:
+a quick call is then caught without a wake-up through the selector. Cancelling the waiting task
 (``asyncio.wait_for``, ``task.cancel()``) abandons only the wait, as ``timeout=`` does: the
 work goes on, and errors in its late replies are kept for the next sync.
 """
@@ -22,9 +26,13 @@ import threading
 from typing import Protocol
 
 from unison.channel import Channel
+from unison.pacing import spin
 from unison.session.router import Request, Router
 
 __all__ = ["Waits"]
+
+SPIN = 200e-6
+"""How long an await may spin for its reply, when the event loop has nothing else to run."""
 
 
 class Owner(Protocol):
@@ -57,7 +65,16 @@ class Waits:
         ``req`` was sent). TimeoutError after ``timeout`` seconds; what ended the wait
         otherwise (the session closed: SessionClosed, WorkerDied)."""
         try:
-            self._router.poll()  # replies may be in already (or a death)
+            if not getattr(asyncio.get_running_loop(), "_ready", True) and req.remaining:
+                # nothing else is ready to run: a short spin catches a quick reply without
+                # a trip through the selector (asyncio's loops; others skip it). The workers
+                # need not signal meanwhile; the poll below reads what came.
+                self._chan.async_waiting(False)
+                try:
+                    spin(self._chan.pending, SPIN)
+                finally:
+                    self._chan.async_waiting(True)
+            self._router.poll()  # deliver what is in (or a death)
             if timeout is None:
                 await fut
             else:
@@ -80,15 +97,18 @@ class Waits:
         sending, and ``wait`` (or ``cancel``) after."""
         loop = asyncio.get_running_loop()
         with self._lock:
-            if self._loop is not None and self._loop is not loop and self._pending:
-                if not self._loop.is_closed():
-                    raise RuntimeError(
-                        "this session is already awaited from another event loop: await it "
-                        "from one loop at a time"
-                    )
+            if self._loop is not loop:
+                if self._loop is not None and not self._loop.is_closed():
+                    if self._pending:
+                        raise RuntimeError(
+                            "this session is already awaited from another event loop: await "
+                            "it from one loop at a time"
+                        )
+                    self._detach(self._loop)
                 self._pending = 0  # a closed loop's waits are gone with it
-            if self._pending == 0:
                 self._attach(loop)
+            if self._pending == 0:
+                self._chan.async_waiting(True)
             self._pending += 1
         fut = loop.create_future()
         thread = self._thread
@@ -119,21 +139,17 @@ class Waits:
             loop.add_reader(fd, self._router.poll)
         for fd in self._watch:
             loop.add_reader(fd, self._death)
-        self._chan.async_waiting(True)
 
     def _release(self) -> None:
         with self._lock:
             self._pending -= 1
-            if self._pending > 0 or self._loop is None:
-                return
-            loop, self._loop = self._loop, None
-        self._detach(loop)
+            if self._pending == 0:
+                try:
+                    self._chan.async_waiting(False)
+                except (ValueError, OSError):
+                    pass  # the channel is closed
 
     def _detach(self, loop: asyncio.AbstractEventLoop) -> None:
-        try:
-            self._chan.async_waiting(False)
-        except (ValueError, OSError):
-            pass  # the channel is closed
         if loop.is_closed():
             return
         for fd in (*self._fds, *self._watch):
@@ -144,9 +160,15 @@ class Waits:
         with self._lock:
             loop, self._loop = self._loop, None
             self._pending = 0
-        if loop is not None and threading.get_ident() == self._thread:
+        if loop is None:
+            return
+        if threading.get_ident() == self._thread:
             self._detach(loop)
-        # from another thread, the loop's selector drops the closed fds by itself
+            return
+        try:  # the loop forgets the fds soon; the selector tolerates them closed by then
+            loop.call_soon_threadsafe(self._detach, loop)
+        except RuntimeError:
+            pass  # the loop is closed: its selector went with it
 
     def _death(self) -> None:
         """A watched fd is readable: a worker ended. The session closes and fails every
