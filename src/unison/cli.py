@@ -1,5 +1,6 @@
-"""The ``unison`` command: ``unison demo`` runs the main job; ``unison bench`` runs the
-benchmark of a source checkout (``benchmarks/run.py``, which is not part of the package)."""
+"""The ``unison`` command: ``unison demo`` runs the main job (a real model split across
+workers, unison/demo/); ``unison bench`` runs the benchmark of a source checkout
+(``benchmarks/run.py``, which is not part of the package)."""
 
 from __future__ import annotations
 
@@ -19,16 +20,23 @@ def bench_script() -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="unison", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="split a matrix multiply across workers and check it")
-    demo.add_argument("--workers", type=int, default=2)
-    demo.add_argument("--size", type=int, default=512)
+    demo = sub.add_parser(
+        "demo", help="all-MiniLM-L6-v2 split across workers: semantic search, speed, parity",
+        description="Embed sentences with all-MiniLM-L6-v2 split tensor-parallel across tp "
+                    "workers (times dp replicas), search them, and compare speed and answers "
+                    "with sentence-transformers in one process.")
+    from unison.demo.app import add_arguments
+
+    add_arguments(demo)
     sub.add_parser("bench", add_help=False,
                    help="run benchmarks/run.py of a source checkout (its --help lists the flags)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
-        from unison.demo import main as demo_main
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        from unison.demo.app import main as demo_main
 
-        return demo_main(args.workers, args.size)
+        return demo_main(args)
     script = bench_script()
     if script is None:
         print("unison bench: the benchmark is not installed with the package; it lives in "

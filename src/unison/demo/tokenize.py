@@ -1,0 +1,52 @@
+"""The controller's tokenizer: the model's own tokenizer.json, through the tokenizers library.
+
+sentence-transformers truncates at the model's ``max_seq_length`` (256 here, not the 128 that
+tokenizer.json carries) and pads each batch to its longest sentence; this does the same, so
+the workers see exactly the token ids sentence-transformers would feed its BERT. Sentences are
+grouped by length before batching (as sentence-transformers sorts them), so little padding is
+computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+
+class Tokenizer:
+    """Token ids of sentences, truncated at ``max_length`` (special tokens included)."""
+
+    def __init__(self, path: Path, max_length: int) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self._tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        self._tok.enable_truncation(max_length=max_length, strategy="longest_first")
+        self._tok.no_padding()  # padding is per batch, to its longest sentence (pad_batch)
+        self.max_length = max_length
+
+    def encode(self, sentences: Sequence[str]) -> list[list[int]]:
+        """Each sentence's token ids, [CLS] ... [SEP]."""
+        return [e.ids for e in self._tok.encode_batch(list(sentences))]
+
+
+def pad_batch(tokens: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, mask)``, int64 arrays of shape (batch, longest): right-padded with ``pad_id``,
+    the mask 1 on real tokens. An empty batch gives (0, 0) arrays."""
+    longest = max((len(t) for t in tokens), default=0)
+    ids = np.full((len(tokens), longest), pad_id, dtype=np.int64)
+    mask = np.zeros((len(tokens), longest), dtype=np.int64)
+    for row, t in enumerate(tokens):
+        ids[row, : len(t)] = t
+        mask[row, : len(t)] = 1
+    return ids, mask
+
+
+def length_batches(tokens: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
+    """Sentence indices in batches of ``batch_size``, longest sentences first, so that each
+    batch holds sentences of similar length."""
+    if batch_size < 1:
+        raise ValueError(f"batch size must be at least 1, got {batch_size}")
+    order = sorted(range(len(tokens)), key=lambda i: -len(tokens[i]))
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]

