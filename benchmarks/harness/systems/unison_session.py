@@ -24,9 +24,12 @@ class UnisonSystem(System):
     def __init__(self, name: str, channel: str | None) -> None:
         self.name = name
         self.channel = channel
+        from unison.channel import shm
+
+        ring = "C" if shm.NATIVE else "pure Python"
         self.description = (
             f'Session(N, channel="{channel}")' if channel
-            else f"Session(N), default channel ({default_channel()})"
+            else f"Session(N), default channel ({default_channel()}), command ring in {ring}"
         )
         self._sess: Any = None
         self._block: Any = None

@@ -1,0 +1,247 @@
+/* unison._ring: the shm channel's command ring in C, its fast paths only (issue 9).
+ *
+ * channel/shm.py owns the layout and every slow path (room, wraps to make, buffers, waits);
+ * this file does what every message pays: the controller's publish of a plain entry, and
+ * the worker's take of the next one (its progress published first, entries for others and
+ * wrap markers skipped). Same layout, same protocol, with real fences:
+ *
+ *   publish: header, rank mask, payload; release-store cmd_write; full fence; read the
+ *            targets' sleeping flags; write the eventfd of each one that sleeps.
+ *   take:    done = pos; full fence; read the controller's "waiting on progress" flag and
+ *            write its eventfd if up; acquire-load cmd_write; parse the entry at pos.
+ *
+ * A pure-Python fallback (shm.py) is chosen automatically when this does not build or
+ * UNISON_PURE=1 is set. Word indices and offsets come from Python (shm._Layout).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+
+#define WRAP UINT64_MAX
+#define ENTRY 16
+#define DESC 24
+#define MAX_WORKERS 64
+
+static inline void wake(int fd) {
+    uint64_t one = 1;
+    ssize_t r = write(fd, &one, sizeof one);
+    (void)r; /* EAGAIN: the counter is already non-zero, the sleeper wakes anyway */
+}
+
+/* ---- the controller's end --------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    uint64_t *q;
+    char *base;
+    Py_ssize_t cmd_base;
+    uint64_t ring;
+    int n;
+    int efd[MAX_WORKERS];
+    Py_ssize_t sleep_idx[MAX_WORKERS];
+} Sender;
+
+static void Sender_dealloc(Sender *self) {
+    if (self->view.obj) PyBuffer_Release(&self->view);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Sender_init(Sender *self, PyObject *args, PyObject *kw) {
+    PyObject *buf, *efds, *sleeps;
+    Py_ssize_t cmd_base;
+    unsigned long long ring;
+    if (!PyArg_ParseTuple(args, "OnKOO", &buf, &cmd_base, &ring, &efds, &sleeps)) return -1;
+    if (PyObject_GetBuffer(buf, &self->view, PyBUF_WRITABLE) < 0) return -1;
+    self->q = (uint64_t *)self->view.buf;
+    self->base = (char *)self->view.buf;
+    self->cmd_base = cmd_base;
+    self->ring = ring;
+    Py_ssize_t n = PySequence_Size(efds);
+    if (n < 0 || n > MAX_WORKERS || PySequence_Size(sleeps) != n) {
+        PyErr_SetString(PyExc_ValueError, "efds and sleeping indices: one per worker, <= 64");
+        return -1;
+    }
+    self->n = (int)n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *e = PySequence_GetItem(efds, i), *s = PySequence_GetItem(sleeps, i);
+        if (!e || !s) { Py_XDECREF(e); Py_XDECREF(s); return -1; }
+        self->efd[i] = (int)PyLong_AsLong(e);
+        self->sleep_idx[i] = PyLong_AsSsize_t(s);
+        Py_DECREF(e); Py_DECREF(s);
+        if (PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+/* publish(payload, rankmask, pos, limit) -> the new write position, or -1 when the entry
+ * does not fit between pos and the ring's end or the limit (the caller makes room). */
+static PyObject *Sender_publish(Sender *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "publish takes 4 arguments"); return NULL; }
+    Py_buffer p;
+    if (PyObject_GetBuffer(args[0], &p, PyBUF_SIMPLE) < 0) return NULL;
+    uint64_t mask = PyLong_AsUnsignedLongLong(args[1]);
+    uint64_t pos = PyLong_AsUnsignedLongLong(args[2]);
+    uint64_t limit = PyLong_AsUnsignedLongLong(args[3]);
+    if (PyErr_Occurred()) { PyBuffer_Release(&p); return NULL; }
+    uint64_t n = (uint64_t)p.len;
+    uint64_t size = (ENTRY + 7 + n) & ~(uint64_t)7;
+    uint64_t off = pos & (self->ring - 1);
+    if (off + size > self->ring || pos + size > limit) {
+        PyBuffer_Release(&p);
+        return PyLong_FromLong(-1);
+    }
+    char *entry = self->base + self->cmd_base + off;
+    uint64_t *head = (uint64_t *)entry;
+    head[0] = n;          /* meta 0: no buffers, no flags */
+    head[1] = mask;
+    memcpy(entry + ENTRY, p.buf, n);
+    PyBuffer_Release(&p);
+    uint64_t end = pos + size;
+    __atomic_store_n(&self->q[0], end, __ATOMIC_RELEASE);  /* the entry before its position */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);               /* then read the sleeping flags */
+    for (int r = 0; r < self->n; r++) {
+        if ((mask >> r) & 1 && __atomic_load_n(&self->q[self->sleep_idx[r]], __ATOMIC_RELAXED))
+            wake(self->efd[r]);
+    }
+    return PyLong_FromUnsignedLongLong(end);
+}
+
+static PyMethodDef Sender_methods[] = {
+    {"publish", (PyCFunction)(void (*)(void))Sender_publish, METH_FASTCALL,
+     "publish(payload, rankmask, pos, limit) -> new position, or -1 (no room: slow path)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject SenderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "unison._ring.Sender",
+    .tp_basicsize = sizeof(Sender),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Sender(buffer, cmd_base, ring_size, efds, sleeping_indices)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Sender_init,
+    .tp_dealloc = (destructor)Sender_dealloc,
+    .tp_methods = Sender_methods,
+};
+
+/* ---- a worker's end ---------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    uint64_t *q;
+    char *base;
+    Py_ssize_t cmd_base;
+    uint64_t ring;
+    uint64_t bit;
+    Py_ssize_t read_idx, done_idx, ctl_done_idx;
+    int done_efd;
+} Taker;
+
+static void Taker_dealloc(Taker *self) {
+    if (self->view.obj) PyBuffer_Release(&self->view);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Taker_init(Taker *self, PyObject *args, PyObject *kw) {
+    PyObject *buf;
+    Py_ssize_t cmd_base, read_idx, done_idx, ctl_done_idx;
+    unsigned long long ring, bit;
+    int done_efd;
+    if (!PyArg_ParseTuple(args, "OnKKnnni", &buf, &cmd_base, &ring, &bit, &read_idx,
+                          &done_idx, &ctl_done_idx, &done_efd))
+        return -1;
+    if (PyObject_GetBuffer(buf, &self->view, PyBUF_WRITABLE) < 0) return -1;
+    self->q = (uint64_t *)self->view.buf;
+    self->base = (char *)self->view.buf;
+    self->cmd_base = cmd_base;
+    self->ring = ring;
+    self->bit = bit;
+    self->read_idx = read_idx;
+    self->done_idx = done_idx;
+    self->ctl_done_idx = ctl_done_idx;
+    self->done_efd = done_efd;
+    return 0;
+}
+
+/* take(pos) -> (payload, new_pos): the next plain entry for this worker, copied out, its
+ * space handed back; (None, pos) when the ring is empty at pos (the caller waits); (False,
+ * pos) when the entry at pos carries buffers or lies in the arena (the caller parses it).
+ * Everything before pos has run: that is published first (done), waking the controller
+ * if it waits on progress. Entries for other workers and wrap markers are skipped. */
+static PyObject *Taker_take(Taker *self, PyObject *arg) {
+    uint64_t pos = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    uint64_t *q = self->q;
+    for (;;) {
+        if (__atomic_load_n(&q[self->done_idx], __ATOMIC_RELAXED) != pos) {
+            __atomic_store_n(&q[self->done_idx], pos, __ATOMIC_RELEASE);
+            __atomic_thread_fence(__ATOMIC_SEQ_CST);
+            if (__atomic_load_n(&q[self->ctl_done_idx], __ATOMIC_RELAXED)) wake(self->done_efd);
+        }
+        if (__atomic_load_n(&q[0], __ATOMIC_ACQUIRE) == pos)
+            return Py_BuildValue("(OK)", Py_None, (unsigned long long)pos);
+        uint64_t off = pos & (self->ring - 1);
+        uint64_t *entry = (uint64_t *)(self->base + self->cmd_base + off);
+        uint64_t head = entry[0];
+        if (head == WRAP) {
+            pos += self->ring - off;  /* the next lap */
+            continue;
+        }
+        uint64_t n = head & 0xFFFFFFFFu, meta = head >> 32;
+        uint64_t size = (ENTRY + 7 + n + DESC * (meta & 0xFFFF)) & ~(uint64_t)7;
+        if (!(entry[1] & self->bit)) {
+            pos += size;
+            __atomic_store_n(&q[self->read_idx], pos, __ATOMIC_RELEASE);
+            continue;
+        }
+        if (meta)
+            return Py_BuildValue("(OK)", Py_False, (unsigned long long)pos);
+        PyObject *payload = PyBytes_FromStringAndSize((char *)entry + ENTRY, (Py_ssize_t)n);
+        if (!payload) return NULL;
+        pos += size;
+        __atomic_store_n(&q[self->read_idx], pos, __ATOMIC_RELEASE);  /* after the copy */
+        return Py_BuildValue("(NK)", payload, (unsigned long long)pos);
+    }
+}
+
+static PyMethodDef Taker_methods[] = {
+    {"take", (PyCFunction)Taker_take, METH_O,
+     "take(pos) -> (payload, new_pos) | (None, pos) | (False, pos)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject TakerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "unison._ring.Taker",
+    .tp_basicsize = sizeof(Taker),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Taker(buffer, cmd_base, ring_size, rank_bit, read_idx, done_idx, "
+              "ctl_done_idx, done_efd)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Taker_init,
+    .tp_dealloc = (destructor)Taker_dealloc,
+    .tp_methods = Taker_methods,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "unison._ring",
+    "The shm channel's command ring fast paths in C (see channel/shm.py).", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__ring(void) {
+    if (PyType_Ready(&SenderType) < 0 || PyType_Ready(&TakerType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&SenderType);
+    Py_INCREF(&TakerType);
+    if (PyModule_AddObject(m, "Sender", (PyObject *)&SenderType) < 0 ||
+        PyModule_AddObject(m, "Taker", (PyObject *)&TakerType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,64 @@
+"""The command ring's C fast path (src/unison/_ring.c, issue 9): it builds with README's
+install command, it is chosen automatically, and it speaks exactly the pure-Python ring's
+protocol: either side may be either, through wraps of the ring, skips of entries for other
+workers, and entries with buffers (which stay on the Python path)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import unison
+from unison.channel import shm
+
+SCRIPT = r"""
+import numpy as np, unison
+from unison.channel import shm
+with unison.Session(3, env={ENV}) as sess:
+    total = 0
+    for i in range(6000):  # ~40 laps of messages of varying sizes: several ring wraps
+        pad = "x" * (i % 700)
+        ref = sess[i % 3].call(lambda p, i=i: (len(p), i), pad)
+        if i % 97 == 0:
+            assert ref.get(i % 3) == (len(pad), i)
+    sess.sync()
+    big = sess.put(np.arange(100_000, dtype=np.int64))  # buffers: the Python path
+    assert sess.run(lambda a: int(a.sum()), big) == [int(np.arange(100_000).sum())] * 3
+    assert sess.run(unison.rank) == [0, 1, 2]
+    print("native", shm.NATIVE, "ok")
+"""
+
+
+def test_the_extension_is_built_and_chosen() -> None:
+    if os.environ.get("UNISON_PURE"):
+        pytest.skip("UNISON_PURE is set: the pure-Python ring was asked for")
+    import unison._ring  # noqa: F401  (README's install command builds it)
+
+    assert shm.NATIVE
+
+
+@pytest.mark.parametrize("controller_pure,workers_pure", [
+    (False, False), (True, True), (False, True), (True, False),
+], ids=["native", "pure", "native-controller", "native-workers"])
+def test_both_rings_speak_one_protocol(controller_pure: bool, workers_pure: bool) -> None:
+    env = dict(os.environ)
+    env.pop("UNISON_PURE", None)
+    if controller_pure:
+        env["UNISON_PURE"] = "1"
+    worker_env = {r: {"UNISON_PURE": "1" if workers_pure else ""} for r in range(3)}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT.replace("{ENV}", repr(worker_env))],
+                          env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"native {not controller_pure} ok" in proc.stdout
+
+
+def test_a_large_message_and_small_ones_interleave(sess: unison.Session) -> None:
+    arr = np.random.default_rng(0).standard_normal(1 << 16)
+    for i in range(50):
+        big = sess.put(arr if i % 2 else arr[: i + 1])
+        assert sess.run(lambda a: float(a[-1]), big) == [float((arr if i % 2 else
+                                                                 arr[: i + 1])[-1])] * 2
