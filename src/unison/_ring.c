@@ -1,9 +1,9 @@
 /* unison._ring: the shm channel's command ring in C, its fast paths only (issue 9).
  *
  * channel/shm.py owns the layout and every slow path (room, wraps to make, buffers, waits);
- * this file does what every message pays: the controller's publish of a plain entry, and
- * the worker's take of the next one (its progress published first, entries for others and
- * wrap markers skipped). Same layout, same protocol, with real fences:
+ * this file does what every message pays: the controller's publish of a plain entry, the
+ * worker's take of the next one (its progress published first, entries for others and
+ * wrap markers skipped), and the worker's put of a plain reply. Same layout, same protocol, with real fences:
  *
  *   publish: header, rank mask, payload; release-store cmd_write; full fence; read the
  *            targets' sleeping flags; write the eventfd of each one that sleeps.
@@ -139,6 +139,10 @@ typedef struct {
     uint64_t bit;
     Py_ssize_t read_idx, done_idx, ctl_done_idx;
     int done_efd;
+    /* this worker's reply ring (set by replies()) */
+    Py_ssize_t rbase, rw_idx, rr_idx, ctl_sleep_idx, ctl_async_idx;
+    uint64_t rring;
+    int ctl_efd;
 } Taker;
 
 static void Taker_dealloc(Taker *self) {
@@ -208,9 +212,53 @@ static PyObject *Taker_take(Taker *self, PyObject *arg) {
     }
 }
 
+/* replies(rbase, ring_size, rw_idx, rr_idx, ctl_sleep_idx, ctl_async_idx, ctl_efd) */
+static PyObject *Taker_replies(Taker *self, PyObject *args) {
+    unsigned long long rring;
+    if (!PyArg_ParseTuple(args, "nKnnnni", &self->rbase, &rring, &self->rw_idx, &self->rr_idx,
+                          &self->ctl_sleep_idx, &self->ctl_async_idx, &self->ctl_efd))
+        return NULL;
+    self->rring = rring;
+    Py_RETURN_NONE;
+}
+
+/* put(data, pos) -> the new reply position, or -1 when the entry would cross the ring's end
+ * or the ring is full (the caller's slow path). A plain reply: header n, then the bytes;
+ * release-store of the position, a full fence, then the controller's two wake flags. */
+static PyObject *Taker_put(Taker *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "put takes 2 arguments"); return NULL; }
+    if (!self->rring) { PyErr_SetString(PyExc_RuntimeError, "replies() was not called"); return NULL; }
+    Py_buffer p;
+    if (PyObject_GetBuffer(args[0], &p, PyBUF_SIMPLE) < 0) return NULL;
+    uint64_t pos = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred()) { PyBuffer_Release(&p); return NULL; }
+    uint64_t *q = self->q;
+    uint64_t n = (uint64_t)p.len, size = (8 + n + 7) & ~(uint64_t)7;
+    uint64_t off = pos & (self->rring - 1);
+    if (off + size > self->rring ||
+        pos + size - __atomic_load_n(&q[self->rr_idx], __ATOMIC_ACQUIRE) > self->rring) {
+        PyBuffer_Release(&p);
+        return PyLong_FromLong(-1);
+    }
+    uint64_t *entry = (uint64_t *)(self->base + self->rbase + off);
+    entry[0] = n;
+    memcpy(entry + 1, p.buf, n);
+    PyBuffer_Release(&p);
+    __atomic_store_n(&q[self->rw_idx], pos + size, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&q[self->ctl_sleep_idx], __ATOMIC_RELAXED) ||
+        __atomic_load_n(&q[self->ctl_async_idx], __ATOMIC_RELAXED))
+        wake(self->ctl_efd);
+    return PyLong_FromUnsignedLongLong(pos + size);
+}
+
 static PyMethodDef Taker_methods[] = {
     {"take", (PyCFunction)Taker_take, METH_O,
      "take(pos) -> (payload, new_pos) | (None, pos) | (False, pos)"},
+    {"replies", (PyCFunction)Taker_replies, METH_VARARGS,
+     "replies(rbase, ring_size, rw_idx, rr_idx, ctl_sleep_idx, ctl_async_idx, ctl_efd)"},
+    {"put", (PyCFunction)(void (*)(void))Taker_put, METH_FASTCALL,
+     "put(data, pos) -> new reply position, or -1 (wrap or full: slow path)"},
     {NULL, NULL, 0, NULL},
 };
 

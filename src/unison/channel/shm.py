@@ -503,6 +503,9 @@ class ShmWorkerChannel(WorkerChannel):
         self._taker = None if _ring is None else _ring.Taker(
             self._mm, lay.cmd_ring, CMD_RING, self._bit, self._read_idx, self._done_idx,
             _CTL_DONE, self._done_efd)
+        if self._taker is not None:
+            self._taker.replies(self._rbase, REPLY_RING, self._rw_idx, self._rr_idx,
+                                _CTL_SLEEP, _CTL_ASYNC, self._ctl_efd)
 
     def recv(self) -> tuple[bytes | memoryview, list[Any]] | None:
         taker = self._taker
@@ -623,6 +626,12 @@ class ShmWorkerChannel(WorkerChannel):
             self._put(chunk, _MORE if i + step < len(view) else 0)
 
     def _put(self, chunk: bytes | memoryview, flags: int) -> None:
+        taker = self._taker
+        if taker is not None and not flags:  # a plain reply that fits: in C
+            end = taker.put(chunk, self._rpos)
+            if end >= 0:
+                self._rpos = end
+                return
         q, buf = self._q, self._buf
         n = len(chunk)
         size = _align8(8 + n)
@@ -648,6 +657,9 @@ class ShmWorkerChannel(WorkerChannel):
             os.eventfd_write(self._ctl_efd, 1)
 
     def ack(self) -> None:
+        if self._taker is not None:
+            self._put(b"", 0)
+            return
         q = self._q
         pos = self._rpos
         off = pos & _REPLY_MASK  # Ring.skip and Ring.fits, inlined: the hot path
