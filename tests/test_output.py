@@ -133,9 +133,9 @@ STDOUT_REPLACED = """
     keep = sys.stdout
     sys.stdout = REPLACEMENT
     results = [sess.run(shout, 1200, timeout=60), sess.run(shout, 1200, timeout=60)]
+    sess.close()  # the relay reads the workers' output to its end before close returns
     got = sys.stdout
     sys.stdout = keep
-    sess.close()
     print("results", results, type(got).__name__, getattr(got, "size", None), flush=True)
 """
 
