@@ -211,11 +211,12 @@ class ShmChannel(Channel):
         if buffers or len(data) > _INLINE_MAX:
             self._send_large(data, ranks, buffers, deadline)
             return
-        fast = self._fast
-        if fast is not None:  # a plain entry that fits: in C (the same steps as _publish)
+        if self._fast is not None:  # a plain entry that fits: in C (the same steps as _publish)
+            # (no local reference to it: a send that waits below for room must not keep the
+            # mapping alive past close())
             mask = self._masks.get(ranks)
-            end = fast.publish(data, _mask(ranks) if mask is None else mask, self._wpos,
-                               self._limit)
+            end = self._fast.publish(data, _mask(ranks) if mask is None else mask, self._wpos,
+                                     self._limit)
             if end >= 0:
                 self._wpos = end
                 return
