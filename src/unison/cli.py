@@ -1,6 +1,7 @@
 """The ``unison`` command: ``unison demo`` runs the main job (a real model split across
-workers, unison/demo/); ``unison bench`` runs the benchmark of a source checkout
-(``benchmarks/run.py``, which is not part of the package)."""
+workers, unison/demo/); ``unison serve`` serves that model over HTTP (unison/serve/);
+``unison bench`` runs the benchmark of a source checkout (``benchmarks/run.py``, which is not
+part of the package)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     from unison.demo.app import add_arguments
 
     add_arguments(demo)
+    serve = sub.add_parser(
+        "serve", help="serve the model over HTTP: OpenAI-compatible /v1/embeddings",
+        description="Serve all-MiniLM-L6-v2, split across unison workers, over HTTP "
+                    "(Starlette on uvicorn; the 'serve' extra): POST /v1/embeddings as OpenAI's "
+                    "API, GET /health, GET /metrics. Requests are batched dynamically.")
+    from unison.serve.server import add_arguments as add_serve_arguments
+
+    add_serve_arguments(serve)
     sub.add_parser("bench", add_help=False,
                    help="run benchmarks/run.py of a source checkout (its --help lists the flags)")
     args, rest = parser.parse_known_args(argv)
@@ -37,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         from unison.demo.app import main as demo_main
 
         return demo_main(args)
+    if args.command == "serve":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        from unison.serve.server import main as serve_main
+
+        return serve_main(args)
     script = bench_script()
     if script is None:
         print("unison bench: the benchmark is not installed with the package; it lives in "

@@ -102,11 +102,16 @@ class ShardedEncoder:
         plans = [plan(r, self.tp, self.cfg) for r in range(self.tp)]
         total = self.dp * sum(shard_bytes(self.cfg, p, part) for p in plans for part in parts)
         refs = [sess.call(tasks.load_part, shard, part) for part in parts]  # all sent at once
-        with tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
-                  desc=f"loading shards into {self.num_workers} workers") as bar:
-            for part, ref in zip(parts, refs):
-                bar.update(sum(ref.gather()))
-                bar.set_postfix_str("embeddings" if part == 0 else f"layer {part}/{len(parts) - 1}")
+        if not progress:  # no bar at all: even a disabled tqdm leaves its monitor thread
+            for ref in refs:
+                ref.gather()
+        else:
+            with tqdm(total=total, unit="B", unit_scale=True,
+                      desc=f"loading shards into {self.num_workers} workers") as bar:
+                for part, ref in zip(parts, refs):
+                    bar.update(sum(ref.gather()))
+                    bar.set_postfix_str("embeddings" if part == 0
+                                        else f"layer {part}/{len(parts) - 1}")
         self._shard = shard
         return time.perf_counter() - t0
 

@@ -1,0 +1,45 @@
+"""The server's options, in a module that imports nothing heavy (the command's flags are
+built from it even where the ``serve`` extra is not installed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ServeConfig"]
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Every knob of ``unison serve`` (the command's flags)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    backend: str = "unison"
+    tp: int = 2
+    dp: int = 1
+    device: str = "cpu"
+    max_batch: int = 64
+    batch_window_ms: float = 2.0
+    max_queue: int = 1024
+    """Inputs (not requests) that may wait for a batch; beyond, 429."""
+    max_inputs: int = 256
+    """Inputs one request may hold; beyond, 400."""
+    max_body_bytes: int = 8 << 20
+    batch_timeout: float = 60.0
+    """A batch that takes longer fails with 503 and the workers are replaced (a hang)."""
+    drain_seconds: float = 5.0
+    """How long SIGTERM waits for requests in flight before cancelling them."""
+    access_log: bool = False
+
+    def check(self) -> None:
+        """ValueError naming the flag when the options cannot work together."""
+        for name in ("tp", "dp", "max_batch", "max_queue", "max_inputs", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.batch_window_ms < 0:
+            raise ValueError("--batch-window-ms must be at least 0")
+        if self.max_inputs > self.max_queue:
+            raise ValueError(f"--max-inputs {self.max_inputs} exceeds --max-queue "
+                             f"{self.max_queue}: such a request could never be queued")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
