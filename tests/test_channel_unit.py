@@ -41,6 +41,29 @@ def _payload(i: int, n: int) -> bytes:
     return (i.to_bytes(4, "little") * (n // 4 + 1))[:n]
 
 
+def test_a_chunked_reply_arriving_in_parts_is_joined_before_later_replies(
+    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]],
+) -> None:
+    """The controller reads plain replies in C but stops at flagged entries; while a rank is
+    in the middle of a chunked reply, its later plain-looking last chunk must be joined to
+    the parts already read, never taken as a reply of its own."""
+    chan, workers = shm_pair
+    w = workers[0]
+    big = _payload(5, shm_channel.REPLY_RING // 2 + 1000)  # two chunks
+    step = shm_channel.REPLY_RING // 2 - 8
+    w._put(b"first", 0)
+    w._put(big[:step], shm_channel._MORE)  # the first part only, as if the worker paused
+    assert chan.recv(1.0) == [(0, b"first")]
+    assert chan.recv(0.0) == []  # a part alone is no reply
+    w._put(big[step:], 0)  # the last part: no flag, like any plain reply
+    w._put(b"after", 0)
+    workers[1].ack()
+    got = chan.recv(1.0)
+    assert sorted(got, key=lambda x: (x[0], len(x[1] or b""))) == [
+        (0, b"after"), (0, big), (1, b"")]
+    assert [d for r, d in got if r == 0] == [big, b"after"]  # in the worker's order
+
+
 # -- the ring's arithmetic ---------------------------------------------------------------------
 
 

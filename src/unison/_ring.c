@@ -42,6 +42,9 @@ typedef struct {
     int n;
     int efd[MAX_WORKERS];
     Py_ssize_t sleep_idx[MAX_WORKERS];
+    /* the workers' reply rings (set by replies()) */
+    uint64_t rring;
+    Py_ssize_t rbase[MAX_WORKERS], rw_idx[MAX_WORKERS], rr_idx[MAX_WORKERS];
 } Sender;
 
 static void Sender_dealloc(Sender *self) {
@@ -109,7 +112,89 @@ static PyObject *Sender_publish(Sender *self, PyObject *const *args, Py_ssize_t 
     return PyLong_FromUnsignedLongLong(end);
 }
 
+/* replies(rbases, rw_indices, rr_indices, ring_size): where each worker's reply ring is */
+static PyObject *Sender_replies(Sender *self, PyObject *args) {
+    PyObject *rb, *rw, *rr;
+    unsigned long long ring;
+    if (!PyArg_ParseTuple(args, "OOOK", &rb, &rw, &rr, &ring)) return NULL;
+    for (int i = 0; i < self->n; i++) {
+        PyObject *a = PySequence_GetItem(rb, i), *b = PySequence_GetItem(rw, i),
+                 *c = PySequence_GetItem(rr, i);
+        if (!a || !b || !c) { Py_XDECREF(a); Py_XDECREF(b); Py_XDECREF(c); return NULL; }
+        self->rbase[i] = PyLong_AsSsize_t(a);
+        self->rw_idx[i] = PyLong_AsSsize_t(b);
+        self->rr_idx[i] = PyLong_AsSsize_t(c);
+        Py_DECREF(a); Py_DECREF(b); Py_DECREF(c);
+        if (PyErr_Occurred()) return NULL;
+    }
+    self->rring = ring;
+    Py_RETURN_NONE;
+}
+
+/* pending(positions) -> whether a worker's reply ring holds anything past positions[r] */
+static PyObject *Sender_pending(Sender *self, PyObject *positions) {
+    if (!PyList_Check(positions) || PyList_GET_SIZE(positions) != self->n) {
+        PyErr_SetString(PyExc_TypeError, "pending takes the list of reply positions");
+        return NULL;
+    }
+    for (int r = 0; r < self->n; r++) {
+        uint64_t pos = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(positions, r));
+        if (PyErr_Occurred()) return NULL;
+        if (__atomic_load_n(&self->q[self->rw_idx[r]], __ATOMIC_ACQUIRE) != pos) Py_RETURN_TRUE;
+    }
+    Py_RETURN_FALSE;
+}
+
+/* collect(positions) -> (replies, more): every plain reply now in the rings, as (rank,
+ * bytes) in each rank's order, positions[r] advanced and the space handed back (reply_read).
+ * A rank stops at its first entry with flags (buffers, indirect, chunks): ``more`` is then
+ * True and the caller's slow path reads on from positions[r]. */
+static PyObject *Sender_collect(Sender *self, PyObject *positions) {
+    if (!self->rring) { PyErr_SetString(PyExc_RuntimeError, "replies() was not called"); return NULL; }
+    if (!PyList_Check(positions) || PyList_GET_SIZE(positions) != self->n) {
+        PyErr_SetString(PyExc_TypeError, "collect takes the list of reply positions");
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    int more = 0;
+    uint64_t *q = self->q;
+    for (int r = 0; r < self->n; r++) {
+        uint64_t pos = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(positions, r));
+        if (PyErr_Occurred()) goto fail;
+        uint64_t end = __atomic_load_n(&q[self->rw_idx[r]], __ATOMIC_ACQUIRE);
+        if (pos == end) continue;
+        while (pos != end) {
+            uint64_t off = pos & (self->rring - 1);
+            uint64_t head = *(uint64_t *)(self->base + self->rbase[r] + off);
+            if (head == WRAP) { pos += self->rring - off; continue; }
+            if (head >> 32) { more = 1; break; }
+            uint64_t n = head & 0xFFFFFFFFu;
+            PyObject *data = PyBytes_FromStringAndSize(self->base + self->rbase[r] + off + 8,
+                                                       (Py_ssize_t)n);
+            if (!data) goto fail;
+            PyObject *item = Py_BuildValue("(iN)", r, data);
+            if (!item || PyList_Append(out, item) < 0) { Py_XDECREF(item); goto fail; }
+            Py_DECREF(item);
+            pos += (8 + n + 7) & ~(uint64_t)7;
+        }
+        PyObject *p = PyLong_FromUnsignedLongLong(pos);
+        if (!p) goto fail;
+        PyList_SetItem(positions, r, p);  /* steals p */
+        __atomic_store_n(&q[self->rr_idx[r]], pos, __ATOMIC_RELEASE);  /* hand the space back */
+    }
+    return Py_BuildValue("(NO)", out, more ? Py_True : Py_False);
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef Sender_methods[] = {
+    {"replies", (PyCFunction)Sender_replies, METH_VARARGS,
+     "replies(rbases, rw_indices, rr_indices, ring_size)"},
+    {"pending", (PyCFunction)Sender_pending, METH_O, "pending(positions) -> bool"},
+    {"collect", (PyCFunction)Sender_collect, METH_O,
+     "collect(positions) -> ([(rank, bytes)], more)"},
     {"publish", (PyCFunction)(void (*)(void))Sender_publish, METH_FASTCALL,
      "publish(payload, rankmask, pos, limit) -> new position, or -1 (no room: slow path)"},
     {NULL, NULL, 0, NULL},

@@ -60,7 +60,7 @@ import select
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from unison.channel import Channel, Reply, WorkerChannel
 from unison.channel.arena import Arena, ArenaReader, create_file
@@ -189,6 +189,8 @@ class ShmChannel(Channel):
         self._masks.update({(r,): 1 << r for r in range(num_workers)})
         self._fast = None if _ring is None else _ring.Sender(
             self._mm, lay.cmd_ring, CMD_RING, self._efd, self._sleep_idx)
+        if self._fast is not None:
+            self._fast.replies(lay.reply_ring, self._rw_idx, self._rr_idx, REPLY_RING)
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -397,6 +399,8 @@ class ShmChannel(Channel):
         return self._take()
 
     def _has_reply(self) -> bool:
+        if self._fast is not None:  # in C
+            return self._fast.pending(self._reply_pos) or bool(self._backlog)
         q, pos = self._q, self._reply_pos
         for r, i in enumerate(self._rw_idx):
             if q[i] != pos[r]:
@@ -413,7 +417,17 @@ class ShmChannel(Channel):
             return self._collect()
 
     def _collect(self) -> list[tuple[int, bytes | Reply | None]]:
-        """Read every complete reply now in the rings; caller holds the rx lock."""
+        """Read every complete reply now in the rings; caller holds the rx lock. Plain ones
+        in C, where it was built, unless a rank is in the middle of a chunked reply."""
+        if self._fast is not None and not any(self._partial):
+            plain, more = self._fast.collect(self._reply_pos)
+            out = cast("list[tuple[int, bytes | Reply | None]]", plain)
+            if more:  # a rank stopped at a reply with buffers or chunks: read on below
+                out.extend(self._collect_py())
+            return out
+        return self._collect_py()
+
+    def _collect_py(self) -> list[tuple[int, bytes | Reply | None]]:
         out: list[tuple[int, bytes | Reply | None]] = []
         q, buf, lay = self._q, self._buf, self._lay
         for r, wi in enumerate(self._rw_idx):
