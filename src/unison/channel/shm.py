@@ -27,9 +27,10 @@ session costs no CPU. On a crowded machine (a yield that lost the core to a stra
 slice) waits sleep at once for a while: a woken sleeper preempts the stranger. A writer
 waiting for room in a full ring polls with a Pacer instead.
 
-The fast paths in C. Publishing a plain entry (no buffers, room at the head) and taking the
+The fast paths in C. Publishing a plain entry (no buffers, room at the head), taking the
 next entry on a worker (publish progress, skip others' entries and wrap markers, copy one
-plain entry out) run in unison/_ring.c where it was built at install, with real fences:
+plain entry out), a worker's plain reply, and the controller's collection of plain replies
+run in unison/_ring.c where it was built at install, with real fences:
 4-5 us of interpreter steps each in Python, well under 1 us in C. The protocol is the
 same, so either side may run either; ``UNISON_PURE=1`` picks Python.
 
