@@ -143,28 +143,29 @@ class ShardedEncoder:
         result = Encoded(out)
         for batch in length_batches(ids_of, batch_size):
             t = time.perf_counter()
-            shares = [list(s) for s in np.array_split(np.asarray(batch, dtype=np.int64),
-                                                       self.dp)]
-            refs = []
-            for g, share in enumerate(shares):  # every replica gets its message before any waits
-                ids, mask = pad_batch([ids_of[i] for i in share])
-                refs.append(self.session.group(g).call(tasks.encode, self._shard, ids, mask))
-            for g, (share, ref) in enumerate(zip(shares, refs)):
-                if share:
-                    out[share] = await ref.get_async(worker=g * self.tp)
+            for share, ref, first in self._send_step(ids_of, batch):
+                out[share] = await ref.get_async(worker=first)
             result.batch_seconds.append(time.perf_counter() - t)
         result.seconds = time.perf_counter() - t0
         return result
 
     def _step(self, tokens: list[list[int]], batch: list[int], out: np.ndarray) -> None:
+        for share, ref, first in self._send_step(tokens, batch):
+            out[share] = ref.get(worker=first)
+
+    def _send_step(self, tokens: Sequence[Sequence[int]],
+                   batch: list[int]) -> list[tuple[list[int], unison.Ref, int]]:
+        """Split ``batch`` over the replicas and send each its share before any wait: (its
+        sentences, the Ref of their embeddings, the replica's first rank), for the replicas
+        that got sentences."""
         shares = [list(s) for s in np.array_split(np.asarray(batch, dtype=np.int64), self.dp)]
-        refs = []
-        for g, share in enumerate(shares):  # every replica gets its message before any waits
+        out = []
+        for g, share in enumerate(shares):
             ids, mask = pad_batch([tokens[i] for i in share])
-            refs.append(self.session.group(g).call(tasks.encode, self._shard, ids, mask))
-        for g, (share, ref) in enumerate(zip(shares, refs)):
+            ref = self.session.group(g).call(tasks.encode, self._shard, ids, mask)
             if share:
-                out[share] = ref.get(worker=g * self.tp)
+                out.append((share, ref, g * self.tp))
+        return out
 
     def close(self) -> None:
         self.session.close()

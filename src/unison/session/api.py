@@ -453,6 +453,11 @@ class Session(View):
                  during: str) -> list[Any]:
         """Wait for ``req`` (a GET or a run); each rank's value, or WorkerError."""
         self._router.wait(req, deadline, during)
+        return self._values(req, ranks)
+
+    def _values(self, req: Request, ranks: tuple[int, ...]) -> list[Any]:
+        """A completed GET's or run's values in rank order, or the WorkerError (or
+        CancelledError) their errors make."""
         values, errors = [], {}
         for rank, (status, payload) in zip(ranks, self._decode(req, ranks)):
             if status == OK:
@@ -493,16 +498,7 @@ class Session(View):
     async def _results_async(self, req: Request, fut: Any, ranks: tuple[int, ...],
                              timeout: float | None, during: str) -> list[Any]:
         await self._waits.wait(req, fut, timeout, during)
-        values, errors = [], {}
-        for rank, (status, payload) in zip(ranks, self._decode(req, ranks)):
-            if status == OK:
-                values.append(payload)
-            else:
-                errors[rank] = payload
-        if errors:
-            self._errors.forget(req.ref_id)
-            raise _worker_error(errors)
-        return values
+        return self._values(req, ranks)
 
     async def _sync_async(self, ranks: tuple[int, ...], timeout: float | None) -> None:
         req = Request(next(self._ids), len(ranks))
@@ -570,7 +566,10 @@ class Session(View):
     def _cancel(self, ref: Ref, timeout: float) -> None:
         board = self._res.board
         if board is None:
-            raise RuntimeError("cancelling needs shared memory (memfd), which this platform lacks")
+            raise RuntimeError(
+                "cancelling needs shared memory (memfd), which this platform lacks: stop the "
+                "call from inside (have it return early), or close the session"
+            )
         if ref._session is not self:
             raise ValueError(f"{ref!r} belongs to another session")
         self.check_open()

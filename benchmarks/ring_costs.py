@@ -1,0 +1,93 @@
+"""What one message costs on each side of the shm channel, without any waiting (issue 9):
+the command ring's send and a worker's receive, both ends in this process, fed a backlog;
+then, with a real worker, ``sess.sync()`` alone and a worker's cost per CALL from a backlog.
+Run once with the C ring and once with the pure-Python one (``UNISON_PURE=1``), side by side.
+
+    python benchmarks/ring_costs.py [--messages 10000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import unison
+from unison.channel import shm
+from unison.protocol import call_msg
+
+
+def noop() -> None:
+    pass
+
+
+def measure(messages: int) -> dict[str, float]:
+    """Medians of 5 repetitions, µs per message."""
+    chan = shm.ShmChannel(1, "ring-costs")
+    worker = shm.ShmWorkerChannel(chan.endpoint(0)[0])
+    msg = call_msg(None, 7, 3, None, None, 0)
+    clock = time.perf_counter
+    out: dict[str, list[float]] = {"send": [], "recv": []}
+    try:
+        for _ in range(5):
+            t0 = clock()
+            for _ in range(messages):
+                chan.send(msg, (0,))
+            t1 = clock()
+            for _ in range(messages):
+                worker.recv()
+            out["send"].append((t1 - t0) / messages * 1e6)
+            out["recv"].append((clock() - t1) / messages * 1e6)
+    finally:
+        del worker
+        chan.close()
+    with unison.Session(1) as sess:
+        sess.run(noop)
+        for _ in range(500):
+            sess.sync()
+        syncs, backlog = [], []
+        for _ in range(5):
+            t0 = clock()
+            for _ in range(2000):
+                sess.sync()
+            syncs.append((clock() - t0) / 2000 * 1e6)
+            t0 = clock()
+            for _ in range(messages):
+                sess.call(noop)
+            sess.sync()  # the worker works through the backlog: its cost per CALL bounds this
+            backlog.append((clock() - t0) / messages * 1e6)
+        out["sync alone"], out["call from a backlog"] = syncs, backlog
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--messages", type=int, default=10000)
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps({"native": shm.NATIVE, **measure(args.messages)}))
+        return 0
+    rows = []
+    for pure in ("", "1"):
+        env = {**os.environ, "UNISON_PURE": pure}
+        done = subprocess.run([sys.executable, __file__, "--one", "--messages",
+                               str(args.messages)], env=env, capture_output=True, text=True,
+                              check=True)
+        rows.append(json.loads(done.stdout.splitlines()[-1]))
+    keys = [k for k in rows[0] if k != "native"]
+    print("| µs per message (median of 5) | " + " | ".join(keys) + " |")
+    print("|---|" + "--:|" * len(keys))
+    for row in rows:
+        name = "C ring" if row["native"] else "pure-Python ring"
+        print(f"| {name} | " + " | ".join(f"{row[k]:.2f}" for k in keys) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
