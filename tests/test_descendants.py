@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from support import alive, wait_gone
+from support import alive, wait_dead, wait_gone
 from unison import WorkerDied
 
 
@@ -74,6 +74,10 @@ def test_a_worker_killed_from_outside_takes_its_orphaned_grandchildren_along(mak
     worker = sess[1].run(os.getpid)[0]
     grandchild = sess[1].run(start_setsid_grandchild)[0]
     os.kill(worker, 9)
+    # kill() returns before the worker has ended; sync() owes WorkerDied only for a death
+    # that has happened (a worker that finished all it was sent and is still dying owes
+    # nothing), so wait until it no longer runs.
+    wait_dead(worker)
     start = time.monotonic()
     with pytest.raises(WorkerDied) as info:
         sess.sync()
