@@ -37,6 +37,21 @@ def main(argv: list[str] | None = None) -> int:
     from unison.serve.server import add_arguments as add_serve_arguments
 
     add_serve_arguments(serve)
+    worker = sub.add_parser(
+        "worker", help="join a session as one of its workers, over TCP",
+        description="Join a unison session whose controller listens at HOST:PORT (a "
+                    "Session with a TCP launcher: see docs/cluster.md). The session's secret "
+                    "comes from the UNISON_SECRET environment variable, in hex. The worker "
+                    "ends when the controller closes the session or goes away.")
+    worker.add_argument("--connect", required=True, metavar="HOST:PORT",
+                        help="the controller's address")
+    worker.add_argument("--rank", type=int, default=-1,
+                        help="the rank to take (default: the first free one)")
+    worker.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds to keep trying to reach the controller (default 60)")
+    worker.add_argument("--die-with-parent", action="store_true",
+                        help="also stop when the process that started this one ends "
+                             "(for launchers: a Ray actor, a job step)")
     sub.add_parser("bench", add_help=False,
                    help="run benchmarks/run.py of a source checkout (its --help lists the flags)")
     args, rest = parser.parse_known_args(argv)
@@ -52,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         from unison.serve.server import main as serve_main
 
         return serve_main(args)
+    if args.command == "worker":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        from unison.worker import connect_main
+
+        return connect_main(args.connect, args.rank, args.timeout, args.die_with_parent)
     script = bench_script()
     if script is None:
         print("unison bench: the benchmark is not installed with the package; it lives in "

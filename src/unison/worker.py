@@ -448,10 +448,105 @@ def main(controller: int | None = None) -> None:
     run(init)
 
 
-def run(spec: WorkerSpec) -> None:
+def connect_main(address: str, rank: int = -1, timeout: float = 60.0,
+                 die_with_parent: bool = False) -> int:
+    """``unison worker --connect HOST:PORT``: join a TCP session (unison.channel.tcp) with
+    the secret from UNISON_SECRET, fork into keeper and worker as main() does, and serve.
+
+    The lifeline is the connection: when the controller goes, the keeper sees it hang up
+    and kills the worker and all it started. With ``die_with_parent`` (a launcher's own
+    child, such as a Ray actor's) the keeper also ends it when the process that started
+    it ends."""
+    from unison.channel.tcp import Refused, TcpWorkerChannel, dial
+    from unison.launch import SECRET_VAR
+
+    secret_hex = os.environ.get(SECRET_VAR, "")
+    try:
+        secret = bytes.fromhex(secret_hex)
+    except ValueError:
+        secret = b""
+    if len(secret) < 16:
+        print(f"unison worker: set {SECRET_VAR} to the session's secret (hex, as the "
+              "controller printed it or gave its launcher)", file=sys.stderr)
+        return 2
+    try:
+        sock, incarnation, init_blob = dial(address, secret, rank, timeout)
+    except (ConnectionError, PermissionError, Refused, ValueError) as exc:
+        print(f"unison worker: {exc}", file=sys.stderr)
+        return 2
+    spec = pickle.loads(init_blob)  # from a controller that proved it holds the secret
+    if not isinstance(spec, WorkerSpec):
+        print("unison worker: the controller sent no WorkerSpec", file=sys.stderr)
+        return 2
+    parent = os.getppid()
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    keeper = os.getpid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = os.fork()
+    if child:
+        _keep_remote(child, sock.fileno(), parent if die_with_parent else None, spec.rank)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != keeper:
+        os._exit(EXIT_CONTROLLER_GONE)
+    run(spec, TcpWorkerChannel(sock, incarnation))
+    return 0
+
+
+def _keep_remote(worker: int, lifeline: int, parent: int | None, rank: int) -> NoReturn:
+    """The keeper of a TCP worker: it holds a copy of the connection (so the controller
+    sees it close only once the worker is gone too) and watches it hang up, its worker end,
+    and (``parent``) the process that started it."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    poller = select.poll()
+    poller.register(lifeline, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+    poller.register(wake_r, select.POLLIN)
+    why = ""
+    while not why:
+        status = _reap(worker)
+        if status is not None:
+            _kill_below()
+            _exit_like(status)
+        try:
+            events = dict(poller.poll(1000))
+        except InterruptedError:
+            continue
+        if wake_r in events:
+            os.read(wake_r, 4096)
+        if events.get(lifeline):
+            if _reaped_within(worker, 1.0):  # the end of a session: the worker is leaving
+                _kill_below()
+                os._exit(0)
+            why = "its controller hung up"
+        elif parent is not None and os.getppid() != parent:
+            why = "the process that started it ended"
+    try:
+        os.write(2, f"unison worker {rank}: {why}; stopping it and everything it "
+                    "started\n".encode())
+    except OSError:
+        pass
+    _kill_below()
+    os._exit(EXIT_CONTROLLER_GONE)
+
+
+def _reaped_within(worker: int, seconds: float) -> bool:
+    """Whether the worker ends within ``seconds`` (reaped; SIGCHLD cuts each nap short)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if _reap(worker) is not None:
+            return True
+        time.sleep(0.01)
+    return _reap(worker) is not None
+
+
+def run(spec: WorkerSpec, chan: WorkerChannel | None = None) -> None:
     """Be worker ``spec.rank`` until the controller says stop: import path, affinity and
-    identity from the spec, then connect and serve. What is launcher-specific (how the spec
-    arrived, what ends us with the controller) is done before; main() is the local one."""
+    identity from the spec, then connect (unless ``chan`` is the connection already) and
+    serve. What is launcher-specific (how the spec arrived, what ends us with the
+    controller) is done before; main() is the local one, connect_main() the TCP one."""
     for path in reversed(spec.sys_path):
         if path not in sys.path:
             sys.path.insert(0, path)
@@ -464,7 +559,8 @@ def run(spec: WorkerSpec) -> None:
     if spec.cancel >= 0:
         _board = Board(spec.world_size, fd=spec.cancel)
         signal.signal(SIGNAL, _on_cancel_signal)
-    chan = connect(spec.channel)
+    if chan is None:
+        chan = connect(spec.channel)
     chan.reply(protocol.dumps((protocol.READY_REQ, OK, os.getpid())))
     try:
         serve(chan, coll, _board)

@@ -26,18 +26,21 @@ collective/checks.py. The functions below pick a backend per call:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unison.collective.base import Collectives
 from unison.collective.shm import ShmCollectives
 from unison.errors import CollectiveError
+
+if TYPE_CHECKING:
+    from unison.collective.cluster import DistLocal
 
 __all__ = [
     "CollectiveError", "Collectives", "allgather", "allreduce", "barrier", "broadcast", "gather",
     "recv", "recv_from_prev_group", "reduce_scatter", "scatter", "send", "send_to_next_group",
 ]
 
-_local: ShmCollectives | None = None
+_local: ShmCollectives | DistLocal | None = None
 _torch: Collectives | None = None  # TorchCollectives, made on a worker when the session asks
 _torch_default = False
 _missing = ""  # why a worker of a session has no collectives, if it has none
@@ -54,6 +57,15 @@ def setup(spec: dict[str, Any] | None, rank: int, n: int, groups: int) -> Collec
             "(see README, Platforms); move data through the controller with put/scatter/gather"
         )
         return None
+    if spec.get("backend") == "none":
+        _missing = spec["why"]
+        return None
+    if spec.get("backend") == "cluster":  # workers on several hosts: torch.distributed only
+        from unison.collective import cluster
+
+        _local, _torch = cluster.setup(spec, rank, n, groups)
+        _torch_default = True
+        return _torch
     _local = ShmCollectives(spec["fd"], rank, n, groups)
     if spec.get("torch_address"):
         from unison.collective.torch import TorchCollectives
@@ -77,6 +89,7 @@ def _backend(*values: Any) -> Collectives:
         return _torch
     if any(getattr(v, "is_cuda", False) for v in values):
         raise CollectiveError("CUDA tensors need the torch backend: Session(collectives='torch')")
+    assert isinstance(_local, ShmCollectives)  # a cluster session always takes torch's
     return _local
 
 
@@ -142,7 +155,7 @@ def recv_from_prev_group() -> Any:
     return me.recv(me.rank - me.gsize)
 
 
-def _require() -> ShmCollectives:
+def _require() -> ShmCollectives | DistLocal:
     _backend()
     assert _local is not None
     return _local

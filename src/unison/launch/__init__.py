@@ -16,15 +16,19 @@ outliving the controller and how its output reaches the user are each launcher's
 
 from __future__ import annotations
 
+import os
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from unison.spec import WorkerSpec
 
-__all__ = ["DeathReport", "Launcher", "create"]
+__all__ = ["DeathReport", "Launcher", "Network", "connect_command", "create"]
 
-NAMES = ("local",)
+NAMES = ("local", "connect", "ray")
+SECRET_VAR = "UNISON_SECRET"
+"""The environment variable that carries a session's secret (hex) to ``unison worker``."""
 """The launchers ``create`` knows by name."""
 
 
@@ -39,6 +43,18 @@ class DeathReport:
     """The tail of what it wrote to stderr, bounded by the launcher."""
     reason: str
     """Why it ended, where the launcher knows better than the exit status; else ""."""
+
+
+@dataclass(frozen=True)
+class Network:
+    """Where a session's workers join over TCP (unison.channel.tcp): the controller listens
+    on ``bind``:``port`` (0: a free port) and tells workers to connect to ``advertise``;
+    both ends prove they hold ``secret`` before anything else crosses."""
+
+    bind: str
+    advertise: str
+    secret: bytes
+    port: int = 0
 
 
 class Launcher(ABC):
@@ -60,7 +76,24 @@ class Launcher(ABC):
       idempotent, and may be called after a failed ``start``.
 
     No method is on the hot path: the session calls them at start, on a death and at close.
+
+    A launcher whose workers run elsewhere (another host, a Ray actor, a hand-started
+    process) returns a ``Network`` from ``network()``: the session then uses the TCP channel,
+    and each spec's channel names the address (``spec.channel["address"]``) and the secret
+    (``spec.channel["secret"]``, hex) the worker needs: ``connect_command`` builds its
+    command line. Such workers cannot be watched through pidfds: a death shows as their
+    connection closing.
     """
+
+    def network(self) -> Network | None:
+        """Where workers join over TCP, or None for workers that inherit the channel's fds
+        (called once, before the channel is made; it may connect to a cluster)."""
+        return None
+
+    def describe(self, rank: int) -> str:
+        """Where worker ``rank`` runs, for error messages ("" where nothing is worth
+        saying, as for a local process)."""
+        return ""
 
     @abstractmethod
     def start(self, specs: Sequence[WorkerSpec], env: Mapping[int, Mapping[str, str]]) -> None:
@@ -84,6 +117,22 @@ class Launcher(ABC):
         """Wait up to ``grace`` for every worker to exit, then kill what is left. Idempotent."""
 
 
+def connect_command(spec: WorkerSpec) -> tuple[list[str], dict[str, str]]:
+    """The command line and the environment additions that start worker ``spec.rank`` of a
+    TCP session as a plain process: ``python -m unison worker --connect HOST:PORT --rank R``
+    with the secret in UNISON_SECRET (never on the command line, where ``ps`` shows it)."""
+    chan = spec.channel
+    if chan.get("kind") != "tcp":
+        raise ValueError("connect_command is for workers of a TCP session")
+    argv = [sys.executable, "-m", "unison", "worker", "--connect", chan["address"],
+            "--rank", str(spec.rank), "--die-with-parent"]
+    env = {SECRET_VAR: chan["secret"], "PYTHONUNBUFFERED": "1"}
+    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (src, os.environ.get("PYTHONPATH", "")) if p)  # where unison imports from
+    return argv, env
+
+
 def create(launcher: str | Launcher) -> Launcher:
     """The launcher a session asked for: a name from NAMES (a new launcher each time), or a
     Launcher instance, used as it is."""
@@ -94,6 +143,14 @@ def create(launcher: str | Launcher) -> Launcher:
             from unison.launch.local import LocalLauncher  # here: local.py imports this module
 
             return LocalLauncher()
+        if launcher == "connect":
+            from unison.launch.connect import ConnectLauncher
+
+            return ConnectLauncher()
+        if launcher == "ray":
+            from unison.launch.ray import RayLauncher
+
+            return RayLauncher()
         raise ValueError(
             f"unknown launcher {launcher!r}: use one of {', '.join(map(repr, NAMES))} "
             "or a unison.launch.Launcher instance"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -38,9 +39,36 @@ class Resources:
         self._closed = False
         self.coll_fd = -1
         self.board: Board | None = None
+        self._store: Any = None
+        network = launcher.network()
+        self.coll_spec: dict[str, Any] | None = None
+        if network is not None:  # workers elsewhere: TCP, and collectives through torch
+            if channel not in ("auto", "tcp"):
+                raise ValueError(
+                    f"the {type(launcher).__name__}'s workers join over TCP: channel "
+                    f"{channel!r} cannot reach them (leave channel='auto')")
+            from unison.channel.tcp import TcpChannel
+
+            self.chan: channels.Channel = TcpChannel(
+                num_workers, network.bind, network.advertise, network.secret, network.port)
+            if collectives == "torch":  # the rendezvous lives here, where every worker
+                try:  # can reach
+                    self._store = _torch_store(network.bind)
+                except BaseException:
+                    self.chan.close()
+                    raise
+                self.coll_spec = {"backend": "cluster",
+                                  "store": f"{network.advertise}:{self._store.port}"}
+            else:
+                self.coll_spec = {"backend": "none", "why": (
+                    "the workers of this session join over TCP and share no memory: open it "
+                    "with Session(..., collectives='torch') for collectives across hosts")}
+            return
+        if channel == "tcp":
+            raise ValueError("channel='tcp' is for launchers whose workers join over TCP "
+                             "(launcher='ray' or 'connect')")
         self.chan = channels.create(channel, num_workers, name)
         try:
-            self.coll_spec: dict[str, Any] | None = None
             if hasattr(os, "memfd_create"):  # else no collectives: they say so when called
                 self.coll_fd, _ = collective_shm.create(name, num_workers, num_groups)
                 self.coll_spec = {
@@ -73,6 +101,10 @@ class Resources:
         return out
 
     def start(self, specs: list[WorkerSpec], env: Mapping[int, Mapping[str, str]]) -> None:
+        offer = getattr(self.chan, "offer", None)
+        if offer is not None:  # TCP: each worker gets its spec once it has proved itself
+            for spec in specs:
+                offer(spec.rank, pickle.dumps(spec, protocol=5))
         self.launcher.start(specs, env)
         self.chan.started(self.launcher.watch_fds())
 
@@ -90,7 +122,12 @@ class Resources:
             rank = 0
         if self.coll_fd >= 0:
             collective_shm.abort(self.coll_fd, rank)
-        return self.launcher.death(rank, grace)
+        report = self.launcher.death(rank, grace)
+        where = getattr(self.chan, "where", None)  # a TCP worker: where it was, how it ended
+        parts = [self.launcher.describe(rank), "" if where is None else where(rank),
+                 report.reason]
+        reason = "; ".join(p for p in parts if p)
+        return DeathReport(report.rank, report.exitcode, report.output, reason)
 
     def close(self, grace: float, before_release: Callable[[], None] | None = None,
               guard: AbstractContextManager[Any] | None = None) -> None:
@@ -109,12 +146,15 @@ class Resources:
                     if before_release is not None:
                         before_release()
                 finally:
+                    if hasattr(self.chan, "linger"):  # TCP: let the workers hang up first
+                        self.chan.linger = min(grace, 2.0)
                     self.chan.close()
             if self.coll_fd >= 0:
                 os.close(self.coll_fd)
                 self.coll_fd = -1
             if self.board is not None:
                 self.board.close()
+            self._store = None  # its server thread ends with the object
 
 
 def sys_path() -> list[str]:
@@ -130,3 +170,14 @@ def _free_address() -> str:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def _torch_store(bind: str) -> Any:
+    """torch.distributed's key-value store for the workers' rendezvous, served by the
+    controller (the one host every worker of a TCP session reaches)."""
+    try:
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+    except ImportError as exc:
+        raise ImportError("collectives='torch' needs torch on the controller too: "
+                          "pip install 'unison[torch]'") from exc
+    return TCPStore(bind, 0, None, True, wait_for_workers=False)

@@ -1,0 +1,543 @@
+"""The TCP channel: workers on other hosts, in Ray actors, or started by hand.
+
+    controller                                         worker (``unison worker --connect``)
+    listen(bind, port) <---- connect ------------------ socket
+      accept thread: HMAC challenge both ways  <------> (multiprocessing.connection's)
+                     hello (rank wanted, pid, host) <-- then its WorkerSpec, its incarnation -->
+    send(msg) -> frame ----------------------------->  reader thread -> queue -> recv()
+    recv() <- frames (each names the incarnation) <--  reply(data)
+
+One TCP connection per worker carries everything, both ways. Before a byte of it is
+unpickled, both ends prove they hold the session's secret, with multiprocessing.connection's
+challenge (an HMAC over a random nonce; the secret never crosses). What is not a valid
+handshake, or arrives too slowly, is logged and dropped, and the listener goes on: a port
+scanner or a peer with the wrong secret never reaches the session. The traffic is not
+encrypted: run it on a private network or through a tunnel (docs/cluster.md).
+
+A frame is ``[magic, incarnation, payload length, buffer count]``, the payload, then per
+buffer its length and bytes. The incarnation is a random number the controller gave that
+connection: a frame that names another (a stale worker's, or garbage) is never taken for a
+reply; neither is a frame with a bad magic or a length over ``MAX_FRAME``. Such a worker is
+out of step for good: the channel drops it, logs why, and reports its stream ended, so
+the session raises WorkerDied naming the reason. Replies also carry their request's id
+(protocol), which the session checks.
+
+A dead worker's connection closes (its keeper holds a copy and dies with it). A silent
+death (a host powered off, a cable pulled) is seen by the kernel's keepalive probes and
+TCP_USER_TIMEOUT, about 2 s: the only heartbeat, and only here, where no pidfd can tell.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from typing import Any
+
+from unison.channel import Channel, PartialSendError, Reply, WorkerChannel
+from unison.pacing import spin
+
+SPIN = 200e-6
+"""How long a wait yields the core, looking for data, before it sleeps (as the shm channel)."""
+
+__all__ = ["MAX_FRAME", "TcpChannel", "TcpWorkerChannel", "dial"]
+
+log = logging.getLogger("unison.tcp")
+
+_MAGIC = 0x31534E55  # b"UNS1", little-endian
+_HEAD = struct.Struct("<IQQI")  # magic, incarnation, payload length, buffer count
+_BUF = struct.Struct("<Q")
+MAX_FRAME = 1 << 32
+"""The largest payload or buffer a frame may carry (bytes); larger is malformed."""
+_MAX_BUFFERS = 1 << 16
+_HELLO = struct.Struct("<iq")  # rank wanted (-1: any), pid; then the host name
+_HANDSHAKE_S = 5.0
+"""How long a peer has to pass the handshake before it is dropped."""
+_CHUNK = 1 << 20
+
+
+def _tune(sock: socket.socket) -> None:
+    """No Nagle delay on small messages; the kernel's keepalive as the heartbeat: a peer
+    silent for 1 s is probed every second, and an unanswered probe or an unacknowledged
+    send fails the connection after about 2 s."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 1),
+                        ("TCP_USER_TIMEOUT", 2000)):
+        opt = getattr(socket, name, None)
+        if opt is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+
+
+def _timeouts(sock: socket.socket, seconds: float) -> None:
+    """Kernel-level timeouts on blocking reads and writes (SO_RCVTIMEO/SO_SNDTIMEO), which
+    multiprocessing.connection's plain os.read/os.write honour; 0 turns them off."""
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+class _Peer:
+    """One worker's connection, as the controller sees it."""
+
+    def __init__(self, rank: int, sock: socket.socket, incarnation: int, host: str,
+                 pid: int) -> None:
+        self.rank, self.sock, self.incarnation = rank, sock, incarnation
+        self.host, self.pid = host, pid
+        self.fd = sock.fileno()
+        self.buf = bytearray()
+        self.open = True
+        self.stashed = False
+        """Whether a send read replies into ``buf`` (so recv looks there first)."""
+        self.ended = ""
+        """Why its stream ended, once it has (read while writing to it, say)."""
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+class TcpChannel(Channel):
+    """The controller's end: a listener and one connection per worker."""
+
+    linger = 2.0
+    """At close, how long to wait for the workers to hang up after we did (the session sets
+    it from close()'s grace: 0 after a death)."""
+
+    def __init__(self, num_workers: int, bind: str, advertise: str, secret: bytes,
+                 port: int = 0) -> None:
+        if len(secret) < 16:
+            raise ValueError("the session's secret must be at least 16 bytes")
+        self.n = num_workers
+        self._secret = secret
+        self._specs: list[bytes | None] = [None] * num_workers
+        self._peers: list[_Peer | None] = [None] * num_workers
+        self._claimed: set[int] = set()
+        self._lock = threading.Lock()
+        self._why: dict[int, str] = {}
+        self._watch: list[int] = []
+        self._closed = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        os.set_blocking(self._wake_r, False)
+        self._listener = socket.create_server((bind, port), backlog=max(16, num_workers))
+        self.address = f"{advertise}:{self._listener.getsockname()[1]}"
+        self._accepter = threading.Thread(target=self._accept_loop, name="unison-tcp-accept",
+                                          daemon=True)
+        self._accepter.start()
+
+    # -- joining -----------------------------------------------------------------------------
+
+    def offer(self, rank: int, init: bytes) -> None:
+        """What worker ``rank`` gets once it has proved it holds the secret (its pickled
+        WorkerSpec). A worker may join only once its init is offered."""
+        self._specs[rank] = init
+
+    def endpoint(self, rank: int) -> tuple[dict[str, Any], list[int]]:
+        spec = {"kind": "tcp", "address": self.address, "secret": self._secret.hex(),
+                "rank": rank}
+        return spec, []
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                ready = select.select([self._listener], [], [], 1.0)[0]
+                if self._listener not in ready:
+                    continue
+                sock, addr = self._listener.accept()
+            except (OSError, ValueError):
+                continue  # closed under us (the loop's test ends it), or a failed accept
+            threading.Thread(target=self._admit, args=(sock, addr), daemon=True,
+                             name="unison-tcp-handshake").start()
+
+    def _admit(self, sock: socket.socket, addr: Any) -> None:
+        """Handshake with one caller; a worker that passes joins, anything else is dropped."""
+        rank = -1
+        try:
+            _tune(sock)
+            _timeouts(sock, _HANDSHAKE_S)
+            conn = Connection(os.dup(sock.fileno()))
+            try:
+                deliver_challenge(conn, self._secret)
+                answer_challenge(conn, self._secret)
+                hello = conn.recv_bytes(256)
+                if len(hello) < _HELLO.size:
+                    raise ValueError("a short hello")
+                wanted, pid = _HELLO.unpack_from(hello)
+                host = bytes(hello[_HELLO.size:]).decode("utf-8", "replace")
+                rank, refusal = self._claim(wanted)
+                if refusal:
+                    conn.send_bytes(pickle.dumps(("refused", refusal)))
+                    raise ValueError(refusal)
+                incarnation = secrets.randbits(63) | 1
+                conn.send_bytes(pickle.dumps(("welcome", incarnation, self._specs[rank])))
+            finally:
+                conn.close()
+            _timeouts(sock, 0)
+            sock.setblocking(False)
+            peer = _Peer(rank, sock, incarnation, host, pid)
+            with self._lock:
+                if self._closed:
+                    raise OSError("the session closed")
+                self._peers[rank] = peer
+            self._wake()
+            log.debug("worker %d joined from %s (pid %d on %s)", rank, addr, pid, host)
+        except Exception as exc:
+            if rank >= 0:
+                with self._lock:
+                    self._claimed.discard(rank)
+            log.warning("unison: dropped a connection from %s: %s: %s", addr,
+                        type(exc).__name__, exc or "the peer failed the handshake")
+            sock.close()
+
+    def _claim(self, wanted: int) -> tuple[int, str]:
+        with self._lock:
+            if wanted >= 0:
+                if wanted >= self.n:
+                    return -1, f"rank {wanted} is out of range: the session has {self.n} workers"
+                if wanted in self._claimed:
+                    return -1, f"rank {wanted} has joined already"
+                if self._specs[wanted] is None:
+                    return -1, "the session is not ready for its workers yet"
+                self._claimed.add(wanted)
+                return wanted, ""
+            for r in range(self.n):
+                if r not in self._claimed and self._specs[r] is not None:
+                    self._claimed.add(r)
+                    return r, ""
+            return -1, f"all {self.n} workers of the session have joined"
+
+    def joined(self) -> list[int]:
+        """The ranks connected so far."""
+        return [r for r, p in enumerate(self._peers) if p is not None]
+
+    def where(self, rank: int) -> str:
+        """Where worker ``rank`` connected from, and why its stream ended (if it did)."""
+        peer = self._peers[rank]
+        text = "" if peer is None else f"pid {peer.pid} on {peer.host}"
+        why = self._why.get(rank)
+        return f"{text}; {why}" if why and text else why or text
+
+    def started(self, watch: Sequence[int] = ()) -> None:
+        self._watch = list(watch)
+
+    # -- sending -------------------------------------------------------------------------------
+
+    def send(self, data: bytes, ranks: Sequence[int], buffers: Sequence[Any] = (), *,
+             deadline: float | None = None) -> None:
+        raws = [pb.raw() for pb in buffers]
+        for r in ranks:
+            peer = self._peers[r]
+            if peer is None or not peer.open:
+                raise BrokenPipeError(f"worker {r} is not connected")
+            parts: list[Any] = [_HEAD.pack(_MAGIC, peer.incarnation, len(data), len(raws)),
+                                data]
+            for raw in raws:
+                parts += [_BUF.pack(raw.nbytes), raw]
+            self._write(peer, parts, deadline)
+
+    def _write(self, peer: _Peer, frame: list[Any], deadline: float | None) -> None:
+        parts = [v for v in (memoryview(p).cast("B") for p in frame) if v.nbytes]
+        written = False
+        while parts:
+            try:
+                n = peer.sock.sendmsg(parts[:512])
+            except BlockingIOError:
+                n = 0
+            if n:
+                written = True
+                while n and n >= parts[0].nbytes:
+                    n -= parts.pop(0).nbytes
+                if n:
+                    parts[0] = parts[0][n:]
+                continue
+            if self._watch and select.select(self._watch, [], [], 0)[0]:
+                raise BrokenPipeError("a worker died while its connection was full")
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                if written:
+                    raise PartialSendError(
+                        f"the deadline passed while a message was half sent to worker "
+                        f"{peer.rank}; the channel cannot be used any more")
+                raise TimeoutError(f"worker {peer.rank}'s connection stayed full until the "
+                                   "deadline; nothing of this message was sent")
+            readable, _, _ = select.select([peer.fd], [peer.fd], [],
+                                           1.0 if left is None else min(1.0, left))
+            if readable and not peer.ended:  # it may be blocked writing replies to us:
+                self._fill(peer)  # read them, or neither of us would ever move again
+                peer.stashed = True
+
+    # -- receiving -----------------------------------------------------------------------------
+
+    def recv(
+        self, timeout: float | None, watch: Sequence[int] | None = None
+    ) -> list[tuple[int, bytes | Reply | None]]:
+        open_peers = [p for p in self._peers if p is not None and p.open]
+        fds = [p.sock for p in open_peers]
+        waits: list[Any] = [*fds, self._wake_r]
+        if timeout != 0:
+            waits += self._watch
+        held = [p for p in open_peers if p.stashed or p.ended]
+        if not held and timeout != 0 and fds:  # a reply is often a few µs away: yield
+            spin(lambda: bool(select.select(fds, [], [], 0)[0]),  # before we sleep
+                 SPIN if timeout is None else min(SPIN, timeout))
+        ready = select.select(waits, [], [], 0 if held else timeout)[0]
+        if self._wake_r in ready:
+            _drain(self._wake_r)
+        out: list[tuple[int, bytes | Reply | None]] = []
+        for peer in open_peers:
+            if peer.sock in ready or peer in held:
+                peer.stashed = False
+                self._read(peer, out)
+        return out
+
+    def _read(self, peer: _Peer, out: list[tuple[int, bytes | Reply | None]]) -> None:
+        if not peer.ended:
+            self._fill(peer)
+            self._frames(peer, out)
+        if _ended(peer):
+            self._drop(peer, peer.ended, out)
+
+    @staticmethod
+    def _fill(peer: _Peer) -> None:
+        """Read what the socket holds into the peer's buffer (``ended`` says if it closed)."""
+        try:
+            chunk = peer.sock.recv(_CHUNK)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            peer.ended = f"its connection failed: {exc}"
+            return
+        if not chunk:
+            peer.ended = "its connection closed"
+            return
+        peer.buf += chunk
+
+    def _frames(self, peer: _Peer, out: list[tuple[int, bytes | Reply | None]]) -> None:
+        """The whole frames in the peer's buffer, as replies."""
+        buf = peer.buf
+        while len(buf) >= _HEAD.size:
+            magic, incarnation, size, count = _HEAD.unpack_from(buf)
+            problem = _check_head(magic, incarnation, size, count, peer.incarnation)
+            if problem:
+                peer.ended = f"it sent a malformed frame ({problem})"
+                return
+            if count:
+                peer.ended = ("it sent a reply with out-of-band buffers, which this channel "
+                              "does not take")
+                return
+            end = _HEAD.size + size
+            if len(buf) < end:
+                return
+            out.append((peer.rank, bytes(buf[_HEAD.size:end])))
+            del buf[:end]
+
+    def _drop(self, peer: _Peer, why: str, out: list[tuple[int, bytes | Reply | None]]) -> None:
+        """A worker's stream ended, or went out of step: say so once, and close it (after
+        the whole replies it sent before)."""
+        self._frames(peer, out)
+        if why != "its connection closed":
+            log.error("unison: worker %d (%s): %s; it is dropped", peer.rank, peer.host, why)
+        self._why.setdefault(peer.rank, why)
+        peer.open = False
+        peer.sock.close()
+        out.append((peer.rank, None))
+
+    def wake_fds(self) -> list[int]:
+        return [p.fd for p in self._peers if p is not None and p.open] + [self._wake_r]
+
+    def pending(self) -> bool:
+        fds = [p.sock for p in self._peers if p is not None and p.open]
+        return bool(fds) and bool(select.select(fds, [], [], 0)[0])
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread's select
+        except OSError:
+            pass
+        if self._accepter is not threading.current_thread():
+            self._accepter.join(timeout=2.0)
+        self._listener.close()
+        peers = [p for p in self._peers if p is not None and p.open]
+        for peer in peers:  # hang up, then give each worker a moment to end on its own
+            try:
+                peer.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        deadline = time.monotonic() + self.linger
+        waiting = list(peers)
+        while waiting and time.monotonic() < deadline:
+            ready = select.select(waiting, [], [], deadline - time.monotonic())[0]
+            for peer in ready:
+                peer.buf.clear()
+                self._fill(peer)
+                if _ended(peer):
+                    waiting.remove(peer)
+        for peer in peers:
+            peer.open = False
+            peer.sock.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self._watch = []
+
+
+def _ended(peer: _Peer) -> str:
+    """Why the peer's stream ended ("" if it has not): read afresh after a call set it."""
+    return peer.ended
+
+
+def _check_head(magic: int, incarnation: int, size: int, count: int, expected: int) -> str:
+    if magic != _MAGIC:
+        return f"bad magic {magic:#x}"
+    if incarnation != expected:
+        return f"incarnation {incarnation:#x} is not this connection's {expected:#x}"
+    if size > MAX_FRAME:
+        return f"a payload of {size} bytes, over the limit of {MAX_FRAME}"
+    if count > _MAX_BUFFERS:
+        return f"{count} buffers, over the limit of {_MAX_BUFFERS}"
+    return ""
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except (BlockingIOError, OSError):
+        pass
+
+
+# -- the worker's end ------------------------------------------------------------------------
+
+
+class Refused(RuntimeError):
+    """The controller would not take this worker (its rank is taken, out of range, ...)."""
+
+
+def dial(address: str, secret: bytes, rank: int = -1,
+         timeout: float = 60.0) -> tuple[socket.socket, int, bytes]:
+    """Connect to a controller (retrying until ``timeout`` while it is not listening yet),
+    prove we hold the secret and check it does, and get our init. Returns the connected
+    socket, our incarnation and the pickled WorkerSpec."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--connect takes HOST:PORT, not {address!r}")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=5.0)
+            break
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise ConnectionError(f"could not reach the controller at {address} within "
+                                      f"{timeout:g} s: {exc}") from exc
+            time.sleep(0.2)
+    try:
+        sock.settimeout(None)
+        _tune(sock)
+        _timeouts(sock, _HANDSHAKE_S * 2)
+        conn = Connection(os.dup(sock.fileno()))
+        try:
+            try:
+                answer_challenge(conn, secret)
+                deliver_challenge(conn, secret)
+            except (AuthenticationError, EOFError, OSError) as exc:
+                raise PermissionError(
+                    f"the controller at {address} refused us: the secret does not match "
+                    f"(UNISON_SECRET), or it is not a unison session ({exc})") from exc
+            conn.send_bytes(_HELLO.pack(rank, os.getpid()) + socket.gethostname().encode()[:128])
+            answer = pickle.loads(conn.recv_bytes(MAX_FRAME))  # the controller proved itself
+        finally:
+            conn.close()
+        if answer[0] != "welcome":
+            raise Refused(f"the controller at {address} refused this worker: {answer[1]}")
+        _timeouts(sock, 0)
+        return sock, int(answer[1]), bytes(answer[2])
+    except BaseException:
+        sock.close()
+        raise
+
+
+class TcpWorkerChannel(WorkerChannel):
+    """A worker's end: the connection ``dial`` made, read by the worker's loop itself (no
+    thread hand-off: the kernel's socket buffers hold what the controller sends ahead, and
+    the controller reads our replies while it waits to write, so neither side blocks the
+    other for good)."""
+
+    def __init__(self, sock: socket.socket, incarnation: int) -> None:
+        self._sock = sock
+        self._inc = incarnation
+        self._send_lock = threading.Lock()
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
+
+    def recv(self) -> tuple[memoryview, list[Any]] | None:
+        try:
+            if not self._poll.poll(0):  # the next command is often a few µs away
+                spin(lambda: bool(self._poll.poll(0)), SPIN)
+            magic, inc, size, count = _HEAD.unpack(self._read(_HEAD.size))
+            problem = _check_head(magic, inc, size, count, self._inc)
+            if problem:
+                raise OSError(f"a malformed frame from the controller: {problem}")
+            data = memoryview(self._read(size))
+            bufs: list[Any] = []
+            for _ in range(count):
+                (length,) = _BUF.unpack(self._read(_BUF.size))
+                if length > MAX_FRAME:
+                    raise OSError(f"a buffer of {length} bytes from the controller")
+                bufs.append(memoryview(self._read(length)))
+            return data, bufs
+        except (EOFError, OSError):
+            return None
+
+    def _read(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self._sock.recv_into(view[got:])
+            if not k:
+                raise EOFError
+            got += k
+        return buf
+
+    def reply(self, data: bytes, buffers: Sequence[Any] = ()) -> None:
+        if buffers:
+            raise ValueError("the TCP channel pickles replies in band")
+        if len(data) > MAX_FRAME:
+            raise MemoryError(f"a reply of {len(data)} bytes is over the TCP channel's limit "
+                              f"of {MAX_FRAME}")
+        head = _HEAD.pack(_MAGIC, self._inc, len(data), 0)
+        parts = [memoryview(head)]
+        if data:
+            parts.append(memoryview(data).cast("B"))
+        with self._send_lock:
+            while parts:  # a signal (a cancellation) may cut a blocking send short
+                n = self._sock.sendmsg(parts)
+                while n and n >= parts[0].nbytes:
+                    n -= parts.pop(0).nbytes
+                if n:
+                    parts[0] = parts[0][n:]
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass

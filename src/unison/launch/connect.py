@@ -1,0 +1,77 @@
+"""Workers that join by hand: ``unison worker --connect HOST:PORT``, started with srun, ssh, a
+container scheduler or a shell.
+
+    controller: Session(n, launcher=ConnectLauncher(bind=..., port=..., secret=...))
+                listens, prints how to join, waits up to start_timeout for n workers
+    each host:  UNISON_SECRET=<hex> unison worker --connect HOST:PORT [--rank R]
+
+The launcher starts nothing, so it can neither watch nor kill: a worker's death shows as its
+connection closing (unison.channel.tcp), and a worker ends when its controller closes the
+session or goes away (its keeper sees the connection hang up). Ray is not needed.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+
+from unison.launch import SECRET_VAR, DeathReport, Launcher, Network
+from unison.spec import WorkerSpec
+
+__all__ = ["ConnectLauncher"]
+
+
+class ConnectLauncher(Launcher):
+    """Waits for hand-started workers to connect.
+
+    ``bind`` is the interface to listen on (default: loopback, for workers on this host;
+    a cluster's private interface for others, never all of them unless asked with
+    "0.0.0.0"); ``advertise`` the host name workers are told (default: ``bind``, or this
+    host's name when binding to all); ``port`` 0 picks a free one; ``secret`` (bytes, at
+    least 16) defaults to UNISON_SECRET from the environment, else a fresh random one,
+    printed with the command to run (``announce``)."""
+
+    def __init__(self, bind: str = "127.0.0.1", port: int = 0, secret: bytes | None = None,
+                 advertise: str | None = None, announce: bool = True) -> None:
+        if secret is None:
+            env = os.environ.get(SECRET_VAR, "")
+            secret = bytes.fromhex(env) if env else secrets.token_bytes(32)
+        if len(secret) < 16:
+            raise ValueError("the secret must be at least 16 bytes")
+        if advertise is None:
+            advertise = socket.gethostname() if bind in ("0.0.0.0", "::", "") else bind
+        self._network = Network(bind=bind, advertise=advertise, secret=secret, port=port)
+        self._announce = announce
+        self.address = ""
+        """HOST:PORT, once the session listens (at start)."""
+
+    def network(self) -> Network:
+        return self._network
+
+    def start(self, specs: Sequence[WorkerSpec], env: Mapping[int, Mapping[str, str]]) -> None:
+        if env:
+            raise ValueError("a ConnectLauncher starts no process, so it cannot set a "
+                             "worker's environment: set it where you start the workers")
+        self.address = specs[0].channel["address"] if specs else ""
+        if callable(self._announce):
+            self._announce(self.address, self._network.secret)
+        elif self._announce:
+            print(f"unison: waiting for {len(specs)} workers; start each with\n"
+                  f"  {SECRET_VAR}={self._network.secret.hex()} unison worker --connect "
+                  f"{self.address}", file=sys.stderr, flush=True)
+
+    def watch_fds(self) -> list[int]:
+        return []
+
+    def ended(self) -> int | None:
+        return None  # only the connection can tell
+
+    def death(self, rank: int, grace: float) -> DeathReport:
+        return DeathReport(rank, None, "", "a worker started by hand: its exit status and "
+                           "output are where it was started")
+
+    def stop(self, grace: float) -> None:
+        return None  # the workers end when their connections close

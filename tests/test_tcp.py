@@ -1,0 +1,331 @@
+"""The TCP channel and ``unison worker --connect``: workers started as plain processes join a
+session over an authenticated connection (issue 12). Real processes and real sockets, on
+loopback; the Ray launcher's tests (test_ray.py) run the same channel across Ray nodes."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import unison
+from support import wait_gone
+from unison import WorkerDied
+from unison.launch.connect import ConnectLauncher
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = bytes(range(32))
+
+
+def worker_cmd(address: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "unison", "worker", "--connect", address, *extra]
+
+
+class Workers:
+    """Hand-started workers (plain processes, as srun or ssh would start them), reaped at
+    the end of the test whatever happened."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, address: str, count: int = 1, *extra: str, secret: bytes = SECRET,
+              env: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
+        full = dict(os.environ, UNISON_SECRET=secret.hex(), **(env or {}))
+        new = [subprocess.Popen(worker_cmd(address, *extra), env=full, text=True,
+                                stderr=subprocess.PIPE) for _ in range(count)]
+        self.procs += new
+        return new
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait(10)
+            if p.stderr is not None:
+                p.stderr.close()
+
+
+@pytest.fixture
+def workers() -> Iterator[Workers]:
+    w = Workers()
+    yield w
+    w.stop()
+
+
+@pytest.fixture
+def tcp_session(workers: Workers) -> Iterator[Callable[..., unison.Session]]:
+    """``tcp_session(n, **kw)``: a Session of n hand-started TCP workers, closed at the end."""
+    sessions: list[unison.Session] = []
+
+    def make(n: int = 2, before: Callable[[str], None] | None = None,
+             **kw: Any) -> unison.Session:
+        def announce(address: str, secret: bytes) -> None:
+            if before is not None:
+                before(address)
+            workers.start(address, n)
+
+        launcher = ConnectLauncher(secret=SECRET, announce=announce)
+        sess = unison.Session(n, launcher=launcher, start_timeout=60, **kw)
+        sessions.append(sess)
+        return sess
+
+    yield make
+    for sess in sessions:
+        sess.close(timeout=3)
+
+
+def test_calls_refs_put_scatter_and_gather_over_tcp(tcp_session):
+    sess = tcp_session(2)
+    assert sess.run(unison.rank) == [0, 1]
+    a = sess.scatter([np.arange(5), np.arange(5) * 10])
+    b = sess.put(np.ones(5))
+    c = sess.call(lambda x, y: x + y, a, b)
+    out = c.gather()
+    np.testing.assert_array_equal(out[1], np.arange(5) * 10 + 1)
+    big = sess[1].call(lambda: np.full(3_000_000, 7.0)).gather()[0]  # 24 MB back
+    assert big.shape == (3_000_000,) and big[-1] == 7.0
+    sent = np.random.default_rng(0).random(2_000_000)  # 16 MB out, as out-of-band buffers
+    assert sess.run(lambda x: float(x.sum()), sess.put(sent)) == [float(sent.sum())] * 2
+    with pytest.raises(unison.WorkerError, match="ZeroDivisionError"):
+        sess.run(lambda: 1 / 0)
+    sess.call(lambda: 1 / 0)
+    with pytest.raises(unison.WorkerError):
+        sess.sync()
+    assert sess.run(os.getpid) != [os.getpid()] * 2
+
+
+def _warm_torch_store() -> None:
+    """torch's first TCPStore opens a pipe it keeps for the life of the process (each later
+    one closes all it opens): open that one now, before the per-test leak check looks."""
+    try:
+        from torch.distributed import TCPStore
+    except ImportError:
+        return
+    TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+
+
+if not unison.worker._identity:  # not in a worker that imports this module for a function
+    _warm_torch_store()
+
+
+def test_collectives_across_tcp_workers_go_through_torch(tcp_session):
+    torch = pytest.importorskip("torch")
+    sess = tcp_session(3, collectives="torch")
+
+    def collectives():
+        r = unison.rank()
+        total = unison.allreduce(torch.ones(4) * (r + 1))
+        root = unison.broadcast(torch.arange(3) * (r + 1), src=2)
+        everyone = unison.allgather(torch.tensor([r]))
+        unison.barrier()
+        if r == 0:
+            unison.send({"from": 0}, 1)
+        got = unison.recv(0) if r == 1 else None
+        return total.tolist(), root.tolist(), [int(t) for t in everyone], got
+
+    out = sess.run(collectives)
+    assert [o[0] for o in out] == [[6.0] * 4] * 3
+    assert [o[1] for o in out] == [[0, 3, 6]] * 3
+    assert [o[2] for o in out] == [[0, 1, 2]] * 3
+    assert out[1][3] == {"from": 0}
+    # a rank calling with another shape raises on every rank instead of aborting gloo
+    with pytest.raises(unison.WorkerError, match=r"different collectives|shapes"):
+        sess.run(lambda: unison.allreduce(torch.ones(unison.rank() + 1)))
+    assert sess.run(lambda: unison.allreduce(torch.ones(2)).tolist()) == [[3.0, 3.0]] * 3
+
+
+def test_without_torch_collectives_a_tcp_session_says_what_to_do(tcp_session):
+    sess = tcp_session(2)
+    with pytest.raises(unison.WorkerError, match="collectives='torch'"):
+        sess.run(lambda: unison.allreduce(np.ones(2)))
+
+
+def _connect_and(address: str, action: Callable[[socket.socket], None]) -> None:
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        action(sock)
+
+
+def test_a_wrong_secret_and_garbage_never_reach_the_session(tcp_session, workers, caplog):
+    caplog.set_level(logging.WARNING, logger="unison.tcp")
+    intruders: list[subprocess.Popen[str]] = []
+
+    def attack(address: str) -> None:
+        intruders.extend(workers.start(address, 1, secret=b"x" * 32))
+        _connect_and(address, lambda s: s.sendall(os.urandom(4096)))  # garbage
+        _connect_and(address, lambda s: s.sendall(struct.pack("!i", 2**31 - 1)))  # oversized
+        _connect_and(address, lambda s: s.sendall(b"\x00\x00"))  # truncated
+        _connect_and(address, lambda s: None)  # connects and leaves
+        # a valid-looking frame of the data phase, before any handshake
+        _connect_and(address, lambda s: s.sendall(struct.pack("<IQQI", 0x31534E55, 1, 4, 0)
+                                                   + b"\x80\x05N."))
+
+    sess = tcp_session(2, before=attack)
+    assert sess.run(unison.rank) == [0, 1]
+    intruder = intruders[0]
+    assert intruder.wait(15) == 2
+    assert intruder.stderr is not None
+    assert "secret does not match" in intruder.stderr.read()
+    deadline = time.monotonic() + 10
+    while caplog.text.count("dropped a connection") < 6 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert caplog.text.count("dropped a connection") >= 6, caplog.text
+    assert sess.run(lambda x: x * 2, 21) == [42, 42]
+
+
+def _worker_socket() -> socket.socket:
+    from unison.channel.tcp import TcpWorkerChannel
+
+    chan = next(o for o in gc.get_objects() if isinstance(o, TcpWorkerChannel))
+    return chan._sock
+
+
+def _send_garbage() -> None:
+    _worker_socket().sendall(b"not a frame, not even close" * 4)
+    time.sleep(30)  # the controller drops us first
+
+
+def _send_stale_frame() -> None:
+    from unison.channel.tcp import _HEAD, _MAGIC
+
+    _worker_socket().sendall(_HEAD.pack(_MAGIC, 12345, 2, 0) + b"N.")  # another incarnation
+    time.sleep(30)
+
+
+@pytest.mark.parametrize(("culprit", "why"), [(_send_garbage, "bad magic"),
+                                               (_send_stale_frame, "incarnation")])
+def test_a_worker_that_sends_a_malformed_frame_is_dropped_never_unpickled(
+        tcp_session, culprit, why):
+    sess = tcp_session(2)
+    start = time.monotonic()
+    with pytest.raises(WorkerDied, match=why) as info:
+        sess[1].run(culprit)
+    assert info.value.worker == 1
+    assert time.monotonic() - start < 5
+
+
+def test_a_killed_worker_gives_worker_died_naming_it_within_2_s(tcp_session):
+    sess = tcp_session(2)
+    pid = sess[1].run(os.getpid)[0]
+    ref = sess.call(time.sleep, 30)
+    start = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(WorkerDied) as info:
+        ref.gather()
+    took = time.monotonic() - start
+    assert took < 2.0, f"WorkerDied came after {took:.2f} s"
+    assert info.value.worker == 1
+    assert socket.gethostname() in str(info.value)  # where it ran
+    with pytest.raises(unison.SessionClosed):
+        sess.run(os.getpid)
+
+
+def test_the_workers_end_when_the_controller_is_killed(workers, tmp_path):
+    script = tmp_path / "controller.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, time
+        import unison
+        from unison.launch.connect import ConnectLauncher
+
+        def announce(address, secret):
+            print(address, flush=True)
+
+        sess = unison.Session(2, launcher=ConnectLauncher(secret={SECRET!r}, announce=announce))
+        print(*sess.run(os.getpid), flush=True)
+        time.sleep(120)
+    """))
+    ctl = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert ctl.stdout is not None
+        address = ctl.stdout.readline().strip()
+        procs = workers.start(address, 2)
+        worker_pids = [int(p) for p in ctl.stdout.readline().split()]
+        ctl.kill()
+        ctl.wait(10)
+        assert wait_gone(worker_pids, 5.0) == []
+        for p in procs:
+            assert p.wait(5) is not None
+    finally:
+        if ctl.poll() is None:
+            ctl.kill()
+        ctl.wait(10)
+        if ctl.stdout is not None:
+            ctl.stdout.close()
+
+
+def test_a_worker_started_by_a_launcher_dies_with_it(tcp_session, workers):
+    """``--die-with-parent`` (what the Ray launcher's actors pass): the process that started
+    the worker ends, so the worker ends, and the session hears of it."""
+    shells: list[subprocess.Popen[str]] = []
+
+    def start_under_a_parent(address: str, secret: bytes) -> None:
+        env = dict(os.environ, UNISON_SECRET=secret.hex())
+        cmd = " ".join(worker_cmd(address, "--die-with-parent"))
+        shells.append(subprocess.Popen(["/bin/sh", "-c", f"{cmd} & wait"], env=env, text=True))
+
+    sess = unison.Session(1, launcher=ConnectLauncher(secret=SECRET,
+                                                      announce=start_under_a_parent))
+    try:
+        pid = sess.run(os.getpid)[0]
+        shells[0].kill()
+        shells[0].wait(10)
+        start = time.monotonic()
+        with pytest.raises(WorkerDied):
+            sess.call(time.sleep, 30).gather(timeout=10)
+        assert time.monotonic() - start < 3.0
+        assert wait_gone([pid], 5.0) == []
+    finally:
+        sess.close(timeout=1)
+        for sh in shells:
+            if sh.poll() is None:
+                sh.kill()
+            sh.wait(10)
+
+
+def test_worker_command_errors_say_what_to_do(workers):
+    no_secret = subprocess.run(worker_cmd("127.0.0.1:1"), capture_output=True, text=True,
+                               env={k: v for k, v in os.environ.items() if k != "UNISON_SECRET"},
+                               timeout=60)
+    assert no_secret.returncode == 2 and "UNISON_SECRET" in no_secret.stderr
+    unreachable = subprocess.run(worker_cmd("127.0.0.1:1", "--timeout", "0.5"),
+                                 capture_output=True, text=True, timeout=60,
+                                 env=dict(os.environ, UNISON_SECRET=SECRET.hex()))
+    assert unreachable.returncode == 2 and "could not reach" in unreachable.stderr
+
+
+def test_a_rank_taken_twice_is_refused(tcp_session, workers):
+    late: list[subprocess.Popen[str]] = []
+    sess = tcp_session(1)
+    address = f"127.0.0.1:{sess._chan.address.rpartition(':')[2]}"  # type: ignore[attr-defined]
+    late += workers.start(address, 1, "--rank", "0")
+    assert late[0].wait(20) == 2
+    assert late[0].stderr is not None and "refused" in late[0].stderr.read()
+    assert sess.run(unison.rank) == [0]
+
+
+def test_no_worker_comes_so_start_times_out_cleanly():
+    before = threading.active_count()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        unison.Session(2, launcher=ConnectLauncher(secret=SECRET, announce=False),
+                       start_timeout=1.0)
+    assert time.monotonic() - start < 5
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before
