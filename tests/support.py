@@ -168,3 +168,17 @@ class SharedSessions:
         self.pids.clear()
         if errors:
             raise errors[0]
+
+
+def warm_torch_store() -> None:
+    """torch's first TCPStore opens a pipe it keeps for the life of the process (each later
+    one closes all it opens): a test module that makes sessions with collectives="torch"
+    over TCP calls this at import, before the per-test leak check looks. Not in a worker
+    that imports the module for a function."""
+    if unison.worker._identity:
+        return
+    try:
+        from torch.distributed import TCPStore
+    except ImportError:
+        return
+    TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)

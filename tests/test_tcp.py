@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import unison
-from support import wait_gone
+from support import wait_gone, warm_torch_store
 from unison import WorkerDied
 from unison.launch.connect import ConnectLauncher
 
@@ -109,18 +109,7 @@ def test_calls_refs_put_scatter_and_gather_over_tcp(tcp_session):
     assert sess.run(os.getpid) != [os.getpid()] * 2
 
 
-def _warm_torch_store() -> None:
-    """torch's first TCPStore opens a pipe it keeps for the life of the process (each later
-    one closes all it opens): open that one now, before the per-test leak check looks."""
-    try:
-        from torch.distributed import TCPStore
-    except ImportError:
-        return
-    TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-
-
-if not unison.worker._identity:  # not in a worker that imports this module for a function
-    _warm_torch_store()
+warm_torch_store()
 
 
 def test_collectives_across_tcp_workers_go_through_torch(tcp_session):

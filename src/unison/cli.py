@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the rank to take (default: the first free one)")
     worker.add_argument("--timeout", type=float, default=60.0,
                         help="seconds to keep trying to reach the controller (default 60)")
+    worker.add_argument("--unix", default="", metavar="NAME",
+                        help="the session's Unix socket, for a worker on the controller's "
+                             "host (its launcher passes it): it then uses shared memory")
     worker.add_argument("--die-with-parent", action="store_true",
                         help="also stop when the process that started this one ends "
                              "(for launchers: a Ray actor, a job step)")
@@ -72,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         from unison.worker import connect_main
 
-        return connect_main(args.connect, args.rank, args.timeout, args.die_with_parent)
+        return connect_main(args.connect, args.rank, args.timeout, args.die_with_parent,
+                            args.unix)
     script = bench_script()
     if script is None:
         print("unison bench: the benchmark is not installed with the package; it lives in "

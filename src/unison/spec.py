@@ -3,10 +3,16 @@ the worker. One typed record on both sides, instead of a dict read by string key
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["WorkerSpec"]
+
+_FD_KEYS = {"shm": ("ctl", "arena", "reply_arena", "efd", "ctl_efd", "done_efd"),
+            "pipe": ("cmd", "reply", "arena")}
+"""Which entries of each channel's spec are fds (the rest are plain numbers: rank, n)."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,23 @@ class WorkerSpec:
     """File descriptors the worker must inherit (the channel's and the collectives')."""
     cancel: int = -1
     """The cancellation board's memfd (unison.cancel), or -1 where there is none."""
+
+    def with_fds(self, fds: Sequence[int]) -> WorkerSpec:
+        """This spec in a process that received its fds (in ``self.fds`` order, over a Unix
+        socket) instead of inheriting them under the same numbers."""
+        if len(fds) != len(self.fds):
+            raise ValueError(f"worker {self.rank} expected {len(self.fds)} fds, got {len(fds)}")
+        move = dict(zip(self.fds, fds))
+        chan = dict(self.channel)
+        for key in _FD_KEYS.get(chan.get("kind", ""), ()):
+            if chan.get(key) is not None:
+                chan[key] = move[chan[key]]
+        coll = None if self.collective is None else dict(self.collective)
+        if coll is not None and coll.get("fd") is not None:
+            coll["fd"] = move[coll["fd"]]
+        cancel = move[self.cancel] if self.cancel >= 0 else -1
+        return dataclasses.replace(self, channel=chan, collective=coll, cancel=cancel,
+                                   fds=tuple(fds))
 
     @property
     def group(self) -> int:

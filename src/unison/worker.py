@@ -449,14 +449,16 @@ def main(controller: int | None = None) -> None:
 
 
 def connect_main(address: str, rank: int = -1, timeout: float = 60.0,
-                 die_with_parent: bool = False) -> int:
+                 die_with_parent: bool = False, unix: str = "") -> int:
     """``unison worker --connect HOST:PORT``: join a TCP session (unison.channel.tcp) with
     the secret from UNISON_SECRET, fork into keeper and worker as main() does, and serve.
 
     The lifeline is the connection: when the controller goes, the keeper sees it hang up
     and kills the worker and all it started. With ``die_with_parent`` (a launcher's own
     child, such as a Ray actor's) the keeper also ends it when the process that started
-    it ends."""
+    it ends. A worker on the controller's host (``unix``, the name of the session's Unix
+    socket) joins there instead and gets the fds of its shared memory: its traffic then
+    goes through the shared-memory channel, and that connection is only its lifeline."""
     from unison.channel.tcp import Refused, TcpWorkerChannel, dial
     from unison.launch import SECRET_VAR
 
@@ -470,7 +472,7 @@ def connect_main(address: str, rank: int = -1, timeout: float = 60.0,
               "controller printed it or gave its launcher)", file=sys.stderr)
         return 2
     try:
-        sock, incarnation, init_blob = dial(address, secret, rank, timeout)
+        sock, incarnation, init_blob, fds = dial(address, secret, rank, timeout, unix)
     except (ConnectionError, PermissionError, Refused, ValueError) as exc:
         print(f"unison worker: {exc}", file=sys.stderr)
         return 2
@@ -478,6 +480,8 @@ def connect_main(address: str, rank: int = -1, timeout: float = 60.0,
     if not isinstance(spec, WorkerSpec):
         print("unison worker: the controller sent no WorkerSpec", file=sys.stderr)
         return 2
+    if unix:
+        spec = spec.with_fds(fds)
     parent = os.getppid()
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     keeper = os.getpid()
@@ -489,7 +493,7 @@ def connect_main(address: str, rank: int = -1, timeout: float = 60.0,
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != keeper:
         os._exit(EXIT_CONTROLLER_GONE)
-    run(spec, TcpWorkerChannel(sock, incarnation))
+    run(spec, None if unix else TcpWorkerChannel(sock, incarnation))
     return 0
 
 

@@ -173,7 +173,7 @@ class WorkerChannel(ABC):
 
 def create(kind: str, num_workers: int, session_name: str) -> Channel:
     if kind == "auto":
-        kind = "shm" if _shm_ok(num_workers) else "pipe"
+        kind = "shm" if shm_ok(num_workers) else "pipe"
     if kind == "shm":
         from unison.channel.shm import ShmChannel
 
@@ -185,7 +185,8 @@ def create(kind: str, num_workers: int, session_name: str) -> Channel:
     raise ValueError(f"unknown channel {kind!r}: use 'auto', 'shm' or 'pipe'")
 
 
-def _shm_ok(num_workers: int) -> bool:
+def shm_ok(num_workers: int) -> bool:
+    """Whether the shared-memory channel works here for ``num_workers``."""
     import os
     import platform
 

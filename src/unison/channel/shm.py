@@ -175,6 +175,7 @@ class ShmChannel(Channel):
         self._backlog: list[tuple[int, bytes | Reply | None]] = []
         self._rx_lock = threading.Lock()
         self._watch: list[int] = []
+        self._also: list[int] = []
         self._sleep_fds = [self._ctl_efd]  # what a waiting recv sleeps on: + the watch fds
         self._all_mask = (1 << num_workers) - 1
         self._closed = False
@@ -204,7 +205,18 @@ class ShmChannel(Channel):
 
     def started(self, watch: Sequence[int] = ()) -> None:
         self._watch = list(watch)
-        self._sleep_fds = [self._ctl_efd, *self._watch]
+        self._sleep_fds = [self._ctl_efd, *self._watch, *self._also]
+
+    def watch_more(self, fd: int) -> None:
+        """A worker that joined after ``started`` (channel.mixed): watch its pidfd too."""
+        self._watch = [*self._watch, fd]
+        self._sleep_fds = [self._ctl_efd, *self._watch, *self._also]
+
+    def also_wake(self, fds: Sequence[int]) -> None:
+        """Fds whose readability ends a waiting recv early, as a reply would (another
+        channel's, in channel.mixed), without counting as a death."""
+        self._also = list(fds)
+        self._sleep_fds = [self._ctl_efd, *self._watch, *self._also]
 
     # -- commands ------------------------------------------------------------------------------
 

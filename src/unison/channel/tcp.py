@@ -38,7 +38,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
@@ -113,11 +113,20 @@ class TcpChannel(Channel):
     it from close()'s grace: 0 after a death)."""
 
     def __init__(self, num_workers: int, bind: str, advertise: str, secret: bytes,
-                 port: int = 0) -> None:
+                 port: int = 0, local: frozenset[int] = frozenset(),
+                 on_local: Callable[[int, int], None] | None = None) -> None:
+        """``local``: ranks on this host, which join over a Unix socket instead and get
+        the fds their spec names (SCM_RIGHTS): their traffic then goes through shared
+        memory (channel.mixed), and ``on_local(rank, pid)`` is told of each."""
         if len(secret) < 16:
             raise ValueError("the session's secret must be at least 16 bytes")
         self.n = num_workers
         self._secret = secret
+        self._local = local
+        self._on_local = on_local
+        self._fds: dict[int, list[int]] = {}
+        self._lifelines: list[socket.socket] = []
+        """The local workers' Unix connections: their keepers watch them hang up."""
         self._specs: list[bytes | None] = [None] * num_workers
         self._peers: list[_Peer | None] = [None] * num_workers
         self._claimed: set[int] = set()
@@ -128,31 +137,53 @@ class TcpChannel(Channel):
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         os.set_blocking(self._wake_r, False)
+        self._epoll = select.epoll()
+        """Every open connection and the wake pipe: readable when any is (for channel.mixed,
+        whose waits sleep on shared memory's eventfd and this)."""
+        self._epoll.register(self._wake_r, select.EPOLLIN)
         self._listener = socket.create_server((bind, port), backlog=max(16, num_workers))
         self.address = f"{advertise}:{self._listener.getsockname()[1]}"
+        self.unix = ""
+        self._unix: socket.socket | None = None
+        if local:  # abstract namespace: no file to leave behind; reachable on this host only
+            self.unix = f"unison-{secrets.token_hex(8)}"
+            self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._unix.bind("\0" + self.unix)
+            self._unix.listen(max(16, num_workers))
         self._accepter = threading.Thread(target=self._accept_loop, name="unison-tcp-accept",
                                           daemon=True)
         self._accepter.start()
 
     # -- joining -----------------------------------------------------------------------------
 
-    def offer(self, rank: int, init: bytes) -> None:
+    def offer(self, rank: int, init: bytes, fds: Sequence[int] = ()) -> None:
         """What worker ``rank`` gets once it has proved it holds the secret (its pickled
-        WorkerSpec). A worker may join only once its init is offered."""
+        WorkerSpec, and for a local rank the fds it names). A worker may join only once its
+        init is offered."""
+        if fds:
+            self._fds[rank] = list(fds)
         self._specs[rank] = init
 
     def endpoint(self, rank: int) -> tuple[dict[str, Any], list[int]]:
         spec = {"kind": "tcp", "address": self.address, "secret": self._secret.hex(),
                 "rank": rank}
+        if rank in self._local:
+            spec["unix"] = self.unix
         return spec, []
+
+    def wait_fd(self) -> int:
+        """An fd readable while any connection has data (or a worker joined)."""
+        return self._epoll.fileno()
 
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
-                ready = select.select([self._listener], [], [], 1.0)[0]
-                if self._listener not in ready:
+                listeners = [self._listener] if self._unix is None else [self._listener,
+                                                                          self._unix]
+                ready = select.select(listeners, [], [], 1.0)[0]
+                if not ready:
                     continue
-                sock, addr = self._listener.accept()
+                sock, addr = ready[0].accept()
             except (OSError, ValueError):
                 continue  # closed under us (the loop's test ends it), or a failed accept
             threading.Thread(target=self._admit, args=(sock, addr), daemon=True,
@@ -161,8 +192,10 @@ class TcpChannel(Channel):
     def _admit(self, sock: socket.socket, addr: Any) -> None:
         """Handshake with one caller; a worker that passes joins, anything else is dropped."""
         rank = -1
+        unix = sock.family == socket.AF_UNIX
         try:
-            _tune(sock)
+            if not unix:
+                _tune(sock)
             _timeouts(sock, _HANDSHAKE_S)
             conn = Connection(os.dup(sock.fileno()))
             try:
@@ -173,7 +206,7 @@ class TcpChannel(Channel):
                     raise ValueError("a short hello")
                 wanted, pid = _HELLO.unpack_from(hello)
                 host = bytes(hello[_HELLO.size:]).decode("utf-8", "replace")
-                rank, refusal = self._claim(wanted)
+                rank, refusal = self._claim(wanted, unix)
                 if refusal:
                     conn.send_bytes(pickle.dumps(("refused", refusal)))
                     raise ValueError(refusal)
@@ -181,6 +214,9 @@ class TcpChannel(Channel):
                 conn.send_bytes(pickle.dumps(("welcome", incarnation, self._specs[rank])))
             finally:
                 conn.close()
+            if unix:
+                self._admit_local(rank, sock)
+                return
             _timeouts(sock, 0)
             sock.setblocking(False)
             peer = _Peer(rank, sock, incarnation, host, pid)
@@ -188,6 +224,7 @@ class TcpChannel(Channel):
                 if self._closed:
                     raise OSError("the session closed")
                 self._peers[rank] = peer
+                self._epoll.register(peer.fd, select.EPOLLIN)
             self._wake()
             log.debug("worker %d joined from %s (pid %d on %s)", rank, addr, pid, host)
         except Exception as exc:
@@ -198,11 +235,30 @@ class TcpChannel(Channel):
                         type(exc).__name__, exc or "the peer failed the handshake")
             sock.close()
 
-    def _claim(self, wanted: int) -> tuple[int, str]:
+    def _admit_local(self, rank: int, sock: socket.socket) -> None:
+        """A worker on this host: hand it the fds of its shared memory, keep the connection
+        as its keeper's lifeline, and say who it is (the kernel's word for its pid)."""
+        socket.send_fds(sock, [b"F"], self._fds.get(rank, []))
+        pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                  struct.calcsize("3i")))[0]
+        _timeouts(sock, 0)
+        with self._lock:
+            if self._closed:
+                raise OSError("the session closed")
+            self._lifelines.append(sock)
+        if self._on_local is not None:
+            self._on_local(rank, pid)
+        log.debug("worker %d joined on this host (pid %d)", rank, pid)
+
+    def _claim(self, wanted: int, unix: bool = False) -> tuple[int, str]:
         with self._lock:
             if wanted >= 0:
                 if wanted >= self.n:
                     return -1, f"rank {wanted} is out of range: the session has {self.n} workers"
+                if (wanted in self._local) != unix:
+                    return -1, (f"rank {wanted} runs on the controller's host and joins over "
+                                "its Unix socket (--unix)" if not unix else
+                                f"rank {wanted} joins over TCP, not the Unix socket")
                 if wanted in self._claimed:
                     return -1, f"rank {wanted} has joined already"
                 if self._specs[wanted] is None:
@@ -210,7 +266,8 @@ class TcpChannel(Channel):
                 self._claimed.add(wanted)
                 return wanted, ""
             for r in range(self.n):
-                if r not in self._claimed and self._specs[r] is not None:
+                if (r not in self._claimed and self._specs[r] is not None
+                        and (r in self._local) == unix):
                     self._claimed.add(r)
                     return r, ""
             return -1, f"all {self.n} workers of the session have joined"
@@ -348,6 +405,10 @@ class TcpChannel(Channel):
             log.error("unison: worker %d (%s): %s; it is dropped", peer.rank, peer.host, why)
         self._why.setdefault(peer.rank, why)
         peer.open = False
+        try:
+            self._epoll.unregister(peer.fd)
+        except (OSError, ValueError):
+            pass
         peer.sock.close()
         out.append((peer.rank, None))
 
@@ -373,9 +434,16 @@ class TcpChannel(Channel):
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread's select
         except OSError:
             pass
+        if self._unix is not None:
+            try:
+                self._unix.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         if self._accepter is not threading.current_thread():
             self._accepter.join(timeout=2.0)
         self._listener.close()
+        if self._unix is not None:
+            self._unix.close()
         peers = [p for p in self._peers if p is not None and p.open]
         for peer in peers:  # hang up, then give each worker a moment to end on its own
             try:
@@ -394,6 +462,10 @@ class TcpChannel(Channel):
         for peer in peers:
             peer.open = False
             peer.sock.close()
+        for line in self._lifelines:
+            line.close()
+        self._lifelines = []
+        self._epoll.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
         self._watch = []
@@ -431,18 +503,28 @@ class Refused(RuntimeError):
     """The controller would not take this worker (its rank is taken, out of range, ...)."""
 
 
-def dial(address: str, secret: bytes, rank: int = -1,
-         timeout: float = 60.0) -> tuple[socket.socket, int, bytes]:
+def dial(address: str, secret: bytes, rank: int = -1, timeout: float = 60.0,
+         unix: str = "") -> tuple[socket.socket, int, bytes, list[int]]:
     """Connect to a controller (retrying until ``timeout`` while it is not listening yet),
     prove we hold the secret and check it does, and get our init. Returns the connected
-    socket, our incarnation and the pickled WorkerSpec."""
+    socket, our incarnation, the pickled WorkerSpec and the fds it names: none over TCP; a
+    worker on the controller's host (``unix``: the name of its Unix socket) gets its shared
+    memory's."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"--connect takes HOST:PORT, not {address!r}")
     deadline = time.monotonic() + timeout
     while True:
         try:
-            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=5.0)
+            if unix:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    sock.connect("\0" + unix)
+                except OSError:
+                    sock.close()
+                    raise
+            else:
+                sock = socket.create_connection((host.strip("[]"), int(port)), timeout=5.0)
             break
         except OSError as exc:
             if time.monotonic() >= deadline:
@@ -451,7 +533,8 @@ def dial(address: str, secret: bytes, rank: int = -1,
             time.sleep(0.2)
     try:
         sock.settimeout(None)
-        _tune(sock)
+        if not unix:
+            _tune(sock)
         _timeouts(sock, _HANDSHAKE_S * 2)
         conn = Connection(os.dup(sock.fileno()))
         try:
@@ -468,8 +551,11 @@ def dial(address: str, secret: bytes, rank: int = -1,
             conn.close()
         if answer[0] != "welcome":
             raise Refused(f"the controller at {address} refused this worker: {answer[1]}")
+        fds: list[int] = []
+        if unix:
+            _, fds, _, _ = socket.recv_fds(sock, 1, 256)
         _timeouts(sock, 0)
-        return sock, int(answer[1]), bytes(answer[2])
+        return sock, int(answer[1]), bytes(answer[2]), fds
     except BaseException:
         sock.close()
         raise

@@ -90,6 +90,12 @@ class Launcher(ABC):
         (called once, before the channel is made; it may connect to a cluster)."""
         return None
 
+    def local_ranks(self, num_workers: int, num_groups: int) -> frozenset[int]:
+        """Of a TCP launcher's workers, the ranks that will run on the controller's host
+        (called once, after ``network()``, before ``start``; it may place the workers to
+        know). They use shared memory (channel.mixed); the others TCP. None by default."""
+        return frozenset()
+
     def describe(self, rank: int) -> str:
         """Where worker ``rank`` runs, for error messages ("" where nothing is worth
         saying, as for a local process)."""
@@ -126,6 +132,8 @@ def connect_command(spec: WorkerSpec) -> tuple[list[str], dict[str, str]]:
         raise ValueError("connect_command is for workers of a TCP session")
     argv = [sys.executable, "-m", "unison", "worker", "--connect", chan["address"],
             "--rank", str(spec.rank), "--die-with-parent"]
+    if chan.get("unix"):  # on the controller's host: shared memory
+        argv += ["--unix", chan["unix"]]
     env = {SECRET_VAR: chan["secret"], "PYTHONUNBUFFERED": "1"}
     src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(

@@ -288,7 +288,8 @@ class Session(View):
         arena = self._chan.arena
         if arena is None:
             raise RuntimeError(
-                "sess.empty needs shared memory (memfd), which this platform lacks: "
+                "sess.empty needs shared memory that every worker maps, which this session "
+                "lacks (its platform has no memfd, or some of its workers join over TCP): "
                 "send the array with put/scatter and fetch the workers' results instead"
             )
         with self._send_lock:
@@ -567,7 +568,8 @@ class Session(View):
         board = self._res.board
         if board is None:
             raise RuntimeError(
-                "cancelling needs shared memory (memfd), which this platform lacks: stop the "
+                "cancelling needs shared memory that every worker maps, which this session "
+                "lacks (its platform has no memfd, or its workers join over TCP): stop the "
                 "call from inside (have it return early), or close the session"
             )
         if ref._session is not self:

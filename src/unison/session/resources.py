@@ -12,6 +12,7 @@ reverse, on every path:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pickle
 import sys
@@ -23,7 +24,7 @@ from typing import Any
 from unison import channel as channels
 from unison.cancel import Board
 from unison.collective import shm as collective_shm
-from unison.launch import DeathReport, Launcher
+from unison.launch import DeathReport, Launcher, Network
 from unison.spec import WorkerSpec
 
 __all__ = ["Resources", "sys_path"]
@@ -47,10 +48,8 @@ class Resources:
                 raise ValueError(
                     f"the {type(launcher).__name__}'s workers join over TCP: channel "
                     f"{channel!r} cannot reach them (leave channel='auto')")
-            from unison.channel.tcp import TcpChannel
-
-            self.chan: channels.Channel = TcpChannel(
-                num_workers, network.bind, network.advertise, network.secret, network.port)
+            self.chan: channels.Channel = _network_channel(
+                name, num_workers, num_groups, channel, launcher, network)
             if collectives == "torch":  # the rendezvous lives here, where every worker
                 try:  # can reach
                     self._store = _torch_store(network.bind)
@@ -84,10 +83,20 @@ class Resources:
 
     def specs(self, num_workers: int, num_groups: int,
               cpus: Mapping[int, list[int]]) -> list[WorkerSpec]:
-        """What each worker needs to start."""
+        """What each worker needs to start (what its launcher gets)."""
         out = []
+        self._offers: list[WorkerSpec] = []
+        launch_endpoint = getattr(self.chan, "launch_endpoint", None)
         for rank in range(num_workers):
             chan_spec, fds = self.chan.endpoint(rank)
+            if launch_endpoint is not None:  # mixed: a local worker gets its fds on joining
+                spec = WorkerSpec(
+                    rank=rank, world_size=num_workers, num_groups=num_groups,
+                    channel=chan_spec, sys_path=sys_path(), cpus=cpus.get(rank),
+                    collective=self.coll_spec, fds=tuple(fds))
+                self._offers.append(spec)
+                out.append(dataclasses.replace(spec, channel=launch_endpoint(rank), fds=()))
+                continue
             if self.coll_fd >= 0:
                 fds = [*fds, self.coll_fd]
             board = -1 if self.board is None else self.board.fd
@@ -103,8 +112,8 @@ class Resources:
     def start(self, specs: list[WorkerSpec], env: Mapping[int, Mapping[str, str]]) -> None:
         offer = getattr(self.chan, "offer", None)
         if offer is not None:  # TCP: each worker gets its spec once it has proved itself
-            for spec in specs:
-                offer(spec.rank, pickle.dumps(spec, protocol=5))
+            for spec in getattr(self, "_offers", None) or specs:
+                offer(spec.rank, pickle.dumps(spec, protocol=5), spec.fds)
         self.launcher.start(specs, env)
         self.chan.started(self.launcher.watch_fds())
 
@@ -161,6 +170,22 @@ def sys_path() -> list[str]:
     """The controller's import path, for the workers (so functions pickled by reference and
     the classes of arguments import there too)."""
     return [os.getcwd() if p == "" else p for p in sys.path]
+
+
+def _network_channel(name: str, num_workers: int, num_groups: int, channel: str,
+                     launcher: Launcher, network: Network) -> channels.Channel:
+    """TCP for workers elsewhere; shared memory beside it for those on this host (where the
+    launcher says which they are, and ``channel`` is not "tcp")."""
+    local = launcher.local_ranks(num_workers, num_groups) if channel != "tcp" else frozenset()
+    if local and channels.shm_ok(len(local)):
+        from unison.channel.mixed import MixedChannel
+
+        return MixedChannel(num_workers, name, sorted(local), network.bind, network.advertise,
+                            network.secret, network.port)
+    from unison.channel.tcp import TcpChannel
+
+    return TcpChannel(num_workers, network.bind, network.advertise, network.secret,
+                      network.port)
 
 
 def _free_address() -> str:

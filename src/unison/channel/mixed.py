@@ -1,0 +1,155 @@
+"""One session, two channels: shared memory for the workers on the controller's host, TCP for
+the others (a Ray cluster, where some actors land beside the driver).
+
+    controller                                        worker
+    send(msg, ranks) --+-- local ranks  --> ShmChannel (one ring for the k local workers)
+                       +-- other ranks  --> TcpChannel
+    recv() <-- both: sleeps on shared memory's eventfd, the local workers' pidfds, and the
+               TCP connections' epoll fd; a local worker's pidfd turning readable is its death
+
+Every worker first proves it holds the session's secret; a local one does so over the
+session's Unix socket, which hands it the fds of its shared memory (SCM_RIGHTS) and stays
+open as its keeper's lifeline. Its pidfd (from the kernel's credentials of that socket) is
+then watched as a child's is.
+
+What a mixed session gives up: ``sess.empty`` (its arrays would reach the TCP workers as
+copies, so their writes would be lost: refused rather than wrong), progress tracking (sync
+sends SYNC), and shared-memory collectives (collectives go through torch.distributed).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from unison.channel import Channel, PartialSendError, Reply
+from unison.channel.shm import ShmChannel
+from unison.channel.tcp import TcpChannel
+
+__all__ = ["MixedChannel"]
+
+
+class MixedChannel(Channel):
+    """Shared memory for ``local`` ranks, TCP for the rest."""
+
+    arena = None  # sess.empty is refused: TCP workers would get copies (see the docstring)
+
+    def __init__(self, num_workers: int, name: str, local: Sequence[int], bind: str,
+                 advertise: str, secret: bytes, port: int = 0) -> None:
+        self.local = sorted(local)
+        self._index = {g: i for i, g in enumerate(self.local)}
+        self.remote = [r for r in range(num_workers) if r not in self._index]
+        self._pidfds: dict[int, int] = {}  # local global rank -> its pidfd, once joined
+        self._dead: set[int] = set()
+        self._lock = threading.Lock()
+        self.shm = ShmChannel(len(self.local), name)
+        try:
+            self.tcp = TcpChannel(num_workers, bind, advertise, secret, port,
+                                  local=frozenset(self.local), on_local=self._joined)
+        except BaseException:
+            self.shm.close()
+            raise
+        self.shm.also_wake([self.tcp.wait_fd()])
+        self.address = self.tcp.address
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    def endpoint(self, rank: int) -> tuple[dict[str, Any], list[int]]:
+        """A local rank's shared-memory spec and fds (what it gets once it joined)."""
+        if rank in self._index:
+            return self.shm.endpoint(self._index[rank])
+        return self.tcp.endpoint(rank)
+
+    def launch_endpoint(self, rank: int) -> dict[str, Any]:
+        """What a launcher needs to start worker ``rank``: where to join (and for a local
+        one, the Unix socket's name)."""
+        return self.tcp.endpoint(rank)[0]
+
+    def offer(self, rank: int, init: bytes, fds: Sequence[int] = ()) -> None:
+        self.tcp.offer(rank, init, fds)
+
+    def _joined(self, rank: int, pid: int) -> None:
+        """A local worker is in: watch its pidfd (its end is its death)."""
+        fd = os.pidfd_open(pid)
+        with self._lock:
+            self._pidfds[rank] = fd
+        self.shm.watch_more(fd)
+
+    def started(self, watch: Sequence[int] = ()) -> None:
+        self.shm.started(watch)
+        self.tcp.started(watch)
+
+    def where(self, rank: int) -> str:
+        return "on the controller's host" if rank in self._index else self.tcp.where(rank)
+
+    # -- traffic -------------------------------------------------------------------------------
+
+    def send(self, data: bytes, ranks: Sequence[int], buffers: Sequence[Any] = (), *,
+             deadline: float | None = None) -> None:
+        index = self._index
+        near = [index[r] for r in ranks if r in index]
+        far = [r for r in ranks if r not in index]
+        if near:
+            self.shm.send(data, near, buffers, deadline=deadline)
+        if far:
+            try:
+                self.tcp.send(data, far, buffers, deadline=deadline)
+            except TimeoutError as exc:
+                if not near:
+                    raise
+                raise PartialSendError(f"the deadline passed with the message sent to the "
+                                       f"local workers only: {exc}") from exc
+
+    def recv(
+        self, timeout: float | None, watch: Sequence[int] | None = None
+    ) -> list[tuple[int, bytes | Reply | None]]:
+        out = self._gather(0.0)
+        if out or timeout == 0:
+            return out
+        return self._gather(timeout)
+
+    def _gather(self, timeout: float | None) -> list[tuple[int, bytes | Reply | None]]:
+        """Shared memory's replies (waiting up to ``timeout``; TCP data wakes it too), then
+        TCP's and the deaths of local workers."""
+        local = self.local
+        out = [(local[i], data) for i, data in self.shm.recv(timeout)]
+        out += self.tcp.recv(0.0)
+        with self._lock:
+            fds = {fd: r for r, fd in self._pidfds.items() if r not in self._dead}
+        if fds and timeout != 0:
+            for fd in select.select(list(fds), [], [], 0)[0]:
+                self._dead.add(fds[fd])
+                out.append((fds[fd], None))
+        return out
+
+    def wake_fds(self) -> list[int]:
+        return [*self.shm.wake_fds(), self.tcp.wait_fd()]
+
+    def pending(self) -> bool:
+        return self.shm.pending() or self.tcp.pending()
+
+    def async_waiting(self, on: bool) -> None:
+        self.shm.async_waiting(on)
+
+    def clear_wake(self) -> None:
+        self.shm.clear_wake()
+        self.tcp.clear_wake()
+
+    @property
+    def linger(self) -> float:
+        return self.tcp.linger
+
+    @linger.setter
+    def linger(self, seconds: float) -> None:
+        self.tcp.linger = seconds
+
+    def close(self) -> None:
+        self.tcp.close()
+        self.shm.close()
+        with self._lock:
+            for fd in self._pidfds.values():
+                os.close(fd)
+            self._pidfds = {}
