@@ -43,6 +43,13 @@ from support import SharedSessions, kill_all, open_fds, stray_workers, wait_gone
 GRACE = 3.0
 """Seconds a test's threads and processes get to end after its teardown."""
 
+MODULE_FIXTURES = {"shared"}
+"""Module-scoped fixtures whose fds and threads are not blamed on the tests that use them
+(a module may add its own: test_ray.py adds its Ray cluster, whose driver opens them lazily)."""
+EXEMPT_TREES: set[int] = set()
+"""Processes that a module-scoped fixture keeps for its tests (a Ray cluster's daemons),
+with everything below them: not blamed on a test (the fixture checks them itself)."""
+
 
 @dataclass(frozen=True)
 class Resources:
@@ -108,11 +115,21 @@ def new_since(
             if fds_and_threads else frozenset(),
             frozenset(t for t in now.threads if t.is_alive() and t not in _REPORTED.threads)
             if fds_and_threads else frozenset(),
-            frozenset(p for p in now.children if p not in exempt) if children else frozenset(),
+            frozenset(p for p in now.children if p not in exempt and p not in _trees())
+            if children else frozenset(),
         )
         if not new or time.monotonic() >= deadline:
             return new
         time.sleep(0.05)
+
+
+def _trees() -> set[int]:
+    """EXEMPT_TREES and every process below them, now."""
+    out = set(EXEMPT_TREES)
+    for root in processes(EXEMPT_TREES):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            out.update(p.pid for p in root.children(recursive=True))
+    return out
 
 
 def describe(leaked: Resources) -> str:
@@ -132,7 +149,7 @@ def describe(leaked: Resources) -> str:
 
 
 def _uses_shared(item: pytest.Item) -> bool:
-    return "shared" in getattr(item, "fixturenames", ())
+    return bool(MODULE_FIXTURES.intersection(getattr(item, "fixturenames", ())))
 
 
 _BEFORE = pytest.StashKey[Resources]()
