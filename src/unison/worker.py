@@ -40,6 +40,7 @@ import time
 from typing import Any, NoReturn
 
 from unison import _proctree, collective, protocol
+from unison import trace as _trace
 from unison.cancel import SIGNAL, Board, Cancelled
 from unison.channel import WorkerChannel, connect
 from unison.collective.base import Collectives
@@ -184,6 +185,9 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
             fn = fns.get(fn_id)
             if coll is not None:
                 coll.begin(ref_id, ranks)
+            traced = _trace.events  # None unless a trace runs (unison.trace)
+            if traced is not None:
+                started = _trace._clock()
             try:
                 try:
                     if board is not None and board.enter(me, ref_id):
@@ -208,6 +212,8 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                     if board is not None:
                         board.leave(me)
             except BaseException as exc:  # SystemExit and friends from user code are errors too
+                if traced is not None:
+                    traced.append(("call", ref_id, req_id, _name(fn), started, _trace._clock()))
                 err = protocol.pack_error(exc, _name(fn))
                 if coll is not None:
                     coll.end(ref_id)
@@ -221,6 +227,8 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                 continue
             if coll is not None:
                 coll.end(ref_id)
+            if traced is not None:
+                traced.append(("call", ref_id, req_id, _name(fn), started, _trace._clock()))
             if req_id:  # run: the result goes straight back, nothing is kept
                 if type(value) in _SCALARS:  # nothing out of band, nothing by value
                     chan.reply(_dump((req_id, OK, value), 5))

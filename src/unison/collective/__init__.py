@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from unison import trace as _trace
 from unison.collective.base import Collectives
 from unison.collective.shm import ShmCollectives
 from unison.errors import CollectiveError
@@ -77,7 +78,30 @@ def setup(spec: dict[str, Any] | None, rank: int, n: int, groups: int) -> Collec
 
 def _backend(*values: Any) -> Collectives:
     """The backend for a collective on ``values``: torch when the session asked for it or a
-    value is a CUDA tensor, shared memory otherwise."""
+    value is a CUDA tensor, shared memory otherwise (timed, while a trace runs)."""
+    chosen = _choose(*values)
+    if _trace.events is not None:
+        return _Timed(chosen)  # type: ignore[return-value]
+    return chosen
+
+
+class _Timed:
+    """A backend whose every collective is recorded in the trace (unison.trace)."""
+
+    def __init__(self, backend: Collectives) -> None:
+        self._backend = backend
+
+    def __getattr__(self, name: str) -> Any:
+        op = getattr(self._backend, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with _trace.collective(name):
+                return op(*args, **kwargs)
+
+        return timed
+
+
+def _choose(*values: Any) -> Collectives:
     if _local is None:
         if _missing:
             raise CollectiveError(_missing)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import itertools
 import math
 import os
@@ -23,12 +24,14 @@ import pickle
 import secrets
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from unison import channel as channels
 from unison import collective, protocol
+from unison import trace as _trace
 from unison.cancel import Cancelled
 from unison.deadline import deadline as _deadline
 from unison.deadline import seconds as _seconds
@@ -52,6 +55,7 @@ from unison.session.fncache import FunctionCache, pickle_function
 from unison.session.resources import Resources
 from unison.session.router import OutOfStep, Request, Router
 from unison.session.unreported import UnreportedErrors
+from unison.trace import Stats, Trace
 
 __all__ = ["Session", "View"]
 
@@ -164,10 +168,13 @@ class Session(View):
         collectives: str = "shm",
         start_timeout: float = 60.0,
         send_timeout: float | None = None,
+        trace: str | os.PathLike[str] | None = None,
     ) -> None:
         """``launcher`` is "local" or a Launcher instance. ``send_timeout`` bounds how long
         ``call``, ``put`` and ``scatter`` may block when the workers fall behind and the
-        command queue is full (TimeoutError; nothing of that message was sent)."""
+        command queue is full (TimeoutError; nothing of that message was sent). ``trace``
+        records a timeline of every call from now until close(), written there in the
+        Chrome/Perfetto trace format (see ``trace()``)."""
         checks.check_sizes(num_workers, num_groups)
         if collectives not in ("shm", "torch"):
             raise ValueError(f"unknown collectives backend {collectives!r}: use 'shm' or 'torch'")
@@ -185,6 +192,7 @@ class Session(View):
         self._stopping = False
         self._dead: BaseException | None = None
         self._send_timeout = None if send_timeout == math.inf else send_timeout
+        self._tracer: Trace | None = None
         self._ids = itertools.count(1)
         self._frees: collections.deque[int] = collections.deque()
         self._fns = FunctionCache(_FN_CACHE)
@@ -204,6 +212,9 @@ class Session(View):
             self._router.set_watched(self._res.watched)
             self._router.wait(ready, start_deadline, "starting")
             self._pids = [pid for _, pid in self._router.decode(ready, self.workers)]
+            self._last_trace: Trace | None = None
+            if trace is not None:
+                self._start_trace(trace)
         except BaseException:
             self._shutdown(0)
             raise
@@ -310,6 +321,8 @@ class Session(View):
         grace = _seconds(timeout, "timeout")
         if grace == math.inf:
             raise ValueError("close(timeout=...) needs a finite number of seconds")
+        if self._tracer is not None and not self._closed and self._dead is None:
+            self._stop_trace()  # Session(trace=...): the workers' events, then the file
         self._shutdown(grace)
 
     def _shutdown(self, grace: float) -> None:
@@ -516,6 +529,53 @@ class Session(View):
         if errors is not None:
             raise _worker_error(errors)
 
+    # -- the timeline (unison.trace) ------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def trace(self, path: str | os.PathLike[str] | None = None) -> Iterator[Trace]:
+        """Record every message, call, collective and reply of the block, on every worker;
+        at its end write them to ``path`` (Chrome/Perfetto trace JSON: ui.perfetto.dev or
+        chrome://tracing open it), and keep them for ``stats()``."""
+        tracer = self._start_trace(path)
+        try:
+            yield tracer
+        finally:
+            self._stop_trace()
+
+    def stats(self) -> Stats:
+        """Per-call and per-rank times of the last trace, and the rank that entered most
+        collectives last (the straggler), if one did."""
+        if self._last_trace is None:
+            raise RuntimeError("no trace yet: record one with `with sess.trace():` or "
+                               "Session(trace='run.json'), then ask for stats()")
+        return self._last_trace.stats()
+
+    def _start_trace(self, path: str | os.PathLike[str] | None) -> Trace:
+        if self._tracer is not None:
+            raise RuntimeError("a trace is running already: one at a time")
+        tracer = Trace(self.num_workers, path)
+        sent = time.perf_counter_ns()
+        clocks = self.run(_trace.begin)
+        tracer.set_offsets(sent, clocks, self.workers, time.perf_counter_ns())
+        self._tracer = self._router.tracer = tracer
+        return tracer
+
+    def _stop_trace(self) -> None:
+        tracer = self._tracer
+        if tracer is None:
+            return
+        self._tracer = self._router.tracer = None
+        tracer.end_ns = time.perf_counter_ns()
+        try:
+            for rank, evs in zip(self.workers, self.run(_trace.collect, timeout=30)):
+                tracer.add_worker(rank, evs)
+        except Exception as exc:  # a dead session: the controller's half is still worth it
+            warnings.warn(f"the workers' trace events are lost ({exc}); the trace holds the "
+                          "controller's only", RuntimeWarning, stacklevel=3)
+        self._last_trace = tracer
+        if tracer.path is not None:
+            tracer.write(tracer.path)
+
     def watch_fds(self) -> list[int]:
         """The fds whose readability means a worker ended (for an event loop to watch)."""
         return list(self._res.launcher.watch_fds())
@@ -627,6 +687,17 @@ class Session(View):
         t = self._send_timeout
         return None if t is None else time.monotonic() + t
 
+    def _traced(self, build: Callable[..., bytes], fields: tuple[Any, ...],
+                ranks: tuple[int, ...], msg: bytes, buffers: Sequence[Any]) -> None:
+        """A message, for the trace: by its request id (where replies come) or ref id."""
+        assert self._tracer is not None
+        kind = build.__name__.removesuffix("_msg")
+        ident = fields[0]
+        if build is call_msg and fields[4]:
+            ident = fields[4]  # a run: its replies come for this request
+        size = len(msg) + sum(memoryview(b).nbytes for b in buffers)
+        self._tracer.on_send(kind, ident, ranks, size)
+
     def _lock_send(self, deadline: float | None) -> None:
         """Take the send lock, or raise TimeoutError at ``deadline`` (another thread holds
         it while it waits for room to send)."""
@@ -654,7 +725,10 @@ class Session(View):
             if frees and len(ranks) != self.num_workers:  # frees must reach every worker
                 self._chan.send(nop_msg(frees), self.workers, deadline=deadline)
                 frees = None
-            self._chan.send(build(frees, *fields), ranks, buffers, deadline=deadline)
+            msg = build(frees, *fields)
+            self._chan.send(msg, ranks, buffers, deadline=deadline)
+            if self._tracer is not None:
+                self._traced(build, fields, ranks, msg, buffers)
         except TimeoutError:
             if frees:
                 self._frees.extend(frees)  # they ride on the next message instead

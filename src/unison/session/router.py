@@ -29,12 +29,15 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from unison import protocol
 from unison.channel import Channel, Reply
 from unison.protocol import OK
 from unison.session.unreported import UnreportedErrors
+
+if TYPE_CHECKING:
+    from unison.trace import Trace
 
 __all__ = ["Request", "Router", "RouterOwner"]
 
@@ -91,6 +94,8 @@ class Router:
         self._followers = 0
         self._slice = SLICE if watched else 0.05  # no death fds to wake us: poll more often
         self.closed = False  # set by the owner; checked at every slice
+        self.tracer: Trace | None = None
+        """The running trace (unison.trace), told of every reply; None: off."""
 
     def set_watched(self, watched: bool) -> None:
         """Whether a death wakes a waiting recv (then waits need not poll as often)."""
@@ -206,6 +211,8 @@ class Router:
                 p = expect[rank].popleft()
                 p.replies[rank] = data
                 p.remaining -= 1
+                if self.tracer is not None:
+                    self.tracer.on_reply(p.req_id, rank, _size(data))
                 if p.abandoned:
                     self._salvage(p, rank)
                 if p.done is not None and not p.remaining:
@@ -218,6 +225,8 @@ class Router:
         p = self._expect[rank].popleft()
         p.replies[rank] = data
         p.remaining -= 1
+        if self.tracer is not None:
+            self.tracer.on_reply(p.req_id, rank, _size(data))
         if p.abandoned:
             self._salvage(p, rank)
         if p.done is not None and not p.remaining:
@@ -307,3 +316,10 @@ def _timeout_error(req: Request) -> TimeoutError:
         f"{req.remaining} worker(s) had not answered by the deadline. The work goes on and "
         "the Ref stays valid: wait again (get/gather/sync), or close the session."
     )
+
+
+def _size(data: bytes | Reply) -> int:
+    """A reply's bytes, for the trace."""
+    if isinstance(data, tuple):
+        return len(data[0]) + sum(memoryview(b).nbytes for b in data[1])
+    return len(data)

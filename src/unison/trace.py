@@ -1,0 +1,255 @@
+"""A timeline of every call, and who is slow (issue 13).
+
+    controller                                 worker r
+    Session(trace="run.json") or sess.trace()
+      start: run(begin) on every worker  ----> events = [], answers its clock (for the offset)
+      each message sent:  (t, kind, ids, ranks, bytes)
+                                               each call: (ref, req, fn, start, end)
+                                               each collective: (call, kind, enter, leave)
+      each reply arrived: (t, request, rank, bytes)
+      stop: run(collect) on every worker  <--- its events, and off again
+      -> Chrome/Perfetto JSON (one track per rank, one for the controller) and Stats
+
+Off by default: then the worker loop and the collectives test one module attribute per
+call, and the controller one attribute per message. Times are ``perf_counter_ns``; a
+worker's clock is mapped onto the controller's with the offset measured at start (the
+midpoint of the round trip), so workers on other hosts line up too, to within half a
+round trip.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Stats", "Trace"]
+
+log = logging.getLogger("unison.trace")
+_clock = time.perf_counter_ns
+
+# -- the worker's side ---------------------------------------------------------------------
+
+events: list[tuple[Any, ...]] | None = None
+"""This worker's events while a trace runs, else None (what the hot paths test)."""
+
+
+def begin() -> int:
+    """Run on every worker when a trace starts: record from now; our clock, for the offset."""
+    global events
+    events = []
+    return _clock()
+
+
+def collect() -> list[tuple[Any, ...]]:
+    """Run on every worker when a trace stops: what was recorded, and stop recording."""
+    global events
+    out, events = list(events or ()), None  # a copy: the loop still appends this call
+    return out
+
+
+@contextmanager
+def collective(kind: str) -> Iterator[None]:
+    """Around one collective on a worker, while a trace runs."""
+    from unison.worker import _current
+
+    start = _clock()
+    try:
+        yield
+    finally:
+        if events is not None:
+            events.append(("coll", _current[0], kind, start, _clock()))
+
+
+# -- the controller's side -----------------------------------------------------------------
+
+
+@dataclass
+class Stats:
+    """What a trace says about speed: per rank and per call, and the straggler, if any.
+
+    ``last_in`` counts, per rank, the collectives it entered last: entry time reveals the
+    slow rank (the others wait inside the op for it, so op time hides it)."""
+
+    calls: int
+    per_rank: dict[int, dict[str, float]]
+    """rank -> {"calls", "busy_ms", "median_call_ms", "max_call_ms"}."""
+    collectives: int
+    last_in: dict[int, int]
+    straggler: int | None
+    """The rank that entered most collectives last, where it did in more than half of them
+    (and there were at least 3), else None."""
+    slowest: list[tuple[str, float]] = field(default_factory=list)
+    """The five slowest calls: (what, ms from first start to last end)."""
+
+    def __str__(self) -> str:
+        lines = [f"{self.calls} calls, {self.collectives} collectives"]
+        for rank, row in sorted(self.per_rank.items()):
+            lines.append(f"  rank {rank}: {int(row['calls'])} calls, busy {row['busy_ms']:.1f} ms, "
+                         f"median {row['median_call_ms']:.3f} ms, max {row['max_call_ms']:.3f} ms, "
+                         f"last into {self.last_in.get(rank, 0)} collectives")
+        if self.straggler is not None:
+            lines.append(f"  straggler: rank {self.straggler} entered "
+                         f"{self.last_in[self.straggler]} of {self.collectives} collectives last")
+        return "\n".join(lines)
+
+
+class Trace:
+    """One recording: the controller's events, then the workers' once it stopped."""
+
+    def __init__(self, num_workers: int, path: str | os.PathLike[str] | None = None,
+                 straggler_factor: float | None = 2.0) -> None:
+        self.path = path
+        self.num_workers = num_workers
+        self.straggler_factor = straggler_factor
+        self.sent: list[tuple[int, str, int, tuple[int, ...], int]] = []
+        """(time, kind, request or ref id, ranks, bytes) per message."""
+        self.replies: list[tuple[int, int, int, int]] = []
+        """(time, request id, rank, bytes) per reply."""
+        self.workers: dict[int, list[tuple[Any, ...]]] = {}
+        self.offsets: dict[int, int] = {}
+        """rank -> what to add to its clock to read the controller's."""
+        self.start_ns = _clock()
+        self.end_ns = 0
+
+    # the hot paths call these two while the trace runs
+    def on_send(self, kind: str, ident: int, ranks: tuple[int, ...], nbytes: int) -> None:
+        self.sent.append((_clock(), kind, ident, ranks, nbytes))
+
+    def on_reply(self, req_id: int, rank: int, nbytes: int) -> None:
+        self.replies.append((_clock(), req_id, rank, nbytes))
+
+    def set_offsets(self, sent: int, clocks: Sequence[int], ranks: Sequence[int],
+                    back: int) -> None:
+        mid = (sent + back) // 2
+        for rank, clock in zip(ranks, clocks):
+            self.offsets[rank] = mid - clock
+
+    def add_worker(self, rank: int, evs: list[tuple[Any, ...]]) -> None:
+        off = self.offsets.get(rank, 0)
+        shifted = []
+        for ev in evs:
+            if ev[0] == "call":  # ("call", ref, req, name, start, end)
+                shifted.append((*ev[:4], ev[4] + off, ev[5] + off))
+            else:  # ("coll", call, kind, enter, leave)
+                shifted.append((*ev[:3], ev[3] + off, ev[4] + off))
+        self.workers[rank] = shifted
+
+    # -- what it says ----------------------------------------------------------------------
+
+    def chrome(self) -> dict[str, Any]:
+        """The Chrome/Perfetto trace: pid 1, tid 0 the controller, tid r+1 worker r."""
+        t0 = self.start_ns
+
+        def us(t: int) -> float:
+            return (t - t0) / 1000.0
+
+        out: list[dict[str, Any]] = [
+            {"name": "process_name", "ph": "M", "pid": 1, "tid": 0,
+             "args": {"name": "unison session"}},
+            {"name": "thread_name", "ph": "M", "pid": 1, "tid": 0,
+             "args": {"name": "controller"}},
+        ]
+        for rank in range(self.num_workers):
+            out.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": rank + 1,
+                        "args": {"name": f"worker {rank}"}})
+            out.append({"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": rank + 1,
+                        "args": {"sort_index": rank + 1}})
+        arrivals: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+        for t, req, rank, nbytes in self.replies:
+            arrivals[req].append((t, rank, nbytes))
+        for t, kind, ident, ranks, nbytes in self.sent:
+            done = arrivals.get(ident)
+            if done:  # a request: from its message to its last reply
+                end = max(a[0] for a in done)
+                out.append({"name": kind, "cat": "request", "ph": "X", "pid": 1, "tid": 0,
+                            "ts": us(t), "dur": max(us(end) - us(t), 0.001),
+                            "args": {"id": ident, "ranks": list(ranks), "bytes_sent": nbytes,
+                                     "bytes_back": sum(a[2] for a in done)}})
+            else:
+                out.append({"name": kind, "cat": "message", "ph": "i", "s": "t", "pid": 1,
+                            "tid": 0, "ts": us(t),
+                            "args": {"id": ident, "ranks": list(ranks), "bytes": nbytes}})
+        for t, req, rank, nbytes in self.replies:
+            out.append({"name": "reply arrived", "cat": "reply", "ph": "i", "s": "t", "pid": 1,
+                        "tid": rank + 1, "ts": us(t), "args": {"request": req, "bytes": nbytes}})
+        for rank, evs in self.workers.items():
+            for ev in evs:
+                if ev[0] == "call":
+                    _, ref, req, name, start, end = ev
+                    out.append({"name": name, "cat": "call", "ph": "X", "pid": 1,
+                                "tid": rank + 1, "ts": us(start),
+                                "dur": max(us(end) - us(start), 0.001),
+                                "args": {"ref": ref, "request": req}})
+                else:
+                    _, call, kind, enter, leave = ev
+                    out.append({"name": kind, "cat": "collective", "ph": "X", "pid": 1,
+                                "tid": rank + 1, "ts": us(enter),
+                                "dur": max(us(leave) - us(enter), 0.001),
+                                "args": {"call": call}})
+        return {"traceEvents": out, "displayTimeUnit": "ms",
+                "otherData": {"unison": "trace", "workers": self.num_workers}}
+
+    def write(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.chrome(), f)
+
+    def stats(self) -> Stats:
+        per: dict[int, list[float]] = defaultdict(list)
+        spans: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+        names: dict[tuple[int, int], str] = {}
+        entries: dict[tuple[int, int, str], dict[int, int]] = defaultdict(dict)
+        for rank, evs in self.workers.items():
+            counters: Counter[tuple[int, str]] = Counter()
+            for ev in evs:
+                if ev[0] == "call":
+                    _, ref, req, name, start, end = ev
+                    per[rank].append((end - start) / 1e6)
+                    spans[(ref, req)].append((start, end))
+                    names[(ref, req)] = name
+                else:
+                    _, call, kind, enter, _leave = ev
+                    k = counters[(call, kind)]
+                    counters[(call, kind)] += 1
+                    entries[(call, k, kind)][rank] = enter
+        last_in: Counter[int] = Counter()
+        full = 0
+        for by_rank in entries.values():
+            if len(by_rank) < 2:
+                continue
+            full += 1
+            last_in[max(by_rank, key=by_rank.__getitem__)] += 1
+        straggler = None
+        if full >= 3 and last_in:
+            rank, count = last_in.most_common(1)[0]
+            if count * 2 > full:
+                straggler = rank
+        per_rank = {r: {"calls": float(len(d)), "busy_ms": sum(d),
+                        "median_call_ms": statistics.median(d), "max_call_ms": max(d)}
+                    for r, d in per.items() if d}
+        slowest = sorted(((f"{names[k]} (ref {k[0]}, request {k[1]})",
+                           (max(e for _, e in v) - min(s for s, _ in v)) / 1e6)
+                          for k, v in spans.items()), key=lambda x: -x[1])[:5]
+        stats = Stats(calls=len(spans), per_rank=per_rank, collectives=full,
+                      last_in=dict(last_in), straggler=straggler, slowest=slowest)
+        self._warn(stats)
+        return stats
+
+    def _warn(self, stats: Stats) -> None:
+        factor = self.straggler_factor
+        if factor is None or len(stats.per_rank) < 2:
+            return
+        medians = {r: row["median_call_ms"] for r, row in stats.per_rank.items()}
+        for rank, m in sorted(medians.items()):
+            middle = statistics.median(v for r, v in medians.items() if r != rank)
+            if middle > 0 and m > factor * middle:
+                log.warning("unison: worker %d is slow: its median call took %.3f ms, %.1fx "
+                            "the median of the other workers (%.3f ms)", rank, m, m / middle,
+                            middle)

@@ -1,0 +1,106 @@
+"""The timeline (unison.trace, issue 13): a short run's trace is valid Chrome/Perfetto JSON
+with one track per rank and the events that happened, and stats() names a slowed rank."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import numpy as np
+import pytest
+
+import unison
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def step(n: int) -> float:
+    x = unison.allreduce(np.ones(4) * unison.rank())
+    unison.barrier()
+    return float(x.sum()) + n
+
+
+def slow_rank_one() -> None:
+    if unison.rank() == 1:
+        time.sleep(0.02)
+    unison.barrier()
+
+
+def test_a_short_run_gives_a_chrome_trace_with_a_track_per_rank(make_session, tmp_path):
+    sess = make_session(3)
+    path = tmp_path / "run.json"
+    with sess.trace(path):
+        ref = sess.call(step, 1)
+        assert ref.gather() == [13.0, 13.0, 13.0]
+        sess.run(step, 2)
+        sess.put(np.zeros(1000))
+        sess.sync()
+    doc = json.loads(path.read_text())
+    events = doc["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert names == {0: "controller", 1: "worker 0", 2: "worker 1", 3: "worker 2"}
+    for e in events:
+        assert e["ph"] in ("M", "X", "i") and e["pid"] == 1
+        if e["ph"] == "X":
+            assert e["dur"] > 0 and e["ts"] >= -1000  # microseconds from the trace's start
+    for tid in (1, 2, 3):
+        mine = [e for e in events if e["tid"] == tid and e["ph"] != "M"]
+        calls = [e for e in mine if e.get("cat") == "call"]
+        assert [e["name"] for e in calls] == ["step", "step"]
+        colls = [e["name"] for e in mine if e.get("cat") == "collective"]
+        assert colls == ["allreduce", "barrier"] * 2
+        for c in calls:  # the collectives happen inside their call
+            inner = [e for e in mine if e.get("cat") == "collective"
+                     and c["ts"] <= e["ts"] <= c["ts"] + c["dur"]]
+            assert len(inner) == 2
+        assert any(e["name"] == "reply arrived" for e in mine)
+    requests = [e for e in events if e["tid"] == 0 and e.get("cat") == "request"]
+    kinds = [e["name"] for e in requests]
+    assert "call" in kinds and "get" in kinds  # (sync on shared memory sends nothing)
+    put = [e for e in events if e["tid"] == 0 and e["name"] == "put"]
+    assert put and put[0]["args"]["bytes"] >= 8000  # bytes moved
+    run = next(e for e in requests if e["name"] == "call" and e["args"]["bytes_back"] > 0)
+    assert run["args"]["ranks"] == [0, 1, 2]
+
+
+def test_stats_names_the_rank_that_enters_collectives_last(make_session, caplog):
+    sess = make_session(3)
+    with caplog.at_level(logging.WARNING, logger="unison.trace"):
+        with sess.trace():
+            for _ in range(6):
+                sess.run(slow_rank_one)
+        stats = sess.stats()
+    assert stats.straggler == 1, str(stats)
+    assert stats.last_in[1] == 6 and stats.collectives == 6
+    assert stats.calls == 6 and set(stats.per_rank) == {0, 1, 2}
+    assert "straggler: rank 1" in str(stats)
+
+
+def test_a_slow_rank_without_collectives_is_warned_about(make_session, caplog):
+    sess = make_session(2)
+    with sess.trace():
+        for _ in range(4):
+            sess.run(lambda: time.sleep(0.03 if unison.rank() == 0 else 0.001))
+    with caplog.at_level(logging.WARNING, logger="unison.trace"):
+        stats = sess.stats()
+    assert stats.straggler is None  # no collective to tell by
+    assert stats.per_rank[0]["median_call_ms"] > 20
+    assert "worker 0 is slow" in caplog.text
+
+
+def test_session_trace_is_written_at_close(tmp_path):
+    path = tmp_path / "session.json"
+    with unison.Session(2, trace=path) as sess:
+        sess.run(step, 0)
+    events = json.loads(path.read_text())["traceEvents"]
+    assert sum(1 for e in events if e.get("cat") == "call") == 2
+
+
+def test_stats_without_a_trace_says_how_to_get_one(sess):
+    with pytest.raises(RuntimeError, match="sess.trace"):
+        sess.stats()
+    with sess.trace():
+        with pytest.raises(RuntimeError, match="one at a time"):
+            with sess.trace():
+                pass
