@@ -123,8 +123,10 @@ class Trace:
     def on_send(self, kind: str, ident: int, ranks: tuple[int, ...], nbytes: int) -> None:
         self.sent.append((_clock(), kind, ident, ranks, nbytes))
 
-    def on_reply(self, req_id: int, rank: int, nbytes: int) -> None:
-        self.replies.append((_clock(), req_id, rank, nbytes))
+    def on_reply(self, req_id: int, rank: int, data: Any) -> None:
+        """``data``: the reply, bytes or a channel's Reply (its pickle and buffers)."""
+        size = len(data) if type(data) is bytes else _size(data)
+        self.replies.append((_clock(), req_id, rank, size))
 
     def set_offsets(self, sent: int, clocks: Sequence[int], ranks: Sequence[int],
                     back: int) -> None:
@@ -253,3 +255,10 @@ class Trace:
                 log.warning("unison: worker %d is slow: its median call took %.3f ms, %.1fx "
                             "the median of the other workers (%.3f ms)", rank, m, m / middle,
                             middle)
+
+
+def _size(data: Any) -> int:
+    """A reply's bytes: a memoryview, or a Reply (its pickle and out-of-band buffers)."""
+    if isinstance(data, tuple):
+        return len(data[0]) + sum(memoryview(b).nbytes for b in data[1])
+    return memoryview(data).nbytes

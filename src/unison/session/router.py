@@ -205,14 +205,15 @@ class Router:
                 owner.check_alive(during)
                 continue
             expect = self._expect
+            tracer = self.tracer
             for rank, data in batch:  # _deliver, inlined: this is the hot path
                 if data is None:
                     raise owner.died(during, rank)
                 p = expect[rank].popleft()
                 p.replies[rank] = data
                 p.remaining -= 1
-                if self.tracer is not None:
-                    self.tracer.on_reply(p.req_id, rank, _size(data))
+                if tracer is not None:
+                    tracer.on_reply(p.req_id, rank, data)
                 if p.abandoned:
                     self._salvage(p, rank)
                 if p.done is not None and not p.remaining:
@@ -226,7 +227,7 @@ class Router:
         p.replies[rank] = data
         p.remaining -= 1
         if self.tracer is not None:
-            self.tracer.on_reply(p.req_id, rank, _size(data))
+            self.tracer.on_reply(p.req_id, rank, data)
         if p.abandoned:
             self._salvage(p, rank)
         if p.done is not None and not p.remaining:
@@ -317,9 +318,3 @@ def _timeout_error(req: Request) -> TimeoutError:
         "the Ref stays valid: wait again (get/gather/sync), or close the session."
     )
 
-
-def _size(data: bytes | Reply) -> int:
-    """A reply's bytes, for the trace."""
-    if isinstance(data, tuple):
-        return len(data[0]) + sum(memoryview(b).nbytes for b in data[1])
-    return len(data)
