@@ -75,17 +75,20 @@ def collective(kind: str) -> Iterator[None]:
 class Stats:
     """What a trace says about speed: per rank and per call, and the straggler, if any.
 
-    ``last_in`` counts, per rank, the collectives it entered last: entry time reveals the
-    slow rank (the others wait inside the op for it, so op time hides it)."""
+    Entry time into collectives reveals the slow rank (the others wait inside the op for
+    it, so op time hides it): ``late_ms`` sums, per rank, how long after the median rank it
+    arrived; ``last_in`` counts the collectives it entered last."""
 
     calls: int
     per_rank: dict[int, dict[str, float]]
     """rank -> {"calls", "busy_ms", "median_call_ms", "max_call_ms"}."""
     collectives: int
     last_in: dict[int, int]
+    late_ms: dict[int, float]
+    """rank -> ms it entered collectives after the median rank did, summed over them."""
     straggler: int | None
-    """The rank that entered most collectives last, where it did in more than half of them
-    (and there were at least 3), else None."""
+    """The rank whose lateness into collectives outweighs all the others' together (over
+    at least 3 collectives), else None."""
     slowest: list[tuple[str, float]] = field(default_factory=list)
     """The five slowest calls: (what, ms from first start to last end)."""
 
@@ -94,10 +97,12 @@ class Stats:
         for rank, row in sorted(self.per_rank.items()):
             lines.append(f"  rank {rank}: {int(row['calls'])} calls, busy {row['busy_ms']:.1f} ms, "
                          f"median {row['median_call_ms']:.3f} ms, max {row['max_call_ms']:.3f} ms, "
-                         f"last into {self.last_in.get(rank, 0)} collectives")
+                         f"last into {self.last_in.get(rank, 0)} collectives, "
+                         f"{self.late_ms.get(rank, 0.0):.1f} ms late in all")
         if self.straggler is not None:
-            lines.append(f"  straggler: rank {self.straggler} entered "
-                         f"{self.last_in[self.straggler]} of {self.collectives} collectives last")
+            lines.append(f"  straggler: rank {self.straggler}, {self.late_ms[self.straggler]:.1f}"
+                         f" ms late into {self.collectives} collectives (last into "
+                         f"{self.last_in.get(self.straggler, 0)})")
         return "\n".join(lines)
 
 
@@ -222,16 +227,21 @@ class Trace:
                     counters[(call, kind)] += 1
                     entries[(call, k, kind)][rank] = enter
         last_in: Counter[int] = Counter()
+        late: Counter[int] = Counter()  # ns each rank came after the median arrival
         full = 0
         for by_rank in entries.values():
             if len(by_rank) < 2:
                 continue
             full += 1
             last_in[max(by_rank, key=by_rank.__getitem__)] += 1
+            middle = statistics.median(by_rank.values())
+            for rank, enter in by_rank.items():
+                late[rank] += max(0, int(enter - middle))
         straggler = None
-        if full >= 3 and last_in:
-            rank, count = last_in.most_common(1)[0]
-            if count * 2 > full:
+        total = sum(late.values())
+        if full >= 3 and total > 0:
+            rank, worst = late.most_common(1)[0]
+            if worst * 2 > total:  # more than all the others' lateness together
                 straggler = rank
         per_rank = {r: {"calls": float(len(d)), "busy_ms": sum(d),
                         "median_call_ms": statistics.median(d), "max_call_ms": max(d)}
@@ -240,7 +250,8 @@ class Trace:
                            (max(e for _, e in v) - min(s for s, _ in v)) / 1e6)
                           for k, v in spans.items()), key=lambda x: -x[1])[:5]
         stats = Stats(calls=len(spans), per_rank=per_rank, collectives=full,
-                      last_in=dict(last_in), straggler=straggler, slowest=slowest)
+                      last_in=dict(last_in), late_ms={r: v / 1e6 for r, v in late.items()},
+                      straggler=straggler, slowest=slowest)
         self._warn(stats)
         return stats
 
