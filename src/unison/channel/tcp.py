@@ -23,8 +23,11 @@ the session raises WorkerDied naming the reason. Replies also carry their reques
 (protocol), which the session checks.
 
 A dead worker's connection closes (its keeper holds a copy and dies with it). A silent
-death (a host powered off, a cable pulled) is seen by the kernel's keepalive probes and
-TCP_USER_TIMEOUT, about 2 s: the only heartbeat, and only here, where no pidfd can tell.
+death (a host powered off, a cable pulled) sends nothing, so here, and only here, where no
+pidfd can tell, the controller sends a heartbeat: an empty frame to each worker every
+``HEARTBEAT_S`` (the worker skips it). The kernel must see it acknowledged within
+TCP_USER_TIMEOUT, or it fails the connection: WorkerDied well within 2 s. The workers'
+side has the kernel's keepalive probes, which see a silent controller within about 2 s.
 """
 
 from __future__ import annotations
@@ -63,6 +66,11 @@ _HELLO = struct.Struct("<iq")  # rank wanted (-1: any), pid; then the host name
 _HANDSHAKE_S = 5.0
 """How long a peer has to pass the handshake before it is dropped."""
 _CHUNK = 1 << 20
+HEARTBEAT_S = 0.25
+"""How often the controller sends each worker an empty frame (see the module's docstring)."""
+_USER_TIMEOUT_MS = 1000
+"""Data unacknowledged this long fails the connection (the kernel checks at its next
+retransmission: about 1.4 s after a heartbeat went unanswered)."""
 
 
 def _tune(sock: socket.socket) -> None:
@@ -72,7 +80,7 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 1),
-                        ("TCP_USER_TIMEOUT", 2000)):
+                        ("TCP_USER_TIMEOUT", _USER_TIMEOUT_MS)):
         opt = getattr(socket, name, None)
         if opt is not None:
             sock.setsockopt(socket.IPPROTO_TCP, opt, value)
@@ -100,6 +108,8 @@ class _Peer:
         """Whether a send read replies into ``buf`` (so recv looks there first)."""
         self.ended = ""
         """Why its stream ended, once it has (read while writing to it, say)."""
+        self.write_lock = threading.Lock()
+        """Held while a frame is written: the heartbeat never cuts into one."""
 
     def fileno(self) -> int:
         return self.fd
@@ -134,6 +144,8 @@ class TcpChannel(Channel):
         self._why: dict[int, str] = {}
         self._watch: list[int] = []
         self._closed = False
+        self._rx_lock = threading.Lock()
+        """Guards reading: the scratch buffer and each peer's ``buf``."""
         self._scratch = bytearray(_CHUNK)
         self._scratch_view = memoryview(self._scratch)
         self._wake_r, self._wake_w = os.pipe()
@@ -155,6 +167,10 @@ class TcpChannel(Channel):
         self._accepter = threading.Thread(target=self._accept_loop, name="unison-tcp-accept",
                                           daemon=True)
         self._accepter.start()
+        self._stop = threading.Event()
+        self._beater = threading.Thread(target=self._heartbeat, name="unison-tcp-heartbeat",
+                                        daemon=True)
+        self._beater.start()
 
     # -- joining -----------------------------------------------------------------------------
 
@@ -304,6 +320,10 @@ class TcpChannel(Channel):
             self._write(peer, parts, deadline)
 
     def _write(self, peer: _Peer, frame: list[Any], deadline: float | None) -> None:
+        with peer.write_lock:
+            self._write_locked(peer, frame, deadline)
+
+    def _write_locked(self, peer: _Peer, frame: list[Any], deadline: float | None) -> None:
         parts = [v for v in (memoryview(p).cast("B") for p in frame) if v.nbytes]
         written = False
         while parts:
@@ -331,8 +351,24 @@ class TcpChannel(Channel):
             readable, _, _ = select.select([peer.fd], [peer.fd], [],
                                            1.0 if left is None else min(1.0, left))
             if readable and not peer.ended:  # it may be blocked writing replies to us:
-                self._fill(peer)  # read them, or neither of us would ever move again
-                peer.stashed = True
+                with self._rx_lock:  # read them, or neither of us would ever move again
+                    self._fill(peer)
+                    peer.stashed = True
+
+    def _heartbeat(self) -> None:
+        """An empty frame to every worker each HEARTBEAT_S, between frames (a peer being
+        written to needs none: that data is acknowledged, or fails, the same way)."""
+        while not self._stop.wait(HEARTBEAT_S):
+            for peer in list(self._peers):
+                if peer is None or not peer.open or not peer.write_lock.acquire(blocking=False):
+                    continue
+                try:
+                    self._write_locked(peer, [_HEAD.pack(_MAGIC, peer.incarnation, 0, 0)],
+                                       time.monotonic() + 1.0)
+                except (OSError, ValueError):
+                    pass  # the next recv finds out why, and says so
+                finally:
+                    peer.write_lock.release()
 
     # -- receiving -----------------------------------------------------------------------------
 
@@ -359,11 +395,12 @@ class TcpChannel(Channel):
         return out
 
     def _read(self, peer: _Peer, out: list[tuple[int, bytes | Reply | None]]) -> None:
-        if not peer.ended:
-            self._fill(peer)
-            self._frames(peer, out)
-        if _ended(peer):
-            self._drop(peer, peer.ended, out)
+        with self._rx_lock:  # a sender may read replies too, while it waits for room
+            if not peer.ended:
+                self._fill(peer)
+                self._frames(peer, out)
+            if _ended(peer):
+                self._drop(peer, peer.ended, out)
 
     def _fill(self, peer: _Peer) -> None:
         """Read what the socket holds into the peer's buffer (``ended`` says if it closed),
@@ -432,6 +469,9 @@ class TcpChannel(Channel):
             if self._closed:
                 return
             self._closed = True
+        self._stop.set()
+        if self._beater is not threading.current_thread():
+            self._beater.join(timeout=2.0)
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread's select
         except OSError:
@@ -580,10 +620,13 @@ class TcpWorkerChannel(WorkerChannel):
         try:
             if not self._poll.poll(0):  # the next command is often a few µs away
                 spin(lambda: bool(self._poll.poll(0)), SPIN)
-            magic, inc, size, count = _HEAD.unpack(self._read(_HEAD.size))
-            problem = _check_head(magic, inc, size, count, self._inc)
-            if problem:
-                raise OSError(f"a malformed frame from the controller: {problem}")
+            while True:
+                magic, inc, size, count = _HEAD.unpack(self._read(_HEAD.size))
+                problem = _check_head(magic, inc, size, count, self._inc)
+                if problem:
+                    raise OSError(f"a malformed frame from the controller: {problem}")
+                if size or count:
+                    break  # else a heartbeat: nothing to run
             data = memoryview(self._read(size))
             bufs: list[Any] = []
             for _ in range(count):
