@@ -24,6 +24,7 @@ import unison
 
 MARKER = "UNISON_TEST_RUN"
 WORKER_CMDLINE = "unison.worker"  # workers run: python -c "from unison.worker import main; main()"
+CONNECT_CMDLINE = "unison worker --connect"  # TCP workers: python -m unison worker --connect
 
 
 def alive(pid: int) -> bool:
@@ -59,7 +60,8 @@ def stray_workers() -> list[psutil.Process]:
         try:
             if proc.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
-            if WORKER_CMDLINE not in " ".join(proc.info["cmdline"] or ()):
+            cmdline = " ".join(proc.info["cmdline"] or ())
+            if WORKER_CMDLINE not in cmdline and CONNECT_CMDLINE not in cmdline:
                 continue
             if token is not None and proc.environ().get(MARKER) != token:
                 continue  # another run's worker, not ours

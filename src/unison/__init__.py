@@ -19,6 +19,7 @@ from unison.collective import (
     send,
     send_to_next_group,
 )
+from unison.debug import HangError
 from unison.errors import (
     CancelledError,
     CollectiveError,
@@ -38,6 +39,7 @@ __all__ = [
     "Cancelled",
     "CancelledError",
     "CollectiveError",
+    "HangError",
     "Ref",
     "RemoteError",
     "Session",

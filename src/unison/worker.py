@@ -44,6 +44,8 @@ from unison import trace as _trace
 from unison.cancel import SIGNAL, Board, Cancelled
 from unison.channel import WorkerChannel, connect
 from unison.collective.base import Collectives
+from unison.debug import logs as _debug_logs
+from unison.debug import stacks as _debug_stacks
 from unison.errors import EXIT_CONTROLLER_GONE
 from unison.protocol import (
     CALL,
@@ -566,6 +568,8 @@ def run(spec: WorkerSpec, chan: WorkerChannel | None = None) -> None:
         os.sched_setaffinity(0, spec.cpus)
     _identity.update(rank=spec.rank, world_size=spec.world_size, group=spec.group,
                      group_rank=spec.group_rank, group_size=spec.group_size)
+    _debug_stacks.install(spec.rank)  # sess.stacks(): faulthandler on a signal (issue 13)
+    _debug_logs.install()  # logging records to the controller, where the launcher relays
     coll = collective.setup(spec.collective, spec.rank, spec.world_size, spec.num_groups)
     global _board
     if spec.cancel >= 0:

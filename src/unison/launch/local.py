@@ -39,6 +39,7 @@ from typing import IO
 
 import unison
 from unison import _proctree
+from unison.debug import logs as _logs
 from unison.launch import DeathReport, Launcher
 from unison.spec import WorkerSpec
 
@@ -161,6 +162,7 @@ class LocalLauncher(Launcher):
         share = str(max(1, _cpu_count() // max(1, len(specs))))
         for var in _THREAD_VARS:
             base_env.setdefault(var, share)
+        base_env[_logs.ENV] = _logs.levels()  # workers' logging records come to ours
         try:
             for rank, init in enumerate(specs):
                 worker_env = dict(base_env)
@@ -287,7 +289,13 @@ def _emit(worker: WorkerProcess, is_err: bool, lines: list[str]) -> None:
     Whatever the user put there (None, no flush(), a write that raises), the relay goes on:
     if it stopped, a worker that fills its pipe would block for ever."""
     if is_err:
-        worker.keep_tail(lines)
+        if any(line.startswith(_logs.MARK) for line in lines):
+            lines, tail = _relay_records(worker.rank, lines)  # records go to our logging
+            worker.keep_tail(tail)
+        else:
+            worker.keep_tail(lines)
+        if not lines:
+            return
     out = sys.stderr if is_err else sys.stdout
     if out is None:
         return
@@ -299,6 +307,25 @@ def _emit(worker: WorkerProcess, is_err: bool, lines: list[str]) -> None:
             flush()
     except Exception:  # a user's stream may raise anything: keep relaying
         pass
+
+
+def _relay_records(rank: int, lines: list[str]) -> tuple[list[str], list[str]]:
+    """Hand the workers' logging records among ``lines`` to our logging (unison.debug.logs).
+    The lines still to print (the others), and those to keep in the tail for WorkerDied
+    (each record as "LEVEL:name:message")."""
+    plain, tail = [], []
+    for line in lines:
+        if line.startswith(_logs.MARK):
+            try:
+                kept = _logs.relay(rank, line)
+            except Exception:  # a user's handler may raise anything: keep relaying
+                kept = line[len(_logs.MARK):]
+            if kept is not None:
+                tail.extend(kept.split("\n"))
+                continue
+        plain.append(line)
+        tail.append(line)
+    return plain, tail
 
 
 def _cpu_count() -> int:

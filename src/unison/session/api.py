@@ -35,6 +35,8 @@ from unison import trace as _trace
 from unison.cancel import Cancelled
 from unison.deadline import deadline as _deadline
 from unison.deadline import seconds as _seconds
+from unison.debug import stacks as _debug_stacks
+from unison.debug.hang import Watchdog
 from unison.errors import CancelledError, SessionClosed, WorkerDied, WorkerError
 from unison.launch import Launcher
 from unison.launch import create as create_launcher
@@ -131,6 +133,12 @@ class View:
         those calls that nobody fetched yet (each error is reported once)."""
         self._session._sync(self.workers, timeout)
 
+    def stacks(self, timeout: float = 2.0) -> _debug_stacks.Stacks:
+        """The Python stack of every thread on each worker of the view, even one stuck in a
+        C call (see docs/debugging.md): {rank: WorkerStacks}, frames innermost first. A
+        worker that cannot be asked or does not answer within ``timeout`` s says why."""
+        return self._session._stacks(self.workers, timeout)
+
     def __len__(self) -> int:
         return len(self.workers)
 
@@ -169,17 +177,22 @@ class Session(View):
         start_timeout: float = 60.0,
         send_timeout: float | None = None,
         trace: str | os.PathLike[str] | None = None,
+        hang_timeout: float | None = None,
     ) -> None:
         """``launcher`` is "local" or a Launcher instance. ``send_timeout`` bounds how long
         ``call``, ``put`` and ``scatter`` may block when the workers fall behind and the
         command queue is full (TimeoutError; nothing of that message was sent). ``trace``
         records a timeline of every call from now until close(), written there in the
-        Chrome/Perfetto trace format (see ``trace()``)."""
+        Chrome/Perfetto trace format (see ``trace()``). With ``hang_timeout``, a wait whose
+        workers make no progress (no CPU, no change of stack) for that many seconds raises
+        unison.HangError, saying where each worker is (docs/debugging.md)."""
         checks.check_sizes(num_workers, num_groups)
         if collectives not in ("shm", "torch"):
             raise ValueError(f"unknown collectives backend {collectives!r}: use 'shm' or 'torch'")
         start_deadline = _deadline(start_timeout, "start_timeout")
         _deadline(send_timeout, "send_timeout")
+        if hang_timeout is not None and not _seconds(hang_timeout, "hang_timeout") > 0:
+            raise ValueError(f"hang_timeout must be a number of seconds > 0, got {hang_timeout}")
         cpus = checks.cpu_plan(num_workers, cpu_affinity)
         envs = checks.check_env(num_workers, env)
         the_launcher = create_launcher(launcher)
@@ -212,6 +225,8 @@ class Session(View):
             self._router.set_watched(self._res.watched)
             self._router.wait(ready, start_deadline, "starting")
             self._pids = [pid for _, pid in self._router.decode(ready, self.workers)]
+            if hang_timeout is not None and hang_timeout != math.inf:
+                self._router.hang = Watchdog(hang_timeout, self._pids)
             self._last_trace: Trace | None = None
             if trace is not None:
                 self._start_trace(trace)
@@ -461,7 +476,11 @@ class Session(View):
         keep nothing, so no Ref is made or freed."""
         req = Request(next(self._ids), len(ranks), next(self._ids))
         self._send_call(ranks, fn, args, kwargs, send_by, req)
-        return self._results(req, ranks, deadline, "running a call")
+        try:
+            return self._results(req, ranks, deadline, "running a call")
+        except TimeoutError as exc:  # name the function (here: no cost unless it times out)
+            exc.args = (f"run({_fn_name(fn)}): {exc.args[0]}", *exc.args[1:])
+            raise
 
     def _results(self, req: Request, ranks: tuple[int, ...], deadline: float | None,
                  during: str) -> list[Any]:
@@ -612,14 +631,18 @@ class Session(View):
                 if left <= 0:
                     busy = [r for r in ranks if not chan.wait_done((r,), mark, 0.0)]
                     raise TimeoutError(
-                        f"worker(s) {busy} had not finished what was sent to them by the "
-                        "deadline. The work goes on: sync again, or close the session."
+                        f"syncing timed out: worker(s) {busy} had not finished what was sent "
+                        "to them by the deadline. The work goes on: sync again, or close the "
+                        "session." + self._where_they_are(busy)
                     )
                 if chan.wait_done(ranks, mark, min(left, router.slice)):
                     return
                 if self._closed:
                     self.check_open()
                 self.check_alive("syncing")
+                if router.hang is not None:
+                    router.hang.poll(("sync", mark), lambda: [
+                        r for r in ranks if not chan.wait_done((r,), mark, 0.0)], "syncing")
         except KeyboardInterrupt:
             self.interrupted()
             raise
@@ -735,7 +758,7 @@ class Session(View):
             raise TimeoutError(
                 "the workers did not take the message by the deadline (their command queue is "
                 "full: a worker is busy or stuck). Nothing of it was sent: wait for the workers "
-                "(sync), or close the session."
+                "(sync), or close the session." + self._where_they_are(ranks)
             ) from None
         except OSError:
             raise self.died("sending a message", None) from None
@@ -841,6 +864,23 @@ class Session(View):
     def interrupted(self) -> None:
         """Ctrl-C during a wait: stop the workers now, quietly."""
         self._shutdown(0)
+
+    def _stacks(self, ranks: tuple[int, ...], timeout: float) -> _debug_stacks.Stacks:
+        self.check_open()
+        secs = _seconds(timeout, "timeout")
+        return _debug_stacks.collect({r: self._pids[r] for r in ranks}, min(secs, 3600.0))
+
+    def _where_they_are(self, ranks: Sequence[int]) -> str:
+        """For a TimeoutError's message: where each of ``ranks`` is, one line each (their
+        stacks, asked for with a 1 s bound); "" before the workers are up. Never raises."""
+        pids = getattr(self, "_pids", None)
+        if not ranks or not pids or self._closed:
+            return ""
+        try:
+            got = _debug_stacks.collect({r: pids[r] for r in ranks}, 1.0)
+            return "\nWhere they are:\n" + _debug_stacks.report(got, ranks)
+        except Exception as exc:  # a report must never hide the timeout itself
+            return f"\n(where they are could not be read: {exc})"
 
     def _check_rank(self, rank: object, ref: Ref | None = None) -> int:
         rank = checks.as_rank(rank, "a worker is named by an int rank")

@@ -37,6 +37,7 @@ from unison.protocol import OK
 from unison.session.unreported import UnreportedErrors
 
 if TYPE_CHECKING:
+    from unison.debug.hang import Watchdog
     from unison.trace import Trace
 
 __all__ = ["Request", "Router", "RouterOwner"]
@@ -96,6 +97,8 @@ class Router:
         self.closed = False  # set by the owner; checked at every slice
         self.tracer: Trace | None = None
         """The running trace (unison.trace), told of every reply; None: off."""
+        self.hang: Watchdog | None = None
+        """Session(hang_timeout=...)'s policy, polled between slices (unison.debug.hang)."""
 
     def set_watched(self, watched: bool) -> None:
         """Whether a death wakes a waiting recv (then waits need not poll as often)."""
@@ -143,7 +146,7 @@ class Router:
                             with self._cv:
                                 self._cv.notify_all()
                 else:
-                    self._follow(req, deadline)
+                    self._follow(req, deadline, during)
         except TimeoutError:
             self._abandon(req)
             raise
@@ -194,15 +197,20 @@ class Router:
     def _pump(self, req: Request, deadline: float | None, during: str) -> None:
         """Read replies for everyone until ``req`` is complete; caller holds the recv lock."""
         chan, owner, slice_ = self._chan, self._owner, self._slice
+        hang = self.hang
+        if hang is not None:
+            slice_ = min(slice_, hang.interval)
         while req.remaining:
             if self.closed:
                 owner.check_open()
             timeout = slice_ if deadline is None else min(slice_, deadline - time.monotonic())
             if timeout <= 0:
-                raise _timeout_error(req)
+                raise self._timeout_error(req, during)
             batch = chan.recv(timeout)
             if not batch:
                 owner.check_alive(during)
+                if hang is not None:
+                    hang.poll(req.req_id, lambda: self.pending(req), during)
                 continue
             expect = self._expect
             tracer = self.tracer
@@ -268,7 +276,7 @@ class Router:
         req.done = None
         self._abandon(req)
 
-    def _follow(self, req: Request, deadline: float | None) -> None:
+    def _follow(self, req: Request, deadline: float | None, during: str = "waiting") -> None:
         """Another thread reads the channel: sleep until it hands over our replies."""
         with self._cv:
             self._followers += 1
@@ -279,8 +287,26 @@ class Router:
             finally:
                 self._followers -= 1
         self._owner.check_open()
+        if req.remaining and self.hang is not None:
+            self.hang.poll(req.req_id, lambda: self.pending(req), during)
         if req.remaining and deadline is not None and time.monotonic() >= deadline:
-            raise _timeout_error(req)
+            raise self._timeout_error(req, during)
+
+    def pending(self, req: Request) -> list[int]:
+        """The ranks whose reply to ``req`` has not come yet."""
+        return [r for r, fifo in enumerate(self._expect) if req in fifo]
+
+    def _timeout_error(self, req: Request, during: str) -> TimeoutError:
+        """The deadline passed: name the wait, and where each worker that owes a reply is
+        (the owner's ``_where_they_are``, bounded; absent for owners without one)."""
+        ranks = self.pending(req)
+        text = (f"{during} timed out: {req.remaining} worker(s) {ranks} had not answered by "
+                "the deadline. The work goes on and the Ref stays valid: wait again "
+                "(get/gather/sync), or close the session.")
+        where = getattr(self._owner, "_where_they_are", None)
+        if where is not None:
+            text += where(ranks)
+        return TimeoutError(text)
 
     # -- abandoned requests keep their errors ----------------------------------------------------
 
@@ -310,11 +336,3 @@ class Router:
 
 class OutOfStep(RuntimeError):
     """A reply carried another request's id: the session must close."""
-
-
-def _timeout_error(req: Request) -> TimeoutError:
-    return TimeoutError(
-        f"{req.remaining} worker(s) had not answered by the deadline. The work goes on and "
-        "the Ref stays valid: wait again (get/gather/sync), or close the session."
-    )
-

@@ -1,0 +1,138 @@
+"""Workers' ``logging`` records, handled by the controller's logging.
+
+    controller: LocalLauncher.start           worker (run(): install())
+    UNISON_LOG_LEVELS={"": 20, "app": 10} --> the same levels on the same loggers; a handler
+      (the controller's logger levels,        on the root logger writes each record as one
+       at the session's start)                line to stderr: MARK + JSON (name, level,
+                                              message with its args applied, file, line,
+                                              function, time, thread, exception text)
+    the launcher's relay: a line that <------ stderr
+    starts with MARK -> relay(): a LogRecord with ``rank``, handed to
+    logging.getLogger(name).handle(), so the controller's handlers and format apply
+
+A record is shipped once (by the root logger's handler: records propagate to it), and handled
+once on the controller (``handle`` propagates it up the controller's loggers as usual). Where
+the controller's logging is not configured at all (no handler on the way to the root),
+records at WARNING and above are printed as Python's last-resort handler would, prefixed
+with the rank as every other line a worker writes.
+
+Only workers whose stderr the local launcher relays get the handler (the environment
+variable says so); a worker that joined over TCP logs to its own stderr, as before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Any, TextIO
+
+__all__ = ["ENV", "MARK", "install", "levels", "relay"]
+
+ENV = "UNISON_LOG_LEVELS"
+MARK = "\x1eunison-log "
+"""What starts a shipped record's line (a record separator: never in plain output)."""
+_FIELD_CHARS = 32 * 1024
+"""A message or exception text longer than this is cut, so one line stays one line."""
+_FIELDS = ("name", "levelno", "levelname", "pathname", "filename", "module", "lineno",
+           "funcName", "created", "msecs", "thread", "threadName", "processName", "process")
+
+
+def levels() -> str:
+    """The controller's logger levels now (the root's effective one and every one set), as
+    the worker's environment carries them."""
+    root = logging.getLogger()
+    out = {"": root.getEffectiveLevel()}
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if isinstance(logger, logging.Logger) and logger.level != logging.NOTSET:
+            out[name] = logger.level
+    return json.dumps(out)
+
+
+class _Ship(logging.Handler):
+    """Writes each record as one marked line to the stream the worker started with."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__(logging.NOTSET)
+        self.stream = stream
+        self._fmt = logging.Formatter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            data: dict[str, Any] = {k: getattr(record, k, None) for k in _FIELDS}
+            data["msg"] = record.getMessage()[:_FIELD_CHARS]
+            if record.exc_info and not record.exc_text:
+                record.exc_text = self._fmt.formatException(record.exc_info)
+            if record.exc_text:
+                data["exc_text"] = record.exc_text[-_FIELD_CHARS:]
+            if record.stack_info:
+                data["stack_info"] = record.stack_info[-_FIELD_CHARS:]
+            line = MARK + json.dumps(data, default=str) + "\n"
+            self.stream.write(line)
+            self.stream.flush()
+        except Exception:
+            self.handleError(record)
+
+
+def install() -> None:
+    """In a worker started by the local launcher: ship every record the controller's logger
+    levels let through (nothing where the environment does not ask for it)."""
+    spec = os.environ.pop(ENV, None)  # not for what the worker starts in turn
+    if spec is None or sys.stderr is None:
+        return
+    try:
+        wanted = json.loads(spec)
+    except ValueError:
+        return
+    root = logging.getLogger()
+    if any(isinstance(h, _Ship) for h in root.handlers):
+        return
+    for name, level in wanted.items():
+        logging.getLogger(name or None).setLevel(int(level))
+    root.addHandler(_Ship(sys.stderr))
+
+
+def relay(rank: int, line: str) -> str | None:
+    """On the controller: handle a marked line from worker ``rank`` as a log record there.
+    What to keep of it in the worker's stderr tail (for WorkerDied), or None if the line is
+    not a record after all (then it is plain output)."""
+    try:
+        data = json.loads(line[len(MARK):])
+        if not isinstance(data, dict):
+            return None
+        name = str(data.get("name") or "root")
+        levelno = int(data.get("levelno", logging.WARNING))
+    except (ValueError, TypeError):
+        return None
+    data["rank"] = rank
+    data["args"] = None
+    data["exc_info"] = None
+    created = data.get("created")
+    if isinstance(created, (int, float)):
+        data["relativeCreated"] = (created - logging._startTime) * 1000  # type: ignore[attr-defined]
+    record = logging.makeLogRecord(data)
+    message = str(record.msg)
+    if record.exc_text:
+        message += "\n" + record.exc_text
+    logger = logging.getLogger(None if name == "root" else name)
+    if logger.isEnabledFor(levelno):
+        if logger.hasHandlers():
+            logger.handle(record)
+        elif logging.lastResort is not None and levelno >= logging.lastResort.level:
+            _print(rank, message)
+    return f"{record.levelname}:{name}:{message}"
+
+
+def _print(rank: int, text: str) -> None:
+    """As logging's last-resort handler would print it, but prefixed with the rank."""
+    out = sys.stderr
+    if out is None:
+        return
+    try:
+        out.write("".join(f"[worker {rank}] {line}\n" for line in text.split("\n")))
+        flush = getattr(out, "flush", None)
+        if flush is not None:
+            flush()
+    except Exception:
+        pass

@@ -1,0 +1,404 @@
+"""Every worker's Python stacks, even while its main thread holds the GIL in a C call.
+
+    worker (at start, install())                 controller (collect())
+    memfd "unison-stacks-<rank>-<main ident>"    finds it in /proc/<pid>/fd, opens it there
+    (O_APPEND) <- faulthandler.register(SIGNAL,  truncates it, sends SIGNAL to the pid
+                  all_threads=True)              polls: data, and SIGNAL neither pending nor
+    the kernel runs faulthandler's C handler     blocked (= its handler is still running) in
+    in some thread: it writes every thread's     any thread -> the dump is complete
+    Python frames, without taking the GIL        bounded: a worker that does not answer in
+                                                 time is named, with its process state
+
+faulthandler writes from the signal handler in C, so the dump comes even when the main
+thread is stuck in a regex, a long numpy call, a sleep or a collective. It shows Python frames
+only (a C function shows as the Python line that called it). The signal is a real-time one
+(SIGRTMIN+4; unison.cancel uses SIGRTMIN+3), whose default action would end a process: the
+controller signals a pid only after finding this memfd among its fds, so a pid that is not a
+unison worker of that rank on this host (a worker that joined over TCP from another host,
+whose pid means nothing here) is never signalled; its stacks say why they are missing.
+
+Frames are listed innermost first (the most recent call first), as faulthandler prints them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+import fcntl
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+__all__ = ["SIGNAL", "Frame", "Stacks", "ThreadStack", "WorkerStacks", "collect", "install"]
+
+SIGNAL = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR1
+"""The signal that asks a worker for its stacks (unison.cancel's is SIGRTMIN+3)."""
+_PREFIX = "unison-stacks-"
+_POLL = 0.002  # seconds between looks at a dump being written
+_installed: list[int] = []
+
+
+# -- the worker's side ---------------------------------------------------------------------------
+
+
+def install(rank: int) -> None:
+    """In a worker, once: dump every thread's stack to a memfd when SIGNAL arrives. The memfd
+    is named after the rank and the main thread's id (so the controller can tell it and the
+    main thread apart); it is close-on-exec, and appended to, so the controller can empty it
+    before each request."""
+    if _installed or not hasattr(os, "memfd_create"):
+        return
+    ident = threading.main_thread().ident or 0
+    fd = os.memfd_create(f"{_PREFIX}{rank}-{ident:x}", os.MFD_CLOEXEC)
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+    faulthandler.register(SIGNAL, file=fd, all_threads=True, chain=False)
+    _installed.append(fd)
+
+
+# -- what the controller gets --------------------------------------------------------------------
+
+
+class Frame(NamedTuple):
+    """One Python frame: the file, the line being run, the function."""
+
+    file: str
+    line: int
+    function: str
+
+    def __str__(self) -> str:
+        return f"{short_path(self.file)}:{self.line} in {self.function}()"
+
+
+@dataclasses.dataclass(frozen=True)
+class ThreadStack:
+    """One thread's frames, innermost (most recent call) first."""
+
+    ident: int
+    """The thread's id, as ``threading.get_ident()`` gives it in the worker."""
+    main: bool
+    """Whether this is the worker's main thread (the one that runs the calls)."""
+    frames: list[Frame]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerStacks:
+    """What one worker answered: faulthandler's own text, parsed into threads; or, where it
+    did not answer, ``error`` says why (and ``text`` and ``threads`` are empty)."""
+
+    rank: int
+    pid: int
+    text: str
+    threads: list[ThreadStack]
+    error: str = ""
+
+    @property
+    def main(self) -> ThreadStack | None:
+        """The main thread's stack (the one running the worker's calls), if it answered."""
+        return next((t for t in self.threads if t.main), None)
+
+    def __str__(self) -> str:
+        head = f"worker {self.rank} (pid {self.pid})"
+        if self.error:
+            return f"{head}: {self.error}"
+        parts = [head + ":"]
+        for t in self.threads:
+            parts.append(f"  {'main thread' if t.main else 'thread'} 0x{t.ident:x} "
+                         "(most recent call first):")
+            parts.extend(f"    {f}" for f in t.frames)
+            if not t.frames:
+                parts.append("    <no Python frame>")
+        return "\n".join(parts)
+
+
+class Stacks(dict[int, WorkerStacks]):
+    """``sess.stacks()``: each worker's WorkerStacks by rank; printing it prints them all."""
+
+    def __str__(self) -> str:
+        return "\n".join(str(s) for _, s in sorted(self.items()))
+
+
+# -- the controller's side -----------------------------------------------------------------------
+
+
+def collect(pids: dict[int, int], timeout: float = 2.0) -> Stacks:
+    """Ask each worker (rank -> pid) for its stacks at once; wait up to ``timeout`` seconds in
+    all. Never raises for a worker: one that cannot be asked, or does not answer in time, gets
+    an ``error`` saying why."""
+    deadline = time.monotonic() + timeout
+    out = Stacks()
+    asked: dict[int, _Ask] = {}
+    try:
+        for rank, pid in pids.items():
+            ask, error = _ask(rank, pid)
+            if ask is None:
+                out[rank] = WorkerStacks(rank, pid, "", [], error)
+            else:
+                asked[rank] = ask
+        looks = 0
+        while asked:
+            looks += 1
+            for rank in list(asked):
+                text = asked[rank].answer()
+                if text is not None:
+                    ask = asked.pop(rank)
+                    ask.close()
+                    out[rank] = WorkerStacks(rank, ask.pid, text, parse(text, ask.main))
+                elif looks % 16 == 0 and _state(asked[rank].pid).startswith(("T", "t")):
+                    ask = asked.pop(rank)  # stopped after it was asked: it cannot answer now
+                    ask.close()
+                    out[rank] = WorkerStacks(rank, ask.pid, "", [], _stopped(_state(ask.pid)))
+            if not asked or time.monotonic() >= deadline:
+                break
+            time.sleep(_POLL)
+        for rank, ask in asked.items():
+            state = _state(ask.pid)
+            why = f"did not answer within {timeout:g} s"
+            if state:
+                why += f" (its process state: {state})"
+            out[rank] = WorkerStacks(rank, ask.pid, "", [], why)
+    finally:
+        for ask in asked.values():
+            ask.close()
+    return Stacks(sorted(out.items()))
+
+
+class _Ask:
+    """One request to one worker: its memfd, opened through /proc."""
+
+    def __init__(self, pid: int, fd: int, main: int, tasks: dict[str, bool]) -> None:
+        self.pid = pid
+        self.fd = fd
+        self.main = main
+        self.blocked_before = {t for t, b in tasks.items() if b}
+        """Threads that block SIGNAL anyway (they never run the handler): ignored."""
+
+    def answer(self) -> str | None:
+        """The dump once it is complete, else None."""
+        if self.fd < 0 or os.fstat(self.fd).st_size == 0:
+            return None
+        # something is written, so the handler has started: it has ended once SIGNAL is
+        # neither pending nor blocked in a thread (the kernel blocks it while its handler runs)
+        pending, tasks = _signal_state(self.pid)
+        if pending or any(b and t not in self.blocked_before for t, b in tasks.items()):
+            return None
+        data = os.pread(self.fd, os.fstat(self.fd).st_size, 0)
+        return data.decode(errors="replace")
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _ask(rank: int, pid: int) -> tuple[_Ask | None, str]:
+    """Find worker ``rank``'s memfd under /proc/<pid>, empty it and signal the worker."""
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(fd_dir)
+    except FileNotFoundError:
+        return None, ("not available: no process with its pid on this host (a worker that "
+                      "joined from another host, or one that has ended)")
+    except OSError as exc:
+        return None, f"not available: cannot look into its process ({exc.strerror})"
+    want = f"/memfd:{_PREFIX}{rank}-"
+    for name in names:
+        try:
+            link = os.readlink(f"{fd_dir}/{name}")
+        except OSError:
+            continue
+        if link.startswith(want):
+            break
+    else:
+        return None, ("not available: its process on this host is not a unison worker of "
+                      "that rank (a worker on another host has no stacks to read from here)")
+    try:
+        main = int(link[len(want):].split()[0], 16)
+    except ValueError:
+        main = 0
+    state = _state(pid)
+    if state.startswith(("T", "t")):  # the signal would wait until it continues
+        return None, _stopped(state)
+    try:
+        fd = os.open(f"{fd_dir}/{name}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        return None, f"not available: cannot open its stack file ({exc.strerror})"
+    try:
+        pending, tasks = _signal_state(pid)
+        if any(b for b in tasks.values()) and not pending:
+            # a handler may still be writing an earlier dump: let it finish first
+            end = time.monotonic() + 0.2
+            while time.monotonic() < end and any(_signal_state(pid)[1].values()):
+                time.sleep(_POLL)
+            pending, tasks = _signal_state(pid)
+        os.ftruncate(fd, 0)
+        if not pending:  # else an earlier request's signal is still to come: that one answers
+            os.kill(pid, SIGNAL)
+    except OSError as exc:
+        os.close(fd)
+        return None, f"not available: cannot signal its process ({exc.strerror})"
+    return _Ask(pid, fd, main, tasks), ""
+
+
+def _stopped(state: str) -> str:
+    return (f"its process is stopped ({state}: SIGSTOP, Ctrl-Z or a debugger): no stack "
+            "until it continues")
+
+
+def _signal_state(pid: int) -> tuple[bool, dict[str, bool]]:
+    """Whether SIGNAL is pending for the process (or any of its threads), and for each thread
+    whether it blocks SIGNAL now."""
+    bit = 1 << (int(SIGNAL) - 1)
+    pending = False
+    tasks: dict[str, bool] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False, tasks
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status", "rb") as f:
+                status = f.read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        fields = dict(_status_fields(status))
+        if int(fields.get(b"SigPnd", b"0"), 16) & bit or int(fields.get(b"ShdPnd", b"0"), 16) & bit:
+            pending = True
+        tasks[tid] = bool(int(fields.get(b"SigBlk", b"0"), 16) & bit)
+    return pending, tasks
+
+
+def _status_fields(status: bytes) -> Iterable[tuple[bytes, bytes]]:
+    for line in status.splitlines():
+        key, _, value = line.partition(b":")
+        if key in (b"SigPnd", b"ShdPnd", b"SigBlk"):
+            yield key, value.strip()
+
+
+def _state(pid: int) -> str:
+    """The process's state as /proc says it ("S (sleeping)", "T (stopped)"), or ""."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"State:"):
+                    return line[6:].decode().strip()
+    except OSError:
+        pass
+    return ""
+
+
+# -- parsing faulthandler's text -----------------------------------------------------------------
+
+_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+)|^Stack \(most recent")
+_FRAME = re.compile(r'^\s+File "(.*)", line (\d+|\?\?\?) in (.*)$')
+
+
+def parse(text: str, main: int = 0) -> list[ThreadStack]:
+    """faulthandler's dump as threads of frames (innermost first); ``main`` is the id of the
+    main thread."""
+    threads: list[ThreadStack] = []
+    frames: list[Frame] | None = None
+    for line in text.splitlines():
+        head = _THREAD.match(line)
+        if head:
+            ident = int(head.group(1), 16) if head.group(1) else 0
+            frames = []
+            threads.append(ThreadStack(ident, ident == main, frames))
+            continue
+        frame = _FRAME.match(line)
+        if frame and frames is not None:
+            lineno = frame.group(2)
+            frames.append(Frame(frame.group(1), int(lineno) if lineno.isdigit() else 0,
+                                frame.group(3)))
+    return threads
+
+
+# -- one line per worker, for error messages ------------------------------------------------------
+
+_UNISON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_WORKER_FILE = _UNISON_DIR + "worker.py"
+
+
+def is_unison(frame: Frame) -> bool:
+    """Whether a frame is unison's own code."""
+    return frame.file.startswith(_UNISON_DIR)
+
+
+def where(stacks: WorkerStacks, depth: int = 3) -> str:
+    """One line saying where a worker is: its main thread's innermost frame outside unison,
+    then up to ``depth - 1`` callers ("<-": called from), and the unison function it is
+    inside, if any: ``worker 1 is in unison's barrier(), at train.py:42 in step() <-
+    train.py:60 in main()``."""
+    if stacks.error:
+        return f"worker {stacks.rank}: {stacks.error}"
+    main = stacks.main
+    if main is None:
+        main = next((t for t in stacks.threads if t.frames), None)
+    if main is None or not main.frames:
+        return f"worker {stacks.rank}: no Python frame in its main thread"
+    frames = call_frames(main.frames)
+    if not frames:
+        return f"worker {stacks.rank} is in its loop, between calls"
+    first = next((i for i, f in enumerate(frames) if not is_unison(f)), None)
+    if first is None:
+        if any(f.function == "recv" for f in frames):
+            return f"worker {stacks.rank} is idle (in its loop, between calls)"
+        return f"worker {stacks.rank} is in unison's own code, at {frames[0]}"
+    user: list[Frame] = []
+    for f in frames[first:]:
+        if is_unison(f) or len(user) == depth:
+            break
+        user.append(f)
+    text = f"worker {stacks.rank} is "
+    if first > 0:
+        text += f"in unison's {frames[first - 1].function}(), "
+    return text + "at " + " <- ".join(map(str, user))
+
+
+def call_frames(frames: list[Frame]) -> list[Frame]:
+    """Of a worker's main thread (innermost first), the frames inside the call it runs:
+    those inside its loop (unison.worker's serve), without the loop and the bootstrap."""
+    for i, f in enumerate(frames):
+        if f.function == "serve" and f.file == _WORKER_FILE:
+            return frames[:i]
+    return frames
+
+
+def report(stacks: Stacks, ranks: Sequence[int]) -> str:
+    """Where each of ``ranks`` is, one indented line each."""
+    return "\n".join(f"  {where(stacks[r])}" for r in ranks if r in stacks)
+
+
+def signature(stacks: WorkerStacks) -> tuple[Frame, ...] | None:
+    """The frames of the call the main thread runs, without the innermost ones in unison's
+    own code (whose polling loops move while the call stands still); None without an
+    answer."""
+    main = stacks.main
+    if stacks.error or main is None:
+        return None
+    frames = call_frames(main.frames)
+    i = 0
+    while i < len(frames) and is_unison(frames[i]):
+        i += 1
+    return tuple(frames[i:])
+
+
+def short_path(path: str) -> str:
+    """A path as error messages show it: relative to the current directory where it is
+    below it, from the library root for the standard library and site-packages."""
+    try:
+        cwd = os.getcwd() + os.sep
+    except OSError:
+        cwd = ""
+    if cwd and path.startswith(cwd):
+        return path[len(cwd):]
+    for marker in ("/site-packages/", "/dist-packages/"):
+        if marker in path:
+            return path.rsplit(marker, 1)[1]
+    m = re.search(r"/lib/python\d+\.\d+/", path)
+    if m:
+        return path[m.end():]
+    return path

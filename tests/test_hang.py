@@ -1,0 +1,229 @@
+"""Where the workers are when a wait ends without them (issue 13): every TimeoutError names
+the wait and, for each worker still owing a reply, the innermost frames of its stack; and
+Session(hang_timeout=...) turns a call that makes no progress into unison.HangError, but not
+one that computes (a long numpy call) or waits for a peer that does. Real workers; stopped
+workers are continued even when a test fails."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import unison
+from unison.debug.stacks import short_path
+
+pytestmark = pytest.mark.timeout(120)
+
+HERE = short_path(os.path.realpath(__file__))
+
+
+def _lines() -> dict[str, int]:
+    out = {}
+    with open(__file__) as f:
+        for n, text in enumerate(f, 1):
+            m = re.search(r"# line: (\w+)$", text)
+            if m:
+                out[m.group(1)] = n
+    return out
+
+
+# -- what the workers run (by reference) -----------------------------------------------------------
+
+
+def slow_step(seconds: float) -> int:
+    time.sleep(seconds)  # line: slow
+    return unison.rank()
+
+
+def train(seconds: float) -> int:
+    return slow_step(seconds)  # line: train
+
+
+def deadlock() -> None:
+    lock = threading.Lock()
+    lock.acquire()
+    lock.acquire()  # line: deadlock
+
+
+def never_set() -> None:
+    threading.Event().wait()  # line: event
+
+
+def stuck_somehow() -> None:
+    [deadlock, never_set][unison.rank() % 2]()
+
+
+def numpy_for(seconds: float) -> float:
+    import numpy as np
+
+    a = np.random.default_rng(0).random((200, 200))
+    end = time.monotonic() + seconds
+    total = 0.0
+    while time.monotonic() < end:
+        total += float((a @ a).sum())  # line: numpy
+    return total
+
+
+def numpy_then_barrier(seconds: float) -> int:
+    """Rank 0 computes, the others wait for it in a barrier: the call progresses."""
+    if unison.rank() == 0:
+        numpy_for(seconds)
+    unison.barrier()
+    return unison.rank()
+
+
+LINE = _lines()
+
+
+@pytest.fixture
+def stopped() -> Iterator[list[int]]:
+    """Pids to SIGSTOP: each is continued when the test ends, passed or failed."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def stop(pid: int, stopped: list[int]) -> None:
+    stopped.append(pid)
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while not _state(pid).startswith("T"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+# -- TimeoutError texts ----------------------------------------------------------------------------
+
+
+def test_a_run_timeout_names_the_call_and_each_workers_file_and_line(make_session):
+    sess = make_session(2)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        sess.run(train, 30, timeout=1.0)
+    assert time.monotonic() - t0 < 1.0 + 3.0  # the report itself is bounded
+    text = str(info.value)
+    assert text.startswith("run(train): running a call timed out: 2 worker(s) [0, 1]")
+    for r in (0, 1):
+        assert (f"worker {r} is at {HERE}:{LINE['slow']} in slow_step() <- "
+                f"{HERE}:{LINE['train']} in train()") in text, text
+    assert not isinstance(info.value, unison.HangError)
+
+
+def test_a_gather_timeout_names_only_the_workers_still_busy(make_session):
+    sess = make_session(2)
+    ref = sess.call(lambda: train(30) if unison.rank() == 1 else 0)
+    with pytest.raises(TimeoutError) as info:
+        ref.gather(timeout=1.5)
+    text = str(info.value)
+    assert "fetching a value timed out: 1 worker(s) [1]" in text
+    assert f"worker 1 is at {HERE}:{LINE['slow']} in slow_step()" in text
+    assert "worker 0 is" not in text
+    assert ref.get(worker=0) == 0  # the Ref stays valid
+
+
+def test_a_sync_timeout_says_where_the_workers_are(make_session):
+    sess = make_session(2)
+    sess.call(train, 30)
+    with pytest.raises(TimeoutError) as info:
+        sess.sync(timeout=1.0)
+    text = str(info.value)
+    assert "syncing timed out" in text
+    assert f"worker 1 is at {HERE}:{LINE['slow']} in slow_step()" in text
+
+
+def test_a_timeout_with_a_stopped_worker_says_so_without_waiting(make_session, stopped):
+    sess = make_session(2)
+    stop(sess._pids[1], stopped)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        sess.run(unison.rank, timeout=0.5)
+    assert time.monotonic() - t0 < 3.0
+    text = str(info.value)
+    assert "worker 1: its process is stopped" in text
+    assert "worker 0 is" not in text  # it answered
+
+
+# -- the hang policy -------------------------------------------------------------------------------
+
+
+def test_hang_policy_fires_on_a_stopped_worker(make_session, stopped):
+    sess = make_session(2, hang_timeout=1.0)
+    assert sess.run(unison.rank) == [0, 1]
+    stop(sess._pids[1], stopped)
+    t0 = time.monotonic()
+    with pytest.raises(unison.HangError) as info:
+        sess.run(unison.rank, timeout=60)
+    took = time.monotonic() - t0
+    assert 1.0 <= took < 10.0
+    text = str(info.value)
+    assert "no progress for 1 s (hang_timeout) on worker(s) [1]" in text
+    assert "worker 1: its process is stopped" in text
+    assert isinstance(info.value, TimeoutError)
+    os.kill(sess._pids[1], signal.SIGCONT)
+    assert sess.run(unison.rank, timeout=30) == [0, 1]  # only the wait was abandoned
+
+
+def test_hang_policy_fires_on_deadlocked_workers_and_says_where(make_session):
+    sess = make_session(2, hang_timeout=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(unison.HangError) as info:
+        sess.run(stuck_somehow, timeout=60)
+    assert time.monotonic() - t0 < 15.0
+    text = str(info.value)
+    assert "run(stuck_somehow)" in text
+    assert f"worker 0 is at {HERE}:{LINE['deadlock']} in deadlock()" in text, text
+    assert f"{HERE}:{LINE['event']} in never_set()" in text, text
+
+
+def test_hang_policy_in_sync(make_session):
+    sess = make_session(1, hang_timeout=0.5)
+    sess.call(deadlock)
+    with pytest.raises(unison.HangError, match="syncing: no progress"):
+        sess.sync(timeout=60)
+
+
+def test_hang_policy_spares_a_long_numpy_call_and_a_peer_waiting_for_it(make_session):
+    sess = make_session(2, hang_timeout=1.0)
+    t0 = time.monotonic()
+    assert len(sess.run(numpy_for, 3.5, timeout=60)) == 2
+    assert sess.run(numpy_then_barrier, 3.5, timeout=60) == [0, 1]
+    assert time.monotonic() - t0 >= 7.0
+
+
+def test_hang_policy_spares_calls_that_finish_and_idle_sessions(make_session):
+    sess = make_session(2, hang_timeout=0.5)
+    for _ in range(50):
+        assert sess.run(unison.rank) == [0, 1]
+    time.sleep(1.0)  # idle: nothing samples, nothing fires
+    assert sess.run(slow_step, 0.2) == [0, 1]
+    threads = {t.name for t in threading.enumerate()}
+    assert not any("hang" in n or "watchdog" in n for n in threads)
+
+
+def test_without_hang_timeout_there_is_no_watchdog(make_session):
+    sess = make_session(1)
+    assert sess._router.hang is None
+    with pytest.raises(TimeoutError) as info:
+        sess.run(deadlock, timeout=1.5)
+    assert not isinstance(info.value, unison.HangError)
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan")])
+def test_a_bad_hang_timeout_is_refused(bad):
+    with pytest.raises(ValueError, match="hang_timeout"):
+        unison.Session(1, hang_timeout=bad)

@@ -1,0 +1,228 @@
+"""sess.stacks() (issue 13): every thread's Python stack on each worker, read through
+faulthandler from a signal handler, so it comes even while the main thread holds the GIL in
+a regex, sleeps, waits in a collective or runs a long C call. Real workers; the line numbers
+asserted are found in this file by their markers."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+import unison
+from unison.debug import stacks as debug_stacks
+from unison.debug.stacks import Frame, WorkerStacks
+
+pytestmark = pytest.mark.timeout(120)
+
+HERE = os.path.realpath(__file__)
+
+
+def _lines() -> dict[str, int]:
+    """Marker -> line number, from the comments "# line: NAME" below."""
+    out = {}
+    with open(HERE) as f:
+        for n, text in enumerate(f, 1):
+            m = re.search(r"# line: (\w+)$", text)
+            if m:
+                out[m.group(1)] = n
+    return out
+
+
+# -- what the workers run (by reference: the workers import this module) --------------------------
+
+
+def busy_regex() -> None:
+    re.match(r"(a+)+$", "a" * 34 + "b")  # line: regex
+
+
+def sleeper() -> None:
+    time.sleep(300)  # line: sleep
+
+
+def in_barrier() -> None:
+    unison.barrier()  # line: barrier
+
+
+def c_call() -> None:
+    hashlib.pbkdf2_hmac("sha256", b"secret", b"salt", 10**9)  # line: c_call
+
+
+def scene() -> None:
+    """One call on four workers: each is stuck somewhere else."""
+    [busy_regex, sleeper, in_barrier, c_call][unison.rank()]()  # line: scene
+
+
+LINE = _lines()
+
+
+def frames_of(ws: WorkerStacks) -> list[Frame]:
+    main = ws.main
+    assert main is not None, f"no main thread in worker {ws.rank}'s stacks:\n{ws.text}"
+    return main.frames
+
+
+def ours(frames: list[Frame]) -> list[Frame]:
+    return [f for f in frames if os.path.realpath(f.file) == HERE]
+
+
+def wait_for(sess: unison.Session, ok, what: str, timeout: float = 30.0) -> unison.debug.Stacks:
+    """Ask for stacks until ``ok(stacks)``: the workers of a fresh session on a loaded machine
+    take a while to get into their call."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = sess.stacks()
+        if ok(got):
+            return got
+        assert time.monotonic() < deadline, f"never saw {what}; last stacks:\n{got}"
+        time.sleep(0.1)
+
+
+def test_each_worker_shows_where_it_is_stuck(make_session):
+    sess = make_session(4)
+    ref = sess.call(scene)
+    want = {0: ("busy_regex", LINE["regex"]), 1: ("sleeper", LINE["sleep"]),
+            2: ("in_barrier", LINE["barrier"]), 3: ("c_call", LINE["c_call"])}
+
+    def all_there(got) -> bool:
+        return all(any(f.function == fn for f in ours(frames_of(got[r])))
+                   for r, (fn, _) in want.items())
+
+    got = wait_for(sess, all_there, "every worker inside its part of the scene")
+    assert sorted(got) == [0, 1, 2, 3]
+    for r, (fn, line) in want.items():
+        ws = got[r]
+        assert ws.error == "" and ws.pid == sess._pids[r]
+        assert "most recent call first" in ws.text
+        frames = frames_of(ws)
+        mine = ours(frames)
+        # innermost first: the stuck helper, then scene() that called it
+        assert mine[0] == Frame(mine[0].file, line, fn), (r, mine)
+        assert mine[1].function == "scene" and mine[1].line == LINE["scene"]
+        assert frames[-1].function == "<module>"  # the worker's bootstrap, outermost
+    # the regex holds the GIL: the innermost frame is re.match, which called into C
+    assert frames_of(got[0])[0].function == "match"
+    assert frames_of(got[0])[0].file.endswith(os.path.join("re", "__init__.py"))
+    # sleep and pbkdf2 are C functions: no frame of their own, the caller's line is innermost
+    assert frames_of(got[1])[0] == Frame(frames_of(got[1])[0].file, LINE["sleep"], "sleeper")
+    assert frames_of(got[3])[0] == Frame(frames_of(got[3])[0].file, LINE["c_call"], "c_call")
+    # in the collective: unison's own frames inside in_barrier
+    inner = frames_of(got[2])
+    k = inner.index(ours(inner)[0])
+    assert k > 0 and all(debug_stacks.is_unison(f) for f in inner[:k])
+    assert any(f.function == "barrier" for f in inner[:k])
+    # the one-line summary an error message uses
+    assert debug_stacks.where(got[1]) == (
+        f"worker 1 is at {debug_stacks.short_path(HERE)}:{LINE['sleep']} in sleeper() <- "
+        f"{debug_stacks.short_path(HERE)}:{LINE['scene']} in scene()")
+    assert debug_stacks.where(got[2]).startswith("worker 2 is in unison's barrier(), at ")
+    assert str(got).count("main thread") == 4
+    del ref
+
+
+def test_a_view_asks_only_its_workers_and_an_idle_worker_says_so(make_session):
+    sess = make_session(2)
+    assert sess.run(unison.rank) == [0, 1]
+    deadline = time.monotonic() + 10
+    while True:  # until it is back in its loop, after its reply
+        got = sess[1].stacks()
+        ws = got[1]
+        if ws.main is not None and "recv" in {f.function for f in ws.main.frames}:
+            break
+        assert time.monotonic() < deadline, str(got)
+        time.sleep(0.05)
+    assert list(got) == [1]
+    ws = got[1]
+    assert ws.error == "" and ws.main is not None
+    assert all(debug_stacks.is_unison(f) for f in ws.main.frames[:-1])
+    assert "serve" in {f.function for f in ws.main.frames}
+    assert debug_stacks.where(ws) == "worker 1 is idle (in its loop, between calls)"
+
+
+def test_every_thread_is_listed(make_session):
+    sess = make_session(1)
+
+    def start_threads() -> list[int]:
+        import threading
+
+        threads = [threading.Thread(target=time.sleep, args=(60,), daemon=True)
+                   for _ in range(3)]
+        for t in threads:
+            t.start()
+        return [t.ident or 0 for t in threads]
+
+    idents = sess.run(start_threads)[0]
+    got = sess.stacks()[0]
+    listed = {t.ident for t in got.threads}
+    assert set(idents) <= listed
+    assert sum(t.main for t in got.threads) == 1
+    assert len(got.threads) == 4
+
+
+def test_a_stopped_worker_is_named_at_once_and_answers_again_once_continued(make_session):
+    sess = make_session(2)
+    pid = sess._pids[1]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        got = sess.stacks(timeout=2.0)
+        assert time.monotonic() - t0 < 1.5  # no waiting on a process that cannot answer
+        assert got[0].error == "" and got[0].main is not None
+        assert "stopped" in got[1].error and got[1].threads == []
+        assert "stopped" in str(got)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    got = sess.stacks(timeout=5.0)
+    assert got[1].error == "" and got[1].main is not None
+    assert sess.run(unison.rank) == [0, 1]  # the signal did no harm
+
+
+def test_repeated_requests_each_get_one_whole_dump(make_session):
+    sess = make_session(2)
+    for _ in range(20):
+        got = sess.stacks()
+        for ws in got.values():
+            assert ws.error == ""
+            assert ws.text.count("most recent call first") == len(ws.threads) == 1
+    assert sess.run(unison.rank) == [0, 1]
+
+
+def test_a_process_that_is_not_a_worker_is_never_signalled():
+    """A worker that joined over TCP from another host has a pid that means nothing here:
+    stacks() must say so, and must not signal whatever process has that pid (the real-time
+    signal's default action would end it)."""
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        got = debug_stacks.collect({0: proc.pid, 1: 2**22 + 12345}, timeout=1.0)
+        assert "not a unison worker" in got[0].error
+        assert "no process with its pid on this host" in got[1].error
+        time.sleep(0.2)
+        assert proc.poll() is None  # still running: it was not signalled
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_stacks_after_close_raise(make_session):
+    sess = make_session(1)
+    sess.close()
+    with pytest.raises(unison.SessionClosed):
+        sess.stacks()
+
+
+def test_parse_reads_faulthandler_text():
+    text = ('Thread 0x00007f0000000001 (most recent call first):\n'
+            '  File "/x/a.py", line 3 in inner\n'
+            '  File "/x/a.py", line 9 in outer\n'
+            '\n'
+            'Current thread 0x00007f0000000002 (most recent call first):\n'
+            '  File "/x/b.py", line ??? in <module>\n')
+    threads = debug_stacks.parse(text, main=0x7f0000000002)
+    assert [t.ident for t in threads] == [0x7f0000000001, 0x7f0000000002]
+    assert threads[0].frames == [Frame("/x/a.py", 3, "inner"), Frame("/x/a.py", 9, "outer")]
+    assert threads[1].main and threads[1].frames == [Frame("/x/b.py", 0, "<module>")]

@@ -1,0 +1,156 @@
+"""Workers' logging records reach the controller's logging (issue 13): with ``record.rank``,
+the logger's name, the message with its arguments applied, exception text, once each; the
+controller's handlers and format apply, and its logger levels (at the session's start)
+decide what workers ship. Real workers; the relay is asynchronous, so tests wait for the
+records to arrive."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import unison
+from support import stop
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Collect(logging.Handler):
+    """Keeps records, and their text as this handler's formatter writes it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.setFormatter(logging.Formatter("%(rank)s|%(name)s|%(levelname)s|%(message)s"))
+        self.records: list[logging.LogRecord] = []
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        self.lines.append(self.format(record))
+
+    def wait_for(self, text: str, count: int = 1, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while sum(text in line for line in self.lines) < count:
+            assert time.monotonic() < deadline, f"{text!r} never arrived: {self.lines}"
+            time.sleep(0.02)
+
+
+@pytest.fixture
+def collect() -> Iterator[Collect]:
+    """A handler on the controller's "app" logger (level INFO), removed afterwards."""
+    handler = Collect()
+    logger = logging.getLogger("app")
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(old)
+
+
+def log_some(tag: str) -> None:
+    log = logging.getLogger("app.worker")
+    log.debug("debug %s from %d", tag, unison.rank())
+    log.info("info %s from %d", tag, unison.rank())
+    log.warning("warning %s from %d", tag, unison.rank())
+    try:
+        1 / 0  # noqa: B018
+    except ZeroDivisionError:
+        log.exception("failed %s on %d", tag, unison.rank())
+    log.warning("last %s from %d", tag, unison.rank())
+
+
+def test_info_and_warning_records_reach_the_controllers_handler(make_session, collect):
+    sess = make_session(2)
+    sess.run(log_some, "t1")
+    for r in (0, 1):
+        collect.wait_for(f"{r}|app.worker|WARNING|last t1 from {r}")
+    lines = collect.lines
+    for r in (0, 1):
+        assert lines.count(f"{r}|app.worker|INFO|info t1 from {r}") == 1  # once: no doubles
+        assert lines.count(f"{r}|app.worker|WARNING|warning t1 from {r}") == 1
+    assert not any("debug t1" in line for line in lines)  # the controller's "app" is at INFO
+    rec = next(r for r in collect.records if r.getMessage() == "info t1 from 1")
+    assert rec.rank == 1  # type: ignore[attr-defined]
+    assert rec.levelno == logging.INFO and rec.name == "app.worker"
+    assert rec.funcName == "log_some" and rec.pathname == __file__
+    assert rec.process == sess._pids[1]
+    assert rec.created <= time.time()
+
+
+def test_exception_text_arrives(make_session, collect):
+    sess = make_session(1)
+    sess.run(log_some, "t2")
+    collect.wait_for("last t2 from 0")
+    rec = next(r for r in collect.records if r.getMessage() == "failed t2 on 0")
+    assert rec.levelno == logging.ERROR
+    assert rec.exc_text is not None
+    assert "Traceback (most recent call last)" in rec.exc_text
+    assert "ZeroDivisionError: division by zero" in rec.exc_text
+    text = next(line for line in collect.lines if "failed t2 on 0" in line)
+    assert "ZeroDivisionError" in text  # the formatter appends it, as for a local record
+
+
+def test_caplog_sees_worker_records(make_session, caplog):
+    caplog.set_level(logging.INFO)
+    sess = make_session(1)
+    sess.run(lambda: logging.getLogger("other").info("hello %s", "caplog"))
+    deadline = time.monotonic() + 20
+    while not any(r.getMessage() == "hello caplog" for r in caplog.records):
+        assert time.monotonic() < deadline, caplog.records
+        time.sleep(0.02)
+    rec = next(r for r in caplog.records if r.getMessage() == "hello caplog")
+    assert rec.rank == 0 and rec.name == "other"  # type: ignore[attr-defined]
+
+
+def test_plain_stderr_is_still_relayed_and_the_tail_keeps_records(make_session, collect, capfd):
+    sess = make_session(1)
+
+    def both() -> None:
+        import sys
+
+        print("plain line", file=sys.stderr)
+        logging.getLogger("app").warning("as a record")
+
+    sess.run(both)
+    collect.wait_for("0|app|WARNING|as a record")
+    deadline = time.monotonic() + 10
+    err = ""
+    while "plain line" not in err:
+        err += capfd.readouterr().err
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert "[worker 0] plain line" in err
+    assert "as a record" not in err  # handled by logging, not printed as well
+    tail = "".join(sess._res.launcher.workers[0].stderr_tail)
+    assert "WARNING:app:as a record" in tail and "plain line" in tail
+
+
+def test_without_logging_configured_warnings_print_with_the_rank(controller):
+    """A controller script that configures no logging: as Python's last resort would, with
+    the rank in front, and INFO is not shown."""
+    proc = controller("""
+        import logging, unison
+        with unison.Session(2) as sess:
+            sess.run(lambda: logging.getLogger("x").warning("careful %d", unison.rank()))
+            sess.run(lambda: logging.getLogger("x").info("not shown"))
+            sess.run(lambda: logging.getLogger("x").warning("done"))
+            import time; time.sleep(0.5)
+        print("finished")
+    """)
+    out, err = stop_after(proc)
+    assert "finished" in out, err
+    assert "[worker 0] careful 0" in err and "[worker 1] careful 1" in err
+    assert "not shown" not in err
+    assert "unison-log" not in err
+
+
+def stop_after(proc, timeout: float = 60.0) -> tuple[str, str]:
+    try:
+        proc.wait(timeout)
+    except Exception:
+        pass
+    return stop(proc)
