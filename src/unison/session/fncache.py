@@ -19,6 +19,7 @@ Nothing here is guessed from ``id()`` alone: a stale copy on the workers is impo
 from __future__ import annotations
 
 import collections
+import io
 import sys
 import types
 import warnings
@@ -148,11 +149,29 @@ class FunctionCache:
 
 def pickle_function(fn: Callable[..., Any]) -> bytes:
     """The function as the workers receive it (raises TypeError if it cannot be pickled)."""
+    out = io.BytesIO()
     try:
-        blob: bytes = cloudpickle.dumps(fn, protocol=5)
+        _Pickler(out, protocol=5).dump(fn)
     except Exception as exc:
         raise TypeError(f"the function {fn!r} cannot be pickled for the workers: {exc}") from exc
-    return blob
+    return out.getvalue()
+
+
+class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
+    """cloudpickle, keeping each code object's file name (cloudpickle writes
+    "<dynamic-code>"), so that tracebacks, stacks() and timeouts name the user's file."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is types.CodeType:
+            make, args = cloudpickle.cloudpickle._code_reduce(obj)
+            return _code_in_file, (obj.co_filename, make, args)
+        return super().reducer_override(obj)
+
+
+def _code_in_file(filename: str, make: Callable[..., types.CodeType],
+                  args: tuple[Any, ...]) -> types.CodeType:
+    """A code object, as cloudpickle rebuilds it, back in its own file."""
+    return make(*args).replace(co_filename=filename)
 
 
 def _by_reference(fn: Any) -> bool:
