@@ -19,7 +19,9 @@ What counts, in the spirit of dask's resource-leak plugin:
 Exempt: the module-scoped ``shared`` sessions (see ``support.SharedSessions``). Their
 workers are skipped, and in a test that uses them, fds and threads the sessions may open
 lazily are not blamed on the test: they are checked once the module's sessions are closed
-(``module_check``), against the state before the module's first session.
+(``module_check``), against the state before the module's first session. Likewise a test
+module's own module-scoped fixtures named in MODULE_FIXTURES, and the process trees in
+EXEMPT_TREES (test_ray.py's Ray cluster, which checks its own leaks).
 
 Loaded by conftest.py (``pytest_plugins``); ``-p no:leaks`` turns the per-test checks off
 (the end-of-run hygiene check stays: it lives in conftest.py).
@@ -110,13 +112,13 @@ def new_since(
     while True:
         gc.collect()  # a session dropped without close() is closed by now
         now = Resources.now().minus(before)
+        skip = exempt | _trees() if EXEMPT_TREES else exempt
         new = Resources(
             frozenset(fd for fd in now.fds if fd not in _REPORTED.fds)
             if fds_and_threads else frozenset(),
             frozenset(t for t in now.threads if t.is_alive() and t not in _REPORTED.threads)
             if fds_and_threads else frozenset(),
-            frozenset(p for p in now.children if p not in exempt and p not in _trees())
-            if children else frozenset(),
+            frozenset(p for p in now.children if p not in skip) if children else frozenset(),
         )
         if not new or time.monotonic() >= deadline:
             return new
