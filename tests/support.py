@@ -184,3 +184,16 @@ def warm_torch_store() -> None:
     except ImportError:
         return
     TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+
+
+def channel_kind() -> str:
+    """Run on a worker: which channel its loop reads ("ShmWorkerChannel", "TcpWorkerChannel"),
+    found among its objects."""
+    import gc
+
+    from unison.channel.shm import ShmWorkerChannel
+    from unison.channel.tcp import TcpWorkerChannel
+
+    kinds = {type(o).__name__ for o in gc.get_objects()
+             if isinstance(o, (ShmWorkerChannel, TcpWorkerChannel))}
+    return ",".join(sorted(kinds))

@@ -5,7 +5,6 @@ this runs without Ray (test_ray.py runs it across Ray nodes)."""
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import subprocess
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 
 import unison
-from support import wait_gone, warm_torch_store
+from support import channel_kind, wait_gone, warm_torch_store
 from unison import WorkerDied
 from unison.launch import DeathReport, Launcher, Network, connect_command
 from unison.spec import WorkerSpec
@@ -73,16 +72,6 @@ def mixed() -> Iterator[unison.Session]:
     yield sess
     sess.close(timeout=3)
     launcher.stop(0)
-
-
-def channel_kind() -> str:
-    """Which channel this worker's loop reads (found among its objects)."""
-    from unison.channel.shm import ShmWorkerChannel
-    from unison.channel.tcp import TcpWorkerChannel
-
-    kinds = {type(o).__name__ for o in gc.get_objects()
-             if isinstance(o, (ShmWorkerChannel, TcpWorkerChannel))}
-    return ",".join(sorted(kinds))
 
 
 def test_local_workers_use_shared_memory_and_the_others_tcp(mixed):

@@ -29,7 +29,7 @@ ray = pytest.importorskip("ray")
 
 import leaks  # noqa: E402
 import unison  # noqa: E402
-from support import MARKER, wait_gone  # noqa: E402
+from support import MARKER, channel_kind, wait_gone  # noqa: E402
 from unison.launch.ray import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -221,6 +221,21 @@ def test_calls_refs_put_gather_across_nodes(
     # a worker is a child of its actor, which Ray placed: each sees the other's pid
     pids = sess.run(os.getpid)
     assert len(set(pids)) == 3
+
+
+def test_workers_beside_the_driver_use_shared_memory_the_others_tcp(
+    ray_cluster: RayCluster, ray_session: Callable[..., unison.Session]
+) -> None:
+    # 5 workers of 2 CPUs fill every node: one on the head (the driver's node), 2 + 2 on the
+    # others
+    sess = ray_session(5, launcher=RayLauncher(num_cpus=2, placement_timeout=30))
+    head = ray.get_runtime_context().get_node_id()
+    here = [node_of(sess, r) == head for r in range(5)]
+    kinds = sess.run(channel_kind)
+    assert sum(here) == 1, here
+    assert kinds == ["ShmWorkerChannel" if h else "TcpWorkerChannel" for h in here]
+    data = np.arange(200_000, dtype=np.float64)
+    assert sess.run(lambda a: float(a.sum()), sess.put(data)) == [float(data.sum())] * 5
 
 
 def test_groups_each_on_one_node(

@@ -268,9 +268,39 @@ class RayLauncher(Launcher):
             self.stop(grace=0)
             raise
 
-    def _start(self, specs: Sequence[WorkerSpec], env: Mapping[int, Mapping[str, str]]) -> None:
-        n = len(specs)
-        num_groups = specs[0].num_groups if specs else 1
+    def local_ranks(self, num_workers: int, num_groups: int) -> frozenset[int]:
+        """Place the workers now, and say which landed on the driver's node: those use
+        shared memory (channel.mixed), the others TCP."""
+        self._place(num_workers, num_groups)
+        here = _RAY.get_runtime_context().get_node_id()
+        size = num_workers // max(num_groups, 1)
+        local = set()
+        for rank in range(num_workers):
+            pg = self.groups[rank // size] if num_groups > 1 else self.groups[0]
+            index = rank % size if num_groups > 1 else rank
+            nodes = _RAY.util.placement_group_table(pg).get("bundles_to_node_id", {})
+            if nodes.get(index) == here:
+                local.add(rank)
+        return frozenset(local)
+
+    def _place(self, n: int, num_groups: int) -> None:
+        """One placement group per unison group (or one for the session), ready; once."""
+        if self.groups:
+            return
+        if not ray.is_initialized():
+            ray.init(address=self.address, **self.ray_init_kwargs)
+        try:
+            self._place_groups(n, num_groups)
+        except BaseException:
+            for pg in self.groups:
+                try:
+                    remove_placement_group(pg)
+                except Exception:
+                    pass
+            self.groups = []
+            raise
+
+    def _place_groups(self, n: int, num_groups: int) -> None:
         size = n // max(num_groups, 1)
         bundle: dict[str, float] = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
         bundle = {k: v for k, v in bundle.items() if v}
@@ -289,6 +319,12 @@ class RayLauncher(Launcher):
                 f"{_available()}"
             )
         ray.get(ready)
+
+    def _start(self, specs: Sequence[WorkerSpec], env: Mapping[int, Mapping[str, str]]) -> None:
+        n = len(specs)
+        num_groups = specs[0].num_groups if specs else 1
+        size = n // max(num_groups, 1)
+        self._place(n, num_groups)
         host = _host_class()
         for rank in range(n):
             pg = self.groups[rank // size] if num_groups > 1 else self.groups[0]

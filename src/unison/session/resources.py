@@ -48,13 +48,18 @@ class Resources:
                 raise ValueError(
                     f"the {type(launcher).__name__}'s workers join over TCP: channel "
                     f"{channel!r} cannot reach them (leave channel='auto')")
-            self.chan: channels.Channel = _network_channel(
-                name, num_workers, num_groups, channel, launcher, network)
+            try:  # placing the workers may have taken cluster resources: give them back
+                self.chan: channels.Channel = _network_channel(
+                    name, num_workers, num_groups, channel, launcher, network)
+            except BaseException:
+                launcher.stop(0)
+                raise
             if collectives == "torch":  # the rendezvous lives here, where every worker
                 try:  # can reach
                     self._store = _torch_store(network.bind)
                 except BaseException:
                     self.chan.close()
+                    launcher.stop(0)
                     raise
                 self.coll_spec = {"backend": "cluster",
                                   "store": f"{network.advertise}:{self._store.port}"}
