@@ -1,7 +1,9 @@
 """The dispatch round trip to N workers: unison over TCP (workers as Ray actors that join
-over TCP, ``Session(n, launcher=RayLauncher(...))``; and, without Ray, plain local processes
-that join over loopback) and over shared memory (``Session(n)``),
-against Ray actor calls and Ray Compiled Graphs, all in one run on a local ``ray.init``.
+over TCP, ``Session(n, launcher=RayLauncher(...), channel="tcp")``; and, without Ray, plain
+local processes that join over loopback), unison with Ray actors on the driver's node as
+they run by default (joined over the Unix socket, on shared memory), and over shared memory
+(``Session(n)``), against Ray actor calls and Ray Compiled Graphs, all in one run on a
+local ``ray.init``.
 
     python benchmarks/cluster_bench.py --quick           # about a minute
     python benchmarks/cluster_bench.py --workers 2 4 --seconds 5
@@ -44,9 +46,10 @@ from unison.spec import WorkerSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT.parent / "shared" / "probes" / "ring.py"
-SYSTEMS = ("unison TCP (Ray actors)", "unison TCP (plain processes)", "unison shm (local)",
-           "Ray actor calls", "Ray Compiled Graphs", "floor (probe ring)")
-KEYS = ("tcp", "tcp-plain", "shm", "actors", "cg", "floor")
+SYSTEMS = ("unison TCP (Ray actors)", "unison TCP (plain processes)",
+           "unison shm (Ray actors)", "unison shm (local)", "Ray actor calls",
+           "Ray Compiled Graphs", "floor (probe ring)")
+KEYS = ("tcp", "tcp-plain", "ray-shm", "shm", "actors", "cg", "floor")
 
 
 def noop() -> None:
@@ -93,6 +96,16 @@ def summary(samples: Sequence[float]) -> tuple[float, float]:
 def unison_tcp(n: int) -> Iterator[Callable[[], object]]:
     from unison.launch.ray import RayLauncher
 
+    # channel="tcp": every worker over TCP, even those beside the driver (all of them here)
+    with unison.Session(n, launcher=RayLauncher(num_cpus=1), channel="tcp") as sess:
+        yield lambda: sess.run(noop)
+
+
+@contextlib.contextmanager
+def unison_ray_shm(n: int) -> Iterator[Callable[[], object]]:
+    from unison.launch.ray import RayLauncher
+
+    # the default: Ray actors on the driver's node join over its Unix socket and use shm
     with unison.Session(n, launcher=RayLauncher(num_cpus=1)) as sess:
         yield lambda: sess.run(noop)
 
@@ -245,11 +258,11 @@ def render(results: dict[tuple[str, int], tuple[float, float] | None],
     head = "| N | " + " | ".join(SYSTEMS) + " | actor / TCP | Compiled Graphs / TCP |"
     lines = [head, "|" + "---|" * (len(SYSTEMS) + 3)]
     for n in workers:
-        tcp = results.get((SYSTEMS[0], n))
+        tcp = results.get(("unison TCP (Ray actors)", n))
         cells = [_fmt(results.get((s, n))) for s in SYSTEMS]
         lines.append(f"| {n} | " + " | ".join(cells) + " | "
-                     f"{_ratio(results.get((SYSTEMS[3], n)), tcp)} | "
-                     f"{_ratio(results.get((SYSTEMS[4], n)), tcp)} |")
+                     f"{_ratio(results.get(('Ray actor calls', n)), tcp)} | "
+                     f"{_ratio(results.get(('Ray Compiled Graphs', n)), tcp)} |")
     return "\n".join(lines)
 
 
@@ -269,7 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ray.init(num_cpus=max(args.workers) + 2, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     runs: dict[str, Callable[[int], contextlib.AbstractContextManager[Callable[[], object]]]]
-    runs = {"tcp": unison_tcp, "tcp-plain": unison_tcp_plain, "shm": unison_shm,
+    runs = {"tcp": unison_tcp, "tcp-plain": unison_tcp_plain, "ray-shm": unison_ray_shm,
+            "shm": unison_shm,
             "actors": ray_actors, "cg": compiled_graph}
     names = dict(zip(KEYS, SYSTEMS))
     results: dict[tuple[str, int], tuple[float, float] | None] = {}
