@@ -136,6 +136,21 @@ def test_a_gather_timeout_names_only_the_workers_still_busy(make_session):
     assert ref.get(worker=0) == 0  # the Ref stays valid
 
 
+def test_an_awaited_timeout_says_where_the_workers_are_too(make_session):
+    import asyncio
+
+    sess = make_session(2)
+
+    async def main() -> str:
+        with pytest.raises(TimeoutError) as info:
+            await sess.run_async(train, 30, timeout=1.0)
+        return str(info.value)
+
+    text = asyncio.run(main())
+    assert "running a call timed out: 2 worker(s) [0, 1]" in text, text
+    assert f"worker 1 is at {HERE}:{LINE['slow']} in slow_step()" in text
+
+
 def test_a_sync_timeout_says_where_the_workers_are(make_session):
     sess = make_session(2)
     sess.call(train, 30)

@@ -80,10 +80,14 @@ class Waits:
             else:
                 await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
+            ranks = self._router.pending(req)
             self._router.abandon(req)
+            where = getattr(self._owner, "_where_they_are", None)  # their stacks: ~10 ms,
+            report = "" if where is None else where(ranks)  # 1 s at most, on the loop
             raise TimeoutError(
-                f"{req.remaining} worker(s) had not answered within {timeout} s ({during}). "
-                "The work goes on and the Ref stays valid: wait again, or close the session."
+                f"{during} timed out: {req.remaining} worker(s) {ranks} had not answered "
+                f"within {timeout} s. The work goes on and the Ref stays valid: wait again, or "
+                f"close the session.{report}"
             ) from None
         except asyncio.CancelledError:
             self._router.abandon(req)
