@@ -220,8 +220,8 @@ def test_functions_defined_in_a_scripts_main_work_without_a_main_guard(tmp_path)
 def test_public_names_are_exactly_the_contract():
     assert unison.__all__ == sorted(unison.__all__)
     assert unison.__all__ == [
-        "Cancelled", "CancelledError", "CollectiveError", "Ref", "RemoteError", "Session",
-        "SessionClosed", "UnisonError", "View", "WorkerDied", "WorkerError", "allgather",
+        "Cancelled", "CancelledError", "CollectiveError", "HangError", "Ref", "RemoteError",
+        "Session", "SessionClosed", "UnisonError", "View", "WorkerDied", "WorkerError", "allgather",
         "allreduce", "barrier", "broadcast", "cancelled", "gather", "group", "group_rank",
         "group_size", "rank", "recv", "recv_from_prev_group", "reduce_scatter", "scatter",
         "send", "send_to_next_group", "world_size",
