@@ -51,8 +51,14 @@ def begin() -> int:
 def collect() -> list[tuple[Any, ...]]:
     """Run on every worker when a trace stops: what was recorded, and stop recording."""
     global events
-    out, events = list(events or ()), None  # a copy: the loop still appends this call
-    return out
+    out, events = events or [], None
+    # the calls name their functions now, off the hot path (a new list: the loop still
+    # appends this very call to the old one)
+    return [(e[0], e[1], e[2], _name(e[3]), *e[4:]) if e[0] == "call" else e for e in out]
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 @contextmanager
@@ -114,8 +120,9 @@ class Trace:
         self.path = path
         self.num_workers = num_workers
         self.straggler_factor = straggler_factor
-        self.sent: list[tuple[int, str, int, tuple[int, ...], int]] = []
-        """(time, kind, request or ref id, ranks, bytes) per message."""
+        self.sent: list[tuple[int, Any, int, tuple[int, ...], int]] = []
+        """(time, kind or its protocol builder, request or ref id, ranks, bytes) per
+        message."""
         self.replies: list[tuple[int, int, int, int]] = []
         """(time, request id, rank, bytes) per reply."""
         self.workers: dict[int, list[tuple[Any, ...]]] = {}
@@ -127,6 +134,13 @@ class Trace:
     # the hot paths call these two while the trace runs
     def on_send(self, kind: str, ident: int, ranks: tuple[int, ...], nbytes: int) -> None:
         self.sent.append((_clock(), kind, ident, ranks, nbytes))
+
+    def on_message(self, build: Any, fields: tuple[Any, ...], ranks: tuple[int, ...],
+                   nbytes: int) -> None:
+        """A message as the session built it (``build``: a protocol builder): named, and
+        matched to its request, when the trace is read."""
+        ident = fields[4] if len(fields) == 5 and fields[4] else fields[0]
+        self.sent.append((_clock(), build, ident, ranks, nbytes))
 
     def on_reply(self, req_id: int, rank: int, data: Any) -> None:
         """``data``: the reply, bytes or a channel's Reply (its pickle and buffers)."""
@@ -173,6 +187,8 @@ class Trace:
         for t, req, rank, nbytes in self.replies:
             arrivals[req].append((t, rank, nbytes))
         for t, kind, ident, ranks, nbytes in self.sent:
+            if not isinstance(kind, str):  # a protocol builder, as on_message kept it
+                kind = kind.__name__.removesuffix("_msg")
             done = arrivals.get(ident)
             if done:  # a request: from its message to its last reply
                 end = max(a[0] for a in done)

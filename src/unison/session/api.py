@@ -710,17 +710,6 @@ class Session(View):
         t = self._send_timeout
         return None if t is None else time.monotonic() + t
 
-    def _traced(self, build: Callable[..., bytes], fields: tuple[Any, ...],
-                ranks: tuple[int, ...], msg: bytes, buffers: Sequence[Any]) -> None:
-        """A message, for the trace: by its request id (where replies come) or ref id."""
-        assert self._tracer is not None
-        kind = build.__name__.removesuffix("_msg")
-        ident = fields[0]
-        if build is call_msg and fields[4]:
-            ident = fields[4]  # a run: its replies come for this request
-        size = len(msg) + sum(memoryview(b).nbytes for b in buffers)
-        self._tracer.on_send(kind, ident, ranks, size)
-
     def _lock_send(self, deadline: float | None) -> None:
         """Take the send lock, or raise TimeoutError at ``deadline`` (another thread holds
         it while it waits for room to send)."""
@@ -751,7 +740,8 @@ class Session(View):
             msg = build(frees, *fields)
             self._chan.send(msg, ranks, buffers, deadline=deadline)
             if self._tracer is not None:
-                self._traced(build, fields, ranks, msg, buffers)
+                self._tracer.on_message(build, fields, ranks, len(msg) + sum(
+                    memoryview(b).nbytes for b in buffers) if buffers else len(msg))
         except TimeoutError:
             if frees:
                 self._frees.extend(frees)  # they ride on the next message instead
