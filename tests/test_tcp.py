@@ -318,3 +318,16 @@ def test_no_worker_comes_so_start_times_out_cleanly():
     while threading.active_count() > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert threading.active_count() <= before
+
+
+def test_a_send_to_a_dead_worker_blames_that_worker(tcp_session):
+    sess = tcp_session(3)
+    pid = sess[2].run(os.getpid)[0]
+    os.kill(pid, signal.SIGKILL)
+    assert wait_gone([pid], 5.0) == []
+    with pytest.raises(WorkerDied) as info:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # sends only: the broken write finds it
+            sess.call(os.getpid)
+            time.sleep(0.01)
+    assert info.value.worker == 2, info.value

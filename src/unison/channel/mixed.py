@@ -82,6 +82,15 @@ class MixedChannel(Channel):
         self.shm.started(watch)
         self.tcp.started(watch)
 
+    def ended(self) -> int | None:
+        """A worker that has ended: a local one's pidfd, or a TCP one's connection."""
+        with self._lock:
+            fds = {fd: r for r, fd in self._pidfds.items()}
+        if fds:
+            for fd in select.select(list(fds), [], [], 0)[0]:
+                return fds[fd]
+        return self.tcp.ended()
+
     def where(self, rank: int) -> str:
         return "on the controller's host" if rank in self._index else self.tcp.where(rank)
 

@@ -290,6 +290,11 @@ class TcpChannel(Channel):
                     return r, ""
             return -1, f"all {self.n} workers of the session have joined"
 
+    def ended(self) -> int | None:
+        """A worker whose connection broke or closed, if any (for the session's report)."""
+        return next((p.rank for p in self._peers
+                     if p is not None and (p.ended or not p.open)), None)
+
     def joined(self) -> list[int]:
         """The ranks connected so far."""
         return [r for r, p in enumerate(self._peers) if p is not None]
@@ -317,7 +322,13 @@ class TcpChannel(Channel):
                                 data]
             for raw in raws:
                 parts += [_BUF.pack(raw.nbytes), raw]
-            self._write(peer, parts, deadline)
+            try:
+                self._write(peer, parts, deadline)
+            except (TimeoutError, PartialSendError):
+                raise
+            except OSError as exc:  # its connection broke: so the session blames the right
+                peer.ended = peer.ended or f"its connection failed: {exc}"  # worker
+                raise
 
     def _write(self, peer: _Peer, frame: list[Any], deadline: float | None) -> None:
         with peer.write_lock:

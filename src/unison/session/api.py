@@ -830,7 +830,7 @@ class Session(View):
 
     def check_alive(self, during: str) -> None:
         """Raise WorkerDied if a worker has ended (a wait found nothing to read)."""
-        rank = self._res.launcher.ended()
+        rank = self._res.ended()
         if rank is not None:
             raise self.died(during, rank)
 
@@ -843,7 +843,7 @@ class Session(View):
         if rank is None:  # a broken write: find who, for a moment
             end = time.monotonic() + 1.0
             while rank is None and time.monotonic() < end:
-                rank = self._res.launcher.ended()
+                rank = self._res.ended()
                 time.sleep(0.005)
         report = self._res.on_death(rank, 1.0)
         self._dead = WorkerDied(report.rank, report.exitcode, report.output, during,

@@ -127,11 +127,20 @@ class Resources:
         """Whether a death wakes a waiting recv at once (else waits poll)."""
         return bool(self.launcher.watch_fds())
 
+    def ended(self) -> int | None:
+        """A worker that has ended, as its launcher or (TCP) its connection tells."""
+        rank = self.launcher.ended()
+        if rank is None:
+            chan_ended = getattr(self.chan, "ended", None)
+            if chan_ended is not None:
+                rank = chan_ended()
+        return rank
+
     def on_death(self, rank: int | None, grace: float = 1.0) -> DeathReport:
         """A worker ended (``rank``, or whichever did): stop peers waiting in a collective for
         it, and describe it."""
         if rank is None:
-            rank = self.launcher.ended()
+            rank = self.ended()
         if rank is None:
             rank = 0
         if self.coll_fd >= 0:
