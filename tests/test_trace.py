@@ -72,7 +72,9 @@ def test_stats_names_the_rank_that_enters_collectives_last(make_session, caplog)
                 sess.run(slow_rank_one)
         stats = sess.stats()
     assert stats.straggler == 1, str(stats)
-    assert stats.last_in[1] == 6 and stats.collectives == 6
+    # last into most of them (a rank descheduled for 20 ms on a loaded machine may come
+    # after it once), and late by about 20 ms at each
+    assert stats.last_in[1] >= 4 and stats.collectives == 6
     assert stats.calls == 6 and set(stats.per_rank) == {0, 1, 2}
     assert stats.late_ms[1] > 6 * 15 and stats.late_ms[1] > 2 * stats.late_ms[0]
     assert "straggler: rank 1" in str(stats)
