@@ -41,6 +41,8 @@ except ImportError:  # a checkout without unison installed: use its src/ directl
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import unison
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness.report import cpu_model, source_revision
 from unison.launch import DeathReport, Launcher, Network, connect_command
 from unison.spec import WorkerSpec
 
@@ -221,28 +223,6 @@ def probe_floor(n: int, seconds: float) -> tuple[float, float] | None:
         return None
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
-
-
-def git_revision() -> str:
-    try:
-        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return (rev or "unknown") + (" (with uncommitted changes)" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def _fmt(cell: tuple[float, float] | None) -> str:
     return "n/a" if cell is None else f"{cell[0]:,.0f} / {cell[1]:,.0f}"
 
@@ -309,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           "the Ray figure's median over unison TCP's (higher: unison faster).\n")
     print(render(results, args.workers))
     print(f"\nCPU: {cpu_model()}; Python {platform.python_version()}; ray {ray.__version__}; "
-          f"git {git_revision()}; {seconds:g} s per measurement")
+          f"{source_revision()}; {os.cpu_count()} CPUs; {seconds:g} s per measurement")
     print(f"command: {command}")
     return 0
 

@@ -11,7 +11,6 @@ outside the timed calls). Prints medians and p99 (µs) and the ratio of the medi
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import time
@@ -21,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import unison
 from harness.measure import percentile
+from harness.report import cpu_model
 from harness.tasks import noop
 
 BLOCK = 200
@@ -47,17 +47,6 @@ def measure(n: int, rounds: int) -> dict[str, list[float]]:
                     sess.run(noop)
                     out.append(clock() - t)
     return times
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main() -> None:

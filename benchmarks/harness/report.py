@@ -232,16 +232,20 @@ def host_busy(seconds: float = 0.5) -> float | None:
     return 100 * (total - (idle1 - idle0)) / total if total > 0 else None
 
 
-def machine_info() -> dict[str, str]:
-    model = "unknown"
+def cpu_model() -> str:
+    """The CPU's model name, as /proc/cpuinfo says ("unknown" elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict[str, str]:
+    model = cpu_model()
     try:
         usable = str(len(os.sched_getaffinity(0)))
     except AttributeError:
