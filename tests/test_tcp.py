@@ -331,3 +331,31 @@ def test_a_send_to_a_dead_worker_blames_that_worker(tcp_session):
             sess.call(os.getpid)
             time.sleep(0.01)
     assert info.value.worker == 2, info.value
+
+
+def test_a_send_that_reaches_some_workers_only_is_partial_never_nothing_sent(tcp_session):
+    """Over TCP a worker's socket may be full while another's is not: past the deadline,
+    the workers that got the message make it a PartialSendError (the session cannot stay
+    in lockstep), never a TimeoutError saying nothing was sent."""
+    import pickle
+
+    from unison.channel import PartialSendError
+    from unison.protocol import NOP
+
+    sess = tcp_session(2)
+    msg = pickle.dumps((NOP, None, b"x" * (256 << 10)))
+    pids = sess.run(os.getpid)
+    os.kill(pids[1], signal.SIGSTOP)  # worker 1 stops reading: its connection fills
+    try:
+        with sess._send_lock:
+            for _ in range(10_000):  # fill worker 1's connection alone (its last frame
+                try:  # may go half in: TCP cannot say beforehand whether a frame fits)
+                    sess._chan.send(msg, (1,), deadline=time.monotonic() + 0.2)
+                except (TimeoutError, PartialSendError):
+                    break
+            else:
+                raise AssertionError("worker 1's connection never filled up")
+            with pytest.raises(PartialSendError, match="half sent to worker 1"):
+                sess._chan.send(msg, (0, 1), deadline=time.monotonic() + 0.2)
+    finally:
+        os.kill(pids[1], signal.SIGCONT)

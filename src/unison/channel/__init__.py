@@ -28,8 +28,9 @@ controller's channel gave the launcher.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -169,6 +170,47 @@ class WorkerChannel(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+
+_IOV = 512
+"""Buffers per writev/sendmsg call (IOV_MAX is 1024 on Linux)."""
+
+
+def write_frame(send: Callable[[list[memoryview]], int], frame: Sequence[Any], what: str,
+                deadline: float | None, written: bool, check_watch: Callable[[], object],
+                wait: Callable[[float], object]) -> bool:
+    """Write a whole frame to one worker through a stream: ``send`` (a non-blocking
+    writev or sendmsg) writes what it can of the parts, or raises BlockingIOError. While
+    the stream is full: ``check_watch()`` (raises on a death), then ``wait(seconds)`` for
+    room. ``written``: whether another worker got this message already; past ``deadline``
+    that makes it a PartialSendError (the stream is out of step for good), else a
+    TimeoutError with nothing of it sent. Returns whether anything was written.
+    ``what`` names the stream in those errors ("worker 3's command pipe")."""
+    parts = [v for v in (memoryview(p).cast("B") for p in frame) if v.nbytes]
+    while parts:
+        try:
+            n = send(parts[:_IOV])
+        except BlockingIOError:
+            n = 0
+        if n:
+            written = True
+            while n and n >= parts[0].nbytes:
+                n -= parts.pop(0).nbytes
+            if n:
+                parts[0] = parts[0][n:]
+            continue
+        check_watch()
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            if written:
+                raise PartialSendError(
+                    f"the deadline passed while a message was half sent to {what}; the "
+                    "channel cannot be used any more: close the session")
+            raise TimeoutError(f"{what} stayed full until the deadline; nothing of this "
+                               "message was sent: wait for the workers (sync), or close the "
+                               "session")
+        wait(1.0 if left is None else min(1.0, left))
+    return written
 
 
 def create(kind: str, num_workers: int, session_name: str) -> Channel:

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
-from unison.channel import Channel, PartialSendError, Reply, WorkerChannel
+from unison.channel import Channel, Reply, WorkerChannel, write_frame
 from unison.pacing import Pacer
 
 if TYPE_CHECKING:
@@ -46,7 +46,6 @@ _BUF = struct.Struct("<BQ")  # kind, length
 _DESC = struct.Struct("<QQQ")
 _BYTES, _BY_REF = 0, 1
 _PIPE_SIZE = 1 << 20  # asked of the kernel, up to /proc/sys/fs/pipe-max-size
-_IOV = 512  # buffers per writev call (IOV_MAX is 1024 on Linux)
 
 
 class PipeChannel(Channel):
@@ -140,34 +139,10 @@ class PipeChannel(Channel):
         """Write the whole frame to ``rank``'s pipe, waiting (and watching deaths) while it
         is full. Returns True once anything was written."""
         fd = self._cmd[rank]
-        parts = [memoryview(p).cast("B") for p in frame]
-        while parts:
-            try:
-                n = os.writev(fd, parts[:_IOV])
-            except BlockingIOError:
-                n = 0
-            if n:
-                written = True
-                while n and n >= parts[0].nbytes:
-                    n -= parts.pop(0).nbytes
-                if n:
-                    parts[0] = parts[0][n:]
-                continue
-            self._check_watch()
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                if written:
-                    raise PartialSendError(
-                        f"the deadline passed while a message was half written to worker "
-                        f"{rank}'s pipe; the channel cannot be used any more"
-                    )
-                raise TimeoutError(
-                    f"worker {rank}'s command pipe stayed full until the deadline; nothing "
-                    "of this message was sent"
-                )
-            wait_s = 1.0 if left is None else min(1.0, left)
-            select.select(self._watch, [fd], [], wait_s)
-        return written
+        return write_frame(lambda parts: os.writev(fd, parts), frame,
+                           f"worker {rank}'s command pipe", deadline, written,
+                           self._check_watch,
+                           lambda seconds: select.select(self._watch, [fd], [], seconds))
 
     def _check_watch(self) -> None:
         if self._watch and select.select(self._watch, [], [], 0)[0]:

@@ -46,7 +46,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
-from unison.channel import Channel, PartialSendError, Reply, WorkerChannel
+from unison.channel import Channel, PartialSendError, Reply, WorkerChannel, write_frame
 from unison.pacing import spin
 
 SPIN = 200e-6
@@ -314,6 +314,7 @@ class TcpChannel(Channel):
     def send(self, data: bytes, ranks: Sequence[int], buffers: Sequence[Any] = (), *,
              deadline: float | None = None) -> None:
         raws = [pb.raw() for pb in buffers]
+        written = False  # once a worker has it, a timeout further on is a partial send
         for r in ranks:
             peer = self._peers[r]
             if peer is None or not peer.open:
@@ -323,48 +324,32 @@ class TcpChannel(Channel):
             for raw in raws:
                 parts += [_BUF.pack(raw.nbytes), raw]
             try:
-                self._write(peer, parts, deadline)
+                with peer.write_lock:
+                    written = self._write(peer, parts, deadline, written)
             except (TimeoutError, PartialSendError):
                 raise
             except OSError as exc:  # its connection broke: so the session blames the right
                 peer.ended = peer.ended or f"its connection failed: {exc}"  # worker
                 raise
 
-    def _write(self, peer: _Peer, frame: list[Any], deadline: float | None) -> None:
-        with peer.write_lock:
-            self._write_locked(peer, frame, deadline)
-
-    def _write_locked(self, peer: _Peer, frame: list[Any], deadline: float | None) -> None:
-        parts = [v for v in (memoryview(p).cast("B") for p in frame) if v.nbytes]
-        written = False
-        while parts:
-            try:
-                n = peer.sock.sendmsg(parts[:512])
-            except BlockingIOError:
-                n = 0
-            if n:
-                written = True
-                while n and n >= parts[0].nbytes:
-                    n -= parts.pop(0).nbytes
-                if n:
-                    parts[0] = parts[0][n:]
-                continue
+    def _write(self, peer: _Peer, frame: list[Any], deadline: float | None,
+               written: bool) -> bool:
+        """Write a frame to ``peer`` (its write lock held). While its connection is full,
+        read what it sends: it may be blocked writing replies to us, and neither of us
+        would ever move again."""
+        def check_watch() -> None:
             if self._watch and select.select(self._watch, [], [], 0)[0]:
                 raise BrokenPipeError("a worker died while its connection was full")
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                if written:
-                    raise PartialSendError(
-                        f"the deadline passed while a message was half sent to worker "
-                        f"{peer.rank}; the channel cannot be used any more")
-                raise TimeoutError(f"worker {peer.rank}'s connection stayed full until the "
-                                   "deadline; nothing of this message was sent")
-            readable, _, _ = select.select([peer.fd], [peer.fd], [],
-                                           1.0 if left is None else min(1.0, left))
-            if readable and not peer.ended:  # it may be blocked writing replies to us:
-                with self._rx_lock:  # read them, or neither of us would ever move again
+
+        def wait(seconds: float) -> None:
+            readable, _, _ = select.select([peer.fd], [peer.fd], [], seconds)
+            if readable and not peer.ended:
+                with self._rx_lock:
                     self._fill(peer)
                     peer.stashed = True
+
+        return write_frame(peer.sock.sendmsg, frame, f"worker {peer.rank}'s connection",
+                           deadline, written, check_watch, wait)
 
     def _heartbeat(self) -> None:
         """An empty frame to every worker each HEARTBEAT_S, between frames (a peer being
@@ -374,8 +359,8 @@ class TcpChannel(Channel):
                 if peer is None or not peer.open or not peer.write_lock.acquire(blocking=False):
                     continue
                 try:
-                    self._write_locked(peer, [_HEAD.pack(_MAGIC, peer.incarnation, 0, 0)],
-                                       time.monotonic() + 1.0)
+                    self._write(peer, [_HEAD.pack(_MAGIC, peer.incarnation, 0, 0)],
+                                time.monotonic() + 1.0, False)
                 except (OSError, ValueError):
                     pass  # the next recv finds out why, and says so
                 finally:
@@ -524,6 +509,10 @@ class TcpChannel(Channel):
         self._watch = []
 
 
+def _nothing(*_: object) -> None:
+    return None
+
+
 def _ended(peer: _Peer) -> str:
     """Why the peer's stream ended ("" if it has not): read afresh after a call set it."""
     return peer.ended
@@ -667,16 +656,10 @@ class TcpWorkerChannel(WorkerChannel):
             raise MemoryError(f"a reply of {len(data)} bytes is over the TCP channel's limit "
                               f"of {MAX_FRAME}")
         head = _HEAD.pack(_MAGIC, self._inc, len(data), 0)
-        parts = [memoryview(head)]
-        if data:
-            parts.append(memoryview(data).cast("B"))
-        with self._send_lock:
-            while parts:  # a signal (a cancellation) may cut a blocking send short
-                n = self._sock.sendmsg(parts)
-                while n and n >= parts[0].nbytes:
-                    n -= parts.pop(0).nbytes
-                if n:
-                    parts[0] = parts[0][n:]
+        parts = [head, data]
+        with self._send_lock:  # blocking: waits only while the controller is slow to read
+            write_frame(self._sock.sendmsg, parts, "the controller's connection", None,
+                        False, _nothing, _nothing)
 
     def close(self) -> None:
         try:
