@@ -213,9 +213,9 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                     _current[0] = 0  # a signal in here still lands in the except below
                     if board is not None:
                         board.leave(me)
+                    if traced is not None:  # returned or raised (its name is read at collect)
+                        traced.append(("call", ref_id, req_id, fn, started, _trace._clock()))
             except BaseException as exc:  # SystemExit and friends from user code are errors too
-                if traced is not None:  # (the function's name is read at collect)
-                    traced.append(("call", ref_id, req_id, fn, started, _trace._clock()))
                 err = protocol.pack_error(exc, _name(fn))
                 if coll is not None:
                     coll.end(ref_id)
@@ -229,8 +229,6 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                 continue
             if coll is not None:
                 coll.end(ref_id)
-            if traced is not None:
-                traced.append(("call", ref_id, req_id, fn, started, _trace._clock()))
             if req_id:  # run: the result goes straight back, nothing is kept
                 if type(value) in _SCALARS:  # nothing out of band, nothing by value
                     chan.reply(_dump((req_id, OK, value), 5))

@@ -23,8 +23,18 @@ import numpy as np
 from unison.errors import CollectiveError
 
 __all__ = [
-    "KINDS", "OPS", "array_signature", "check_members", "check_op", "check_peer",
-    "check_scatter_values", "describe", "descriptor", "member", "shape_signature",
+    "KINDS",
+    "OPS",
+    "CallScope",
+    "array_signature",
+    "check_members",
+    "check_op",
+    "check_peer",
+    "check_scatter_values",
+    "describe",
+    "descriptor",
+    "member",
+    "shape_signature",
 ]
 
 OPS = ("sum", "prod", "min", "max", "mean")
@@ -106,3 +116,28 @@ def shape_signature(shape: Sequence[int], dtype: str) -> int:
 def array_signature(a: np.ndarray) -> int:
     """Shape and dtype of a numpy array (byte order and datetime units count too)."""
     return (shape_signature(a.shape, a.dtype.str) << 8) | a.dtype.num
+
+
+class CallScope:
+    """Which call a worker runs, and which ranks a collective in it takes: the part both
+    backends (shared memory, and torch across hosts) keep alike."""
+
+    def __init__(self, rank: int, n: int, groups: int) -> None:
+        self.rank, self.n, self.groups = rank, n, groups
+        self.gsize = n // groups
+        first = rank // self.gsize * self.gsize
+        self._scopes = {False: tuple(range(n)), True: tuple(range(first, first + self.gsize))}
+        self._call = 0  # the controller's id of the call this worker runs now
+        self._call_ranks: tuple[int, ...] | None = None
+
+    def begin(self, call_id: int, ranks: tuple[int, ...] | None) -> None:
+        self._call, self._call_ranks = call_id, ranks
+
+    def scope(self, group: bool) -> tuple[int, tuple[int, ...]]:
+        """(which generation counter, the ranks taking part) for a collective."""
+        if self._call == 0:
+            raise RuntimeError("unison collectives only work inside a function a worker runs")
+        ranks = self._scopes[group]
+        if self._call_ranks is not None:
+            check_members(self._call_ranks, ranks, group)
+        return (1 if group else 0), ranks

@@ -17,37 +17,22 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from unison.collective.checks import check_members, check_peer, describe, descriptor
+from unison.collective.checks import CallScope, check_peer, describe, descriptor
 from unison.collective.torch import TorchCollectives
 from unison.errors import CollectiveError
 
 
-class DistLocal:
+class DistLocal(CallScope):
     """What TorchCollectives asks of its ``local`` backend, done through torch.distributed:
-    the call context, scopes, the checked arrival, object broadcast and point to point."""
+    the call context and scopes (CallScope), the checked arrival, object broadcast and
+    point to point."""
 
     def __init__(self, rank: int, n: int, groups: int) -> None:
-        self.rank, self.n, self.groups = rank, n, groups
-        self.gsize = n // groups
-        first = rank // self.gsize * self.gsize
-        self._scopes = {False: tuple(range(n)), True: tuple(range(first, first + self.gsize))}
-        self._call = 0
-        self._call_ranks: tuple[int, ...] | None = None
+        super().__init__(rank, n, groups)
         self.owner: ClusterCollectives | None = None
-
-    def begin(self, call_id: int, ranks: tuple[int, ...] | None) -> None:
-        self._call, self._call_ranks = call_id, ranks
 
     def end(self, call_id: int) -> None:
         self._call, self._call_ranks = 0, None
-
-    def scope(self, group: bool) -> tuple[int, tuple[int, ...]]:
-        if self._call == 0:
-            raise RuntimeError("unison collectives only work inside a function a worker runs")
-        ranks = self._scopes[group]
-        if self._call_ranks is not None:
-            check_members(self._call_ranks, ranks, group)
-        return (1 if group else 0), ranks
 
     def _group(self, group: bool) -> tuple[Any, Any]:
         assert self.owner is not None

@@ -56,8 +56,8 @@ import numpy as np
 from unison import protocol
 from unison.collective.base import Collectives
 from unison.collective.checks import (
+    CallScope,
     array_signature,
-    check_members,
     check_op,
     check_peer,
     check_scatter_values,
@@ -135,27 +135,22 @@ def abort(fd: int, dead: int) -> None:
         mv.release()
 
 
-class ShmCollectives(Collectives):
+class ShmCollectives(CallScope, Collectives):
     """One worker's end of the shared-memory collectives. Besides the Collectives interface
     it offers ``scope`` and ``arrive`` (a barrier that checks what every rank calls), on
     which the torch backend builds."""
 
     def __init__(self, fd: int, rank: int, n: int, groups: int) -> None:
+        CallScope.__init__(self, rank, n, groups)
         self.lay = lay = Layout(n, groups)
-        self.rank, self.n, self.groups = rank, n, groups
-        self.gsize = n // groups
         self._mm = mmap.mmap(fd, lay.size)
         self._buf = memoryview(self._mm)
         self._q = self._buf.cast("Q")
         self._w = [o // 8 for o in lay.worker]
         me = self._w[rank]
         self._q[me + _PID] = os.getpid()
-        self._call = 0  # the controller's id of the call this worker runs now
-        self._call_ranks: tuple[int, ...] | None = None
         self._index = [0, 0]  # collectives so far in this call: world, group
         self._spills: dict[int, deque[tuple[int, int, int]]] = {}  # dst -> (index, call, fd)
-        first = rank // self.gsize * self.gsize
-        self._scopes = {False: tuple(range(n)), True: tuple(range(first, first + self.gsize))}
         self._views: dict[tuple[int, str, int], np.ndarray] = {}
 
     # -- called by the worker loop around each call ------------------------------------------
@@ -177,15 +172,6 @@ class ShmCollectives(Collectives):
             self._reclaim(dst)
 
     # -- scopes and barriers -----------------------------------------------------------------
-
-    def scope(self, group: bool) -> tuple[int, tuple[int, ...]]:
-        """(which generation counter, the ranks taking part) for a collective."""
-        if self._call == 0:
-            raise RuntimeError("unison collectives only work inside a function a worker runs")
-        ranks = self._scopes[group]
-        if self._call_ranks is not None:
-            check_members(self._call_ranks, ranks, group)
-        return (1 if group else 0), ranks
 
     def _next(self, which: int) -> int:
         i = self._index[which]
