@@ -119,6 +119,20 @@ class Channel(ABC):
         for one transition only, so that callers written against the old signature work.
         """
 
+    linger = 0.0
+    """At close, how long to wait for the workers to hang up first (set by the session from
+    close()'s grace; only a channel whose workers hold a connection of their own uses it)."""
+
+    def ended(self) -> int | None:
+        """A worker whose stream the channel knows has ended, where it can tell better than
+        the launcher (a TCP connection); else None."""
+        return None
+
+    def where(self, rank: int) -> str:
+        """Where worker ``rank`` is, and how its stream ended, for a WorkerDied ("" where
+        the launcher says it all)."""
+        return ""
+
     def wake_fds(self) -> list[int]:
         """Fds an event loop watches for replies (``loop.add_reader``): each becomes
         readable when a reply may be waiting, while ``async_waiting(True)``; then

@@ -147,15 +147,8 @@ class MixedChannel(Channel):
         self.shm.clear_wake()
         self.tcp.clear_wake()
 
-    @property
-    def linger(self) -> float:
-        return self.tcp.linger
-
-    @linger.setter
-    def linger(self, seconds: float) -> None:
-        self.tcp.linger = seconds
-
     def close(self) -> None:
+        self.tcp.linger = self.linger
         self.tcp.close()
         self.shm.close()
         with self._lock:

@@ -130,11 +130,7 @@ class Resources:
     def ended(self) -> int | None:
         """A worker that has ended, as its launcher or (TCP) its connection tells."""
         rank = self.launcher.ended()
-        if rank is None:
-            chan_ended = getattr(self.chan, "ended", None)
-            if chan_ended is not None:
-                rank = chan_ended()
-        return rank
+        return self.chan.ended() if rank is None else rank
 
     def on_death(self, rank: int | None, grace: float = 1.0) -> DeathReport:
         """A worker ended (``rank``, or whichever did): stop peers waiting in a collective for
@@ -146,9 +142,7 @@ class Resources:
         if self.coll_fd >= 0:
             collective_shm.abort(self.coll_fd, rank)
         report = self.launcher.death(rank, grace)
-        where = getattr(self.chan, "where", None)  # a TCP worker: where it was, how it ended
-        parts = [self.launcher.describe(rank), "" if where is None else where(rank),
-                 report.reason]
+        parts = [self.launcher.describe(rank), self.chan.where(rank), report.reason]
         reason = "; ".join(p for p in parts if p)
         return DeathReport(report.rank, report.exitcode, report.output, reason)
 
@@ -169,8 +163,7 @@ class Resources:
                     if before_release is not None:
                         before_release()
                 finally:
-                    if hasattr(self.chan, "linger"):  # TCP: let the workers hang up first
-                        self.chan.linger = min(grace, 2.0)
+                    self.chan.linger = min(grace, 2.0)  # TCP: let the workers hang up first
                     self.chan.close()
             if self.coll_fd >= 0:
                 os.close(self.coll_fd)
