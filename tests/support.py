@@ -197,3 +197,17 @@ def channel_kind() -> str:
     kinds = {type(o).__name__ for o in gc.get_objects()
              if isinstance(o, (ShmWorkerChannel, TcpWorkerChannel))}
     return ",".join(sorted(kinds))
+
+
+def marked_lines(path: str) -> dict[str, int]:
+    """Marker -> line number, from comments "# line: NAME" in the file at ``path`` (tests
+    that check a reported file and line)."""
+    import re
+
+    out = {}
+    with open(path) as f:
+        for n, text in enumerate(f, 1):
+            m = re.search(r"# line: (\w+)$", text)
+            if m:
+                out[m.group(1)] = n
+    return out

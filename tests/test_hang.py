@@ -7,7 +7,6 @@ workers are continued even when a test fails."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import threading
 import time
@@ -16,21 +15,12 @@ from collections.abc import Iterator
 import pytest
 
 import unison
+from support import marked_lines
 from unison.debug.stacks import short_path
 
 pytestmark = pytest.mark.timeout(120)
 
 HERE = short_path(os.path.realpath(__file__))
-
-
-def _lines() -> dict[str, int]:
-    out = {}
-    with open(__file__) as f:
-        for n, text in enumerate(f, 1):
-            m = re.search(r"# line: (\w+)$", text)
-            if m:
-                out[m.group(1)] = n
-    return out
 
 
 # -- what the workers run (by reference) -----------------------------------------------------------
@@ -78,7 +68,7 @@ def numpy_then_barrier(seconds: float) -> int:
     return unison.rank()
 
 
-LINE = _lines()
+LINE = marked_lines(__file__)
 
 
 @pytest.fixture

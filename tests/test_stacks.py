@@ -15,23 +15,13 @@ import time
 import pytest
 
 import unison
+from support import marked_lines
 from unison.debug import stacks as debug_stacks
 from unison.debug.stacks import Frame, WorkerStacks
 
 pytestmark = pytest.mark.timeout(120)
 
 HERE = os.path.realpath(__file__)
-
-
-def _lines() -> dict[str, int]:
-    """Marker -> line number, from the comments "# line: NAME" below."""
-    out = {}
-    with open(HERE) as f:
-        for n, text in enumerate(f, 1):
-            m = re.search(r"# line: (\w+)$", text)
-            if m:
-                out[m.group(1)] = n
-    return out
 
 
 # -- what the workers run (by reference: the workers import this module) --------------------------
@@ -58,7 +48,7 @@ def scene() -> None:
     [busy_regex, sleeper, in_barrier, c_call][unison.rank()]()  # line: scene
 
 
-LINE = _lines()
+LINE = marked_lines(HERE)
 
 
 def frames_of(ws: WorkerStacks) -> list[Frame]:

@@ -78,12 +78,9 @@ def test_whole_frames_come_through_then_garbage_ends_the_stream(channel, payload
         sock.shutdown(socket.SHUT_WR)
         got = _collect(channel, time.monotonic() + 10)
     assert got[-1] is None, "the stream's end was not reported"
-    frames = got[:-1]
-    assert frames[:len(payloads)] == payloads  # valid frames, in order, bytes as sent
-    # the tail is a truncated frame (dropped at the end), a bad one (drops the stream), or
-    # whole valid frames of its own; never anything else
-    for extra in frames[len(payloads):]:
-        assert extra is not None
+    # the valid frames, in order, bytes as sent; the random tail (a truncated frame, or one
+    # with a bad header: neither names this connection's magic and incarnation) adds none
+    assert got[:-1] == payloads
 
 
 @FUZZ
