@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness.measure import percentile  # noqa: E402
-from harness.report import cpu_model  # noqa: E402
+from harness.measure import percentile
+from harness.report import cpu_model
 
 MESSAGE = b"x" * 40
 
