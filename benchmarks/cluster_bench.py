@@ -25,13 +25,12 @@ import gc
 import json
 import os
 import platform
-import secrets
 import shlex
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +42,8 @@ except ImportError:  # a checkout without unison installed: use its src/ directl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness.report import cpu_model, source_revision
-from unison.launch import DeathReport, Launcher, Network, connect_command
-from unison.spec import WorkerSpec
+from unison.launch import SECRET_VAR
+from unison.launch.connect import ConnectLauncher
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT.parent / "shared" / "probes" / "ring.py"
@@ -112,49 +111,23 @@ def unison_ray_shm(n: int) -> Iterator[Callable[[], object]]:
         yield lambda: sess.run(noop)
 
 
-class PlainTcp(Launcher):
-    """Workers as plain local processes that join over TCP on loopback (``unison worker
-    --connect``, as srun or ssh would start them): the TCP channel without Ray."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def network(self) -> Network:
-        return Network(bind="127.0.0.1", advertise="127.0.0.1", secret=secrets.token_bytes(32))
-
-    def start(self, specs: Sequence[WorkerSpec], env: Mapping[int, Mapping[str, str]]) -> None:
-        for spec in specs:
-            argv, adds = connect_command(spec)
-            self.procs.append(subprocess.Popen(
-                argv, env={**os.environ, **adds, **env.get(spec.rank, {})}))
-
-    def watch_fds(self) -> list[int]:
-        return []
-
-    def ended(self) -> int | None:
-        return next((r for r, p in enumerate(self.procs) if p.poll() is not None), None)
-
-    def death(self, rank: int, grace: float) -> DeathReport:
-        try:
-            code = self.procs[rank].wait(grace)
-        except subprocess.TimeoutExpired:
-            self.procs[rank].kill()
-            code = self.procs[rank].wait()
-        return DeathReport(rank, code, "", "")
-
-    def stop(self, grace: float) -> None:
-        for p in self.procs:
-            try:
-                p.wait(grace)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-
 @contextlib.contextmanager
 def unison_tcp_plain(n: int) -> Iterator[Callable[[], object]]:
-    with unison.Session(n, launcher=PlainTcp()) as sess:
-        yield lambda: sess.run(noop)
+    """Workers as plain local processes that join over loopback (``unison worker
+    --connect``, as srun or ssh would start them): the TCP channel without Ray."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(address: str, secret: bytes) -> None:
+        env = {**os.environ, SECRET_VAR: secret.hex()}
+        procs.extend(subprocess.Popen([sys.executable, "-m", "unison", "worker", "--connect",
+                                       address], env=env) for _ in range(n))
+
+    try:
+        with unison.Session(n, launcher=ConnectLauncher(announce=start)) as sess:
+            yield lambda: sess.run(noop)
+    finally:
+        for p in procs:
+            p.wait(10)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import os
 import secrets
 import socket
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from unison.launch import SECRET_VAR, DeathReport, Launcher, Network
 from unison.spec import WorkerSpec
@@ -31,11 +31,14 @@ class ConnectLauncher(Launcher):
     a cluster's private interface for others, never all of them unless asked with
     "0.0.0.0"); ``advertise`` the host name workers are told (default: ``bind``, or this
     host's name when binding to all); ``port`` 0 picks a free one; ``secret`` (bytes, at
-    least 16) defaults to UNISON_SECRET from the environment, else a fresh random one,
-    printed with the command to run (``announce``)."""
+    least 16) defaults to UNISON_SECRET from the environment, else a fresh random one.
+    ``announce``: True prints the command that starts a worker (secret included) once the
+    session listens; a callable is called then with the address (HOST:PORT) and the
+    secret, to start the workers itself (through ssh, say); False does nothing."""
 
     def __init__(self, bind: str = "127.0.0.1", port: int = 0, secret: bytes | None = None,
-                 advertise: str | None = None, announce: bool = True) -> None:
+                 advertise: str | None = None,
+                 announce: bool | Callable[[str, bytes], None] = True) -> None:
         if secret is None:
             env = os.environ.get(SECRET_VAR, "")
             secret = bytes.fromhex(env) if env else secrets.token_bytes(32)
