@@ -272,15 +272,18 @@ class TcpChannel(Channel):
         with self._lock:
             if wanted >= 0:
                 if wanted >= self.n:
-                    return -1, f"rank {wanted} is out of range: the session has {self.n} workers"
+                    return -1, (f"rank {wanted} is out of range: the session has {self.n} "
+                                f"workers (ranks 0 to {self.n - 1}); pass one of those to --rank")
                 if (wanted in self._local) != unix:
                     return -1, (f"rank {wanted} runs on the controller's host and joins over "
                                 "its Unix socket (--unix)" if not unix else
                                 f"rank {wanted} joins over TCP, not the Unix socket")
                 if wanted in self._claimed:
-                    return -1, f"rank {wanted} has joined already"
+                    return -1, (f"rank {wanted} has joined already: start this worker with "
+                                "another --rank, or without one (the first free rank)")
                 if self._specs[wanted] is None:
-                    return -1, "the session is not ready for its workers yet"
+                    return -1, ("the session is not ready for its workers yet: start the "
+                                "worker again once the controller has printed its address")
                 self._claimed.add(wanted)
                 return wanted, ""
             for r in range(self.n):
@@ -288,7 +291,8 @@ class TcpChannel(Channel):
                         and (r in self._local) == unix):
                     self._claimed.add(r)
                     return r, ""
-            return -1, f"all {self.n} workers of the session have joined"
+            return -1, (f"all {self.n} workers of the session have joined: this one is one "
+                        "too many (open the session with more workers to use it)")
 
     def ended(self) -> int | None:
         """A worker whose connection broke or closed, if any (for the session's report)."""
