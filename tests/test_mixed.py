@@ -1,7 +1,9 @@
 """One session, shared memory for the workers on the controller's host and TCP for the others
 (issue 12). A small launcher starts every worker as the Ray launcher's actors do, with
-``connect_command`` under a parent process of its own, and says which ranks are local; so
-this runs without Ray (test_ray.py runs it across Ray nodes)."""
+``connect_command`` under a parent process of its own, and says which ranks are local (and,
+for the collectives, on which "host" the others run: all are on this machine, so a group
+said to share another host really does share its memory); so this runs without Ray
+(test_ray.py runs it across Ray nodes)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,10 +30,15 @@ warm_torch_store()
 
 class SpawnLauncher(Launcher):
     """Starts each worker with ``connect_command`` (as a Ray actor would); ``local`` ranks
-    are said to run on the controller's host."""
+    are said to run on the controller's host, and the others on the hosts ``nodes`` names
+    (unknown where it names none). ``death`` takes ``death_s``, as a launcher that asks a
+    remote agent may."""
 
-    def __init__(self, local: Sequence[int]) -> None:
+    def __init__(self, local: Sequence[int], nodes: Mapping[int, str] | None = None,
+                 death_s: float = 0.0) -> None:
         self.local = frozenset(local)
+        self.hosts = dict(nodes or {})
+        self.death_s = death_s
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def network(self) -> Network:
@@ -38,6 +46,9 @@ class SpawnLauncher(Launcher):
 
     def local_ranks(self, num_workers: int, num_groups: int) -> frozenset[int]:
         return self.local
+
+    def nodes(self, num_workers: int, num_groups: int) -> Mapping[int, str]:
+        return self.hosts
 
     def start(self, specs: Sequence[WorkerSpec], env: Mapping[int, Mapping[str, str]]) -> None:
         for spec in specs:
@@ -51,6 +62,7 @@ class SpawnLauncher(Launcher):
         return None
 
     def death(self, rank: int, grace: float) -> DeathReport:
+        time.sleep(self.death_s)
         return DeathReport(rank, None, "", "")
 
     def stop(self, grace: float) -> None:
@@ -123,3 +135,183 @@ def test_collectives_in_a_mixed_session_go_through_torch():
     finally:
         sess.close(timeout=3)
         launcher.stop(0)
+
+
+def backend(group: bool) -> str:
+    """Run on a worker: the backend a CPU collective of that scope runs on."""
+    from unison import collective
+
+    try:
+        return type(collective._choose(group)).__name__
+    except unison.CollectiveError:
+        return "none"
+
+
+class Box:
+    """An object only the shared-memory collectives can carry (torch's take tensors)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.lam = lambda: rank * 10
+
+
+def group_collectives() -> tuple[list[int], list[float], dict[str, int], int]:
+    r, g = unison.rank(), unison.group()
+    boxes = unison.allgather(Box(r), group=True)
+    total = unison.allreduce(np.full(3, float(r)), group=True)
+    root = unison.broadcast({"from": r} if unison.group_rank() == 1 else None, src=1,
+                            group=True)
+    big = unison.allreduce(np.full(200_000, 1.0), group=True)  # past SMALL: shared reduce
+    assert [b.rank for b in boxes] == [2 * g, 2 * g + 1]
+    return [b.lam() for b in boxes], total.tolist(), root, int(big.sum())
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[Callable[..., unison.Session]]:
+    """``two_hosts(**session_kw)``: 4 workers in 2 groups, group 0 on the controller's host
+    (its segment comes with the channel's fds) and group 1 on host "b" (rank 2 makes its
+    segment and hands it to rank 3)."""
+    made: list[tuple[unison.Session, SpawnLauncher]] = []
+
+    def make(death_s: float = 0.0, **kw: Any) -> unison.Session:
+        launcher = SpawnLauncher(local=[0, 1], nodes={2: "b", 3: "b"}, death_s=death_s)
+        sess = unison.Session(4, 2, launcher=launcher, start_timeout=60, **kw)
+        made.append((sess, launcher))
+        return sess
+
+    yield make
+    for sess, launcher in made:
+        sess.close(timeout=3)
+        launcher.stop(0)
+
+
+def test_groups_each_on_one_host_run_group_collectives_on_shared_memory(two_hosts):
+    sess = two_hosts()
+    assert sess.run(channel_kind) == ["ShmWorkerChannel"] * 2 + ["TcpWorkerChannel"] * 2
+    assert sess.run(backend, True) == ["ShmCollectives"] * 4
+    assert sess.run(backend, False) == ["none"] * 4  # the world spans hosts, no torch
+    out = sess.run(group_collectives)
+    assert [o[0] for o in out] == [[0, 10]] * 2 + [[20, 30]] * 2
+    assert [o[1] for o in out] == [[1.0] * 3] * 2 + [[5.0] * 3] * 2
+    assert [o[2] for o in out] == [{"from": 1}] * 2 + [{"from": 3}] * 2
+    assert [o[3] for o in out] == [400_000] * 4
+    with pytest.raises(unison.WorkerError, match="collectives='torch'"):
+        sess.run(lambda: unison.allreduce(np.ones(2)))
+    # the mismatch check and a peer that left still work in both kinds of segment
+    with pytest.raises(unison.WorkerError, match="mismatched collectives"):
+        sess.run(lambda: unison.allreduce(1, group=True) if unison.group_rank()
+                 else unison.allgather(1, group=True))
+    with pytest.raises(unison.WorkerError, match="left the call"):
+        sess.run(lambda: None if unison.group_rank() else unison.barrier(group=True))
+    assert sess.run(lambda: unison.allreduce(unison.rank(), group=True)) == [1, 1, 5, 5]
+
+
+def test_with_torch_the_world_goes_through_torch_and_the_groups_stay_on_shared_memory(
+        two_hosts):
+    torch = pytest.importorskip("torch")
+    sess = two_hosts(collectives="torch")
+    assert sess.run(backend, True) == ["ShmCollectives"] * 4
+    assert sess.run(backend, False) == ["ClusterCollectives"] * 4
+
+    def both() -> tuple[Any, ...]:
+        r = unison.rank()
+        world = unison.allreduce(torch.ones(3) * (r + 1))
+        everyone = unison.allgather(torch.tensor([r]))
+        root = unison.broadcast(torch.arange(2) * (r + 1), src=3)
+        if r == 0:
+            unison.send({"to": 3}, 3)  # across hosts: torch's object send
+        got = unison.recv(0) if r == 3 else None
+        grouped = unison.allgather(Box(r), group=True)
+        return world.tolist(), [int(t) for t in everyone], root.tolist(), got, \
+            [b.rank for b in grouped]
+
+    out = sess.run(both)
+    assert [o[0] for o in out] == [[10.0] * 3] * 4
+    assert [o[1] for o in out] == [[0, 1, 2, 3]] * 4
+    assert [o[2] for o in out] == [[0, 4]] * 4
+    assert out[3][3] == {"to": 3}
+    assert [o[4] for o in out] == [[0, 1]] * 2 + [[2, 3]] * 2
+    with pytest.raises(unison.WorkerError, match=r"different collectives|shapes"):
+        sess.run(lambda: unison.allreduce(torch.ones(unison.rank() + 1)))
+    # a CUDA tensor takes torch even in a group on shared memory: where the other ranks
+    # pass None, they run the shared-memory broadcast or scatter, meet the source at the
+    # same barrier, and every rank raises rather than waits
+    for kind in ("broadcast", "scatter"):
+        with pytest.raises(unison.WorkerError, match="another shape, dtype or device"):
+            sess.run(cuda_from_the_first_of_each_group, kind)
+    assert sess.run(lambda: unison.allreduce(torch.ones(2)).tolist()) == [[4.0, 4.0]] * 4
+
+
+def cuda_from_the_first_of_each_group(kind: str) -> None:
+    """Run on a worker: a group broadcast or scatter whose source passes (what claims to
+    be) CUDA tensors and whose other ranks pass None. No GPU needed: the ranks part at the
+    barrier, before any NCCL op."""
+    import torch
+
+    class Cuda(torch.Tensor):
+        @property
+        def is_cuda(self) -> bool:  # type: ignore[override]
+            return True
+
+    mine = unison.group_rank() == 0
+    if kind == "broadcast":
+        unison.broadcast(torch.ones(2).as_subclass(Cuda) if mine else None, group=True)
+    else:
+        unison.scatter([torch.ones(2).as_subclass(Cuda)] * 2 if mine else None, group=True)
+
+
+def test_a_session_all_on_this_host_runs_every_collective_on_shared_memory():
+    launcher = SpawnLauncher(local=[0, 1])
+    sess = unison.Session(2, launcher=launcher, start_timeout=60)
+    try:
+        assert sess.run(backend, False) == ["ShmCollectives"] * 2
+
+        def world() -> tuple[list[int], Any]:
+            boxes = unison.allgather(Box(unison.rank()))
+            if unison.rank() == 0:
+                unison.send(Box(7), 1)
+            got = unison.recv(0).rank if unison.rank() == 1 else None
+            return [b.rank for b in boxes], got
+
+        assert sess.run(world) == [([0, 1], None), ([0, 1], 7)]
+    finally:
+        sess.close(timeout=3)
+        launcher.stop(0)
+
+
+@pytest.mark.parametrize("victim", [1, 3], ids=["this-host", "other-host"])
+def test_a_worker_killed_in_a_group_collective_fails_its_peer_then_worker_died(
+        two_hosts, tmp_path, victim):
+    # death_s: the launcher takes a second to describe the death, so that the session does
+    # not stop the peer before it can tell it gave up by itself (within 2 s)
+    sess = two_hosts(death_s=1.0)
+    pids = sess.run(os.getpid)
+    peer = victim - 1
+    mark = tmp_path / "gave-up"
+
+    def wait_in_group(victim: int, mark: str) -> None:
+        if unison.rank() == victim:
+            time.sleep(60)
+        try:
+            unison.allreduce(np.ones(4), group=True)
+        except unison.CollectiveError as exc:
+            with open(mark, "w") as f:
+                f.write(f"{time.time()} {exc}")
+            raise
+
+    ref = sess.call(wait_in_group, victim, str(mark))
+    time.sleep(0.5)  # the peer waits in the collective
+    killed = time.time()
+    os.kill(pids[victim], signal.SIGKILL)
+    with pytest.raises(WorkerDied) as info:
+        ref.gather(timeout=30)
+    assert info.value.worker == victim
+    assert time.time() - killed < 3.0
+    deadline = time.monotonic() + 3.0
+    while not mark.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    when, text = mark.read_text().split(" ", 1)
+    assert f"worker {victim} died" in text
+    assert float(when) - killed < 2.0, f"worker {peer} gave up after {float(when) - killed} s"
+    sess.close(timeout=1)
+    assert wait_gone(pids, 5.0) == []

@@ -464,3 +464,90 @@ def test_collectives_across_nodes(
     assert [list(np.concatenate(g)) if isinstance(g, list) else list(g) for g in got] \
         == [[0, 1], [0, 1]]
 
+
+
+def backend(group: bool) -> str:
+    """Run on a worker: the backend a CPU collective of that scope runs on."""
+    from unison import collective
+
+    try:
+        return type(collective._choose(group)).__name__
+    except unison.CollectiveError:
+        return "none"
+
+
+class Box:
+    """An object only the shared-memory collectives can carry (torch's take tensors)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+
+def test_each_group_on_its_node_runs_group_collectives_on_shared_memory(
+    ray_cluster: RayCluster, ray_session: Callable[..., unison.Session]
+) -> None:
+    torch = pytest.importorskip("torch")
+    # 2 groups of 2 workers of 2 CPUs: one group on n1, one on n2 (STRICT_PACK); in each,
+    # the first worker makes the node's segment and hands it to the other
+    sess = ray_session(4, 2, launcher=RayLauncher(num_cpus=2, placement_timeout=30),
+                       collectives="torch")
+    where = [node_of(sess, r) for r in range(4)]
+    assert where[0] == where[1] != where[2] == where[3], where
+    assert sess.run(backend, True) == ["ShmCollectives"] * 4
+    assert sess.run(backend, False) == ["ClusterCollectives"] * 4
+
+    def both() -> tuple[Any, ...]:
+        r = unison.rank()
+        grouped = unison.allgather(Box(r), group=True)
+        total = unison.allreduce(np.full(200_000, float(r)), group=True)
+        root = unison.broadcast({"from": r} if unison.group_rank() == 0 else None, src=0,
+                                group=True)
+        world = unison.allreduce(torch.ones(2) * (r + 1))
+        got = None
+        if unison.group() == 0:
+            unison.send_to_next_group(r)  # across nodes: torch's object send
+        else:
+            got = unison.recv_from_prev_group()
+        return [b.rank for b in grouped], float(total[0]), root, world.tolist(), got
+
+    out = sess.run(both)
+    assert [o[0] for o in out] == [[0, 1]] * 2 + [[2, 3]] * 2
+    assert [o[1] for o in out] == [1.0] * 2 + [5.0] * 2
+    assert [o[2] for o in out] == [{"from": 0}] * 2 + [{"from": 2}] * 2
+    assert [o[3] for o in out] == [[10.0, 10.0]] * 4
+    assert [o[4] for o in out] == [None, None, 0, 1]
+
+
+def test_workers_all_beside_the_driver_run_every_collective_on_shared_memory(
+    ray_cluster: RayCluster, ray_session: Callable[..., unison.Session]
+) -> None:
+    # both on the head, the driver's node: the session's segment comes with their fds
+    sess = ray_session(2, launcher=RayLauncher(resources={"head": 1}, placement_timeout=30))
+    assert sess.run(channel_kind) == ["ShmWorkerChannel"] * 2
+    assert sess.run(backend, False) == ["ShmCollectives"] * 2
+    got = sess.run(lambda: [b.rank for b in unison.allgather(Box(unison.rank()))])
+    assert got == [[0, 1]] * 2
+
+
+def test_a_worker_killed_in_a_group_collective_on_another_node(
+    ray_cluster: RayCluster, ray_session: Callable[..., unison.Session]
+) -> None:
+    sess = ray_session(4, 2, launcher=RayLauncher(num_cpus=2, placement_timeout=30))
+    pids = sess.run(os.getpid)
+
+    def wait_in_group() -> None:
+        if unison.rank() == 3:
+            time.sleep(60)
+        unison.allreduce(np.ones(4), group=True)
+
+    ref = sess.call(wait_in_group)
+    time.sleep(0.5)  # rank 2 waits for rank 3 in the collective
+    killed = time.monotonic()
+    os.kill(pids[3], signal.SIGKILL)
+    with pytest.raises(unison.WorkerDied) as err:
+        ref.gather(timeout=30)
+    took = time.monotonic() - killed
+    assert err.value.worker == 3
+    assert took < 2.0, took
+    sess.close(timeout=1)
+    assert wait_gone(pids, 5.0) == []

@@ -13,8 +13,10 @@ open as its keeper's lifeline. Its pidfd (from the kernel's credentials of that 
 then watched as a child's is.
 
 What a mixed session gives up: ``sess.empty`` (its arrays would reach the TCP workers as
-copies, so their writes would be lost: refused rather than wrong), progress tracking (sync
-sends SYNC), and shared-memory collectives (collectives go through torch.distributed).
+copies, so their writes would be lost: refused rather than wrong) and progress tracking
+(sync sends SYNC). Its collectives run on shared memory where their workers share a host
+(the local workers get the session's collective segment with their other fds, through
+``offer``), on torch.distributed elsewhere (unison.collective.cluster).
 """
 
 from __future__ import annotations

@@ -13,73 +13,79 @@
 ``group=True`` keeps a collective inside the worker's group (src/dst are then ranks in the
 group). Every collective returns new objects and leaves its input unchanged.
 
-Backends: shared memory (default: numpy arrays of any dtype and shape, CPU torch tensors,
-numbers, and any picklable object for the moving collectives); torch.distributed
-(``Session(collectives="torch")``, and always for CUDA tensors: gloo on CPU, NCCL on CUDA).
-Both implement the Collectives interface (collective/base.py); the checks they share are in
-collective/checks.py. The functions below pick a backend per call:
+Backends: shared memory (numpy arrays of any dtype and shape, CPU torch tensors, numbers,
+and any picklable object for the moving collectives) and torch.distributed (tensors; gloo on
+CPU, NCCL on CUDA). Both implement the Collectives interface (collective/base.py); the checks
+they share are in collective/checks.py. The functions below pick a backend per call, by the
+call's scope (the world, or with group=True the worker's group; send/recv: the world) and
+whether a value is a CUDA tensor:
 
-    unison.allreduce(x)  -->  _backend(x)  -->  TorchCollectives   (torch session, or CUDA x)
-                                           -->  ShmCollectives     (otherwise)
+    unison.allreduce(x, group=g) --> _backend(g, x) --> TorchCollectives   (CUDA x, or a scope
+                                                         that is not on shared memory)
+                                                    --> ShmCollectives     (otherwise)
+
+Which scopes are on shared memory is the session's choice, the same on every worker:
+
+    launcher="local"       every scope, unless Session(collectives="torch") (then none)
+    workers joining over   the world when every worker is on one host; the groups when every
+      TCP (Ray, connect)   group is (collective/cluster.py); collectives="torch" sets up
+                           torch.distributed for the rest, which otherwise raise
+                           CollectiveError saying so
+
+A CUDA tensor always goes through torch.distributed, which needs collectives="torch".
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from unison import trace as _trace
 from unison.collective.base import Collectives
 from unison.collective.shm import ShmCollectives
 from unison.errors import CollectiveError
 
-if TYPE_CHECKING:
-    from unison.collective.cluster import DistLocal
-
 __all__ = [
     "CollectiveError", "Collectives", "allgather", "allreduce", "barrier", "broadcast", "gather",
     "recv", "recv_from_prev_group", "reduce_scatter", "scatter", "send", "send_to_next_group",
 ]
 
-_local: ShmCollectives | DistLocal | None = None
-_torch: Collectives | None = None  # TorchCollectives, made on a worker when the session asks
-_torch_default = False
-_missing = ""  # why a worker of a session has no collectives, if it has none
+_shm: ShmCollectives | None = None  # shared memory, where this worker has a segment
+_torch: Collectives | None = None  # torch.distributed, where the session set it up
+_on_shm = (False, False)  # (world, group): which scopes run on shared memory
+_why = ("", "")  # (world, group): why a scope has no backend, where it has none
+_NO_MEMFD = ("this session has no shared-memory collectives: the platform lacks memfd_create "
+             "(see README, Platforms); move data through the controller with put/scatter/gather")
 
 
 def setup(spec: dict[str, Any] | None, rank: int, n: int, groups: int) -> Collectives | None:
     """Called once by the worker at start with the session's collective spec. Returns the
-    backend the worker loop tells where each call begins and ends: the shared-memory one,
-    which the torch backend relies on for exactly that."""
-    global _local, _torch, _torch_default, _missing
+    backend the worker loop tells where each call begins and ends (the torch backends pass
+    that on to the shared-memory one, which relies on it)."""
+    global _shm, _torch, _on_shm, _why
     if spec is None:
-        _missing = (
-            "this session has no shared-memory collectives: the platform lacks memfd_create "
-            "(see README, Platforms); move data through the controller with put/scatter/gather"
-        )
+        _why = (_NO_MEMFD, _NO_MEMFD)
         return None
-    if spec.get("backend") == "none":
-        _missing = spec["why"]
-        return None
-    if spec.get("backend") == "cluster":  # workers on several hosts: torch.distributed only
+    if spec.get("backend") == "cluster":  # workers that join over TCP, maybe on several hosts
         from unison.collective import cluster
 
-        _local, _torch = cluster.setup(spec, rank, n, groups)
-        _torch_default = True
-        return _torch
-    _local = ShmCollectives(spec["fd"], rank, n, groups)
+        _shm, _torch, _on_shm = cluster.setup(spec, rank, n, groups)
+        _why = cluster.missing(spec.get("shared"))
+        return _torch or _shm
+    _shm = ShmCollectives(spec["fd"], rank, n, groups)
     if spec.get("torch_address"):
         from unison.collective.torch import TorchCollectives
 
-        _torch = TorchCollectives(_local, spec["torch_address"], spec.get("timeout", 300.0))
-        _torch_default = spec.get("backend") == "torch"
-    return _local
+        _torch = TorchCollectives(_shm, spec["torch_address"], spec.get("timeout", 300.0))
+    on = spec.get("backend") != "torch"
+    _on_shm = (on, on)
+    return _shm
 
 
-def _backend(*values: Any) -> Collectives:
-    """The backend for a collective on ``values``: torch when the session asked for it or a
-    value is a CUDA tensor, shared memory otherwise (timed, while a trace runs)."""
-    chosen = _choose(*values)
+def _backend(group: bool, *values: Any) -> Collectives:
+    """The backend for a collective of ``group``'s scope on ``values`` (timed, while a trace
+    runs)."""
+    chosen = _choose(group, *values)
     if _trace.events is not None:
         return _Timed(chosen)  # type: ignore[return-value]
     return chosen
@@ -101,85 +107,81 @@ class _Timed:
         return timed
 
 
-def _choose(*values: Any) -> Collectives:
-    if _local is None:
-        if _missing:
-            raise CollectiveError(_missing)
-        raise RuntimeError(
-            "unison collectives only work inside a function that a unison worker runs "
-            "(pass the function to sess.call or sess.run)"
-        )
-    if _torch is not None and (_torch_default or any(getattr(v, "is_cuda", False) for v in values)):
+def _choose(group: bool, *values: Any) -> Collectives:
+    cuda = any(getattr(v, "is_cuda", False) for v in values)
+    scope = 1 if group else 0
+    if _on_shm[scope] and not cuda:
+        assert _shm is not None
+        return _shm
+    if _torch is not None:
         return _torch
-    if any(getattr(v, "is_cuda", False) for v in values):
+    if cuda:
         raise CollectiveError("CUDA tensors need the torch backend: Session(collectives='torch')")
-    assert isinstance(_local, ShmCollectives)  # a cluster session always takes torch's
-    return _local
+    if _why[scope]:
+        raise CollectiveError(_why[scope])
+    raise RuntimeError(
+        "unison collectives only work inside a function that a unison worker runs "
+        "(pass the function to sess.call or sess.run)"
+    )
 
 
 def allreduce(x: Any, op: str = "sum", *, group: bool = False) -> Any:
     """x0 op x1 op ... over the workers (sum, prod, min, max or mean), on every worker."""
-    return _backend(x).allreduce(x, op, group)
+    return _backend(group, x).allreduce(x, op, group)
 
 
 def allgather(x: Any, *, group: bool = False) -> list[Any]:
     """Every worker's x, as a list in rank order, on every worker."""
-    return list(_backend(x).allgather(x, group))
+    return list(_backend(group, x).allgather(x, group))
 
 
 def broadcast(x: Any, src: int = 0, *, group: bool = False) -> Any:
     """Worker ``src``'s x on every worker (the others' x is ignored, and may be None)."""
-    return _backend(x).broadcast(x, src, group)
+    return _backend(group, x).broadcast(x, src, group)
 
 
 def scatter(xs: Sequence[Any] | None, src: int = 0, *, group: bool = False) -> Any:
     """Element r of worker ``src``'s list, on worker r (the others pass None)."""
-    return _backend(*(xs or ())).scatter(xs, src, group)
+    return _backend(group, *(xs or ())).scatter(xs, src, group)
 
 
 def gather(x: Any, dst: int = 0, *, group: bool = False) -> list[Any] | None:
     """Every worker's x, as a list in rank order, on worker ``dst``; None on the others."""
-    return _backend(x).gather(x, dst, group)
+    return _backend(group, x).gather(x, dst, group)
 
 
 def reduce_scatter(x: Any, op: str = "sum", *, group: bool = False) -> Any:
     """Share r (``np.array_split`` along axis 0) of the reduction, on worker r."""
-    return _backend(x).reduce_scatter(x, op, group)
+    return _backend(group, x).reduce_scatter(x, op, group)
 
 
 def barrier(*, group: bool = False) -> None:
     """Wait until every worker (of the group) got here."""
-    _backend().barrier(group)
+    _backend(group).barrier(group)
 
 
 def send(x: Any, dst: int) -> None:
     """Send x to worker ``dst`` (global rank). Eager: returns once x is copied out, whatever
     its size; it waits only while 64 earlier messages to ``dst`` are still untaken."""
-    _backend(x).send(x, dst)
+    _backend(False, x).send(x, dst)
 
 
 def recv(src: int) -> Any:
     """The next object worker ``src`` sent to this worker."""
-    return _backend().recv(src)
+    return _backend(False).recv(src)
 
 
 def send_to_next_group(x: Any) -> None:
     """Send x to the worker of the same group rank in the next group (a pipeline stage)."""
-    me = _require()
+    me = _choose(False)
     if me.rank + me.gsize >= me.n:
         raise ValueError("the last group has no next group to send to")
-    me.send(x, me.rank + me.gsize)
+    send(x, me.rank + me.gsize)
 
 
 def recv_from_prev_group() -> Any:
     """The next object sent by the same group rank in the previous group."""
-    me = _require()
+    me = _choose(False)
     if me.rank < me.gsize:
         raise ValueError("the first group has no previous group to receive from")
-    return me.recv(me.rank - me.gsize)
-
-
-def _require() -> ShmCollectives | DistLocal:
-    _backend()
-    assert _local is not None
-    return _local
+    return recv(me.rank - me.gsize)

@@ -1,15 +1,34 @@
-"""Collectives across hosts: torch.distributed (gloo on CPU, NCCL on GPUs) with nothing shared.
+"""Collectives of a session whose workers join over TCP (unison.channel.tcp), on hosts that
+may differ: shared memory inside a host, torch.distributed (gloo on CPU, NCCL on GPUs)
+across hosts.
 
-    first collective, on every worker:  init_process_group(store=TCPStore(the controller's))
-    each collective:  an all_gather of (what I call, on what shape) first, so that a rank
-                      calling another collective or another shape raises CollectiveError on
-                      every rank instead of reaching gloo, which would abort the process;
-                      then the torch op (TorchCollectives)
+    the controller decides, for the whole session (spec "shared"):
+      "world"   every worker on one host        -> every collective on shared memory
+      "groups"  every group on one host         -> group collectives on shared memory,
+                                                   the rest on torch.distributed
+      None      some group spans hosts, or its  -> every collective on torch.distributed
+                hosts are unknown
+    a CUDA tensor always goes through torch.distributed; torch.distributed needs
+    Session(collectives="torch"), and without it such a collective raises CollectiveError
 
-Workers of a TCP session (unison.channel.tcp) share no memory, so the shared-memory
-barrier that the one-host torch backend puts before each op is a gloo all_gather here,
-and point to point goes through torch's object send/recv. The rendezvous store is served by
-the controller, the one host every worker reaches.
+    each worker's segment (when a scope of it shares memory):
+      on the controller's host    the session's, received with the channel's fds ("fd")
+      on another host             made by the host's first worker and handed to the others
+                                  (collective/rendezvous.py, "host")
+
+    first torch collective, on every worker:  init_process_group(store=TCPStore(the
+                                              controller's))
+    each torch collective:  the checked arrival first (shared memory's barrier where the
+                            scope shares a segment, else an all_gather of what each rank
+                            calls, on what shape), so that a rank calling another collective
+                            or another shape raises CollectiveError on every rank instead of
+                            reaching gloo, which would abort the process; then the torch op
+
+The decision is the session's, not each group's, because torch.distributed starts on every
+worker at once: were one group on shared memory and another on torch, the second would wait
+in init_process_group for ranks that never come. Point to point follows the world's rule
+(its pairs would otherwise split the same way). The rendezvous store is served by the
+controller, the one host every worker reaches.
 """
 
 from __future__ import annotations
@@ -17,22 +36,41 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+from unison.collective import rendezvous
 from unison.collective.checks import CallScope, check_peer, describe, descriptor
+from unison.collective.shm import Layout, ShmCollectives
+from unison.collective.shm import create as create_segment
 from unison.collective.torch import TorchCollectives
 from unison.errors import CollectiveError
 
 
 class DistLocal(CallScope):
-    """What TorchCollectives asks of its ``local`` backend, done through torch.distributed:
-    the call context and scopes (CallScope), the checked arrival, object broadcast and
-    point to point."""
+    """What TorchCollectives asks of its ``local`` backend: the call context and scopes
+    (CallScope), the checked arrival, object broadcast and point to point. In a scope that
+    runs on shared memory (``on_shm``: world, group) these go through ``shm``, so that a rank
+    taking torch there (for a CUDA tensor) meets its peers at the barrier they meet at;
+    elsewhere through torch.distributed."""
 
-    def __init__(self, rank: int, n: int, groups: int) -> None:
+    def __init__(self, rank: int, n: int, groups: int, shm: ShmCollectives | None = None,
+                 on_shm: tuple[bool, bool] = (False, False)) -> None:
         super().__init__(rank, n, groups)
+        self.shm = shm
+        self.on_shm = on_shm
         self.owner: ClusterCollectives | None = None
 
+    def begin(self, call_id: int, ranks: tuple[int, ...] | None) -> None:
+        super().begin(call_id, ranks)
+        if self.shm is not None:
+            self.shm.begin(call_id, ranks)
+
     def end(self, call_id: int) -> None:
+        if self.shm is not None:
+            self.shm.end(call_id)
         self._call, self._call_ranks = 0, None
+
+    def _shared(self, group: bool) -> ShmCollectives | None:
+        """The shared-memory backend, where this scope runs on it."""
+        return self.shm if self.on_shm[1 if group else 0] else None
 
     def _group(self, group: bool) -> tuple[Any, Any]:
         assert self.owner is not None
@@ -42,6 +80,9 @@ class DistLocal(CallScope):
     def arrive(self, group: bool, kind: str, op: str | None = None, root: int | None = None,
                sig: int = 0) -> tuple[int, ...]:
         """Every participant says what it calls; all agree, or all raise CollectiveError."""
+        shm = self._shared(group)
+        if shm is not None:
+            return shm.arrive(group, kind, op, root, sig)
         import torch
 
         _, ranks = self.scope(group)
@@ -60,19 +101,29 @@ class DistLocal(CallScope):
     def barrier(self, group: bool = False) -> None:
         self.arrive(group, "barrier")
 
-    def broadcast(self, x: Any, src: int, group: bool, *, kind: str = "broadcast") -> Any:
-        ranks = self.arrive(group, kind, root=src)
+    def broadcast(self, x: Any, src: int, group: bool, *, kind: str = "broadcast",
+                  sig: int = 0) -> Any:
+        shm = self._shared(group)
+        if shm is not None:
+            return shm.broadcast(x, src, group, kind=kind, sig=sig)
+        ranks = self.arrive(group, kind, root=src, sig=sig)
         dist, pg = self._group(group)
         box = [x]
         dist.broadcast_object_list(box, src=ranks[src] if group else src, group=pg)
         return box[0]
 
     def send(self, x: Any, dst: int) -> None:
+        shm = self._shared(False)
+        if shm is not None:
+            return shm.send(x, dst)
         check_peer(dst, self.rank, self.n, "send")
         dist, _ = self._group(False)
         dist.send_object_list([x], dst=dst)
 
     def recv(self, src: int) -> Any:
+        shm = self._shared(False)
+        if shm is not None:
+            return shm.recv(src)
         check_peer(src, self.rank, self.n, "recv")
         dist, _ = self._group(False)
         box: list[Any] = [None]
@@ -108,11 +159,46 @@ class ClusterCollectives(TorchCollectives):
         return full.tensor_split(len(ranks))[k].clone()
 
 
-def setup(spec: dict[str, Any], rank: int, n: int, groups: int) -> tuple[DistLocal,
-                                                                          ClusterCollectives]:
-    local = DistLocal(rank, n, groups)
-    return local, ClusterCollectives(local, spec["store"], spec.get("timeout", 300.0))
+def setup(spec: dict[str, Any], rank: int, n: int, groups: int
+          ) -> tuple[ShmCollectives | None, ClusterCollectives | None, tuple[bool, bool]]:
+    """One worker's backends: shared memory where a scope of it shares a host, torch where
+    the session set it up (a store), and which scopes (world, group) run on shared memory."""
+    shared = spec.get("shared")
+    on_shm = (shared == "world", shared in ("world", "groups"))
+    shm = _segment(spec, rank, n, groups) if on_shm[1] else None
+    store = spec.get("store")
+    if store is None:
+        return shm, None, on_shm
+    local = DistLocal(rank, n, groups, shm, on_shm)
+    return shm, ClusterCollectives(local, store, spec.get("timeout", 300.0)), on_shm
 
 
-__all__ = ["ClusterCollectives", "DistLocal", "setup"]
+def _segment(spec: dict[str, Any], rank: int, n: int, groups: int) -> ShmCollectives:
+    """This worker's end of its host's segment: the session's (on the controller's host), or
+    the one its host's first worker makes and hands over."""
+    if spec.get("fd") is not None:
+        return ShmCollectives(spec["fd"], rank, n, groups)
+    host = spec["host"]
+    if rank == host["first"]:
+        fd, _ = create_segment(host["name"], n, groups)
+        rendezvous.offer(fd, host["name"], host["peers"])
+    else:
+        fd = rendezvous.take(host["name"], Layout(n, groups).size)
+    return ShmCollectives(fd, rank, n, groups, watch_peers=True)
 
+
+def missing(shared: str | None) -> tuple[str, str]:
+    """Why a collective of the world, or of a group, has no backend in a session without
+    torch.distributed ("" where shared memory serves it)."""
+    ask = "open it with Session(..., collectives='torch') for collectives across hosts"
+    world = "" if shared == "world" else (
+        "the workers of this session are not all on one host (or their launcher does not "
+        "say where they run), so collectives of the whole session and send/recv cannot use "
+        f"shared memory: {ask}")
+    group = "" if shared in ("world", "groups") else (
+        "some group of this session is not on one host (or the launcher does not say where "
+        f"its workers run), so group collectives cannot use shared memory in any group: {ask}")
+    return world, group
+
+
+__all__ = ["ClusterCollectives", "DistLocal", "missing", "setup"]

@@ -25,7 +25,10 @@ waiter reads is never overwritten under it.
 
 A waiter never hangs on a peer that will not come: a peer that finished the current call
 (``left >= call id``) without arriving makes the collective raise CollectiveError, within
-milliseconds; so does the controller's abort flag, set when a worker dies.
+milliseconds; so does the controller's abort flag, set when a worker dies. A segment the
+controller cannot reach (made by a worker on another host: collective/rendezvous.py) has
+no abort flag that anyone sets, so its waiters watch their peers' pids instead
+(``watch_peers``: a pidfd per peer, looked at every _LOOK seconds of a wait).
 
 Reductions run in rank order on every element, so every rank gets bit-identical results.
 Large reductions split the work: each worker reduces one share into the group's result area
@@ -47,6 +50,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import select
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -75,6 +80,7 @@ _LINE = 64
 _REC = 2 * _LINE  # one worker's record: see Layout
 _SPIN = 1e-3
 _CHECK = 0.002  # while sleeping, re-check the peers this often (s)
+_LOOK = 0.05  # with watch_peers, look whether the awaited peers still live this often (s)
 
 _UFUNCS: dict[str, Callable[..., Any]] = {
     "sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "mean": np.add,
@@ -138,9 +144,11 @@ def abort(fd: int, dead: int) -> None:
 class ShmCollectives(CallScope, Collectives):
     """One worker's end of the shared-memory collectives. Besides the Collectives interface
     it offers ``scope`` and ``arrive`` (a barrier that checks what every rank calls), on
-    which the torch backend builds."""
+    which the torch backend builds. ``watch_peers``: peers' deaths are seen through their
+    pids, where no controller sets the abort flag."""
 
-    def __init__(self, fd: int, rank: int, n: int, groups: int) -> None:
+    def __init__(self, fd: int, rank: int, n: int, groups: int, *,
+                 watch_peers: bool = False) -> None:
         CallScope.__init__(self, rank, n, groups)
         self.lay = lay = Layout(n, groups)
         self._mm = mmap.mmap(fd, lay.size)
@@ -152,6 +160,9 @@ class ShmCollectives(CallScope, Collectives):
         self._index = [0, 0]  # collectives so far in this call: world, group
         self._spills: dict[int, deque[tuple[int, int, int]]] = {}  # dst -> (index, call, fd)
         self._views: dict[tuple[int, str, int], np.ndarray] = {}
+        self._watch = watch_peers
+        self._pidfds: dict[int, tuple[int, int]] = {}  # rank -> (pid, its pidfd)
+        self._next_look = 0.0
 
     # -- called by the worker loop around each call ------------------------------------------
 
@@ -195,15 +206,38 @@ class ShmCollectives(CallScope, Collectives):
             self._check(waiting, which, gen, what)
             pacer.pause()
 
-    def _check_abort(self, what: str) -> None:
-        """The controller saw a worker die: every wait gives up."""
+    def _check_abort(self, what: str, peers: Sequence[int] = ()) -> None:
+        """The controller saw a worker die, or (``watch_peers``) one of ``peers`` is gone:
+        every wait gives up."""
         dead = self._q[0]
         if dead:
             raise CollectiveError(f"{what} gave up: worker {dead - 1} died")
+        if self._watch and peers:
+            now = time.monotonic()
+            if now >= self._next_look:
+                self._next_look = now + _LOOK
+                for j in peers:
+                    if self._gone(j):
+                        raise CollectiveError(f"{what} gave up: worker {j} died")
+
+    def _gone(self, j: int) -> bool:
+        """Whether peer ``j``'s process has ended (False while it has not said its pid)."""
+        pid = self._q[self._w[j] + _PID]
+        if not pid or j == self.rank:
+            return False
+        known = self._pidfds.get(j)
+        if known is None or known[0] != pid:
+            if known is not None:
+                os.close(known[1])
+            try:
+                known = self._pidfds[j] = (pid, os.pidfd_open(pid))
+            except ProcessLookupError:
+                return True
+        return bool(select.select([known[1]], [], [], 0)[0])
 
     def _check(self, waiting: Sequence[int], which: int, gen: int, what: str) -> None:
         q, w = self._q, self._w
-        self._check_abort(what)
+        self._check_abort(what, waiting)
         for j in waiting:
             if q[w[j] + _LEFT] >= self._call and q[w[j] + which] < gen:
                 raise CollectiveError(
@@ -361,12 +395,15 @@ class ShmCollectives(CallScope, Collectives):
         got = self._exchange(which, ranks, _encode(x), ranks, descriptor("allgather"))
         return [_decode(got[j]) for j in ranks]
 
-    def broadcast(self, x: Any, src: int, group: bool, *, kind: str = "broadcast") -> Any:
-        """``kind`` names the collective this broadcast serves, for the mismatch check."""
+    def broadcast(self, x: Any, src: int, group: bool, *, kind: str = "broadcast",
+                  sig: int = 0) -> Any:
+        """``kind`` names the collective this broadcast serves and ``sig`` what it moves, for
+        the mismatch check (a plain broadcast: 0)."""
         which, ranks = self.scope(group)
         src_rank = member(ranks, src, group, "src")
         payload = _encode(x) if self.rank == src_rank else []
-        got = self._exchange(which, ranks, payload, (src_rank,), descriptor(kind, root=src))
+        got = self._exchange(which, ranks, payload, (src_rank,), descriptor(kind, root=src),
+                             sig)
         return _decode(got[src_rank])
 
     def scatter(self, xs: Sequence[Any] | None, src: int, group: bool) -> Any:
@@ -394,7 +431,7 @@ class ShmCollectives(CallScope, Collectives):
                 for j in ranks]
 
     def _exchange(self, which: int, ranks: tuple[int, ...], payload: list[Any],
-                  wanted: Sequence[int], desc: int) -> dict[int, bytearray]:
+                  wanted: Sequence[int], desc: int, sig: int = 0) -> dict[int, bytearray]:
         """Every participant offers bytes; each gets those of ``wanted``. Rounds of one slot."""
         total = sum(len(memoryview(p).cast("B")) for p in payload)
         stream = _Stream(payload)
@@ -410,7 +447,7 @@ class ShmCollectives(CallScope, Collectives):
             chunk = stream.read(cap)
             base = self.lay.slot[self.rank]
             self._buf[base : base + len(chunk)] = chunk
-            self._meet(which, ranks, gen, desc, 0)
+            self._meet(which, ranks, gen, desc, sig)
             if r == 0:
                 rounds = max(1, max(-(-self._q[self._w[j] + _NBYTES] // cap) for j in ranks))
                 for j in wanted:
@@ -468,7 +505,7 @@ class ShmCollectives(CallScope, Collectives):
             pacer = _Pacer()
             # the entry RING back must be taken, or stale: its call is over for the receiver
             while q[tail] <= h - RING and q[w[dst] + _LEFT] < q[old + _E_CALL]:
-                self._check_abort(f"send to worker {dst}")
+                self._check_abort(f"send to worker {dst}", (dst,))
                 pacer.pause()
         e = self._entry(self.rank, dst, h)
         q[e + _E_IDX] = 0  # being written: a receiver reading this stale entry retries
@@ -511,7 +548,7 @@ class ShmCollectives(CallScope, Collectives):
             got = self._take(src, tag)
             if got is not None:
                 return _decode(got)
-            self._check_abort(f"recv from worker {src}")
+            self._check_abort(f"recv from worker {src}", (src,))
             if left >= self._call:
                 raise CollectiveError(
                     f"{_TAG_NAMES[tag]} on worker {self.rank} gave up: worker {src} left the "

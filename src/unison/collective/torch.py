@@ -29,6 +29,13 @@ from unison.collective.checks import check_op, check_scatter_values, member, sha
 from unison.collective.shm import ShmCollectives
 from unison.errors import CollectiveError
 
+TORCH_SCATTER = 1
+"""The signature a torch scatter's ranks meet with at the shared-memory barrier. Where the
+backend is picked per value (a CUDA tensor takes torch in a scope on shared memory:
+collective/__init__.py), a rank that passed None while the source passed CUDA tensors runs
+the shared-memory scatter, which meets with 0: every rank raises CollectiveError, instead
+of each waiting for the other."""
+
 
 class TorchCollectives(Collectives):
     """One worker's torch.distributed backend; ``local`` supplies the barriers and the
@@ -131,9 +138,10 @@ class TorchCollectives(Collectives):
             like = mine[ranks.index(src_rank)]
         else:
             like = None
-        # the receivers learn the shape through shared memory, then torch moves the data
+        # the receivers learn the shape through shared memory, then torch moves the data;
+        # sig tells this from the shared-memory scatter, where a session picks per value
         like = self.local.broadcast(None if like is None else (like.shape, like.dtype), src, group,
-                                    kind="scatter")
+                                    kind="scatter", sig=TORCH_SCATTER)
         import torch
 
         dist, pg, _ = self._enter(group, "scatter", [], root=src)

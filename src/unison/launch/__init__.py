@@ -96,6 +96,14 @@ class Launcher(ABC):
         know). They use shared memory (channel.mixed); the others TCP. None by default."""
         return frozenset()
 
+    def nodes(self, num_workers: int, num_groups: int) -> Mapping[int, str]:
+        """Of a TCP launcher's workers, the host each will run on, as far as it knows (called
+        once, before ``start``; it may place the workers to know): rank -> a label, equal
+        for ranks on one host. Workers of one host share a collective segment, so a session
+        whose groups each sit on one host runs its group collectives on shared memory
+        (unison.collective.cluster). Ranks left out: unknown (the default: all)."""
+        return {}
+
     def describe(self, rank: int) -> str:
         """Where worker ``rank`` runs, for error messages ("" where nothing is worth
         saying, as for a local process)."""

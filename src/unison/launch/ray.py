@@ -271,17 +271,23 @@ class RayLauncher(Launcher):
     def local_ranks(self, num_workers: int, num_groups: int) -> frozenset[int]:
         """Place the workers now, and say which landed on the driver's node: those use
         shared memory (channel.mixed), the others TCP."""
-        self._place(num_workers, num_groups)
         here = _RAY.get_runtime_context().get_node_id()
+        nodes = self.nodes(num_workers, num_groups)
+        return frozenset(rank for rank, node in nodes.items() if node == here)
+
+    def nodes(self, num_workers: int, num_groups: int) -> dict[int, str]:
+        """Place the workers (once), and say on which Ray node each one's bundle is."""
+        self._place(num_workers, num_groups)
         size = num_workers // max(num_groups, 1)
-        local = set()
+        tables = [_RAY.util.placement_group_table(pg).get("bundles_to_node_id", {})
+                  for pg in self.groups]
+        out = {}
         for rank in range(num_workers):
-            pg = self.groups[rank // size] if num_groups > 1 else self.groups[0]
-            index = rank % size if num_groups > 1 else rank
-            nodes = _RAY.util.placement_group_table(pg).get("bundles_to_node_id", {})
-            if nodes.get(index) == here:
-                local.add(rank)
-        return frozenset(local)
+            table = tables[rank // size] if num_groups > 1 else tables[0]
+            node = table.get(rank % size if num_groups > 1 else rank)
+            if node:
+                out[rank] = str(node)
+        return out
 
     def _place(self, n: int, num_groups: int) -> None:
         """One placement group per unison group (or one for the session), ready; once."""

@@ -2,7 +2,9 @@
 segment, the cancellation board and the launcher's workers. Made in order, released in
 reverse, on every path:
 
-    Resources(...)   channel -> collective segment -> board   (a failure releases what was made)
+    Resources(...)   channel -> collective segment -> board   (a failure releases what was made;
+                     workers that join over TCP: the segment of the workers on this host,
+                     if the session's collectives use one, and torch's rendezvous store)
     start(specs)     launcher starts the workers; the channel learns which fds mean a death
     on_death(rank)   peers in a collective give up; the dead worker is described, its tree killed
     close(grace)     workers stopped (after grace); then ``before_release`` (read what they
@@ -15,6 +17,7 @@ import contextlib
 import dataclasses
 import os
 import pickle
+import secrets
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -43,30 +46,28 @@ class Resources:
         self._store: Any = None
         network = launcher.network()
         self.coll_spec: dict[str, Any] | None = None
-        if network is not None:  # workers elsewhere: TCP, and collectives through torch
+        self._coll_specs: list[dict[str, Any]] = []  # per rank, where the workers join over TCP
+        if network is not None:  # workers elsewhere: TCP (and shared memory beside us)
             if channel not in ("auto", "tcp"):
                 raise ValueError(
                     f"the {type(launcher).__name__}'s workers join over TCP: channel "
                     f"{channel!r} cannot reach them (leave channel='auto')")
             try:  # placing the workers may have taken cluster resources: give them back
-                self.chan: channels.Channel = _network_channel(
+                self.chan, local = _network_channel(
                     name, num_workers, num_groups, channel, launcher, network)
             except BaseException:
                 launcher.stop(0)
                 raise
-            if collectives == "torch":  # the rendezvous lives here, where every worker
-                try:  # can reach
-                    self._store = _torch_store(network.bind)
-                except BaseException:
-                    self.chan.close()
-                    launcher.stop(0)
-                    raise
-                self.coll_spec = {"backend": "cluster",
-                                  "store": f"{network.advertise}:{self._store.port}"}
-            else:
-                self.coll_spec = {"backend": "none", "why": (
-                    "the workers of this session join over TCP and share no memory: open it "
-                    "with Session(..., collectives='torch') for collectives across hosts")}
+            try:
+                self._coll_specs = self._cluster_collectives(
+                    name, num_workers, num_groups, collectives, launcher, network, local)
+            except BaseException:
+                if self.coll_fd >= 0:
+                    os.close(self.coll_fd)
+                    self.coll_fd = -1
+                self.chan.close()
+                launcher.stop(0)
+                raise
             return
         if channel == "tcp":
             raise ValueError("channel='tcp' is for launchers whose workers join over TCP "
@@ -86,6 +87,37 @@ class Resources:
             self.chan.close()
             raise
 
+    def _cluster_collectives(self, name: str, n: int, groups: int, collectives: str,
+                             launcher: Launcher, network: Network, local: frozenset[int]
+                             ) -> list[dict[str, Any]]:
+        """Each worker's collective spec where the workers join over TCP: shared memory for
+        the scopes that sit on one host, torch.distributed (collectives="torch") for the
+        rest (unison.collective.cluster). The workers on this host (``local``) get the
+        session's segment with their channel's fds; those of another host, a name under
+        which the host's first worker hands them its own (collective/rendezvous.py)."""
+        nodes = launcher.nodes(n, groups)
+        hosts = ["" if r in local else nodes.get(r) for r in range(n)]  # "": this host
+        shared = _shared(hosts, n // groups) if hasattr(os, "memfd_create") else None
+        store = None
+        if collectives == "torch":  # the rendezvous lives here, where every worker can reach
+            self._store = _torch_store(network.bind)
+            store = f"{network.advertise}:{self._store.port}"
+        base: dict[str, Any] = {"backend": "cluster", "store": store, "shared": shared}
+        if shared is None:
+            return [base] * n
+        token = secrets.token_hex(8)  # the rendezvous names: known only to the workers
+        out = []
+        for host in hosts:
+            if host == "":
+                if self.coll_fd < 0:
+                    self.coll_fd, _ = collective_shm.create(name, n, groups)
+                out.append({**base, "fd": self.coll_fd})
+            else:
+                first = hosts.index(host)
+                out.append({**base, "host": {"name": f"{name}-{token}-{first}", "first": first,
+                                             "peers": hosts.count(host) - 1}})
+        return out
+
     def specs(self, num_workers: int, num_groups: int,
               cpus: Mapping[int, list[int]]) -> list[WorkerSpec]:
         """What each worker needs to start (what its launcher gets)."""
@@ -94,11 +126,14 @@ class Resources:
         launch_endpoint = getattr(self.chan, "launch_endpoint", None)
         for rank in range(num_workers):
             chan_spec, fds = self.chan.endpoint(rank)
+            coll = self._coll_specs[rank] if self._coll_specs else self.coll_spec
             if launch_endpoint is not None:  # mixed: a local worker gets its fds on joining
+                if coll is not None and coll.get("fd") is not None:
+                    fds = [*fds, coll["fd"]]
                 spec = WorkerSpec(
                     rank=rank, world_size=num_workers, num_groups=num_groups,
                     channel=chan_spec, sys_path=sys_path(), cpus=cpus.get(rank),
-                    collective=self.coll_spec, fds=tuple(fds))
+                    collective=coll, fds=tuple(fds))
                 self._offers.append(spec)
                 out.append(dataclasses.replace(spec, channel=launch_endpoint(rank), fds=()))
                 continue
@@ -109,7 +144,7 @@ class Resources:
                 fds = [*fds, board]
             out.append(WorkerSpec(
                 rank=rank, world_size=num_workers, num_groups=num_groups, channel=chan_spec,
-                sys_path=sys_path(), cpus=cpus.get(rank), collective=self.coll_spec,
+                sys_path=sys_path(), cpus=cpus.get(rank), collective=coll,
                 fds=tuple(fds), cancel=board,
             ))
         return out
@@ -180,19 +215,34 @@ def sys_path() -> list[str]:
 
 
 def _network_channel(name: str, num_workers: int, num_groups: int, channel: str,
-                     launcher: Launcher, network: Network) -> channels.Channel:
+                     launcher: Launcher, network: Network
+                     ) -> tuple[channels.Channel, frozenset[int]]:
     """TCP for workers elsewhere; shared memory beside it for those on this host (where the
-    launcher says which they are, and ``channel`` is not "tcp")."""
+    launcher says which they are, and ``channel`` is not "tcp"). Also returns the ranks on
+    shared memory, which receive their fds on joining."""
     local = launcher.local_ranks(num_workers, num_groups) if channel != "tcp" else frozenset()
     if local and channels.shm_ok(len(local)):
         from unison.channel.mixed import MixedChannel
 
         return MixedChannel(num_workers, name, sorted(local), network.bind, network.advertise,
-                            network.secret, network.port)
+                            network.secret, network.port), local
     from unison.channel.tcp import TcpChannel
 
     return TcpChannel(num_workers, network.bind, network.advertise, network.secret,
-                      network.port)
+                      network.port), frozenset()
+
+
+def _shared(hosts: list[str | None], size: int) -> str | None:
+    """Which scopes sit on one host, given each rank's host (None: unknown): "world",
+    "groups" (each group on one, ``size`` ranks each) or None."""
+    def one(part: list[str | None]) -> bool:
+        return part[0] is not None and len(set(part)) == 1
+
+    if one(hosts):
+        return "world"
+    if all(one(hosts[g : g + size]) for g in range(0, len(hosts), size)):
+        return "groups"
+    return None
 
 
 def _free_address() -> str:
