@@ -149,13 +149,14 @@ class Snapshot:
         threads = {t.ident or 0 for t in threading.enumerate() if t.is_alive()}
         return cls(frozenset(fds), frozenset(threads), frozenset(children))
 
-    def beyond(self, base: Snapshot) -> list[str]:
-        """What is held now and was not in ``base``, in words."""
+    def beyond(self, base: Snapshot, exempt: set[int]) -> list[str]:
+        """What is held now and was not in ``base``, in words (but ``exempt`` processes)."""
         out = [f"fd {fd} -> {target}" for fd, target in sorted(self.fds - base.fds)
                if not target.startswith("/proc/")]  # listdir's own fd
         names = {t.ident: t.name for t in threading.enumerate()}
         out += [f"thread {names.get(t, t)}" for t in sorted(self.threads - base.threads)]
-        out += [f"process {p} {_cmdline(p)}" for p in sorted(self.children - base.children)]
+        out += [f"process {p} {_cmdline(p)}"
+                for p in sorted(self.children - base.children - exempt)]
         return out
 
 
@@ -197,7 +198,8 @@ class Chaos:
 
     def __init__(self, seed: int, *, channels: tuple[str, ...] = ("shm", "pipe"),
                  max_workers: int = 3, make_session: Callable[..., unison.Session] | None = None,
-                 controller_kills: bool = True, can_cancel: bool = True) -> None:
+                 controller_kills: bool = True, can_cancel: bool = True,
+                 exempt: Callable[[], set[int]] = set) -> None:
         self.seed = seed
         self.rng = np.random.default_rng(seed)
         self.channels = channels
@@ -205,6 +207,7 @@ class Chaos:
         self._make = make_session or (lambda n, ch: unison.Session(n, channel=ch))
         self.controller_kills = controller_kills
         self.can_cancel = can_cancel
+        self.exempt = exempt  # processes that come and go beside us (a Ray cluster's)
         self.sess: unison.Session | None = None
         self.held: dict[int, Held] = {}
         self.pids: list[int] = []
@@ -674,7 +677,7 @@ class Chaos:
     def check_left(self, base: Snapshot, when: str) -> None:
         deadline = time.monotonic() + LEAK_GRACE
         while True:
-            extra = Snapshot.now().beyond(base)
+            extra = Snapshot.now().beyond(base, self.exempt())
             if not extra:
                 return
             if time.monotonic() > deadline:

@@ -11,7 +11,7 @@ import pytest
 
 from chaos import Chaos
 
-ROUNDS = 300
+ROUNDS = 220
 TIME_LIMIT = 240.0
 """Seconds the rounds may take on a loaded 2-core machine (about 30 s when quiet)."""
 

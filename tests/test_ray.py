@@ -551,3 +551,24 @@ def test_a_worker_killed_in_a_group_collective_on_another_node(
     assert took < 2.0, took
     sess.close(timeout=1)
     assert wait_gone(pids, 5.0) == []
+
+
+def test_chaos_on_the_ray_launcher(
+    ray_cluster: RayCluster, ray_session: Callable[..., unison.Session]
+) -> None:
+    """tests/chaos.py's loop with Ray's actors: all on another node (TCP, their segment made
+    by their first worker) or all beside the driver (shared memory through the Unix
+    socket). Every round right or the right error in its bound, nothing left behind."""
+    from chaos import Chaos
+
+    def make(n: int, where: str) -> unison.Session:
+        return ray_session(n, launcher=RayLauncher(num_cpus=0.5, resources={where: 1},
+                                                   placement_timeout=30))
+
+    for where in ("n2", "head"):  # what Ray's driver opens lazily, opened before the count
+        make(1, where).close()
+    tally = Chaos(7, channels=("n2", "head"), max_workers=2, make_session=make,
+                  controller_kills=False, can_cancel=False,
+                  exempt=leaks._trees).run(40)
+    assert sum(tally.steps.values()) == 40
+    assert tally.sessions > 1
