@@ -148,7 +148,10 @@ static PyObject *Sender_pending(Sender *self, PyObject *positions) {
 /* collect(positions) -> (replies, more): every plain reply now in the rings, as (rank,
  * bytes) in each rank's order, positions[r] advanced and the space handed back (reply_read).
  * A rank stops at its first entry with flags (buffers, indirect, chunks): ``more`` is then
- * True and the caller's slow path reads on from positions[r]. */
+ * True and the caller's slow path reads on from positions[r]. The worker wrote these bytes:
+ * a rank also stops, the same way, at a position or an entry that breaks the format (past
+ * its ring, past its published position), which the slow path then reports; nothing is
+ * read outside the ring, and each step moves toward the published position. */
 static PyObject *Sender_collect(Sender *self, PyObject *positions) {
     if (!self->rring) { PyErr_SetString(PyExc_RuntimeError, "replies() was not called"); return NULL; }
     if (!PyList_Check(positions) || PyList_GET_SIZE(positions) != self->n) {
@@ -164,19 +167,25 @@ static PyObject *Sender_collect(Sender *self, PyObject *positions) {
         if (PyErr_Occurred()) goto fail;
         uint64_t end = __atomic_load_n(&q[self->rw_idx[r]], __ATOMIC_ACQUIRE);
         if (pos == end) continue;
+        if (end - pos > self->rring) { more = 1; continue; }  /* malformed: the slow path */
         while (pos != end) {
             uint64_t off = pos & (self->rring - 1);
             uint64_t head = *(uint64_t *)(self->base + self->rbase[r] + off);
-            if (head == WRAP) { pos += self->rring - off; continue; }
+            if (head == WRAP) {
+                if (self->rring - off > end - pos) { more = 1; break; }
+                pos += self->rring - off;
+                continue;
+            }
             if (head >> 32) { more = 1; break; }
-            uint64_t n = head & 0xFFFFFFFFu;
+            uint64_t n = head & 0xFFFFFFFFu, size = (8 + n + 7) & ~(uint64_t)7;
+            if (off + size > self->rring || size > end - pos) { more = 1; break; }
             PyObject *data = PyBytes_FromStringAndSize(self->base + self->rbase[r] + off + 8,
                                                        (Py_ssize_t)n);
             if (!data) goto fail;
             PyObject *item = Py_BuildValue("(iN)", r, data);
             if (!item || PyList_Append(out, item) < 0) { Py_XDECREF(item); goto fail; }
             Py_DECREF(item);
-            pos += (8 + n + 7) & ~(uint64_t)7;
+            pos += size;
         }
         PyObject *p = PyLong_FromUnsignedLongLong(pos);
         if (!p) goto fail;
@@ -260,7 +269,9 @@ static int Taker_init(Taker *self, PyObject *args, PyObject *kw) {
  * space handed back; (None, pos) when the ring is empty at pos (the caller waits); (False,
  * pos) when the entry at pos carries buffers or lies in the arena (the caller parses it).
  * Everything before pos has run: that is published first (done), waking the controller
- * if it waits on progress. Entries for other workers and wrap markers are skipped. */
+ * if it waits on progress. Entries for other workers and wrap markers are skipped. An entry
+ * or a position that breaks the format (past the ring, past the published position) is
+ * (False, pos) too: the caller's parser reports it. Nothing is read outside the ring. */
 static PyObject *Taker_take(Taker *self, PyObject *arg) {
     uint64_t pos = PyLong_AsUnsignedLongLong(arg);
     if (PyErr_Occurred()) return NULL;
@@ -271,17 +282,24 @@ static PyObject *Taker_take(Taker *self, PyObject *arg) {
             __atomic_thread_fence(__ATOMIC_SEQ_CST);
             if (__atomic_load_n(&q[self->ctl_done_idx], __ATOMIC_RELAXED)) wake(self->done_efd);
         }
-        if (__atomic_load_n(&q[0], __ATOMIC_ACQUIRE) == pos)
+        uint64_t end = __atomic_load_n(&q[0], __ATOMIC_ACQUIRE);
+        if (end == pos)
             return Py_BuildValue("(OK)", Py_None, (unsigned long long)pos);
+        if (end - pos > self->ring)  /* malformed: the caller's parser says so */
+            return Py_BuildValue("(OK)", Py_False, (unsigned long long)pos);
         uint64_t off = pos & (self->ring - 1);
         uint64_t *entry = (uint64_t *)(self->base + self->cmd_base + off);
         uint64_t head = entry[0];
         if (head == WRAP) {
+            if (self->ring - off > end - pos)
+                return Py_BuildValue("(OK)", Py_False, (unsigned long long)pos);
             pos += self->ring - off;  /* the next lap */
             continue;
         }
         uint64_t n = head & 0xFFFFFFFFu, meta = head >> 32;
         uint64_t size = (ENTRY + 7 + n + DESC * (meta & 0xFFFF)) & ~(uint64_t)7;
+        if (off + size > self->ring || size > end - pos)
+            return Py_BuildValue("(OK)", Py_False, (unsigned long long)pos);
         if (!(entry[1] & self->bit)) {
             pos += size;
             __atomic_store_n(&q[self->read_idx], pos, __ATOMIC_RELEASE);

@@ -111,10 +111,14 @@ class Arena:
                     spots.append((found[0], found[1], WRITABLE))
                 else:
                     block = self.alloc(mv.nbytes)
+                    # not counted until below: held, or the next buffer's alloc would
+                    # reclaim it (sent == done) and place that buffer on the same block
+                    block.held = True
                     spots.append((block, block.offset, 0))
         except MemoryError:
             for block, _, flags in spots:  # never counted: they go back at the next reclaim
                 if not flags:
+                    block.held = False
                     self._busy.remove(block)
                     self._free.setdefault(block.cap, []).append(block)
             raise
@@ -122,6 +126,7 @@ class Arena:
         for mv, (block, offset, flags) in zip(views, spots):
             if not flags:
                 self._map[offset : offset + mv.nbytes] = mv
+                block.held = False
             self._count(block.slot, ranks)
             out.append((offset, mv.nbytes, block.slot | flags))
         return out
@@ -245,6 +250,12 @@ class Arena:
         os.close(self.fd)
 
 
+class Malformed(OSError):
+    """Bytes another process wrote (an arena descriptor, a ring entry) that break the
+    format: nothing of them is used. An OSError, as a broken stream is everywhere in
+    unison (the pipe worker's reader ends on one, the TCP channel raises one)."""
+
+
 class ArenaReader:
     """A reader's side: turns descriptors into memory, and counts when that memory is gone.
 
@@ -256,6 +267,8 @@ class ArenaReader:
         self.fd = fd
         # no mmap.mmap: it would hold a duplicate of ``fd`` for as long as the reader lives
         self._counters = map_block(fd, 0, counters_size(num_readers), shared=True).cast("I")
+        self._low = counters_size(num_readers)  # where blocks may lie: [_low, _size)
+        self._size = os.fstat(fd).st_size
         self._base = 2 * rank + 1
         self._stride = 2 * num_readers
         self._shared = shared
@@ -263,8 +276,18 @@ class ArenaReader:
 
     def view(self, desc: tuple[int, int, int]) -> memoryview:
         offset, length, slot_flags = desc
+        slot = slot_flags & 0xFFFFFFFF
+        # the other process wrote it: a block past the file's end would be mapped fine and
+        # then kill us with SIGBUS at the first touch, a slot past the counters is an
+        # IndexError in a finalizer. O(1) checks, before anything is mapped or counted.
+        if (slot >= SLOTS or slot_flags >> 33 or offset < self._low or length < 0
+                or length > self._size - offset):
+            raise Malformed(
+                f"an arena descriptor that points outside the arena: offset {offset}, "
+                f"{length} bytes, slot and flags {slot_flags:#x} (blocks lie in bytes "
+                f"{self._low}..{self._size}, slots below {SLOTS})")
         shared = self._shared or bool(slot_flags & WRITABLE)
-        done = (slot_flags & 0xFFFFFFFF) * self._stride + self._base
+        done = slot * self._stride + self._base
         if not length:
             self._done(done)
             return memoryview(bytearray())

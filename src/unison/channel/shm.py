@@ -51,6 +51,18 @@ pickle too, when that is over a quarter of the reply ring). The controller maps 
 fetched array lies on the very pages the worker wrote, copied once; a block is reused only
 once the controller's arrays over it are gone, so a result stays valid whatever the worker
 does next.
+
+Bytes from the other side. Every word a reader takes from the other process is checked
+before it is used, in C and in Python alike, with O(1) comparisons: a published position
+at most a ring ahead, an entry inside its ring and below that position, known flags,
+descriptors inside the arena (ArenaReader.view). So no input makes a reader read outside
+a ring, map past the arena's end (SIGBUS), loop or replay stale entries. A controller that
+meets a malformed reply ends that worker's stream there, as a closed TCP connection does:
+``(rank, None)`` after the replies before it, the reason in ``where(rank)``; the session
+then kills the worker and raises WorkerDied. A worker that meets a malformed command
+raises ``Malformed`` (an OSError) and leaves. What a well-framed entry carries is unpickled
+as it is: the workers run the user's own code and are trusted like it
+(tests/test_ring_fuzz.py says what is checked and what is not).
 """
 
 from __future__ import annotations
@@ -64,7 +76,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from unison.channel import Channel, Reply, WorkerChannel
-from unison.channel.arena import Arena, ArenaReader, create_file
+from unison.channel.arena import Arena, ArenaReader, Malformed, create_file
 from unison.channel.ring import Ring
 from unison.pacing import LONG_YIELD, Pacer, crowd, spin
 
@@ -97,6 +109,7 @@ _OOB = 1  # entry flag: the payload is a descriptor of an arena block
 _MORE = 1 << 32  # reply flag: more chunks of this message follow
 _INDIRECT = 1 << 33  # reply flag: the body is one descriptor of an arena block holding it
 _NDESC = 40  # reply head: the body's number of buffer descriptors, from this bit up
+_REPLY_BAD = (1 << _NDESC) - (1 << 34)  # reply head: bits no writer sets
 _ENTRY = 16  # command entry header bytes
 _CTL_SLEEP = _LINE // 8  # index of the controller's sleeping flag (waiting for replies)
 _CTL_DONE = _CTL_SLEEP + 1  # index of its flag "waiting for workers' progress"
@@ -172,6 +185,7 @@ class ShmChannel(Channel):
         self._limit = CMD_RING  # cmd_write may grow up to here without re-reading cmd_read
         self._reply_pos = [0] * num_workers
         self._partial: list[list[bytes]] = [[] for _ in range(num_workers)]
+        self._broken: dict[int, str] = {}  # rank -> what was malformed in its reply ring
         self._backlog: list[tuple[int, bytes | Reply | None]] = []
         self._rx_lock = threading.Lock()
         self._watch: list[int] = []
@@ -412,11 +426,11 @@ class ShmChannel(Channel):
         return self._take()
 
     def _has_reply(self) -> bool:
-        if self._fast is not None:  # in C
+        if self._fast is not None and not self._broken:  # in C
             return self._fast.pending(self._reply_pos) or bool(self._backlog)
         q, pos = self._q, self._reply_pos
         for r, i in enumerate(self._rw_idx):
-            if q[i] != pos[r]:
+            if q[i] != pos[r] and r not in self._broken:
                 return True
         return bool(self._backlog)
 
@@ -432,7 +446,7 @@ class ShmChannel(Channel):
     def _collect(self) -> list[tuple[int, bytes | Reply | None]]:
         """Read every complete reply now in the rings; caller holds the rx lock. Plain ones
         in C, where it was built, unless a rank is in the middle of a chunked reply."""
-        if self._fast is not None and not any(self._partial):
+        if self._fast is not None and not any(self._partial) and not self._broken:
             plain, more = self._fast.collect(self._reply_pos)
             out = cast("list[tuple[int, bytes | Reply | None]]", plain)
             if more:  # a rank stopped at a reply with buffers or chunks: read on below
@@ -441,25 +455,47 @@ class ShmChannel(Channel):
         return self._collect_py()
 
     def _collect_py(self) -> list[tuple[int, bytes | Reply | None]]:
+        """The replies in the rings, read in Python. A worker wrote them: an entry that
+        breaks the format (a position or a size past what its ring holds, unknown flags, a
+        descriptor outside its arena) ends that worker's stream, as a closed TCP connection
+        does: ``(rank, None)`` once, after the replies before it; ``where`` says why."""
         out: list[tuple[int, bytes | Reply | None]] = []
-        q, buf, lay = self._q, self._buf, self._lay
+        q, buf, lay, broken = self._q, self._buf, self._lay, self._broken
         for r, wi in enumerate(self._rw_idx):
             pos, end = self._reply_pos[r], q[wi]
-            if pos == end:
+            if pos == end or r in broken:
                 continue
             base = lay.reply_ring[r]
+            problem = ""
+            if not 0 < end - pos <= REPLY_RING:
+                problem = f"its reply position went from {pos} to {end}"
+                end = pos
             while pos != end:
                 off = pos & _REPLY_MASK
                 head = q[(base + off) // 8]
                 if head == _WRAP:
+                    if _REPLY.next_lap(pos) > end:
+                        problem = f"a wrap marker at {pos}, past its reply position {end}"
+                        break
                     pos = _REPLY.next_lap(pos)
                     continue
                 n = head & 0xFFFFFFFF
+                size = _align8(8 + n)
+                if off + size > REPLY_RING or pos + size > end or head & _REPLY_BAD:
+                    problem = (f"an entry at {pos} with header {head:#x}, its reply position "
+                               f"at {end}")
+                    break
                 start = base + off + 8
-                pos += _align8(8 + n)
                 if head >> _NDESC or head & _INDIRECT:
-                    out.append((r, self._unpack_reply(r, head, buf[start : start + n])))
+                    try:
+                        reply = self._unpack_reply(r, head, buf[start : start + n])
+                    except OSError as exc:  # Malformed, or a mapping that failed
+                        problem = f"the entry at {pos}: {exc}"
+                        break
+                    pos += size
+                    out.append((r, reply))
                     continue
+                pos += size
                 chunk = bytes(buf[start : start + n])
                 if head & _MORE:
                     self._partial[r].append(chunk)
@@ -471,19 +507,37 @@ class ShmChannel(Channel):
                 out.append((r, chunk))
             self._reply_pos[r] = pos
             q[self._rr_idx[r]] = pos  # hand the space back
+            if problem:
+                broken[r] = f"its reply ring held bytes that break the format ({problem})"
+                self._partial[r] = []
+                out.append((r, None))
         return out
 
     def _unpack_reply(self, rank: int, head: int, body: memoryview) -> Reply:
         """A reply whose buffers (or whole body) lie in worker ``rank``'s reply arena: map
-        them now, so that the blocks are counted as done whenever the reply is dropped."""
+        them now, so that the blocks are counted as done whenever the reply is dropped.
+        Raises Malformed (nothing of it kept) where the entry breaks the format."""
+        if head & _MORE or self._partial[rank]:
+            raise Malformed("a reply with buffers inside a chunked one")
         reader = self._readers[rank]
         if head & _INDIRECT:
+            if len(body) != _DESC:
+                raise Malformed(f"an indirect reply of {len(body)} bytes, not one descriptor")
             body = reader.view(_unpack_descs(body, 1)[0])
         ndesc = head >> _NDESC
+        if _DESC * ndesc > len(body):
+            raise Malformed(f"{ndesc} buffer descriptors in a body of {len(body)} bytes")
         descs = _unpack_descs(body, ndesc) if ndesc else []
         payload = body[_DESC * ndesc :]
         data = payload if head & _INDIRECT else payload.tobytes()
         return Reply(data, [reader.view(d) for d in descs])
+
+    def ended(self) -> int | None:
+        """A worker whose reply ring held a malformed entry (its stream ended there)."""
+        return next(iter(self._broken), None)
+
+    def where(self, rank: int) -> str:
+        return self._broken.get(rank, "")
 
     def close(self) -> None:
         if self._closed:
@@ -551,32 +605,46 @@ class ShmWorkerChannel(WorkerChannel):
                 return payload, _NO_VIEWS
 
     def _recv(self) -> tuple[bytes | memoryview, list[Any]] | None:
+        """The next entry, read in Python (also where C found one with buffers, or one
+        that breaks the format). Raises Malformed (an OSError: the worker leaves, as on a
+        broken TCP stream) where the controller's bytes do."""
         q, base = self._q, self._cmd_base
         pos = self._pos
         self._progress(pos)  # everything before pos has run
         while True:
-            if q[0] == pos:
+            end = q[0]
+            if end == pos:
                 if q[self._done_idx] != pos:  # skipped commands for others: done too
                     self._progress(pos)
                 self._wait(pos)
+                continue
+            if not 0 < end - pos <= CMD_RING:
+                raise _bad_command(pos, end, f"the command position went to {end}")
             off = pos & _CMD_MASK
             i = (base + off) >> 3
             head = q[i]
             if head == _WRAP:
+                if _CMD.next_lap(pos) > end:
+                    raise _bad_command(pos, end, "a wrap marker past the command position")
                 pos = _CMD.next_lap(pos)
                 continue
             n, meta = head & 0xFFFFFFFF, head >> 32
             nbufs = meta & 0xFFFF
             size = (_ENTRY + 7 + n + _DESC * nbufs) & ~7  # _entry_size, inlined
+            if off + size > CMD_RING or pos + size > end:
+                raise _bad_command(pos, end, f"an entry with header {head:#x}")
             if not q[i + 1] & self._bit:
                 pos += size
                 self._pos = q[self._read_idx] = pos
                 continue
             body = base + off + _ENTRY
-            payload: bytes | memoryview = self._buf[body : body + n].tobytes()
             if not meta:
+                payload: bytes | memoryview = self._buf[body : body + n].tobytes()
                 self._pos = q[self._read_idx] = pos + size  # the ring space is free again
                 return payload, _NO_VIEWS
+            if meta >> 16 & ~_OOB or (meta >> 16 & _OOB and n != _DESC):
+                raise _bad_command(pos, end, f"an entry with header {head:#x}")
+            payload = self._buf[body : body + n].tobytes()
             descs = _unpack_descs(self._buf[body + n : body + n + _DESC * nbufs], nbufs)
             self._pos = q[self._read_idx] = pos + size
             if meta >> 16 & _OOB:
@@ -733,6 +801,11 @@ def _pack_descs(descs: Sequence[tuple[int, int, int]]) -> bytes:
 def _unpack_descs(data: bytes | memoryview, count: int) -> list[tuple[int, int, int]]:
     q = memoryview(data)[: _DESC * count].cast("Q")
     return [(q[3 * i], q[3 * i + 1], q[3 * i + 2]) for i in range(count)]
+
+
+def _bad_command(pos: int, end: int, what: str) -> Malformed:
+    return Malformed(f"the command ring holds bytes that break the format at position {pos} "
+                     f"(the controller's position is {end}): {what}")
 
 
 def _drain_eventfd(fd: int) -> None:
