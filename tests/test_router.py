@@ -66,6 +66,10 @@ class Owner:
     def interrupted(self) -> None:
         pass
 
+    def out_of_step(self, rank: int) -> BaseException:
+        self.closed = True
+        return OutOfStep(f"worker {rank} sent a reply nobody asked for")
+
 
 def make(n: int = 2) -> tuple[Router, MemoryChannel, UnreportedErrors, Owner]:
     chan, errors, owner = MemoryChannel(), UnreportedErrors(), Owner()
@@ -198,6 +202,27 @@ def test_a_reply_for_another_request_is_never_taken():
         router.decode(req, (0,))
 
 
+def test_an_ack_where_a_value_is_expected_is_never_taken_for_one():
+    router, chan, _, _ = make(1)
+    req = Request(4, 1)
+    router.expect(req, (0,))
+    chan.ack(0)
+    router.wait(req, None, "testing")
+    with pytest.raises(OutOfStep, match="acknowledgement where a value was expected"):
+        router.decode(req, (0,), values=True)
+
+
+def test_a_reply_that_no_request_waits_for_closes_the_session():
+    router, chan, _, owner = make(2)
+    req = Request(1, 1)
+    router.expect(req, (1,))
+    chan.reply(0, 7, OK, "nobody asked")  # worker 0 owes nothing
+    chan.reply(1, 1, OK, "yours")
+    with pytest.raises(OutOfStep, match="worker 0"):
+        router.wait(req, None, "testing")
+    assert owner.closed
+
+
 def test_a_request_that_could_not_be_sent_is_forgotten():
     router, chan, _, _ = make(2)
     lost, kept = Request(1, 2), Request(2, 2)
@@ -234,3 +259,25 @@ def test_the_unreported_store_reports_each_error_once_earliest_first():
     with pytest.warns(RuntimeWarning, match=r"call #8 of f raised ValueError: lost"):
         errors.warn_all("a session")
     assert errors.pop_earliest() is None
+
+
+def _send_an_extra_ack() -> int:
+    """Worker code that writes to its own channel (never done by unison): an ack before the
+    run's reply."""
+    import gc
+
+    from unison.channel import WorkerChannel
+
+    chan = next(o for o in gc.get_objects() if isinstance(o, WorkerChannel))
+    chan.reply(b"")
+    return 1
+
+
+def test_a_worker_that_answers_twice_never_gives_a_wrong_value(make_session):
+    import unison
+
+    sess = make_session(1)
+    with pytest.raises(unison.SessionClosed, match="out of step"):
+        sess.run(_send_an_extra_ack, timeout=30)
+    with pytest.raises(unison.SessionClosed):
+        sess.run(int, timeout=30)

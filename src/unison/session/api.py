@@ -492,7 +492,7 @@ class Session(View):
         """A completed GET's or run's values in rank order, or the WorkerError (or
         CancelledError) their errors make."""
         values, errors = [], {}
-        for rank, (status, payload) in zip(ranks, self._decode(req, ranks)):
+        for rank, (status, payload) in zip(ranks, self._decode(req, ranks, True)):
             if status == OK:
                 values.append(payload)
             else:
@@ -697,9 +697,10 @@ class Session(View):
             self._send_lock.release()
         return req
 
-    def _decode(self, req: Request, ranks: tuple[int, ...]) -> list[tuple[int, Any]]:
+    def _decode(self, req: Request, ranks: tuple[int, ...], values: bool = False
+                ) -> list[tuple[int, Any]]:
         try:
-            return self._router.decode(req, ranks)
+            return self._router.decode(req, ranks, values=values)
         except OutOfStep as exc:
             self._shutdown(0)
             raise SessionClosed(str(exc)) from None
@@ -854,6 +855,14 @@ class Session(View):
     def interrupted(self) -> None:
         """Ctrl-C during a wait: stop the workers now, quietly."""
         self._shutdown(0)
+
+    def out_of_step(self, rank: int) -> BaseException:
+        """A reply that no request waits for (its worker's stream is out of step): taking
+        it for another call would be a wrong result, so the session closes."""
+        self._shutdown(0)
+        return SessionClosed(
+            f"worker {rank} sent a reply that no request was waiting for: the replies are "
+            "out of step, so the session was closed. Please report this.")
 
     def _stacks(self, ranks: tuple[int, ...], timeout: float) -> _debug_stacks.Stacks:
         self.check_open()

@@ -77,6 +77,10 @@ class RouterOwner(Protocol):
     def interrupted(self) -> None:
         """Ctrl-C during a wait: stop the workers."""
 
+    def out_of_step(self, rank: int) -> BaseException:
+        """Worker ``rank`` sent a reply no request waits for: close the session; the error
+        to raise."""
+
 
 class Router:
     """Matches replies to requests for one session, from any number of waiting threads."""
@@ -154,12 +158,19 @@ class Router:
             self._owner.interrupted()
             raise
 
-    def decode(self, req: Request, ranks: Sequence[int]) -> list[tuple[int, Any]]:
-        """Each rank's (status, payload) of a completed request, in ``ranks`` order."""
+    def decode(self, req: Request, ranks: Sequence[int], *, values: bool = False
+               ) -> list[tuple[int, Any]]:
+        """Each rank's (status, payload) of a completed request, in ``ranks`` order. With
+        ``values`` (a GET or a run), an empty ack is out of step: it is no value."""
         out = []
         for r in ranks:
             raw = req.replies[r]
             if not raw:  # an ack: done, nothing to report
+                if values:
+                    raise OutOfStep(
+                        f"worker {r} answered request {req.req_id} with an acknowledgement "
+                        "where a value was expected: the replies are out of step, so the "
+                        "session was closed. Please report this.")
                 out.append((OK, ()))
                 continue
             try:
@@ -217,7 +228,10 @@ class Router:
             for rank, data in batch:  # _deliver, inlined: this is the hot path
                 if data is None:
                     raise owner.died(during, rank)
-                p = expect[rank].popleft()
+                waiting = expect[rank]
+                if not waiting:  # never guess whose reply it is
+                    raise owner.out_of_step(rank)
+                p = waiting.popleft()
                 p.replies[rank] = data
                 p.remaining -= 1
                 if tracer is not None:
@@ -231,7 +245,10 @@ class Router:
                     self._cv.notify_all()
 
     def _deliver(self, rank: int, data: bytes | Reply) -> None:
-        p = self._expect[rank].popleft()
+        waiting = self._expect[rank]
+        if not waiting:
+            raise self._owner.out_of_step(rank)
+        p = waiting.popleft()
         p.replies[rank] = data
         p.remaining -= 1
         if self.tracer is not None:
@@ -255,8 +272,10 @@ class Router:
                 if data is None:
                     self.fail_all(self._owner.died("waiting for replies", rank))
                     return
-                if self._expect[rank]:
-                    self._deliver(rank, data)
+                if not self._expect[rank]:
+                    self.fail_all(self._owner.out_of_step(rank))
+                    return
+                self._deliver(rank, data)
         finally:
             self._recv_lock.release()
             if self._followers:
