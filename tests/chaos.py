@@ -4,8 +4,9 @@
 
 Each round draws one step from the seed's generator and checks its outcome:
 
-    operation (call, run, put, scatter, get, gather, collective, free, await, cancel,
-               await abandoned by wait_for, sync, session closed and opened again)
+    operation (call, run, put (one array or two), scatter, get, gather, collective, free,
+               await, cancel, await abandoned by wait_for, sync, session closed and opened
+               again)
         -> the result equals what a model of the workers' registers says it must, exactly
     fault     (SIGKILL or SIGSTOP of a worker, a worker that exits by itself, an exception
                in a worker or while pickling its result, a rank that leaves a collective,
@@ -256,7 +257,8 @@ class Chaos:
         """Each step with its weight: mostly operations, about one fault in six."""
         steps: dict[str, tuple[float, Callable[[], None]]] = {
             "call": (8, self.op_call), "run": (8, self.op_run), "put": (5, self.op_put),
-            "scatter": (4, self.op_scatter), "gather": (8, self.op_gather),
+            "put a pair": (2, self.op_put_pair), "scatter": (4, self.op_scatter),
+            "gather": (8, self.op_gather),
             "get": (4, self.op_get), "call on a Ref": (4, self.op_call_on_ref),
             "allreduce": (4, self.op_allreduce), "allgather": (3, self.op_allgather),
             "free": (6, self.op_free), "await": (4, self.op_await),
@@ -347,6 +349,15 @@ class Chaos:
         value = np.arange(size, dtype=np.int64) * self._value()
         self._keep(self.sess.put(value), [value] * len(self._workers()))
 
+    def op_put_pair(self) -> None:
+        """Two arrays in one message: each on its own block (two buffers once landed on one,
+        when no free block of their size was left)."""
+        assert self.sess is not None
+        size = int(self.rng.choice([10_000, 300_000]))
+        x = self._value()
+        value = (np.full(size, x, dtype=np.int64), np.full(size, x + 1, dtype=np.int64))
+        self._keep(self.sess.put(value), [value] * len(self._workers()))
+
     def op_scatter(self) -> None:
         assert self.sess is not None
         values = [self._value() for _ in self._workers()]
@@ -370,7 +381,8 @@ class Chaos:
     def op_call_on_ref(self) -> None:
         assert self.sess is not None
         picked = self._pick()
-        if picked is None or len(picked[1].ref.workers) != len(self._workers()):
+        if (picked is None or len(picked[1].ref.workers) != len(self._workers())
+                or isinstance(picked[1].expected[0], tuple)):
             return self.op_call()
         held = picked[1]
         self._keep(self.sess.call(plus_one, held.ref), [v + 1 for v in held.expected])
@@ -640,9 +652,7 @@ class Chaos:
         raise ChaosFailure(f"seed {self.seed}, round {self.round}, {self.what}: {why}")
 
     def expect_equal(self, got: list[Any], expected: list[Any]) -> None:
-        if len(got) != len(expected) or not all(
-                np.array_equal(g, e) if isinstance(e, np.ndarray) else g == e
-                for g, e in zip(got, expected)):
+        if len(got) != len(expected) or not all(_same(g, e) for g, e in zip(got, expected)):
             self.fail(f"wrong result: got {_short(got)}, expected {_short(expected)}")
 
     def within(self, started: float, bound: float, fault: str) -> None:
@@ -708,6 +718,15 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.02)
+
+
+def _same(got: Any, expected: Any) -> bool:
+    if isinstance(expected, np.ndarray):
+        return isinstance(got, np.ndarray) and np.array_equal(got, expected)
+    if isinstance(expected, tuple):
+        return (isinstance(got, tuple) and len(got) == len(expected)
+                and all(_same(g, e) for g, e in zip(got, expected)))
+    return bool(got == expected)
 
 
 def _short(values: list[Any]) -> str:
