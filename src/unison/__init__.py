@@ -5,6 +5,8 @@
         ref.gather()                 # every worker's value, in rank order
 """
 
+from typing import TYPE_CHECKING, Any
+
 from unison.cancel import Cancelled
 from unison.collective import (
     allgather,
@@ -30,8 +32,10 @@ from unison.errors import (
     WorkerError,
 )
 from unison.refs import Ref
-from unison.session import Session, View
 from unison.worker import cancelled, group, group_rank, group_size, rank, world_size
+
+if TYPE_CHECKING:
+    from unison.session import Session, View
 
 __version__ = "0.1.0"
 
@@ -66,3 +70,19 @@ __all__ = [
     "send_to_next_group",
     "world_size",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Session and View, imported on first use: a worker imports this package too, and
+    never needs the controller's side (asyncio, the router, the function cache)."""
+    if name in ("Session", "View"):
+        from unison import session
+
+        value = getattr(session, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'unison' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | {"Session", "View"})

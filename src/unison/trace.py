@@ -22,10 +22,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import statistics
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -250,7 +249,7 @@ class Trace:
                 continue
             full += 1
             last_in[max(by_rank, key=by_rank.__getitem__)] += 1
-            middle = statistics.median(by_rank.values())
+            middle = _median(by_rank.values())
             for rank, enter in by_rank.items():
                 late[rank] += max(0, int(enter - middle))
         straggler = None
@@ -260,7 +259,7 @@ class Trace:
             if worst * 2 > total:  # more than all the others' lateness together
                 straggler = rank
         per_rank = {r: {"calls": float(len(d)), "busy_ms": sum(d),
-                        "median_call_ms": statistics.median(d), "max_call_ms": max(d)}
+                        "median_call_ms": _median(d), "max_call_ms": max(d)}
                     for r, d in per.items() if d}
         slowest = sorted(((f"{names[k]} (ref {k[0]}, request {k[1]})",
                            (max(e for _, e in v) - min(s for s, _ in v)) / 1e6)
@@ -277,7 +276,7 @@ class Trace:
             return
         medians = {r: row["median_call_ms"] for r, row in stats.per_rank.items()}
         for rank, m in sorted(medians.items()):
-            middle = statistics.median(v for r, v in medians.items() if r != rank)
+            middle = _median(v for r, v in medians.items() if r != rank)
             if middle > 0 and m > factor * middle:
                 log.warning("unison: worker %d is slow: its median call took %.3f ms, %.1fx "
                             "the median of the other workers (%.3f ms)", rank, m, m / middle,
@@ -289,3 +288,11 @@ def _size(data: Any) -> int:
     if isinstance(data, tuple):
         return len(data[0]) + sum(memoryview(b).nbytes for b in data[1])
     return memoryview(data).nbytes
+
+
+def _median(values: Iterable[float]) -> float:
+    """statistics.median, without importing statistics (and with it fractions, decimal and
+    random) into every worker."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
