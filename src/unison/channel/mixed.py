@@ -91,10 +91,16 @@ class MixedChannel(Channel):
         if fds:
             for fd in select.select(list(fds), [], [], 0)[0]:
                 return fds[fd]
+        broken = self.shm.ended()  # a local worker whose reply ring broke the format
+        if broken is not None:
+            return self.local[broken]
         return self.tcp.ended()
 
     def where(self, rank: int) -> str:
-        return "on the controller's host" if rank in self._index else self.tcp.where(rank)
+        if rank not in self._index:
+            return self.tcp.where(rank)
+        why = self.shm.where(self._index[rank])
+        return f"on the controller's host; {why}" if why else "on the controller's host"
 
     # -- traffic -------------------------------------------------------------------------------
 
