@@ -234,3 +234,31 @@ def test_idle_session_uses_no_cpu(sess: unison.Session) -> None:
 def test_no_dev_shm_entry_while_running(sess: unison.Session) -> None:
     sess.put(np.ones(1 << 20)).free()
     assert not [n for n in os.listdir("/dev/shm") if "unison" in n]
+
+
+def _shrink_every_shared_file() -> dict[str, str]:
+    """Worker code: try to truncate every memfd the session gave this worker."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:unison-") and "-stacks" not in target:
+            try:
+                os.ftruncate(int(name), 0)
+                out[target] = "shrunk"
+            except PermissionError:
+                out[target] = "refused"
+    return out
+
+
+def test_a_worker_cannot_shrink_the_memory_the_controller_maps(sess: unison.Session) -> None:
+    """A truncated mapping is a SIGBUS at the next touch: every memfd is sealed against
+    shrinking (the command ring, the arenas, the collective segment, the cancel board)."""
+    got = sess.run(_shrink_every_shared_file, timeout=30)
+    for files in got:
+        for kind in ("-ctl ", "-arena ", "-coll ", "-cancel ", "-reply"):
+            assert any(kind in name for name in files), (kind, files)
+        assert set(files.values()) == {"refused"}, files
+    assert sess.run(unison.rank, timeout=30) == [0, 1]  # nothing was lost

@@ -32,6 +32,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from unison.channel.arena import sealed_memfd
+
 __all__ = ["SIGNAL", "Board", "Cancelled"]
 
 SLOTS = 256
@@ -62,8 +64,7 @@ class Board:
         size = 8 * (_RUNNING + _LINE * num_workers)
         self.owner = fd < 0
         if self.owner:
-            fd = os.memfd_create(f"{name}-cancel", os.MFD_CLOEXEC)
-            os.ftruncate(fd, size)
+            fd = sealed_memfd(f"{name}-cancel", size)
         self.fd = fd
         self._mm = mmap.mmap(fd, size)
         self._q = memoryview(self._mm).cast("Q")

@@ -25,6 +25,7 @@ fetched arrays must not run out of descriptors.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import pickle
@@ -57,8 +58,19 @@ def default_size() -> int:
 
 def create_file(name: str, num_readers: int, size: int | None = None) -> int:
     """A new arena file: its fd (close-on-exec; pass it to the other side explicitly)."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    os.ftruncate(fd, counters_size(num_readers) + (size or default_size()))
+    return sealed_memfd(name, counters_size(num_readers) + (size or default_size()))
+
+
+def sealed_memfd(name: str, size: int) -> int:
+    """A memfd of ``size`` bytes that nobody can shrink: a process that maps shared memory
+    another one could truncate would take a SIGBUS at its next touch of the lost pages."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 

@@ -76,7 +76,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from unison.channel import Channel, Reply, WorkerChannel
-from unison.channel.arena import Arena, ArenaReader, Malformed, create_file
+from unison.channel.arena import Arena, ArenaReader, Malformed, create_file, sealed_memfd
 from unison.channel.ring import Ring
 from unison.pacing import LONG_YIELD, Pacer, crowd, spin
 
@@ -169,8 +169,7 @@ class ShmChannel(Channel):
             )
         self.n = num_workers
         self._lay = lay = _Layout(num_workers)
-        self._fd = os.memfd_create(f"{name}-ctl", os.MFD_CLOEXEC)
-        os.ftruncate(self._fd, lay.size)
+        self._fd = sealed_memfd(f"{name}-ctl", lay.size)
         self._mm = mmap.mmap(self._fd, lay.size)
         self._buf = memoryview(self._mm)
         self._q = self._buf.cast("Q")

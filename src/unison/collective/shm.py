@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from unison import protocol
+from unison.channel.arena import sealed_memfd
 from unison.collective.base import Collectives
 from unison.collective.checks import (
     CallScope,
@@ -128,9 +129,7 @@ class Layout:
 def create(name: str, n: int, groups: int) -> tuple[int, Layout]:
     """The controller's part: the segment, as an fd for the workers to inherit."""
     lay = Layout(n, groups)
-    fd = os.memfd_create(f"{name}-coll", os.MFD_CLOEXEC)
-    os.ftruncate(fd, lay.size)
-    return fd, lay
+    return sealed_memfd(f"{name}-coll", lay.size), lay
 
 
 def abort(fd: int, dead: int) -> None:
