@@ -192,6 +192,9 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                 started = _trace._clock()
             try:
                 try:
+                    # before enter() says we run it: the controller signals a call it sees
+                    # running once, and a signal that found no current call would be lost
+                    _current[0] = ref_id
                     if board is not None and board.enter(me, ref_id):
                         raise Cancelled(f"call #{ref_id} was cancelled before it started")
                     if isinstance(fn, Failed):
@@ -201,7 +204,6 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                             "sys.path and cwd), or define it in the script that drives the "
                             "session"
                         )
-                    _current[0] = ref_id  # from here the cancellation signal may raise
                     if blob is None:
                         value = fn()  # type: ignore[misc]
                     elif type(blob) is tuple:  # plain positional values, inside the message
