@@ -246,7 +246,12 @@ class Chaos:
         name = names[int(self.rng.choice(len(names), p=weights / weights.sum()))]
         self.what = name
         self.tally.step(name)
-        steps[name][1]()
+        try:
+            steps[name][1]()
+        except ChaosFailure:
+            raise
+        except Exception as exc:  # an error no rule allows: say where, to replay it
+            self.fail(f"{type(exc).__name__}: {exc}")
         if self.sess is not None:
             self.check_registers()
             self.check_left(self.open_base, "with the session open")
