@@ -211,3 +211,22 @@ def marked_lines(path: str) -> dict[str, int]:
             if m:
                 out[m.group(1)] = n
     return out
+
+
+def collective_backend(group: bool) -> str:
+    """Run on a worker: the backend a CPU collective of that scope runs on ("none" where
+    the session has none for it)."""
+    from unison import collective
+
+    try:
+        return type(collective._choose(group)).__name__
+    except unison.CollectiveError:
+        return "none"
+
+
+class Box:
+    """An object only the shared-memory collectives can carry (torch's take tensors)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.lam = lambda: rank * 10

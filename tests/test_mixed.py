@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import unison
-from support import channel_kind, wait_gone, warm_torch_store
+from support import Box, channel_kind, collective_backend, wait_gone, warm_torch_store
 from unison import WorkerDied
 from unison.launch import DeathReport, Launcher, Network, connect_command
 from unison.spec import WorkerSpec
@@ -137,24 +137,6 @@ def test_collectives_in_a_mixed_session_go_through_torch():
         launcher.stop(0)
 
 
-def backend(group: bool) -> str:
-    """Run on a worker: the backend a CPU collective of that scope runs on."""
-    from unison import collective
-
-    try:
-        return type(collective._choose(group)).__name__
-    except unison.CollectiveError:
-        return "none"
-
-
-class Box:
-    """An object only the shared-memory collectives can carry (torch's take tensors)."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.lam = lambda: rank * 10
-
-
 def group_collectives() -> tuple[list[int], list[float], dict[str, int], int]:
     r, g = unison.rank(), unison.group()
     boxes = unison.allgather(Box(r), group=True)
@@ -188,8 +170,8 @@ def two_hosts() -> Iterator[Callable[..., unison.Session]]:
 def test_groups_each_on_one_host_run_group_collectives_on_shared_memory(two_hosts):
     sess = two_hosts()
     assert sess.run(channel_kind) == ["ShmWorkerChannel"] * 2 + ["TcpWorkerChannel"] * 2
-    assert sess.run(backend, True) == ["ShmCollectives"] * 4
-    assert sess.run(backend, False) == ["none"] * 4  # the world spans hosts, no torch
+    assert sess.run(collective_backend, True) == ["ShmCollectives"] * 4
+    assert sess.run(collective_backend, False) == ["none"] * 4  # the world spans hosts, no torch
     out = sess.run(group_collectives)
     assert [o[0] for o in out] == [[0, 10]] * 2 + [[20, 30]] * 2
     assert [o[1] for o in out] == [[1.0] * 3] * 2 + [[5.0] * 3] * 2
@@ -210,8 +192,8 @@ def test_with_torch_the_world_goes_through_torch_and_the_groups_stay_on_shared_m
         two_hosts):
     torch = pytest.importorskip("torch")
     sess = two_hosts(collectives="torch")
-    assert sess.run(backend, True) == ["ShmCollectives"] * 4
-    assert sess.run(backend, False) == ["ClusterCollectives"] * 4
+    assert sess.run(collective_backend, True) == ["ShmCollectives"] * 4
+    assert sess.run(collective_backend, False) == ["ClusterCollectives"] * 4
 
     def both() -> tuple[Any, ...]:
         r = unison.rank()
@@ -264,7 +246,7 @@ def test_a_session_all_on_this_host_runs_every_collective_on_shared_memory():
     launcher = SpawnLauncher(local=[0, 1])
     sess = unison.Session(2, launcher=launcher, start_timeout=60)
     try:
-        assert sess.run(backend, False) == ["ShmCollectives"] * 2
+        assert sess.run(collective_backend, False) == ["ShmCollectives"] * 2
 
         def world() -> tuple[list[int], Any]:
             boxes = unison.allgather(Box(unison.rank()))

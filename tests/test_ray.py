@@ -29,7 +29,7 @@ ray = pytest.importorskip("ray")
 
 import leaks  # noqa: E402
 import unison  # noqa: E402
-from support import MARKER, channel_kind, wait_gone  # noqa: E402
+from support import MARKER, Box, channel_kind, collective_backend, wait_gone  # noqa: E402
 from unison.launch.ray import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -466,23 +466,6 @@ def test_collectives_across_nodes(
 
 
 
-def backend(group: bool) -> str:
-    """Run on a worker: the backend a CPU collective of that scope runs on."""
-    from unison import collective
-
-    try:
-        return type(collective._choose(group)).__name__
-    except unison.CollectiveError:
-        return "none"
-
-
-class Box:
-    """An object only the shared-memory collectives can carry (torch's take tensors)."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-
-
 def test_each_group_on_its_node_runs_group_collectives_on_shared_memory(
     ray_cluster: RayCluster, ray_session: Callable[..., unison.Session]
 ) -> None:
@@ -493,8 +476,8 @@ def test_each_group_on_its_node_runs_group_collectives_on_shared_memory(
                        collectives="torch")
     where = [node_of(sess, r) for r in range(4)]
     assert where[0] == where[1] != where[2] == where[3], where
-    assert sess.run(backend, True) == ["ShmCollectives"] * 4
-    assert sess.run(backend, False) == ["ClusterCollectives"] * 4
+    assert sess.run(collective_backend, True) == ["ShmCollectives"] * 4
+    assert sess.run(collective_backend, False) == ["ClusterCollectives"] * 4
 
     def both() -> tuple[Any, ...]:
         r = unison.rank()
@@ -524,7 +507,7 @@ def test_workers_all_beside_the_driver_run_every_collective_on_shared_memory(
     # both on the head, the driver's node: the session's segment comes with their fds
     sess = ray_session(2, launcher=RayLauncher(resources={"head": 1}, placement_timeout=30))
     assert sess.run(channel_kind) == ["ShmWorkerChannel"] * 2
-    assert sess.run(backend, False) == ["ShmCollectives"] * 2
+    assert sess.run(collective_backend, False) == ["ShmCollectives"] * 2
     got = sess.run(lambda: [b.rank for b in unison.allgather(Box(unison.rank()))])
     assert got == [[0, 1]] * 2
 
