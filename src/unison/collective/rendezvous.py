@@ -84,19 +84,22 @@ def take(name: str, size: int) -> int:
                 if time.monotonic() > deadline:
                     raise CollectiveError(
                         f"the first worker of this host did not offer the collective segment "
-                        f"within {TAKE_S:g} s") from None
+                        f"within {TAKE_S:g} s: it failed to start or died (see its log, and "
+                        "the session's WorkerDied); open the session again") from None
                 time.sleep(_RETRY)
                 continue
             if _uid(sock) != os.getuid():
                 raise CollectiveError("the collective segment's socket is held by another "
-                                      "user's process: refused")
+                                      "user's process: refused; run every worker of a host as "
+                                      "one user")
             sock.settimeout(max(1.0, deadline - time.monotonic()))
             _, fds, _, _ = socket.recv_fds(sock, 1, 1)
         if len(fds) != 1 or os.fstat(fds[0]).st_size < size:
             for fd in fds:
                 os.close(fd)
             raise CollectiveError("the first worker of this host sent no collective segment "
-                                  "of the session's size")
+                                  "of the session's size: are two sessions' workers mixed "
+                                  "on this host? open the session again")
         return fds[0]
 
 

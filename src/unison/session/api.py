@@ -862,7 +862,8 @@ class Session(View):
         self._shutdown(0)
         return SessionClosed(
             f"worker {rank} sent a reply that no request was waiting for: the replies are "
-            "out of step, so the session was closed. Please report this.")
+            "out of step, so the session was closed. Open a new Session to go on; if worker code "
+            "writes to unison's channel, stop it; otherwise please report this.")
 
     def _stacks(self, ranks: tuple[int, ...], timeout: float) -> _debug_stacks.Stacks:
         self.check_open()

@@ -170,7 +170,7 @@ class Router:
                     raise OutOfStep(
                         f"worker {r} answered request {req.req_id} with an acknowledgement "
                         "where a value was expected: the replies are out of step, so the "
-                        "session was closed. Please report this.")
+                        "session was closed. Open a new Session to go on, and please report this.")
                 out.append((OK, ()))
                 continue
             try:
@@ -183,7 +183,8 @@ class Router:
             if got_id != req.req_id:  # never hand a reply to the wrong call, even under -O
                 raise OutOfStep(
                     f"worker {r} answered request {got_id} where {req.req_id} was expected: the "
-                    "replies are out of step, so the session was closed. Please report this."
+                    "replies are out of step, so the session was closed. Open a new Session "
+                    "to go on, and please report this."
                 )
             out.append((status, payload))
         return out
