@@ -116,7 +116,10 @@ class Router:
     def idle(self, ranks: Sequence[int]) -> bool:
         """Whether no request to ``ranks`` awaits a reply."""
         expect = self._expect
-        return not any(expect[r] for r in ranks)
+        for r in ranks:  # noqa: SIM110 (a plain loop: the hot path)
+            if expect[r]:
+                return False
+        return True
 
     @property
     def recv_lock(self) -> threading.RLock:
@@ -261,14 +264,17 @@ class Router:
 
     # -- an event loop's wait ---------------------------------------------------------------------
 
-    def poll(self) -> None:
+    def poll(self, clear: bool = True) -> None:
         """Deliver the replies there are now, without blocking; nothing if another thread is
         reading (it delivers them, and the wake fd stays readable until it has). A death
-        fails every waiting request (through the owner, which closes the session)."""
+        fails every waiting request (through the owner, which closes the session).
+        ``clear``: empty the wake fd first (a syscall; a spinning wait skips it, and the
+        poll that ends the spin empties it)."""
         if not self._recv_lock.acquire(blocking=False):
             return
         try:
-            self._chan.clear_wake()
+            if clear:
+                self._chan.clear_wake()
             for rank, data in self._chan.recv(0.0):
                 if data is None:
                     self.fail_all(self._owner.died("waiting for replies", rank))

@@ -43,6 +43,8 @@ class UnreportedErrors:
 
     def pop_earliest(self) -> dict[int, Error] | None:
         """The errors of the earliest call that has any, by rank, or None."""
+        if not self._errors:  # one read, no lock: an error added meanwhile is the next one's
+            return None
         with self._lock:
             if not self._errors:
                 return None
