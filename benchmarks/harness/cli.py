@@ -14,7 +14,7 @@ from pathlib import Path
 
 from harness import report
 from harness.measure import FULL, QUICK, WORKLOADS, ScriptCall, run_benchmark
-from harness.systems import SYSTEMS, available, describe
+from harness.systems import SYSTEMS, available, describe, mpi
 
 
 def int_list(text: str) -> list[int]:
@@ -76,7 +76,10 @@ def _log(msg: str) -> None:
 
 def main(argv: Sequence[str] | None = None, script: ScriptCall | None = None) -> int:
     """Run the benchmark. ``script`` is the function of the user's script (and its
-    arguments) that ``dispatch_script_fn`` calls; benchmarks/run.py passes its own."""
+    arguments) that ``dispatch_script_fn`` calls; benchmarks/run.py passes its own. In a rank
+    of the mpi4py system's mpiexec job (which runs this same script), serve that job instead."""
+    if (job := os.environ.get(mpi.JOB_ENV)) is not None:
+        return mpi.job_main(job, script)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     systems: list[str] = []

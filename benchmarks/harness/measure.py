@@ -36,7 +36,10 @@ number of workers N.
     allreduce     between the workers, timed inside them: benchmarks/collectives.py.
 
 A system measures only the workloads it offers (``System.workloads``): the ``floor`` system
-carries small commands only, so put and fetch are "-" for it.
+carries small commands only, so put and fetch are "-" for it. A system whose controller
+cannot be this process (``mpi4py``: the controller is rank 0 of an mpiexec job) is measured
+by this same ``bench_system`` inside a job of its own (``systems.launcher``), and its cells
+join the run's table.
 
 How it times: ``time.perf_counter_ns`` around each round, after warm-up rounds, with the
 garbage collector paused during the timed loop. A loop runs at least ``min`` and at most
@@ -64,11 +67,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.systems import System, make_system, supports
+from harness.systems import System, launcher, make_system, supports
 from harness.tasks import check_block
 
 __all__ = ["FULL", "QUICK", "WORKLOADS", "Cell", "Loop", "Plan", "ScriptCall", "percentile",
-           "run_benchmark"]
+           "put_arrays", "run_benchmark"]
 
 WORKLOADS = ("dispatch", "dispatch_script_fn", "gather_small", "put", "fetch", "start", "idle",
              "dispatch_hogs", "allreduce")
@@ -453,6 +456,15 @@ def bench_system(
                  extra={"min": ms[0], "max": ms[-1]}))
 
 
+def put_arrays(workloads: Sequence[str]) -> dict[str, Any]:
+    """The arrays of the put workload, by metric ({} when put is not run)."""
+    if "put" not in workloads:
+        return {}
+    import numpy as np
+
+    return {m: np.ones(size // 4, dtype=np.float32) for m, size in PUT_SIZES.items()}
+
+
 def run_benchmark(
     systems: Sequence[str], workers: Sequence[int], workloads: Sequence[str], plan: Plan,
     log: Callable[[str], None] = lambda s: None, script: ScriptCall | None = None,
@@ -460,17 +472,14 @@ def run_benchmark(
 ) -> list[Cell]:
     """Every system on every N (N outer, systems inner); a failing system gets error cells
     and the run goes on. Ctrl-C stops the run after cleaning up."""
-    arrays: dict[str, Any] = {}
-    if "put" in workloads:
-        import numpy as np
-
-        arrays = {m: np.ones(size // 4, dtype=np.float32) for m, size in PUT_SIZES.items()}
+    arrays = put_arrays(workloads)
     cells: list[Cell] = []
     for n in workers:
         for name in systems:
             t0 = time.perf_counter()
             try:
-                bench_system(name, n, workloads, plan, arrays, cells, script, fetch_bytes)
+                bench = launcher(name) or bench_system
+                bench(name, n, workloads, plan, arrays, cells, script, fetch_bytes)
             except Exception as exc:
                 done = {c.metric for c in cells if c.system == name and c.n == n}
                 msg = f"{type(exc).__name__}: {exc}"
