@@ -428,6 +428,8 @@ class ShmChannel(Channel):
         has_reply = self._has_reply
         if has_reply():
             return self._take()
+        if timeout == 0:  # a poll: no spin, no select
+            return []
         now = time.perf_counter()
         if spin(has_reply, SPIN if timeout is None else min(SPIN, timeout)):
             return self._take()

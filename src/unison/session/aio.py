@@ -80,7 +80,7 @@ class Waits:
                     return not req.remaining
 
                 spin(complete, SPIN)
-            router.poll()  # deliver what is in (or a death)
+            router.poll(clear=False)  # deliver what is in (or a death)
             if fut.done():  # no flag raised, no trip through the selector
                 fut.result()
                 return
