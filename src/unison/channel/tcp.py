@@ -66,6 +66,7 @@ _HELLO = struct.Struct("<iq")  # rank wanted (-1: any), pid; then the host name
 _HANDSHAKE_S = 5.0
 """How long a peer has to pass the handshake before it is dropped."""
 _CHUNK = 1 << 20
+_SMALL = 1 << 16  # a frame this small is joined to its head and sent in one call
 HEARTBEAT_S = 0.25
 """How often the controller sends each worker an empty frame (see the module's docstring)."""
 _USER_TIMEOUT_MS = 1000
@@ -323,11 +324,24 @@ class TcpChannel(Channel):
             peer = self._peers[r]
             if peer is None or not peer.open:
                 raise BrokenPipeError(f"worker {r} is not connected")
-            parts: list[Any] = [_HEAD.pack(_MAGIC, peer.incarnation, len(data), len(raws)),
-                                data]
-            for raw in raws:
-                parts += [_BUF.pack(raw.nbytes), raw]
+            head = _HEAD.pack(_MAGIC, peer.incarnation, len(data), len(raws))
             try:
+                if not raws and len(data) <= _SMALL:  # one send, no frame bookkeeping
+                    frame = head + data
+                    with peer.write_lock:
+                        try:
+                            n = peer.sock.send(frame)
+                        except BlockingIOError:
+                            n = 0
+                        if n < len(frame):  # the connection is full: wait for room
+                            written = self._write(peer, [memoryview(frame)[n:]], deadline,
+                                                  written or n > 0)
+                        else:
+                            written = True
+                    continue
+                parts: list[Any] = [head, data]
+                for raw in raws:
+                    parts += [_BUF.pack(raw.nbytes), raw]
                 with peer.write_lock:
                     written = self._write(peer, parts, deadline, written)
             except (TimeoutError, PartialSendError):
@@ -376,20 +390,20 @@ class TcpChannel(Channel):
         self, timeout: float | None, watch: Sequence[int] | None = None
     ) -> list[tuple[int, bytes | Reply | None]]:
         open_peers = [p for p in self._peers if p is not None and p.open]
-        fds = [p.sock for p in open_peers]
-        waits: list[Any] = [*fds, self._wake_r]
-        if timeout != 0:
-            waits += self._watch
         held = [p for p in open_peers if p.stashed or p.ended]
-        if not held and timeout != 0 and fds:  # a reply is often a few µs away: yield
-            spin(lambda: bool(select.select(fds, [], [], 0)[0]),  # before we sleep
-                 SPIN if timeout is None else min(SPIN, timeout))
-        ready = select.select(waits, [], [], 0 if held else timeout)[0]
+        poll = self._epoll.poll  # the open peers' sockets and the wake pipe
+        if held or timeout == 0 or (open_peers and spin(  # a reply is often a few µs away:
+                lambda: bool(poll(0)), SPIN if timeout is None else min(SPIN, timeout))):
+            ready = {fd for fd, _ in poll(0)}  # yield before we sleep (one epoll_wait per
+        else:  # look: a select of the list cost 4x as much); then sleep, deaths too
+            waits: list[Any] = [p.fd for p in open_peers]
+            waits += [self._wake_r, *self._watch]
+            ready = set(select.select(waits, [], [], timeout)[0])
         if self._wake_r in ready:
             _drain(self._wake_r)
         out: list[tuple[int, bytes | Reply | None]] = []
         for peer in open_peers:
-            if peer.sock in ready or peer in held:
+            if peer.fd in ready or peer in held:
                 peer.stashed = False
                 self._read(peer, out)
         return out
@@ -619,11 +633,15 @@ class TcpWorkerChannel(WorkerChannel):
         self._send_lock = threading.Lock()
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
+        self._have = bytearray()  # received ahead of the frame being read, from _off on
+        self._off = 0
+        self._scratch = bytearray(_CHUNK)
+        self._scratch_view = memoryview(self._scratch)
 
     def recv(self) -> tuple[memoryview, list[Any]] | None:
         try:
-            if not self._poll.poll(0):  # the next command is often a few µs away
-                spin(lambda: bool(self._poll.poll(0)), SPIN)
+            if not self._have and not self._poll.poll(0):  # the next command is often a
+                spin(lambda: bool(self._poll.poll(0)), SPIN)  # few µs away
             while True:
                 magic, inc, size, count = _HEAD.unpack(self._read(_HEAD.size))
                 problem = _check_head(magic, inc, size, count, self._inc)
@@ -643,15 +661,36 @@ class TcpWorkerChannel(WorkerChannel):
             return None
 
     def _read(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
+        """Exactly ``n`` bytes: first what an earlier read brought ahead, then the socket's.
+        A small remainder is read through the scratch buffer, taking what follows with it
+        (a frame's head and body, and frames sent back to back, cost one recv); a large one
+        goes straight into the result, copied once."""
+        have, off = self._have, self._off
+        if len(have) - off >= n:
+            self._off = off = off + n
+            out = have[off - n : off]
+            if off == len(have):
+                have.clear()
+                self._off = 0
+            return out
+        out = bytearray(n)
+        view = memoryview(out)
+        got = len(have) - off
+        view[:got] = have[off:]
+        have.clear()
+        self._off = 0
         while got < n:
-            k = self._sock.recv_into(view[got:])
+            if n - got < _CHUNK:
+                k = self._sock.recv_into(self._scratch)
+                take = min(k, n - got)
+                view[got : got + take] = self._scratch_view[:take]
+                have += self._scratch_view[take:k]
+            else:
+                k = take = self._sock.recv_into(view[got:])
             if not k:
                 raise EOFError
-            got += k
-        return buf
+            got += take
+        return out
 
     def reply(self, data: bytes, buffers: Sequence[Any] = ()) -> None:
         if buffers:
@@ -660,10 +699,12 @@ class TcpWorkerChannel(WorkerChannel):
             raise MemoryError(f"a reply of {len(data)} bytes is over the TCP channel's limit "
                               f"of {MAX_FRAME}")
         head = _HEAD.pack(_MAGIC, self._inc, len(data), 0)
-        parts = [head, data]
         with self._send_lock:  # blocking: waits only while the controller is slow to read
-            write_frame(self._sock.sendmsg, parts, "the controller's connection", None,
-                        False, _nothing, _nothing)
+            if len(data) <= _SMALL:
+                self._sock.sendall(head + data)
+            else:
+                write_frame(self._sock.sendmsg, [head, data], "the controller's connection",
+                            None, False, _nothing, _nothing)
 
     def close(self) -> None:
         try:
