@@ -100,6 +100,8 @@ class Board:
             for r in inside:
                 if r not in signalled:
                     signalled.add(r)
+                    if pids[r] == os.getpid():  # worker 0 inline in us: never signal ourself
+                        continue
                     try:
                         os.kill(pids[r], SIGNAL)
                     except ProcessLookupError:

@@ -37,6 +37,7 @@ import select
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from unison import _proctree, collective, protocol
@@ -161,18 +162,31 @@ def _on_cancel_signal(signum: int, frame: object) -> None:
         raise Cancelled(f"call #{call} was cancelled by the controller while it ran")
 
 
+class Loop:
+    """What the loop keeps from one message to the next, besides the registers: the
+    functions it loaded, and the errors nobody fetched yet."""
+
+    def __init__(self) -> None:
+        self.fns: dict[int, Any] = {}
+        self.unreported: dict[int, tuple[Any, ...]] = {}
+
+
 def serve(chan: WorkerChannel, coll: Collectives | None = None,
-          board: Board | None = None) -> None:
-    """Run messages until SHUTDOWN, or until the controller is gone. ``coll`` learns which
-    call runs, so that collectives can tell a peer that left the call from a slow one;
-    ``board`` says which calls are cancelled (unison.cancel)."""
+          board: Board | None = None, loop: Loop | None = None,
+          recv: Callable[[], tuple[Any, list[Any]] | None] | None = None) -> None:
+    """Run messages until SHUTDOWN, or until ``recv`` (``chan.recv``) gives None: the
+    controller is gone (or, for worker 0 inline in the controller, nothing more is there
+    now; its ``loop`` then carries on at the next call). ``coll`` learns which call runs,
+    so that collectives can tell a peer that left the call from a slow one; ``board`` says
+    which calls are cancelled (unison.cancel)."""
     regs = registers
     me = _identity.get("rank", 0)
-    fns: dict[int, Any] = {}
-    unreported: dict[int, tuple[Any, ...]] = {}
+    loop = loop or Loop()
+    fns, unreported = loop.fns, loop.unreported
     loads, dumps = protocol.loads, protocol.dumps
+    recv = recv or chan.recv
     while True:
-        got = chan.recv()
+        got = recv()
         if got is None:
             return
         msg = loads(got[0])

@@ -46,7 +46,7 @@ BASELINES: dict[str, type[System]] = {
 }
 """Every baseline, in the order the benchmark shows them."""
 
-SYSTEMS = ("unison", "unison-pipe", *BASELINES)
+SYSTEMS = ("unison", "unison-inline", "unison-pipe", *BASELINES)
 
 _NEEDS = {"ray": "ray", "mpi4py": "mpi4py"}
 
@@ -66,6 +66,8 @@ def launcher(name: str) -> Callable[..., None] | None:
 def make_system(name: str) -> System:
     if name == "unison":
         return UnisonSystem("unison", None)
+    if name == "unison-inline":
+        return UnisonSystem("unison-inline", None, inline=True)
     if name == "unison-pipe":
         return UnisonSystem("unison-pipe", "pipe")
     return BASELINES[name]()

@@ -19,16 +19,20 @@ def default_channel() -> str:
 
 
 class UnisonSystem(System):
-    """``Session(N)``, or ``Session(N, channel=...)`` when ``channel`` is given."""
+    """``Session(N)``, or ``Session(N, channel=...)`` when ``channel`` is given, or
+    ``Session(N, inline_worker0=True)`` with ``inline``."""
 
-    def __init__(self, name: str, channel: str | None) -> None:
+    def __init__(self, name: str, channel: str | None, inline: bool = False) -> None:
         self.name = name
         self.channel = channel
+        self.inline = inline
         from unison.channel import shm
 
         ring = "C" if shm.NATIVE else "pure Python"
         self.description = (
             f'Session(N, channel="{channel}")' if channel
+            else "Session(N, inline_worker0=True): worker 0's share run by the controller"
+            if inline
             else f"Session(N), default channel ({default_channel()}), command ring in {ring}"
         )
         self._sess: Any = None
@@ -37,7 +41,9 @@ class UnisonSystem(System):
     def start(self, n: int) -> None:
         import unison
 
-        if self.channel is None:
+        if self.inline:
+            self._sess = unison.Session(n, inline_worker0=True)
+        elif self.channel is None:
             self._sess = unison.Session(n)
         else:
             self._sess = unison.Session(n, channel=self.channel)

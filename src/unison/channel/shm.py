@@ -72,7 +72,7 @@ import os
 import select
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from unison.channel import Channel, Reply, WorkerChannel
@@ -448,6 +448,12 @@ class ShmChannel(Channel):
             q[_CTL_SLEEP] = 0
         return self._take()
 
+    def absorb(self) -> None:
+        """Read every reply now in the rings into the backlog, for the next recv: the room
+        worker 0 inline in the controller needs when its reply ring is full."""
+        with self._rx_lock:
+            self._backlog.extend(self._collect())
+
     def _has_reply(self) -> bool:
         if self._fast is not None and not self._broken:  # in C
             return self._fast.pending(self._reply_pos) or bool(self._backlog)
@@ -614,22 +620,30 @@ class ShmWorkerChannel(WorkerChannel):
             self._taker.replies(self._rbase, REPLY_RING, self._rw_idx, self._rr_idx,
                                 _CTL_SLEEP, _CTL_ASYNC, self._ctl_efd)
 
-    def recv(self) -> tuple[bytes | memoryview, list[Any]] | None:
+    def recv(self, block: bool = True) -> tuple[bytes | memoryview, list[Any]] | None:
+        """The next entry for us; ``block=False``: None when there is none now (worker 0
+        inline in the controller, which must never wait for the controller)."""
         taker = self._taker
         if taker is None:
-            return self._recv()
+            return self._recv(block)
         pos = self._pos
         while True:
             payload, pos = taker.take(pos)  # progress, skips, one plain entry: in C
             self._pos = pos
             if payload is None:
+                if not block:
+                    return None
                 self._wait(pos)
             elif payload is False:
                 return self._recv()  # an entry with buffers: parsed below
             else:
                 return payload, _NO_VIEWS
 
-    def _recv(self) -> tuple[bytes | memoryview, list[Any]] | None:
+    def poll(self) -> tuple[bytes | memoryview, list[Any]] | None:
+        """``recv(block=False)``."""
+        return self.recv(False)
+
+    def _recv(self, block: bool = True) -> tuple[bytes | memoryview, list[Any]] | None:
         """The next entry, read in Python (also where C found one with buffers, or one
         that breaks the format). Raises Malformed (an OSError: the worker leaves, as on a
         broken TCP stream) where the controller's bytes do."""
@@ -641,6 +655,8 @@ class ShmWorkerChannel(WorkerChannel):
             if end == pos:
                 if q[self._done_idx] != pos:  # skipped commands for others: done too
                     self._progress(pos)
+                if not block:
+                    return None
                 self._wait(pos)
                 continue
             if not 0 < end - pos <= CMD_RING:
@@ -762,6 +778,9 @@ class ShmWorkerChannel(WorkerChannel):
         if pos + wrap + size - q[self._rr_idx] > REPLY_RING:  # not Ring.fits: wait for room
             pacer = Pacer()
             while not _REPLY.fits(pos + wrap + size, q[self._rr_idx]):
+                if self.make_room is not None:  # in the controller: it reads them now
+                    self.make_room()
+                    continue
                 self._wake_controller()
                 pacer.pause()  # the controller drains replies whenever it waits
         if wrap:
@@ -799,8 +818,23 @@ class ShmWorkerChannel(WorkerChannel):
         if self._q[_CTL_SLEEP] or self._q[_CTL_ASYNC]:
             os.eventfd_write(self._ctl_efd, 1)
 
+    make_room: Callable[[], None] | None = None
+    """Worker 0 inline in the controller: what reads the replies when its ring is full
+    (the controller's channel's ``absorb``); a process waits for the controller instead."""
+
     def close(self) -> None:
         pass  # the mappings go with the process
+
+    def release(self) -> None:
+        """Unmap everything now (worker 0 inline in the controller, whose process goes on)."""
+        self._taker = None  # it holds a view of the mapping
+        self._replies.close()  # (the command arena's blocks unmap when garbage: no fd held)
+        self._q.release()
+        self._buf.release()
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a view someone still holds keeps it mapped until it goes
 
 
 def _entry_size(payload: int, ndescs: int) -> int:

@@ -82,6 +82,13 @@ def setup(spec: dict[str, Any] | None, rank: int, n: int, groups: int) -> Collec
     return _shm
 
 
+def teardown() -> None:
+    """Forget the backends ``setup`` made (worker 0 inline in the controller, whose process
+    outlives its session)."""
+    global _shm, _torch, _on_shm, _why
+    _shm, _torch, _on_shm, _why = None, None, (False, False), ("", "")
+
+
 def _backend(group: bool, *values: Any) -> Collectives:
     """The backend for a collective of ``group``'s scope on ``values`` (timed, while a trace
     runs)."""

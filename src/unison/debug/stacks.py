@@ -196,6 +196,9 @@ class _Ask:
 
 def _ask(rank: int, pid: int) -> tuple[_Ask | None, str]:
     """Find worker ``rank``'s memfd under /proc/<pid>, empty it and signal the worker."""
+    if pid == os.getpid():
+        return None, ("runs inline in the controller (Session(inline_worker0=True)): its "
+                      "stack is the controller's own (faulthandler.dump_traceback())")
     fd_dir = f"/proc/{pid}/fd"
     try:
         names = os.listdir(fd_dir)

@@ -164,7 +164,8 @@ class LocalLauncher(Launcher):
             base_env.setdefault(var, share)
         base_env[_logs.ENV] = _logs.levels()  # workers' logging records come to ours
         try:
-            for rank, init in enumerate(specs):
+            for init in specs:
+                rank = init.rank
                 worker_env = dict(base_env)
                 if env and rank in env:
                     worker_env.update({str(k): str(v) for k, v in env[rank].items()})
@@ -203,7 +204,7 @@ class LocalLauncher(Launcher):
         return next((w.rank for w in self.workers if w.exitcode() is not None), None)
 
     def death(self, rank: int, grace: float) -> DeathReport:
-        worker = self.workers[rank]
+        worker = next(w for w in self.workers if w.rank == rank)
         code = worker.wait_exit(grace)
         reason = worker.death_reason()  # read before our own kill below
         if code is None:

@@ -178,6 +178,7 @@ class Session(View):
         send_timeout: float | None = None,
         trace: str | os.PathLike[str] | None = None,
         hang_timeout: float | None = None,
+        inline_worker0: bool = False,
     ) -> None:
         """``launcher`` is "local" or a Launcher instance. ``send_timeout`` bounds how long
         ``call``, ``put`` and ``scatter`` may block when the workers fall behind and the
@@ -185,8 +186,13 @@ class Session(View):
         records a timeline of every call from now until close(), written there in the
         Chrome/Perfetto trace format (see ``trace()``). With ``hang_timeout``, a wait whose
         workers make no progress (no CPU, no change of stack) for that many seconds raises
-        unison.HangError, saying where each worker is (docs/debugging.md)."""
+        unison.HangError, saying where each worker is (docs/debugging.md).
+        ``inline_worker0`` runs worker 0's share in this process, in the thread that sends
+        each call, as Disco does: one process fewer on the cores (the fastest round trip),
+        for worker 0's failure isolation (unison.launch.inline says what it gives up)."""
         checks.check_sizes(num_workers, num_groups)
+        if inline_worker0:
+            checks.inline_worker0(num_workers, launcher, channel, collectives)
         if collectives not in ("shm", "torch"):
             raise ValueError(f"unknown collectives backend {collectives!r}: use 'shm' or 'torch'")
         start_deadline = _deadline(start_timeout, "start_timeout")
@@ -216,6 +222,7 @@ class Session(View):
                               the_launcher)  # on failure, it releases what it made
         try:
             self._chan = self._res.chan
+            self._pump = self._res.inline_worker0() if inline_worker0 else None
             self._router = Router(num_workers, self._chan, self._errors, self, watched=False)
             self._waits = Waits(self, self._chan, self._router)
             ready = Request(protocol.READY_REQ, num_workers)
@@ -740,6 +747,8 @@ class Session(View):
                 frees = None
             msg = build(frees, *fields)
             self._chan.send(msg, ranks, buffers, deadline=deadline)
+            if self._pump is not None:  # worker 0 inline: it runs its share now, here
+                self._pump()
             if self._tracer is not None:
                 self._tracer.on_message(build, fields, ranks, len(msg) + sum(
                     memoryview(b).nbytes for b in buffers) if buffers else len(msg))

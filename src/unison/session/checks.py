@@ -125,3 +125,18 @@ def values_per_worker(values: object, what: str) -> list[Any]:
         raise TypeError(
             f"{what} needs a list of values, one per worker, got {type(values).__name__}"
         ) from None
+
+
+def inline_worker0(n: int, launcher: object, channel: str, collectives: str) -> None:
+    """What ``inline_worker0=True`` needs: local workers on shared memory."""
+    from unison import channel as channels
+
+    if launcher != "local":
+        raise ValueError("inline_worker0 runs worker 0 in this process: it needs the local "
+                         "launcher (launcher='local'), not workers elsewhere")
+    if channel not in ("auto", "shm") or not channels.shm_ok(n):
+        raise ValueError("inline_worker0 needs the shared-memory channel (channel='shm' "
+                         "or 'auto' on a platform that has it)")
+    if collectives != "shm":
+        raise ValueError("inline_worker0 supports collectives='shm' only: torch.distributed "
+                         "would set up its process group inside the controller")

@@ -118,6 +118,18 @@ class Resources:
                                              "peers": hosts.count(host) - 1}})
         return out
 
+    def inline_worker0(self) -> Callable[[], None]:
+        """Worker 0 in this process from now on (unison.launch.inline); the function that
+        runs its share of what was sent (after every send)."""
+        from unison.channel.shm import ShmChannel
+        from unison.launch.inline import InlineLauncher
+
+        if not isinstance(self.chan, ShmChannel):
+            raise ValueError("inline_worker0 needs the shared-memory channel")
+        inline = InlineLauncher(self.launcher, self.chan)
+        self.launcher = inline
+        return inline.pump
+
     def specs(self, num_workers: int, num_groups: int,
               cpus: Mapping[int, list[int]]) -> list[WorkerSpec]:
         """What each worker needs to start (what its launcher gets)."""

@@ -1,0 +1,157 @@
+"""Worker 0 inside the controller: ``Session(n, inline_worker0=True)``, opt-in.
+
+    sess.call(f)  -> the entry goes into the command ring (workers 1..n-1 start on it)
+                  -> pump(): worker 0's loop, run by the calling thread, takes every entry
+                     there is for it now, runs it, and returns; its replies go into its reply
+                     ring, read by the controller as any worker's
+
+Workers 1..n-1 are local processes as always (LocalLauncher). Worker 0 speaks the same
+protocol over the same shared memory, so every result, free and error is handled exactly as
+for a process; what goes is one process on the cores. On 2 cores with N=2, three busy
+processes become two, and the round trip stops sharing a core (Disco runs its worker 0 in
+the controller for the same reason; docs/benchmarks.md has the figures).
+
+What worker 0 gives up, and why it is opt-in (docs/architecture.md):
+
+* its failure isolation: a crash, ``os._exit`` or a hang in worker 0's code is the
+  controller's; an exception is still that call's error, as on any worker;
+* its calls run synchronously, in the thread that sends them (``call`` returns once worker
+  0's share is done, the others' may still run). A call on worker 0 that waits for a later
+  call (a recv in one call, its send in the next) never returns: put both in one call;
+* nothing of worker 0 is left to cancel once ``call`` returns its Ref (its share is done;
+  the board never signals the controller); ``sess.stacks()`` points to the controller's
+  own stack; its output is the controller's, not prefixed;
+* per-worker ``env`` and ``cpu_affinity`` cannot be given for it (they are the controller's).
+
+One such session per process at a time: worker 0's registers and identity are the
+``unison.worker`` module's, as in a worker process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Mapping, Sequence
+
+from unison import collective, protocol, worker
+from unison.cancel import Board
+from unison.channel.shm import ShmChannel, ShmWorkerChannel
+from unison.launch import DeathReport, Launcher
+from unison.protocol import OK
+from unison.spec import WorkerSpec
+
+__all__ = ["InlineLauncher"]
+
+_taken = threading.Lock()
+"""Held while an inline worker 0 lives in this process."""
+
+
+class InlineLauncher(Launcher):
+    """Worker 0 in this process, the others from ``rest`` (a LocalLauncher)."""
+
+    def __init__(self, rest: Launcher, chan: ShmChannel) -> None:
+        if not _taken.acquire(blocking=False):
+            raise RuntimeError(
+                "another Session(inline_worker0=True) is open in this process: worker 0's "
+                "registers are this process's, so only one session at a time can run it "
+                "inline. Close that one first, or leave inline_worker0 off here")
+        self._held = True
+        self._rest = rest
+        self._chan = chan
+        self._worker: _InlineWorker | None = None
+        self._lock = threading.Lock()  # pump() from several threads: one loop at a time
+
+    def start(self, specs: Sequence[WorkerSpec], env: Mapping[int, Mapping[str, str]]) -> None:
+        try:
+            if env.get(0) or specs[0].cpus:
+                raise ValueError(
+                    "worker 0 runs inline in the controller: it has the controller's "
+                    "environment and CPUs, so env[0] and cpu_affinity for rank 0 cannot be "
+                    "given (set them on the controller's process)")
+            self._worker = _InlineWorker(specs[0], self._chan)
+            self._rest.start(specs[1:], env)
+        except BaseException:
+            self.stop(0)
+            raise
+
+    def pump(self) -> None:
+        """Run what the ring holds for worker 0 now (after every send)."""
+        with self._lock:
+            if self._worker is not None:
+                self._worker.pump()
+
+    def watch_fds(self) -> list[int]:
+        return self._rest.watch_fds()
+
+    def ended(self) -> int | None:
+        return self._rest.ended()
+
+    def death(self, rank: int, grace: float) -> DeathReport:
+        return self._rest.death(rank, grace)
+
+    def describe(self, rank: int) -> str:
+        return "inline in the controller" if rank == 0 else self._rest.describe(rank)
+
+    def stop(self, grace: float) -> None:
+        try:
+            self._rest.stop(grace)
+        finally:
+            with self._lock:
+                inline, self._worker = self._worker, None
+            try:
+                if inline is not None:
+                    inline.close()
+            finally:
+                if self._held:
+                    self._held = False
+                    _taken.release()
+
+
+class _InlineWorker:
+    """Worker 0's side, set up as ``worker.run`` sets up a process (identity, collectives,
+    cancellation board, channel), on duplicates of the session's fds: its own to close."""
+
+    def __init__(self, spec: WorkerSpec, chan: ShmChannel) -> None:
+        self._fds = [os.dup(fd) for fd in spec.fds]
+        try:
+            spec = spec.with_fds(self._fds)
+            worker._identity.update(
+                rank=spec.rank, world_size=spec.world_size, group=spec.group,
+                group_rank=spec.group_rank, group_size=spec.group_size)
+            self._coll = collective.setup(spec.collective, spec.rank, spec.world_size,
+                                          spec.num_groups)
+            self._board = Board(spec.world_size, fd=spec.cancel) if spec.cancel >= 0 else None
+            self._chan = ShmWorkerChannel(spec.channel)
+            self._own_reply_fd = spec.channel["reply_arena"]  # its Arena closes that one
+            self._chan.make_room = chan.absorb
+            self._loop = worker.Loop()
+            self._chan.reply(protocol.dumps((protocol.READY_REQ, OK, os.getpid())))
+        except BaseException:
+            self._forget()
+            for fd in self._fds:
+                os.close(fd)
+            raise
+
+    def pump(self) -> None:
+        worker.serve(self._chan, self._coll, self._board, self._loop, self._chan.poll)
+
+    def close(self) -> None:
+        """Run what is left (SHUTDOWN answers with the unreported errors), then let go."""
+        try:
+            self.pump()
+        finally:
+            self._chan.release()
+            if self._board is not None:
+                self._board.close()
+            self._forget()
+            for fd in self._fds:
+                if fd != self._own_reply_fd:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+
+    @staticmethod
+    def _forget() -> None:
+        worker.registers.clear()
+        worker._identity.clear()
+        collective.teardown()

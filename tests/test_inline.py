@@ -1,0 +1,206 @@
+"""Worker 0 inline in the controller (Session(n, inline_worker0=True)): the same results,
+errors, collectives and cleanup as with a process, worker 0's share run by the calling
+thread, and the limits it has said out loud."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+from tests.support import wait_dead
+
+import unison
+from unison import worker
+from unison.errors import WorkerDied, WorkerError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def inline() -> Iterator[Callable[..., unison.Session]]:
+    """``inline(n, **kw)``: a Session(n, inline_worker0=True), closed when the test ends;
+    afterwards this process holds no fd, thread or register more than before."""
+    fds = len(os.listdir("/proc/self/fd"))
+    threads = threading.active_count()
+    sessions: list[unison.Session] = []
+
+    def make(n: int = 2, **kw: object) -> unison.Session:
+        sess = unison.Session(n, inline_worker0=True, **kw)  # type: ignore[arg-type]
+        sessions.append(sess)
+        return sess
+
+    yield make
+    for sess in sessions:
+        sess.close(timeout=2)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and threading.active_count() > threads:
+        time.sleep(0.01)
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert threading.active_count() == threads
+    assert worker.registers == {}
+
+
+def who() -> tuple[int, int, int]:
+    return unison.rank(), unison.world_size(), os.getpid()
+
+
+def add(a: float, b: float) -> float:
+    return a + b
+
+
+def rank_array() -> np.ndarray:
+    return np.full(1000, unison.rank() + 1.0)
+
+
+def boom() -> None:
+    raise ValueError(f"boom on {unison.rank()}")
+
+
+def boom_on_0() -> int:
+    if unison.rank() == 0:
+        raise ValueError("boom on 0")
+    return unison.rank()
+
+
+def noop() -> None:
+    return None
+
+
+def test_worker_0_is_this_process_and_results_are_right(inline: Callable[..., unison.Session]
+                                                        ) -> None:
+    sess = inline(3)
+    got = sess.run(who)
+    assert [g[:2] for g in got] == [(0, 3), (1, 3), (2, 3)]
+    assert got[0][2] == os.getpid()
+    assert len({g[2] for g in got}) == 3
+    ref = sess.call(add, 2, 0.5)
+    assert ref.gather() == [2.5, 2.5, 2.5]
+    assert sess[0].run(add, 1, 1) == [2]
+    assert sess[1:].run(add, 1, 2) == [3, 3]
+
+
+def test_data_in_and_out_and_frees(inline: Callable[..., unison.Session]) -> None:
+    sess = inline(2)
+    big = np.arange(1 << 20, dtype=np.float64)  # 8 MiB: through the arena
+    ref = sess.put(big)
+    total = sess.call(lambda a: float(a.sum()), ref)
+    assert total.gather() == [float(big.sum())] * 2
+    parts = sess.scatter([np.ones(3), np.zeros(3)])
+    back = parts.gather()
+    assert [b.tolist() for b in back] == [[1, 1, 1], [0, 0, 0]]
+    back[0][:] = 7  # the fetched copy is ours: worker 0's object is not changed through it
+    assert parts.get(0).tolist() == [1, 1, 1]
+    made = sess.call(np.full, 1 << 20, 3.0).gather()
+    assert all(m.shape == (1 << 20,) and m[0] == 3.0 for m in made)
+    del ref, total, parts, back
+    sess.sync()
+    sess.run(noop)  # carries the frees
+    assert worker.object_count() == 0  # worker 0's registers are this process's
+    assert sess[1].run(worker.object_count) == [0]
+
+
+def test_collectives_across_worker_0_and_processes(inline: Callable[..., unison.Session]) -> None:
+    sess = inline(3)
+    out = sess.run(lambda: unison.allreduce(rank_array()))
+    assert all(np.all(o == 6.0) for o in out)
+    assert sess.run(lambda: unison.allgather(unison.rank())) == [[0, 1, 2]] * 3
+    assert sess.run(lambda: unison.broadcast(unison.rank() * 10, src=2)) == [20] * 3
+
+
+def test_errors_come_back_as_from_a_process(inline: Callable[..., unison.Session]) -> None:
+    sess = inline(2)
+    with pytest.raises(WorkerError, match="boom on 0") as info:
+        sess.run(boom)
+    assert sorted(info.value.errors) == [0, 1]
+    sess.call(boom_on_0)
+    with pytest.raises(WorkerError, match="boom on 0"):
+        sess.sync()
+    sess.sync()  # reported once
+    assert sess.run(unison.rank) == [0, 1]
+
+
+def test_many_calls_wrap_the_ring(inline: Callable[..., unison.Session]) -> None:
+    """Worker 0 reads every entry as it is sent: the ring never waits for it."""
+    sess = inline(2)
+    payload = "x" * 3000
+    for _ in range(3000):  # ~9 MB through a 2 MiB ring, each Ref freed by the next call
+        sess.call(len, payload)
+    sess.sync()
+    assert sess.run(len, payload) == [3000, 3000]
+
+
+def test_await_on_an_inline_session(inline: Callable[..., unison.Session]) -> None:
+    sess = inline(2)
+
+    async def main() -> list[object]:
+        ref = sess.call(add, 1, 2)
+        return [await ref, await sess.run_async(unison.rank)]
+
+    assert asyncio.run(main()) == [[3, 3], [0, 1]]
+
+
+def test_a_dead_process_worker_is_still_noticed(inline: Callable[..., unison.Session]) -> None:
+    sess = inline(2)
+    pid = sess[1].run(os.getpid)[0]
+    os.kill(pid, signal.SIGKILL)
+    wait_dead(pid)
+    with pytest.raises(WorkerDied) as info:
+        sess.run(noop)
+    assert info.value.worker == 1
+    again = inline(2)  # worker 0's place is free again once the session is closed
+    assert again.run(unison.rank) == [0, 1]
+
+
+def test_one_inline_session_per_process(inline: Callable[..., unison.Session]) -> None:
+    first = inline(2)
+    with pytest.raises(RuntimeError, match="only one session at a time"):
+        unison.Session(2, inline_worker0=True)
+    first.close()
+    assert inline(2).run(unison.rank) == [0, 1]
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"env": {0: {"A": "1"}}}, "env\\[0\\]"),
+    ({"cpu_affinity": True}, "cpu_affinity"),
+    ({"channel": "pipe"}, "shared-memory channel"),
+    ({"collectives": "torch"}, "collectives='shm'"),
+    ({"launcher": "connect"}, "local launcher"),
+])
+def test_what_worker_0_cannot_have_is_refused(
+        inline: Callable[..., unison.Session], kw: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        inline(2, **kw)
+
+
+def test_stacks_and_cancel_never_signal_the_controller(
+        inline: Callable[..., unison.Session]) -> None:
+    sess = inline(2)
+    stacks = sess.stacks()
+    assert "inline in the controller" in stacks[0].error
+    assert stacks[1].main is not None
+
+    def slow() -> int:
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            time.sleep(0.01)
+        return unison.rank()
+
+    box: list[object] = []
+    t = threading.Thread(target=lambda: box.append(sess.call(slow)))
+    t.start()  # worker 0's share runs in that thread; worker 1 runs it too
+    time.sleep(0.2)
+    ref = sess.call(noop)  # waits for the send lock: the thread holds it while worker 0 runs
+    t.join()
+    slow_ref = box[0]
+    assert isinstance(slow_ref, unison.Ref)
+    # a Ref comes back once worker 0's share is done, so a cancel never finds worker 0
+    # inside its call; worker 1 may still run it: it is interrupted, we are not signalled
+    slow_ref.cancel(timeout=2.0)
+    assert ref.gather() == [None, None]
+    assert sess.run(unison.rank) == [0, 1]
