@@ -1,6 +1,9 @@
 """A seeded chaos loop: random operations on real sessions, with random faults injected.
 
-    python tests/chaos.py --rounds 5000 --seed 1 [--channels shm,pipe] [--launcher ray]
+    python tests/chaos.py --rounds 5000 --seed 1 [--channels shm,pipe,inline]
+
+("inline": shared memory with worker 0 inside the controller, Session(inline_worker0=True);
+its faults strike the worker processes only.)
 
 Each round draws one step from the seed's generator and checks its outcome:
 
@@ -67,9 +70,17 @@ def plus_one(value: Any) -> Any:
     return value + 1
 
 
-def slow_value(seconds: float, value: int) -> int:
-    time.sleep(seconds)
+def slow_value(seconds: float, value: int, skip_pid: int = 0) -> int:
+    """Sleep, then ``value``; not in process ``skip_pid`` (the chaos controller: worker 0
+    inline there would hold the controller for the whole sleep)."""
+    if os.getpid() != skip_pid:
+        time.sleep(seconds)
     return value
+
+
+def session_kw(channel: str) -> dict[str, Any]:
+    """Session keywords for a drawn "channel": "inline" is shm with worker 0 inline."""
+    return {"inline_worker0": True} if channel == "inline" else {"channel": channel}
 
 
 def raise_on(rank: int, value: int) -> int:
@@ -197,7 +208,7 @@ class Chaos:
     """One seeded run. ``make_session(n, channel)`` opens the sessions (tests pass their own
     to use a shared Ray cluster); ``channels`` are the channels drawn from."""
 
-    def __init__(self, seed: int, *, channels: tuple[str, ...] = ("shm", "pipe"),
+    def __init__(self, seed: int, *, channels: tuple[str, ...] = ("shm", "pipe", "inline"),
                  max_workers: int = 3, make_session: Callable[..., unison.Session] | None = None,
                  controller_kills: bool = True, can_cancel: bool = True,
                  exempt: Callable[[], set[int]] = set) -> None:
@@ -205,7 +216,7 @@ class Chaos:
         self.rng = np.random.default_rng(seed)
         self.channels = channels
         self.max_workers = max_workers
-        self._make = make_session or (lambda n, ch: unison.Session(n, channel=ch))
+        self._make = make_session or (lambda n, ch: unison.Session(n, **session_kw(ch)))
         self.controller_kills = controller_kills
         self.can_cancel = can_cancel
         self.exempt = exempt  # processes that come and go beside us (a Ray cluster's)
@@ -288,7 +299,9 @@ class Chaos:
     def open_session(self) -> None:
         n = int(self.rng.integers(1, self.max_workers + 1))
         channel = self.channels[int(self.rng.integers(len(self.channels)))]
-        self.what = f"opening Session({n}, channel={channel!r})"
+        if channel == "inline":  # worker 0 in this process, and at least one process
+            n = max(n, 2)
+        self.what = f"opening Session({n}, {session_kw(channel)})"
         self.sess = self._make(n, channel)
         self.tally.sessions += 1
         self.pids = self.sess.run(worker_pid, timeout=OP_TIMEOUT)
@@ -310,8 +323,8 @@ class Chaos:
         else:
             with warnings_as_errors():
                 sess.close()
-        left = _wait_gone(pids, LEAK_GRACE)
-        if left:
+        left = _wait_gone([p for p in pids if p != os.getpid()], LEAK_GRACE)  # (not
+        if left:  # worker 0 inline: that is us)
             self.fail(f"workers {left} outlived their session's close()")
 
     def op_reopen(self) -> None:
@@ -440,7 +453,7 @@ class Chaos:
         Ref gives the right values later."""
         assert self.sess is not None
         x = self._value()
-        ref = self.sess.call(slow_value, 0.2, x)
+        ref = self.sess.call(slow_value, 0.2, x, os.getpid())
 
         async def impatient() -> None:
             await asyncio.wait_for(ref.gather_async(), 0.01)
@@ -455,7 +468,7 @@ class Chaos:
 
     def op_cancel(self) -> None:
         assert self.sess is not None
-        ref = self.sess.call(slow_value, 30.0, 0)
+        ref = self.sess.call(slow_value, 30.0, 0, os.getpid())
         time.sleep(float(self.rng.choice([0.0, 0.05])))  # queued, or running
         started = time.monotonic()
         ref.cancel(timeout=DEATH_BOUND)
@@ -471,7 +484,9 @@ class Chaos:
     # -- faults -----------------------------------------------------------------------------
 
     def _victim(self) -> tuple[int, int]:
-        rank = int(self.rng.integers(len(self.pids)))
+        """A worker process to kill or stop (never worker 0 inline in this process)."""
+        procs = [r for r, pid in enumerate(self.pids) if pid != os.getpid()]
+        rank = procs[int(self.rng.integers(len(procs)))]
         return rank, self.pids[rank]
 
     def _expect_death(self, action: Callable[[], Any], rank: int, started: float,
@@ -506,7 +521,7 @@ class Chaos:
 
     def fault_kill_busy(self) -> None:
         assert self.sess is not None
-        ref = self.sess.call(slow_value, 30.0, 0)
+        ref = self.sess.call(slow_value, 30.0, 0, os.getpid())
         rank, pid = self._victim()
         time.sleep(0.02)
         os.kill(pid, signal.SIGKILL)
@@ -621,11 +636,11 @@ class Chaos:
         """A controller in a subprocess is SIGKILLed: its workers end within the bound."""
         n = int(self.rng.integers(1, self.max_workers + 1))
         channel = self.channels[int(self.rng.integers(len(self.channels)))]
-        if channel not in ("shm", "pipe"):
+        if channel not in ("shm", "pipe", "inline"):
             channel = "auto"
         code = textwrap.dedent(f"""
             import os, sys, time, unison
-            sess = unison.Session({n}, channel={channel!r})
+            sess = unison.Session({n}, **{session_kw(channel)!r})
             print(*sess.run(os.getpid), flush=True)
             ref = sess.call(time.sleep, {float(self.rng.choice([0.0, 30.0]))})
             time.sleep(60)
@@ -743,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--channels", default="shm,pipe")
+    parser.add_argument("--channels", default="shm,pipe,inline")
     parser.add_argument("--max-workers", type=int, default=3)
     args = parser.parse_args(argv)
     started = time.monotonic()

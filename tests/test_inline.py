@@ -204,3 +204,18 @@ def test_stacks_and_cancel_never_signal_the_controller(
     slow_ref.cancel(timeout=2.0)
     assert ref.gather() == [None, None]
     assert sess.run(unison.rank) == [0, 1]
+
+
+def test_ctrl_c_in_worker_0s_call_is_the_controllers(
+        inline: Callable[..., unison.Session]) -> None:
+    """Worker 0's call runs in the controller's thread: Ctrl-C there is Ctrl-C during a
+    wait (KeyboardInterrupt, the session closed), never that call's error."""
+    sess = inline(2)
+    timer = threading.Timer(0.1, signal.pthread_kill, (threading.get_ident(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sess.run(time.sleep, 30)
+    finally:
+        timer.join()
+    assert sess.closed

@@ -173,12 +173,15 @@ class Loop:
 
 def serve(chan: WorkerChannel, coll: Collectives | None = None,
           board: Board | None = None, loop: Loop | None = None,
-          recv: Callable[[], tuple[Any, list[Any]] | None] | None = None) -> None:
+          recv: Callable[[], tuple[Any, list[Any]] | None] | None = None,
+          interrupts: bool = False) -> None:
     """Run messages until SHUTDOWN, or until ``recv`` (``chan.recv``) gives None: the
     controller is gone (or, for worker 0 inline in the controller, nothing more is there
     now; its ``loop`` then carries on at the next call). ``coll`` learns which call runs,
     so that collectives can tell a peer that left the call from a slow one; ``board`` says
-    which calls are cancelled (unison.cancel)."""
+    which calls are cancelled (unison.cancel). ``interrupts``: a KeyboardInterrupt in a
+    call is recorded as its error and raised on (worker 0 inline: Ctrl-C is the
+    controller's, which closes the session)."""
     regs = registers
     me = _identity.get("rank", 0)
     loop = loop or Loop()
@@ -235,6 +238,8 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                 err = protocol.pack_error(exc, _name(fn))
                 if coll is not None:
                     coll.end(ref_id)
+                if interrupts and isinstance(exc, KeyboardInterrupt):
+                    raise
                 if req_id:  # run: the error goes straight back
                     chan.reply(dumps((req_id, ERR, err)))
                 else:

@@ -21,7 +21,8 @@ What worker 0 gives up, and why it is opt-in (docs/architecture.md):
 * nothing of worker 0 is left to cancel once ``call`` returns its Ref (its share is done;
   the board never signals the controller); ``sess.stacks()`` points to the controller's
   own stack; its output is the controller's, not prefixed;
-* per-worker ``env`` and ``cpu_affinity`` cannot be given for it (they are the controller's).
+* per-worker ``env`` and ``cpu_affinity`` cannot be given for it (they are the controller's);
+* Ctrl-C in its call is Ctrl-C in the controller: KeyboardInterrupt, the session closed.
 
 One such session per process at a time: worker 0's registers and identity are the
 ``unison.worker`` module's, as in a worker process.
@@ -134,7 +135,8 @@ class _InlineWorker:
             raise
 
     def pump(self) -> None:
-        worker.serve(self._chan, self._coll, self._board, self._loop, self._chan.poll)
+        worker.serve(self._chan, self._coll, self._board, self._loop, self._chan.poll,
+                     interrupts=True)
 
     def close(self) -> None:
         """Run what is left (SHUTDOWN answers with the unreported errors), then let go."""

@@ -748,7 +748,11 @@ class Session(View):
             msg = build(frees, *fields)
             self._chan.send(msg, ranks, buffers, deadline=deadline)
             if self._pump is not None:  # worker 0 inline: it runs its share now, here
-                self._pump()
+                try:
+                    self._pump()
+                except KeyboardInterrupt:  # Ctrl-C in worker 0's call: as during a wait
+                    self.interrupted()
+                    raise
             if self._tracer is not None:
                 self._tracer.on_message(build, fields, ranks, len(msg) + sum(
                     memoryview(b).nbytes for b in buffers) if buffers else len(msg))
