@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -377,6 +378,7 @@ class Batcher:
                 await asyncio.to_thread(backend.close)
                 return False
             self.backend = backend
+            gc.freeze()  # what loading made is kept for good: no full collection walks it
             self.load_seconds = time.monotonic() - t0
             self.state = "ok"
             self._metrics_state()
