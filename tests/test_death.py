@@ -93,8 +93,10 @@ def test_a_worker_killed_while_idle_makes_the_next_use_raise_worker_died(sess):
 
 def test_a_worker_killed_while_idle_is_noticed_by_sync(sess):
     pids = sess.run(os.getpid)
+    keeper = sess[0].run(os.getppid)[0]  # the session learns of the death when it ends
     os.kill(pids[0], signal.SIGKILL)
     wait_dead(pids[0])
+    wait_dead(keeper)
     with pytest.raises(WorkerDied) as info:
         sess.sync()
     assert (info.value.worker, info.value.exitcode) == (0, -9)

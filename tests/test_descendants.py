@@ -72,12 +72,16 @@ def test_a_worker_that_dies_with_a_setsid_child_gives_worker_died_promptly(make_
 def test_a_worker_killed_from_outside_takes_its_orphaned_grandchildren_along(make_session):
     sess = make_session(2)
     worker = sess[1].run(os.getpid)[0]
+    keeper = sess[1].run(os.getppid)[0]
     grandchild = sess[1].run(start_setsid_grandchild)[0]
     os.kill(worker, 9)
     # kill() returns before the worker has ended; sync() owes WorkerDied only for a death
     # that has happened (a worker that finished all it was sent and is still dying owes
-    # nothing), so wait until it no longer runs.
+    # nothing), so wait until it no longer runs. The session learns of it when the worker's
+    # keeper (the process the launcher started) ends, after it has killed what the worker
+    # left behind: a few ms later, which a sync right after the worker's end could beat.
     wait_dead(worker)
+    wait_dead(keeper)
     start = time.monotonic()
     with pytest.raises(WorkerDied) as info:
         sess.sync()
