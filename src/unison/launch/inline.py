@@ -9,7 +9,9 @@ Workers 1..n-1 are local processes as always (LocalLauncher). Worker 0 speaks th
 protocol over the same shared memory, so every result, free and error is handled exactly as
 for a process; what goes is one process on the cores. On 2 cores with N=2, three busy
 processes become two, and the round trip stops sharing a core (Disco runs its worker 0 in
-the controller for the same reason; docs/benchmarks.md has the figures).
+the controller for the same reason; docs/benchmarks.md has the figures). It pays only there:
+with a core to spare (N=1 on 2 cores) worker 0's share runs after the controller's work
+instead of beside it, and with N+1 well above the cores one process fewer changes little.
 
 What worker 0 gives up, and why it is opt-in (docs/architecture.md):
 
