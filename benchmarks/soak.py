@@ -429,36 +429,49 @@ def _baseline(sess: unison.Session, pids: list[int]) -> tuple[
     return sample(0, time.perf_counter(), pids), tables
 
 
-def dispatch_phase(sess: unison.Session, pids: list[int], args: argparse.Namespace,
-                   checks: Checks) -> dict[str, Any]:
-    n = args.dispatches
-    print(f"\n== dispatch: {n} x (sess.call(noop); sess.sync()) on {args.workers} workers",
-          flush=True)
-    times = np.full(n, np.nan)  # every page touched now, before the baseline
-    for _ in range(min(args.warmup, n)):
-        sess.call(noop)
-        sess.sync()
+def _timed_phase(name: str, what: str, sess: unison.Session, pids: list[int], n: int,
+                 op: Callable[[], None], times: np.ndarray[Any, np.dtype[np.float64]],
+                 args: argparse.Namespace, checks: Checks
+                 ) -> tuple[int, float, dict[str, Any]]:
+    """What every in-session phase does around its op: the baseline, ``n`` timed runs with a
+    sample at each tenth, then the memory, table and own-resource checks. How many ran, the
+    wall time, and the phase's record of samples and tables."""
     base, tables = _baseline(sess, pids)
     start = time.perf_counter()
     samples = [base]
 
     def progress(done: int) -> None:
         samples.append(sample(done, start, pids))
-        print_sample(samples[-1], n, "dispatches")
+        print_sample(samples[-1], n, what)
+
+    ran = timed_loop(n, op, progress, times)
+    wall = time.perf_counter() - start
+    end = sample(ran, start, pids)  # before the statistics' temporaries (8 MB per 1M)
+    check_memory(checks, name, base, end, args.rss_limit)
+    ctl, workers = check_tables(checks, name, sess, tables)
+    check_own(checks, name, base, sample(ran, start, pids))
+    return ran, wall, {"samples": [s.__dict__ for s in samples], "end": end.__dict__,
+                       "controller": ctl, "workers": workers}
+
+
+def dispatch_phase(sess: unison.Session, pids: list[int], args: argparse.Namespace,
+                   checks: Checks) -> dict[str, Any]:
+    n = args.dispatches
+    print(f"\n== dispatch: {n} x (sess.call(noop); sess.sync()) on {args.workers} workers",
+          flush=True)
+    times = np.full(n, np.nan)  # every page touched now, before the baseline
 
     def op() -> None:
         sess.call(noop)
         sess.sync()
 
-    ran = timed_loop(n, op, progress, times)
-    wall = time.perf_counter() - start
-    end = sample(ran, start, pids)  # before the statistics' temporaries (8 MB per 1M)
+    for _ in range(min(args.warmup, n)):
+        op()
+    ran, wall, record = _timed_phase("dispatch", "dispatches", sess, pids, n, op, times, args,
+                                     checks)
     print(f"  {ran} dispatches in {wall:.1f} s ({ran / wall:.0f}/s)")
     out: dict[str, Any] = {"count": ran, "wall_s": wall,
                            "latency": describe_times("dispatch", times, 1e6, "µs")}
-    check_memory(checks, "dispatch", base, end, args.rss_limit)
-    ctl, workers = check_tables(checks, "dispatch", sess, tables)
-    check_own(checks, "dispatch", base, sample(ran, start, pids))
     tenth = max(1, ran // 10)
     first = float(np.median(times[:tenth]))
     last = float(np.median(times[ran - tenth : ran]))
@@ -473,8 +486,7 @@ def dispatch_phase(sess: unison.Session, pids: list[int], args: argparse.Namespa
           f"({100 * (floor1 / floor0 - 1):+.1f}%)", flush=True)
     out.update(first_tenth_median_us=first * 1e6, last_tenth_median_us=last * 1e6,
                drift=drift, first_tenth_p10_us=floor0 * 1e6, last_tenth_p10_us=floor1 * 1e6,
-               samples=[s.__dict__ for s in samples], end=end.__dict__, controller=ctl,
-               workers=workers)
+               **record)
     return out
 
 
@@ -493,27 +505,11 @@ def put_phase(sess: unison.Session, pids: list[int], args: argparse.Namespace,
 
     for _ in range(min(args.warmup // 10, n)):
         op()
-    base, tables = _baseline(sess, pids)
-    start = time.perf_counter()
-    samples = [base]
-
-    def progress(done: int) -> None:
-        samples.append(sample(done, start, pids))
-        print_sample(samples[-1], n, "puts")
-
-    ran = timed_loop(n, op, progress, times)
-    wall = time.perf_counter() - start
-    end = sample(ran, start, pids)
+    ran, wall, record = _timed_phase("put", "puts", sess, pids, n, op, times, args, checks)
     print(f"  {ran} put/free cycles in {wall:.1f} s ({ran / wall:.0f}/s, "
           f"{ran * value.nbytes / wall / 1e9:.2f} GB/s)")
-    out: dict[str, Any] = {"count": ran, "wall_s": wall, "bytes": int(value.nbytes),
-                           "latency": describe_times("put/free", times, 1e6, "µs")}
-    check_memory(checks, "put", base, end, args.rss_limit)
-    ctl, workers = check_tables(checks, "put", sess, tables)
-    check_own(checks, "put", base, sample(ran, start, pids))
-    out.update(samples=[s.__dict__ for s in samples], end=end.__dict__, controller=ctl,
-               workers=workers)
-    return out
+    return {"count": ran, "wall_s": wall, "bytes": int(value.nbytes),
+            "latency": describe_times("put/free", times, 1e6, "µs"), **record}
 
 
 def settle(start: Sample) -> tuple[float, Sample, list[int]]:

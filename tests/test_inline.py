@@ -17,6 +17,7 @@ from tests.support import wait_dead
 
 import unison
 from unison import worker
+from unison.cancel import Board
 from unison.errors import WorkerDied, WorkerError
 
 pytestmark = pytest.mark.timeout(60)
@@ -176,6 +177,17 @@ def test_what_worker_0_cannot_have_is_refused(
         inline: Callable[..., unison.Session], kw: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         inline(2, **kw)
+
+
+def test_a_cancel_never_signals_the_controller() -> None:
+    """A board that sees worker 0 (this process) inside the call must not signal it: the
+    signal's default action would end the controller. It reports it as still inside."""
+    board = Board(2)
+    try:
+        board.enter(0, 7)
+        assert board.stop(7, [0], [os.getpid()], timeout=0.05) == [0]
+    finally:
+        board.close()
 
 
 def test_stacks_and_cancel_never_signal_the_controller(

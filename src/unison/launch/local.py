@@ -204,9 +204,7 @@ class LocalLauncher(Launcher):
         return next((w.rank for w in self.workers if w.exitcode() is not None), None)
 
     def death(self, rank: int, grace: float) -> DeathReport:
-        worker = next((w for w in self.workers if w.rank == rank), None)
-        if worker is None:  # (worker 0 inline in the controller has no process here)
-            return DeathReport(rank, None, "", "it is not one of this launcher's processes")
+        worker = next(w for w in self.workers if w.rank == rank)  # (ranks may start past 0)
         code = worker.wait_exit(grace)
         reason = worker.death_reason()  # read before our own kill below
         if code is None:

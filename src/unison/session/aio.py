@@ -133,8 +133,7 @@ class Waits:
     def cancel(self, req: Request) -> None:
         """``req`` was never sent after ``prepare``."""
         req.done = None
-        with self._lock:
-            self._pending = max(0, self._pending - 1)
+        self._end(False)
 
     def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Watch the wake fds from ``loop`` from now on (the session's first loop, or the
