@@ -262,3 +262,29 @@ def test_a_worker_cannot_shrink_the_memory_the_controller_maps(sess: unison.Sess
             assert any(kind in name for name in files), (kind, files)
         assert set(files.values()) == {"refused"}, files
     assert sess.run(unison.rank, timeout=30) == [0, 1]  # nothing was lost
+
+
+def test_a_death_is_seen_after_the_launcher_closed_its_pidfd() -> None:
+    """A launcher closes its pidfds when it stops the workers, while a sender may still wait
+    in the channel for room: the channel must see the death, never an empty watch set (a
+    sender in a full ring then waited for good: close() hung)."""
+    import subprocess
+    import sys
+
+    chan = shm.ShmChannel(1, "watch-test")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    pidfd = os.pidfd_open(proc.pid)
+    try:
+        chan.started([pidfd])
+        assert chan.wait_done((0,), chan.mark(), 0.0)  # done, and nobody dead yet
+        proc.kill()
+        proc.wait()
+        os.close(pidfd)  # as LocalLauncher.stop does
+        pidfd = -1
+        assert not chan.wait_done((0,), chan.mark(), 0.0)  # done, but a watched one died
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
+        proc.kill()
+        proc.wait()
+        chan.close()

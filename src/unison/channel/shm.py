@@ -189,6 +189,7 @@ class ShmChannel(Channel):
         self._rx_lock = threading.Lock()
         self._watch: list[int] = []
         self._watch_ep: select.epoll | None = None  # the watch fds, for a look without a wait
+        self._watch_dups: list[int] = []  # our copies of them, which the epoll holds
         self._also: list[int] = []
         self._sleep_fds = [self._ctl_efd]  # what a waiting recv sleeps on: + the watch fds
         self._all_mask = (1 << num_workers) - 1
@@ -220,18 +221,25 @@ class ShmChannel(Channel):
     def started(self, watch: Sequence[int] = ()) -> None:
         self._watch = list(watch)
         self._sleep_fds = [self._ctl_efd, *self._watch, *self._also]
-        if self._watch_ep is None:
-            self._watch_ep = select.epoll()  # (closed with the channel)
         for fd in self._watch:
-            self._watch_ep.register(fd, select.EPOLLIN)
+            self._look_out_for(fd)
 
     def watch_more(self, fd: int) -> None:
         """A worker that joined after ``started`` (channel.mixed): watch its pidfd too."""
         self._watch = [*self._watch, fd]
         self._sleep_fds = [self._ctl_efd, *self._watch, *self._also]
+        self._look_out_for(fd)
+
+    def _look_out_for(self, fd: int) -> None:
+        """Put a duplicate of ``fd`` in the set ``_death_seen`` looks at. Ours, closed with
+        the channel: epoll forgets an fd once its last copy is closed, and a launcher closes
+        its pidfds when it stops the workers, while a sender may still wait for room (it
+        must see them dead, not an empty set, or it waits for good)."""
         if self._watch_ep is None:
-            self._watch_ep = select.epoll()
-        self._watch_ep.register(fd, select.EPOLLIN)
+            self._watch_ep = select.epoll()  # (closed with the channel)
+        dup = os.dup(fd)
+        self._watch_dups.append(dup)
+        self._watch_ep.register(dup, select.EPOLLIN)
 
     def also_wake(self, fds: Sequence[int]) -> None:
         """Fds whose readability ends a waiting recv early, as a reply would (another
@@ -577,6 +585,8 @@ class ShmChannel(Channel):
             os.close(fd)
         if self._watch_ep is not None:
             self._watch_ep.close()
+        for fd in self._watch_dups:
+            os.close(fd)
         self.arena.close()
         for fd in self._reply_fds:
             os.close(fd)  # the controller's mappings of fetched arrays keep their pages
