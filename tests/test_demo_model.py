@@ -30,7 +30,7 @@ from unison.demo.app import layout
 from unison.demo.config import load_config, model_dir
 from unison.demo.encoder import ShardedEncoder, shard_bytes
 from unison.demo.plan import check_tp, plan, split
-from unison.demo.tokenize import Tokenizer, length_batches, pad_batch
+from unison.demo.tokenize import Tokenizer, length_batches, pad_batch, token_shares
 
 COSINE = 0.99999
 
@@ -117,6 +117,36 @@ def test_layout_flags() -> None:
             layout(*bad)
 
 
+def test_replicas_get_about_equal_tokens() -> None:
+    """A batch (longest first) splits into contiguous shares by tokens, not by sentences:
+    the replica of the long sentences gets fewer of them; every share gets a sentence while
+    there are enough, and the shares cover the batch in order."""
+    assert token_shares([23] * 10 + [17] * 54, 2) == [(0, 30), (30, 64)]  # 570 and 578 tokens
+    assert token_shares([200, 5, 5], 2) == [(0, 1), (1, 3)]
+    assert token_shares([200, 5, 5], 3) == [(0, 1), (1, 2), (2, 3)]
+    assert token_shares([5], 2) == [(0, 1), (1, 1)]
+    assert token_shares([], 2) == [(0, 0), (0, 0)]
+    assert token_shares([4, 4, 4], 5) == [(0, 1), (1, 2), (2, 3), (3, 3), (3, 3)]
+    assert token_shares([4, 4], 1) == [(0, 2)]
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        lengths = sorted(rng.integers(2, 257, size=int(rng.integers(0, 70))).tolist(),
+                         reverse=True)
+        parts = int(rng.integers(1, 6))
+        shares = token_shares(lengths, parts)
+        assert len(shares) == parts and shares[0][0] == 0 and shares[-1][1] == len(lengths)
+        assert all(a[1] == b[0] and a[0] <= a[1] for a, b in itertools.pairwise(shares))
+        assert all(hi > lo for lo, hi in shares) or len(lengths) < parts
+        if parts == 2 and len(lengths) >= 2:  # no single move of the cut does better
+            cut = shares[0][1]
+            worst = max(sum(lengths[:cut]), sum(lengths[cut:]))
+            for other in (cut - 1, cut + 1):
+                if 1 <= other < len(lengths):
+                    assert worst <= max(sum(lengths[:other]), sum(lengths[other:]))
+    with pytest.raises(ValueError, match="parts"):
+        token_shares([3], 0)
+
+
 def test_tokens_match_sentence_transformers(folder: Path, st_model: Any) -> None:
     """The controller's tokenizer (tokenizers, tokenizer.json, truncation at 256) feeds the
     model what sentence-transformers' own tokenizer would."""
@@ -163,7 +193,7 @@ def test_parity_with_sentence_transformers(folder: Path, expected: np.ndarray, t
     0.99999 of sentence-transformers, batch after batch, replicas getting uneven shares."""
     with ShardedEncoder(tp, dp, path=folder, progress=False) as enc:
         assert len(set(enc.pids)) == tp * dp
-        got = enc.encode(SENTENCES, batch_size=5)  # batches of 5: shares of 3 and 2 for dp=2
+        got = enc.encode(SENTENCES, batch_size=5)  # dp=2: shares of 1-4 sentences
         single = enc.encode(SENTENCES[:1], batch_size=1)  # batch 1: one replica gets nothing
     cos = (got.embeddings * expected).sum(1)  # all unit length
     assert cos.min() >= COSINE, dict(zip(SENTENCES, cos.tolist()))

@@ -4,7 +4,8 @@
       call(open_shard) -> Ref to each worker's Shard
       call(load_part, shard, p) for every part, progress bar as each completes
     encode(sentences):
-      tokenize (controller) -> batches by length -> each batch split over the dp replicas
+      tokenize (controller) -> batches by length -> each batch split over the dp replicas,
+      about equal tokens each
       group(g).call(encode, shard, ids, mask)   one message per replica, its sentences only
       ref.get(worker=g*tp)                       the embeddings, from the replica's first worker
 
@@ -27,7 +28,7 @@ import unison
 from unison.demo import tasks
 from unison.demo.config import ModelConfig, SetupError, load_config, model_dir
 from unison.demo.plan import ShardPlan, check_tp, plan
-from unison.demo.tokenize import Tokenizer, length_batches, pad_batch
+from unison.demo.tokenize import Tokenizer, length_batches, pad_batch, token_shares
 
 
 @dataclass
@@ -117,7 +118,7 @@ class ShardedEncoder:
 
     def encode(self, sentences: Sequence[str], batch_size: int = 32) -> Encoded:
         """Unit-length embeddings (as sentence-transformers' encode returns them), one row per
-        sentence. A batch is split evenly over the replicas."""
+        sentence. A batch is split over the replicas by tokens (tokenize.token_shares)."""
         t0 = time.perf_counter()
         tokens = self.tokenizer.encode(sentences)
         out = np.zeros((len(sentences), self.cfg.hidden), dtype=np.float32)
@@ -158,7 +159,8 @@ class ShardedEncoder:
         """Split ``batch`` over the replicas and send each its share before any wait: (its
         sentences, the Ref of their embeddings, the replica's first rank), for the replicas
         that got sentences."""
-        shares = [list(s) for s in np.array_split(np.asarray(batch, dtype=np.int64), self.dp)]
+        cuts = token_shares([len(tokens[i]) for i in batch], self.dp)
+        shares = [batch[lo:hi] for lo, hi in cuts]
         out = []
         for g, share in enumerate(shares):
             ids, mask = pad_batch([tokens[i] for i in share])

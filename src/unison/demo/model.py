@@ -11,6 +11,11 @@ Per layer (post-LN BERT), with ``reduce`` the group's allreduce:
 
 Embeddings, layer norms and the two output biases are replicated; everything else is read as
 this rank's slice of the safetensors file (``get_slice``), so a worker reads only its shard.
+
+A padded batch is packed: x holds only the real tokens' rows (``Tokens``), so the matrix
+products, layer norms and allreduces skip the padding; attention alone spreads Q, K and V back
+to (batch, seq) for scaled_dot_product_attention. sentence-transformers computes the padding
+too; the real tokens' values are the same either way (padded keys are masked out).
 The controller reaches these functions through tasks.py (so that it never imports torch).
 
 ``forward`` takes the reduction as an argument: the workers pass unison's allreduce, while
@@ -146,26 +151,28 @@ class Shard:
 
     # -- the math ------------------------------------------------------------------------------
 
-    def embed(self, ids: Tensor) -> Tensor:
-        """Token + position + token-type embeddings, layer-normed: (batch * seq, hidden)."""
+    def embed(self, ids: Tensor, tokens: Tokens) -> Tensor:
+        """Token + position + token-type embeddings, layer-normed, of the real tokens:
+        (tokens, hidden)."""
         e = self.embeddings
         if e is None:
             raise RuntimeError("the shard's embeddings are not loaded yet")
-        batch, seq = ids.shape
+        seq = ids.shape[1]
         x = F.embedding(ids, e.word) + e.token_type + e.position[:seq]  # BERT's order of sums
-        x = F.layer_norm(x, (self.cfg.hidden,), e.ln_weight, e.ln_bias, self.cfg.layer_norm_eps)
-        return x.reshape(batch * seq, self.cfg.hidden)
+        x = tokens.pack(x.reshape(-1, self.cfg.hidden))
+        return F.layer_norm(x, (self.cfg.hidden,), e.ln_weight, e.ln_bias,
+                            self.cfg.layer_norm_eps)
 
-    def attention_partial(self, i: int, x: Tensor, keep: Tensor | None, batch: int) -> Tensor:
+    def attention_partial(self, i: int, x: Tensor, tokens: Tokens) -> Tensor:
         """This rank's heads' share of the attention output (before the bias): a partial sum
         over heads that the group's reduction completes."""
         layer = self._layer(i)
         heads, dim = self.plan.num_heads, self.plan.head_dim
-        seq = x.shape[0] // batch
-        qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
-        q, k, v = qkv.view(batch, seq, 3, heads, dim).permute(2, 0, 3, 1, 4).unbind(0)
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
-        ctx = ctx.transpose(1, 2).reshape(batch * seq, heads * dim)
+        qkv = tokens.unpack(F.linear(x, layer.qkv_weight, layer.qkv_bias))
+        qkv = qkv.view(tokens.batch, tokens.seq, 3, heads, dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=tokens.keep)
+        ctx = tokens.pack(ctx.transpose(1, 2).reshape(-1, heads * dim))
         return F.linear(ctx, layer.attn_out_weight)
 
     def attention_finish(self, i: int, x: Tensor, total: Tensor) -> Tensor:
@@ -186,24 +193,54 @@ class Shard:
         return F.layer_norm(y, (self.cfg.hidden,), layer.out_ln_weight, layer.out_ln_bias,
                             self.cfg.layer_norm_eps)
 
-    def pool(self, x: Tensor, mask: Tensor) -> Tensor:
+    def pool(self, x: Tensor, tokens: Tokens, mask: Tensor) -> Tensor:
         """Mean over the real tokens, then unit length when the pipeline normalises (as
         sentence-transformers' Pooling and Normalize modules do)."""
-        batch, seq = mask.shape
         m = mask.to(x.dtype).unsqueeze(-1)
-        summed = (x.view(batch, seq, -1) * m).sum(1)
+        summed = (tokens.unpack(x).view(tokens.batch, tokens.seq, -1) * m).sum(1)
         out = summed / m.sum(1).clamp(min=1e-9)
         return F.normalize(out, p=2.0, dim=1) if self.cfg.normalize else out
 
     def forward(self, ids: Tensor, mask: Tensor, reduce: Reduce) -> Tensor:
         """The sentence embeddings of a padded batch; ``reduce`` completes the partial sums."""
-        batch = ids.shape[0]
-        keep = attention_keep(mask)
-        x = self.embed(ids)
+        tokens = Tokens.of(mask)
+        x = self.embed(ids, tokens)
         for i in range(self.cfg.layers):
-            x = self.attention_finish(i, x, reduce(self.attention_partial(i, x, keep, batch)))
+            x = self.attention_finish(i, x, reduce(self.attention_partial(i, x, tokens)))
             x = self.mlp_finish(i, x, reduce(self.mlp_partial(i, x)))
-        return self.pool(x, mask)
+        return self.pool(x, tokens, mask)
+
+
+class Tokens:
+    """Where a padded batch's real tokens are. ``pack`` keeps their rows of a
+    (batch * seq, ...) tensor, ``unpack`` puts them back with zeros at the padding; with no
+    padding at all (batch 1 always) both return their argument."""
+
+    __slots__ = ("batch", "index", "keep", "seq")
+
+    def __init__(self, batch: int, seq: int, index: Tensor | None, keep: Tensor | None) -> None:
+        self.batch, self.seq = batch, seq
+        self.index = index
+        """The real tokens' rows in (batch * seq), in order; None when nothing is padded."""
+        self.keep = keep
+        """scaled_dot_product_attention's mask: True where a key is a real token."""
+
+    @classmethod
+    def of(cls, mask: Tensor) -> Tokens:
+        batch, seq = mask.shape
+        if bool(mask.all()):
+            return cls(batch, seq, None, None)
+        index = mask.reshape(-1).nonzero().squeeze(1)
+        return cls(batch, seq, index, mask.bool()[:, None, None, :])
+
+    def pack(self, x: Tensor) -> Tensor:
+        return x if self.index is None else x.index_select(0, self.index)
+
+    def unpack(self, x: Tensor) -> Tensor:
+        if self.index is None:
+            return x
+        out = x.new_zeros(self.batch * self.seq, x.shape[1])
+        return out.index_copy_(0, self.index, x)
 
 
 class _Reader:
@@ -224,14 +261,6 @@ class _Reader:
             t = view[:]
         self.nbytes += t.numel() * t.element_size()
         return t  # type: ignore[no-any-return]
-
-
-def attention_keep(mask: Tensor) -> Tensor | None:
-    """The attention mask for scaled_dot_product_attention: True where a key is a real
-    token; None when nothing is padded (the fast path, and batch 1 always)."""
-    if bool(mask.all()):
-        return None
-    return mask.bool()[:, None, None, :]
 
 
 # -- what the workers run (through sess.call) ------------------------------------------------
@@ -315,12 +344,11 @@ def local_forward(shards: Sequence[Shard], ids: np.ndarray, mask: np.ndarray,
     t_all = clock()
     crit = 0.0
     lead = shards[0]
-    batch = ids.shape[0]
     with torch.inference_mode():
         t_ids, t_mask = torch.from_numpy(ids), torch.from_numpy(mask)
         t = clock()
-        keep = attention_keep(t_mask)
-        x = lead.embed(t_ids)
+        tokens = Tokens.of(t_mask)
+        x = lead.embed(t_ids, tokens)
         crit += clock() - t
 
         def reduce(parts: Callable[[Shard], Tensor]) -> Tensor:
@@ -337,7 +365,7 @@ def local_forward(shards: Sequence[Shard], ids: np.ndarray, mask: np.ndarray,
             return total
 
         for i in range(lead.cfg.layers):
-            total = reduce(lambda s: s.attention_partial(i, x, keep, batch))
+            total = reduce(lambda s: s.attention_partial(i, x, tokens))
             t = clock()
             x = lead.attention_finish(i, x, total)
             crit += clock() - t
@@ -346,7 +374,7 @@ def local_forward(shards: Sequence[Shard], ids: np.ndarray, mask: np.ndarray,
             x = lead.mlp_finish(i, x, total)
             crit += clock() - t
         t = clock()
-        out = lead.pool(x, t_mask).numpy()
+        out = lead.pool(x, tokens, t_mask).numpy()
         crit += clock() - t
     if timing is not None:
         timing.total += clock() - t_all

@@ -9,6 +9,7 @@ computed.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -50,3 +51,27 @@ def length_batches(tokens: Sequence[Sequence[int]], batch_size: int) -> list[lis
         raise ValueError(f"batch size must be at least 1, got {batch_size}")
     order = sorted(range(len(tokens)), key=lambda i: -len(tokens[i]))
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def token_shares(lengths: Sequence[int], parts: int) -> list[tuple[int, int]]:
+    """Split a batch (longest sentences first) into ``parts`` contiguous ``(start, end)``
+    shares with about equal numbers of tokens, one per data-parallel replica. The model skips
+    padding (model.Tokens), so a replica's work grows with its tokens; an even split by
+    sentences would hand the replica of the longest sentences the most. A share is empty only
+    when there are fewer sentences than parts."""
+    if parts < 1:
+        raise ValueError(f"parts must be at least 1, got {parts}")
+    n = len(lengths)
+    ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
+    total = int(ends[-1]) if n else 0
+    bounds = [0]
+    for k in range(1, parts):
+        target = total * k / parts
+        i = int(np.searchsorted(ends, target))  # sentence i's end reaches the target
+        before = int(ends[i - 1]) if i else 0
+        cut = i + 1 if i < n and int(ends[i]) - target <= target - before else i
+        lo = min(bounds[-1] + 1, n)  # a sentence for this share, while there are any
+        hi = max(n - (parts - k), lo)  # and one for each later share, while enough
+        bounds.append(min(max(cut, lo), hi))
+    bounds.append(n)
+    return list(itertools.pairwise(bounds))
