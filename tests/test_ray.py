@@ -223,6 +223,27 @@ def test_calls_refs_put_gather_across_nodes(
     assert len(set(pids)) == 3
 
 
+def niceness() -> int:
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def test_workers_run_at_the_drivers_niceness_not_rays(
+    ray_cluster: RayCluster, ray_session: Callable[..., unison.Session]
+) -> None:
+    """Ray runs actors at niceness 15; the workers its actors start run at the driver's
+    (as a local session's would), or at the niceness asked for."""
+    def in_a_ray_worker() -> int:  # nested: cloudpickle sends it by value
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+    actor_nice = ray.get(ray.remote(in_a_ray_worker).remote())
+    assert actor_nice > niceness()  # Ray's worker_niceness, or the premise is gone
+    sess = ray_session(2, launcher=RayLauncher(placement_timeout=30))
+    assert sess.run(niceness) == [niceness()] * 2
+    sess.close()
+    sess = ray_session(2, launcher=RayLauncher(placement_timeout=30, nice=7))
+    assert sess.run(niceness) == [7, 7]
+
+
 def test_workers_beside_the_driver_use_shared_memory_the_others_tcp(
     ray_cluster: RayCluster, ray_session: Callable[..., unison.Session]
 ) -> None:

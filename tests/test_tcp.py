@@ -297,6 +297,33 @@ def test_worker_command_errors_say_what_to_do(workers):
     assert unreachable.returncode == 2 and "could not reach" in unreachable.stderr
 
 
+NICE_CHILD = """
+import os, sys
+from unison.worker import set_niceness
+os.nice(10)
+if os.getuid() == 0:  # as root a lower niceness is allowed: become nobody, who may not
+    os.setgid(65534)
+    os.setuid(65534)
+ok = set_niceness(0)
+print(ok, os.getpriority(os.PRIO_PROCESS, 0))
+"""
+
+
+def test_worker_niceness_is_set_or_the_worker_says_why_not():
+    """``unison worker --nice N`` (what the Ray launcher passes): raising it always works;
+    lowering it without the right goes on at the old niceness and says so on stderr."""
+    raised = subprocess.run([sys.executable, "-c",
+                             "import os\nfrom unison.worker import set_niceness\n"
+                             "print(set_niceness(5), os.getpriority(os.PRIO_PROCESS, 0))"],
+                            capture_output=True, text=True, timeout=60)
+    assert raised.stdout.split() == ["True", "5"], raised.stderr
+    refused = subprocess.run([sys.executable, "-c", NICE_CHILD], capture_output=True,
+                             text=True, timeout=60)
+    assert refused.stdout.split() == ["False", "10"], refused.stderr
+    assert "could not change this worker's niceness from 10 to 0" in refused.stderr
+    assert "RAY_worker_niceness=0" in refused.stderr
+
+
 def test_a_rank_taken_twice_is_refused(tcp_session, workers):
     late: list[subprocess.Popen[str]] = []
     sess = tcp_session(1)

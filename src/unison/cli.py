@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--die-with-parent", action="store_true",
                         help="also stop when the process that started this one ends "
                              "(for launchers: a Ray actor, a job step)")
+    worker.add_argument("--nice", type=int, default=None, metavar="N",
+                        help="run at niceness N (default: as started); a launcher passes "
+                             "its controller's, since Ray starts workers at 15")
     sub.add_parser("bench", add_help=False,
                    help="run benchmarks/run.py of a source checkout (its --help lists the flags)")
     args, rest = parser.parse_known_args(argv)
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         from unison.worker import connect_main
 
         return connect_main(args.connect, args.rank, args.timeout, args.die_with_parent,
-                            args.unix)
+                            args.unix, args.nice)
     script = bench_script()
     if script is None:
         print("unison bench: the benchmark is not installed with the package; it lives in "

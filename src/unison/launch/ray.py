@@ -206,7 +206,11 @@ class RayLauncher(Launcher):
 
     A session of one group is one placement group, ``PACK``; with ``num_groups`` > 1, each
     unison group is a placement group of its own, ``group_strategy`` (``STRICT_PACK``: all
-    of a group on one node; ``PACK`` lets a group that fits no single node spread)."""
+    of a group on one node; ``PACK`` lets a group that fits no single node spread).
+
+    ``nice``: the workers' niceness; None, the driver's. Ray starts actors at 15, below
+    everything else on the node; unison's workers are the job's compute, so by default they
+    run as a local session's would."""
 
     def __init__(
         self,
@@ -218,8 +222,13 @@ class RayLauncher(Launcher):
         ray_init_kwargs: Mapping[str, Any] | None = None,
         placement_timeout: float = 60,
         group_strategy: str = "STRICT_PACK",
+        nice: int | None = None,
     ) -> None:
         self.address = address
+        self.nice = os.getpriority(os.PRIO_PROCESS, 0) if nice is None else nice
+        """The workers' niceness: the driver's, as a local session's workers inherit it.
+        Ray runs its actors at 15 (worker_niceness); the worker lowers its own at start,
+        or says on stderr why it could not (unison.worker.set_niceness)."""
         self.num_cpus = num_cpus
         self.num_gpus = num_gpus
         self.resources = dict(resources or {})
@@ -345,6 +354,7 @@ class RayLauncher(Launcher):
         calls = []
         for rank, (spec, actor) in enumerate(zip(specs, self.actors)):
             argv, adds = connect_command(spec)
+            argv += ["--nice", str(self.nice)]
             worker_env = {**adds, **{str(k): str(v) for k, v in env.get(rank, {}).items()}}
             calls.append(actor.start.remote(argv, worker_env))
         # actors start fresh Python processes: give them the placement timeout too
