@@ -5,10 +5,13 @@ unpickles a byte of it, never raises and never hangs.
 
 A real TcpChannel listens on loopback and real sockets send the bytes hypothesis makes;
 each example is one connection (a stream that went out of step is closed for good).
+The worker's end is fuzzed for the other risk, a fast path: one read that brings exactly one
+call is parsed in place, so streams cut anywhere must still come out whole and in order.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pickle
 import socket
@@ -21,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from unison.channel.tcp import _HEAD, _MAGIC, TcpChannel, dial
+from unison.channel.tcp import _HEAD, _MAGIC, TcpChannel, TcpWorkerChannel, dial
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -133,3 +136,40 @@ def test_the_handshake_threads_do_not_pile_up(channel):
     while threading.active_count() > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert threading.active_count() <= before
+
+
+@FUZZ
+@given(payloads=st.lists(st.one_of(st.none(), st.binary(min_size=1, max_size=3000)),
+                         max_size=6),
+       cuts=st.lists(st.integers(0, 8000), max_size=5))
+def test_a_worker_reads_frames_however_the_stream_is_cut(payloads, cuts):
+    """The worker's end: calls sent back to back, heartbeats among them (None), the stream cut
+    anywhere into separate sends: every call comes out whole and in order (a read that brings
+    exactly one, more than one, or part of one), heartbeats never; then the end."""
+    inc = 7
+    stream = b"".join(_HEAD.pack(_MAGIC, inc, 0, 0) if p is None else _frame(inc, p)
+                      for p in payloads)
+    bounds = sorted({0, len(stream), *(c for c in cuts if c < len(stream))})
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sender = socket.create_connection(server.getsockname())
+        conn, _ = server.accept()
+    worker = TcpWorkerChannel(conn, inc)
+
+    def send() -> None:
+        with sender:
+            for lo, hi in itertools.pairwise(bounds):
+                sender.sendall(stream[lo:hi])
+                time.sleep(0.001)  # most often a separate segment, read on its own
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    try:
+        got = []
+        while (item := worker.recv()) is not None:
+            data, bufs = item
+            assert bufs == []
+            got.append(bytes(data))
+    finally:
+        thread.join()
+        worker.close()
+    assert got == [p for p in payloads if p is not None]

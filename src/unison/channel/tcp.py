@@ -411,25 +411,49 @@ class TcpChannel(Channel):
     def _read(self, peer: _Peer, out: list[tuple[int, bytes | Reply | None]]) -> None:
         with self._rx_lock:  # a sender may read replies too, while it waits for room
             if not peer.ended:
-                self._fill(peer)
-                self._frames(peer, out)
+                n = self._recv(peer)
+                if n and not peer.buf and self._one_reply(peer, n, out):
+                    pass  # the usual case: one read, one whole reply, nothing else
+                elif n:
+                    peer.buf += self._scratch_view[:n]
+                    self._frames(peer, out)
             if _ended(peer):
                 self._drop(peer, peer.ended, out)
 
-    def _fill(self, peer: _Peer) -> None:
-        """Read what the socket holds into the peer's buffer (``ended`` says if it closed),
-        through one scratch buffer: a fresh 1 MiB bytes object per read would cost an mmap."""
+    def _recv(self, peer: _Peer) -> int:
+        """Read what the socket holds into the scratch buffer (one for all peers: a fresh
+        1 MiB bytes object per read would cost an mmap); 0 when nothing came (``ended`` says
+        if the stream ended)."""
         try:
             n = peer.sock.recv_into(self._scratch)
         except BlockingIOError:
-            return
+            return 0
         except OSError as exc:
             peer.ended = f"its connection failed: {exc}"
-            return
+            return 0
         if not n:
             peer.ended = "its connection closed"
-            return
-        peer.buf += self._scratch_view[:n]
+        return n
+
+    def _fill(self, peer: _Peer) -> None:
+        """Read what the socket holds into the peer's buffer."""
+        n = self._recv(peer)
+        if n:
+            peer.buf += self._scratch_view[:n]
+
+    def _one_reply(self, peer: _Peer, n: int,
+                   out: list[tuple[int, bytes | Reply | None]]) -> bool:
+        """Whether the ``n`` bytes just read are exactly one well-formed reply (then it is in
+        ``out``); else the caller buffers them and parses them as a stream."""
+        head = _HEAD.size
+        if n < head:
+            return False
+        magic, incarnation, size, count = _HEAD.unpack_from(self._scratch)
+        if head + size != n or count or _check_head(magic, incarnation, size, count,
+                                                    peer.incarnation):
+            return False
+        out.append((peer.rank, bytes(self._scratch_view[head:n])))
+        return True
 
     def _frames(self, peer: _Peer, out: list[tuple[int, bytes | Reply | None]]) -> None:
         """The whole frames in the peer's buffer, as replies."""
@@ -640,8 +664,12 @@ class TcpWorkerChannel(WorkerChannel):
 
     def recv(self) -> tuple[memoryview, list[Any]] | None:
         try:
-            if not self._have and not self._poll.poll(0):  # the next command is often a
-                spin(lambda: bool(self._poll.poll(0)), SPIN)  # few µs away
+            if not self._have:
+                if not self._poll.poll(0):  # the next command is often a few µs away
+                    spin(lambda: bool(self._poll.poll(0)), SPIN)
+                whole = self._one_frame()
+                if whole is not None:
+                    return whole, []
             while True:
                 magic, inc, size, count = _HEAD.unpack(self._read(_HEAD.size))
                 problem = _check_head(magic, inc, size, count, self._inc)
@@ -659,6 +687,26 @@ class TcpWorkerChannel(WorkerChannel):
             return data, bufs
         except (EOFError, OSError):
             return None
+
+    def _one_frame(self) -> memoryview | None:
+        """The fast path, nothing read ahead: one recv, and when it brought one whole call
+        (no out-of-band buffers), its body, parsed straight from the scratch buffer; what
+        came after it is kept for the next. Else all it read is kept for the general path
+        (None); a closed connection raises EOFError."""
+        k = self._sock.recv_into(self._scratch)
+        if not k:
+            raise EOFError
+        scratch, head = self._scratch, _HEAD.size
+        if k >= head:
+            magic, inc, size, count = _HEAD.unpack_from(scratch)
+            end = head + size
+            if size and not count and end <= k and not _check_head(magic, inc, size, count,
+                                                                   self._inc):
+                if end < k:
+                    self._have += self._scratch_view[end:k]
+                return memoryview(scratch[head:end])
+        self._have += self._scratch_view[:k]
+        return None
 
     def _read(self, n: int) -> bytearray:
         """Exactly ``n`` bytes: first what an earlier read brought ahead, then the socket's.
