@@ -84,6 +84,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     """The hygiene check once every test and fixture is done: no worker process of this run,
     no child process of the test runner and no new "unison" entry in /dev/shm. What is left
     is reported, swept (so one broken run cannot poison the next) and fails the run."""
+    gc.unfreeze()  # what the per-test checks froze (leaks.py) is collectable again
     gc.collect()  # sessions dropped without close() are closed by now
     problems = []
     workers = wait_gone([p.pid for p in stray_workers()], 3.0)
