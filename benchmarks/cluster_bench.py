@@ -243,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for n in args.workers:
             # Compiled Graphs first: run after the actor calls at N=4 (2026-12-01, a slower
-            # day), its first execute timed out in Ray (RAY_CGRAPH_get_timeout, 10 s) four
+            # host), its first execute timed out in Ray (RAY_CGRAPH_get_timeout, 10 s) four
             # times of four, even with the killed actors reported dead; run first, never
             for key in sorted(args.systems, key=lambda k: k != "cg"):
                 name = names[key]
