@@ -411,10 +411,8 @@ class TcpChannel(Channel):
     def _read(self, peer: _Peer, out: list[tuple[int, bytes | Reply | None]]) -> None:
         with self._rx_lock:  # a sender may read replies too, while it waits for room
             if not peer.ended:
-                n = self._recv(peer)
-                if n and not peer.buf and self._one_reply(peer, n, out):
-                    pass  # the usual case: one read, one whole reply, nothing else
-                elif n:
+                n = self._recv(peer)  # usually one whole reply and nothing else: no buffer
+                if n and (peer.buf or not self._one_reply(peer, n, out)):
                     peer.buf += self._scratch_view[:n]
                     self._frames(peer, out)
             if _ended(peer):
@@ -445,14 +443,9 @@ class TcpChannel(Channel):
                    out: list[tuple[int, bytes | Reply | None]]) -> bool:
         """Whether the ``n`` bytes just read are exactly one well-formed reply (then it is in
         ``out``); else the caller buffers them and parses them as a stream."""
-        head = _HEAD.size
-        if n < head:
+        if _whole_frame(self._scratch, n, peer.incarnation) != n:
             return False
-        magic, incarnation, size, count = _HEAD.unpack_from(self._scratch)
-        if head + size != n or count or _check_head(magic, incarnation, size, count,
-                                                    peer.incarnation):
-            return False
-        out.append((peer.rank, bytes(self._scratch_view[head:n])))
+        out.append((peer.rank, bytes(self._scratch_view[_HEAD.size:n])))
         return True
 
     def _frames(self, peer: _Peer, out: list[tuple[int, bytes | Reply | None]]) -> None:
@@ -570,6 +563,18 @@ def _check_head(magic: int, incarnation: int, size: int, count: int, expected: i
     if count > _MAX_BUFFERS:
         return f"{count} buffers, over the limit of {_MAX_BUFFERS}"
     return ""
+
+
+def _whole_frame(buf: bytearray, k: int, incarnation: int) -> int:
+    """Where the frame at the start of ``buf[:k]`` ends, when it is all there, well formed
+    and without out-of-band buffers (the one-read fast paths at both ends); else 0."""
+    if k < _HEAD.size:
+        return 0
+    magic, inc, size, count = _HEAD.unpack_from(buf)
+    end: int = _HEAD.size + size
+    if count or end > k or _check_head(magic, inc, size, count, incarnation):
+        return 0
+    return end
 
 
 def _drain(fd: int) -> None:
@@ -696,15 +701,11 @@ class TcpWorkerChannel(WorkerChannel):
         k = self._sock.recv_into(self._scratch)
         if not k:
             raise EOFError
-        scratch, head = self._scratch, _HEAD.size
-        if k >= head:
-            magic, inc, size, count = _HEAD.unpack_from(scratch)
-            end = head + size
-            if size and not count and end <= k and not _check_head(magic, inc, size, count,
-                                                                   self._inc):
-                if end < k:
-                    self._have += self._scratch_view[end:k]
-                return memoryview(scratch[head:end])
+        end = _whole_frame(self._scratch, k, self._inc)
+        if end > _HEAD.size:  # a call, not a heartbeat (an empty frame)
+            if end < k:
+                self._have += self._scratch_view[end:k]
+            return memoryview(self._scratch[_HEAD.size:end])
         self._have += self._scratch_view[:k]
         return None
 
