@@ -386,3 +386,33 @@ def test_a_send_that_reaches_some_workers_only_is_partial_never_nothing_sent(tcp
                 sess._chan.send(msg, (0, 1), deadline=time.monotonic() + 0.2)
     finally:
         os.kill(pids[1], signal.SIGCONT)
+
+
+def test_workers_on_a_crowded_controller_host_sleep_rather_than_spin(monkeypatch):
+    """A worker on the controller's host is told not to spin its waits when the host has
+    fewer CPUs than the session's processes (it would hold a core the others need); with a
+    core each, or on another host, it spins (and saves the wake-up)."""
+    from unison.channel.tcp import TcpChannel, dial
+
+    cpus = len(os.sched_getaffinity(0))
+
+    def advice(n: int, host: str | None = None) -> bool:
+        chan = TcpChannel(n, "127.0.0.1", "127.0.0.1", SECRET)
+        try:
+            chan.offer(0, b"init")
+            if host is not None:
+                monkeypatch.setattr(socket, "gethostname", lambda: host)
+            try:
+                sock, _, init, _, spin = dial(chan.address, SECRET, 0, timeout=10)
+            finally:
+                monkeypatch.undo()
+            sock.close()
+            assert init == b"init"
+            return spin
+        finally:
+            chan.close()
+
+    assert advice(cpus) is False  # cpus workers and the controller: one process too many
+    assert advice(cpus, host="another-host") is True
+    if cpus > 1:
+        assert advice(cpus - 1) is True

@@ -47,7 +47,7 @@ def _join(chan: TcpChannel) -> tuple[socket.socket, int]:
     chan._peers[0] = None
     chan._claimed.clear()
     chan.offer(0, pickle.dumps("init"))
-    sock, incarnation, init, _ = dial(chan.address, SECRET, 0, timeout=10)
+    sock, incarnation, init, _, _ = dial(chan.address, SECRET, 0, timeout=10)
     assert pickle.loads(init) == "init"
     deadline = time.monotonic() + 10
     while chan._peers[0] is None:

@@ -529,7 +529,7 @@ def connect_main(address: str, rank: int = -1, timeout: float = 60.0,
               "controller printed it or gave its launcher)", file=sys.stderr)
         return 2
     try:
-        sock, incarnation, init_blob, fds = dial(address, secret, rank, timeout, unix)
+        sock, incarnation, init_blob, fds, spin = dial(address, secret, rank, timeout, unix)
     except (ConnectionError, PermissionError, Refused, ValueError) as exc:
         print(f"unison worker: {exc}", file=sys.stderr)
         return 2
@@ -550,7 +550,7 @@ def connect_main(address: str, rank: int = -1, timeout: float = 60.0,
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != keeper:
         os._exit(EXIT_CONTROLLER_GONE)
-    run(spec, None if unix else TcpWorkerChannel(sock, incarnation))
+    run(spec, None if unix else TcpWorkerChannel(sock, incarnation, spin))
     return 0
 
 
