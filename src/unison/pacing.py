@@ -25,6 +25,8 @@ a pipe would. Then waits probe with a spin again; clean ones bring the rate down
 The waits and their parameters:
 
     channel.shm   controller recv, worker recv   spin 200 us, then sleep on an eventfd
+    channel.tcp   controller recv, worker recv   spin 200 us, then sleep in select / the read
+                                                 (a worker on a crowded controller host: sleep)
     channel.shm   command ring full (controller) Pacer(cap=5 ms), bounded by the deadline
     channel.shm   reply ring full (worker)       Pacer(cap=5 ms)
     channel.pipe  command pipe full (deadline)   Pacer(cap=5 ms), bounded by the deadline
