@@ -58,8 +58,6 @@ log = logging.getLogger("unison.tcp")
 
 _MAGIC = 0x31534E55  # b"UNS1", little-endian
 _HEAD = struct.Struct("<IQQI")  # magic, incarnation, payload length, buffer count
-_PREFIX = struct.Struct("<IQ")  # a connection's frames all start alike: magic, incarnation
-_TAIL = struct.Struct("<QI")  # then the payload length and buffer count
 _BUF = struct.Struct("<Q")
 MAX_FRAME = 1 << 32
 """The largest payload or buffer a frame may carry (bytes); larger is malformed."""
@@ -103,7 +101,6 @@ class _Peer:
     def __init__(self, rank: int, sock: socket.socket, incarnation: int, host: str,
                  pid: int) -> None:
         self.rank, self.sock, self.incarnation = rank, sock, incarnation
-        self.prefix = _PREFIX.pack(_MAGIC, incarnation)
         self.host, self.pid = host, pid
         self.fd = sock.fileno()
         self.buf = bytearray()
@@ -332,7 +329,7 @@ class TcpChannel(Channel):
             peer = self._peers[r]
             if peer is None or not peer.open:
                 raise BrokenPipeError(f"worker {r} is not connected")
-            head = peer.prefix + _TAIL.pack(len(data), len(raws))
+            head = _HEAD.pack(_MAGIC, peer.incarnation, len(data), len(raws))
             try:
                 if not raws and len(data) <= _SMALL:  # one send, no frame bookkeeping
                     frame = head + data
@@ -451,7 +448,7 @@ class TcpChannel(Channel):
                    out: list[tuple[int, bytes | Reply | None]]) -> bool:
         """Whether the ``n`` bytes just read are exactly one well-formed reply (then it is in
         ``out``); else the caller buffers them and parses them as a stream."""
-        if _whole_frame(self._scratch, n, peer.prefix) != n:
+        if _whole_frame(self._scratch, n, peer.incarnation) != n:
             return False
         out.append((peer.rank, bytes(self._scratch_view[_HEAD.size:n])))
         return True
@@ -573,16 +570,16 @@ def _check_head(magic: int, incarnation: int, size: int, count: int, expected: i
     return ""
 
 
-def _whole_frame(buf: bytearray, k: int, prefix: bytes) -> int:
-    """Where the frame at the start of ``buf[:k]`` ends, when it is all there, starts with
-    this connection's magic and incarnation (``prefix``) and has no out-of-band buffers
-    (the one-read fast paths at both ends); else 0, and the full checks have their say.
-    A byte compare and one unpack: an oversized length cannot fit in ``k``."""
-    if k < _HEAD.size or not buf.startswith(prefix):
+def _whole_frame(buf: bytearray, k: int, incarnation: int) -> int:
+    """Where the frame at the start of ``buf[:k]`` ends, when it is all there, well formed
+    and without out-of-band buffers (the one-read fast paths at both ends); else 0."""
+    if k < _HEAD.size:
         return 0
-    size, count = _TAIL.unpack_from(buf, _PREFIX.size)
+    magic, inc, size, count = _HEAD.unpack_from(buf)
     end: int = _HEAD.size + size
-    return 0 if count or end > k else end
+    if count or end > k or _check_head(magic, inc, size, count, incarnation):
+        return 0
+    return end
 
 
 def _drain(fd: int) -> None:
@@ -673,7 +670,6 @@ class TcpWorkerChannel(WorkerChannel):
     def __init__(self, sock: socket.socket, incarnation: int, spin: bool = True) -> None:
         self._sock = sock
         self._inc = incarnation
-        self._prefix = _PREFIX.pack(_MAGIC, incarnation)
         self._spin = spin
         self._send_lock = threading.Lock()
         self._poll = select.poll()
@@ -717,7 +713,7 @@ class TcpWorkerChannel(WorkerChannel):
         k = self._sock.recv_into(self._scratch)
         if not k:
             raise EOFError
-        end = _whole_frame(self._scratch, k, self._prefix)
+        end = _whole_frame(self._scratch, k, self._inc)
         if end > _HEAD.size:  # a call, not a heartbeat (an empty frame)
             if end < k:
                 self._have += self._scratch_view[end:k]
@@ -763,7 +759,7 @@ class TcpWorkerChannel(WorkerChannel):
         if len(data) > MAX_FRAME:
             raise MemoryError(f"a reply of {len(data)} bytes is over the TCP channel's limit "
                               f"of {MAX_FRAME}")
-        head = self._prefix + _TAIL.pack(len(data), 0)
+        head = _HEAD.pack(_MAGIC, self._inc, len(data), 0)
         with self._send_lock:  # blocking: waits only while the controller is slow to read
             if len(data) <= _SMALL:
                 self._sock.sendall(head + data)
