@@ -7,6 +7,7 @@ local ``ray.init``.
 
     python benchmarks/cluster_bench.py --quick           # about a minute
     python benchmarks/cluster_bench.py --workers 2 4 --seconds 5
+    python benchmarks/cluster_bench.py --systems tcp-plain --json out.json  # compare_revs --tcp
 
 Each figure times one call that every worker runs and answers (a function returning None):
 ``sess.run(noop)`` for unison; ``ray.get([a.noop.remote() for a in actors])`` for actor
@@ -51,6 +52,8 @@ SYSTEMS = ("unison TCP (Ray actors)", "unison TCP (plain processes)",
            "unison shm (Ray actors)", "unison shm (local)", "Ray actor calls",
            "Ray Compiled Graphs", "floor (probe ring)")
 KEYS = ("tcp", "tcp-plain", "ray-shm", "shm", "actors", "cg", "floor")
+LOCAL = frozenset({"tcp-plain", "shm", "floor"})
+"""The systems that run without Ray."""
 
 
 def noop() -> None:
@@ -225,15 +228,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=3.0, help="per measurement")
     parser.add_argument("--quick", action="store_true", help="1 s per measurement")
     parser.add_argument("--systems", nargs="+", default=list(KEYS), choices=KEYS)
+    parser.add_argument("--json", type=Path, default=None,
+                        help="also write the figures here: system, N, median and p99 (µs)")
     args = parser.parse_args(argv)
     seconds = 1.0 if args.quick else args.seconds
     warmup = 50 if args.quick else 200
 
     import ray
 
-    # logical CPUs, so every worker's bundle fits whatever the machine's size
-    ray.init(num_cpus=max(args.workers) + 2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+    if set(args.systems) - LOCAL:  # else no Ray: its starting daemons would share the cores
+        # logical CPUs, so every worker's bundle fits whatever the machine's size
+        ray.init(num_cpus=max(args.workers) + 2, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
     runs: dict[str, Callable[[int], contextlib.AbstractContextManager[Callable[[], object]]]]
     runs = {"tcp": unison_tcp, "tcp-plain": unison_tcp_plain, "ray-shm": unison_ray_shm,
             "shm": unison_shm,
@@ -264,6 +270,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("Dispatch round trip to N workers, median / p99 in µs (lower is better); ratios: "
           "the Ray figure's median over unison TCP's (higher: unison faster).\n")
     print(render(results, args.workers))
+    if args.json is not None:
+        args.json.write_text(json.dumps([
+            {"system": name, "n": n, "median_us": cell[0], "p99_us": cell[1]}
+            for (name, n), cell in results.items() if cell is not None]), encoding="utf-8")
     print(f"\nCPU: {cpu_model()}; Python {platform.python_version()}; ray {ray.__version__}; "
           f"{source_revision()}; {os.cpu_count()} CPUs; {seconds:g} s per measurement")
     print(f"command: {command}")

@@ -5,6 +5,8 @@
         for rev in (base, head) or (head, base):  noise and drift hit both alike)
             child: PYTHONPATH=<tree of rev>/src python benchmarks/run.py --systems unison
                    --only dispatch,gather_small,put,fetch --json <file>
+                   (``--tcp``: benchmarks/cluster_bench.py --systems tcp-plain, the TCP
+                   channel's dispatch with workers as plain processes on loopback)
     table: each metric at each N, the median over repetitions of both, and head / base
 
 A revision other than ``WORKTREE`` (the working tree of this checkout, edits included) is
@@ -63,6 +65,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="repetitions of each revision (3)")
     p.add_argument("--quick", action="store_true",
                    help="the harness's short loops: a smoke test, not a measurement")
+    p.add_argument("--tcp", action="store_true",
+                   help="the TCP channel's dispatch instead (cluster_bench.py's tcp-plain, "
+                        "3 s a measurement; needs ray)")
     p.add_argument("--fetch-mib", type=int, default=64,
                    help="MiB each worker returns in the fetch workload (default 64)")
     return p.parse_args(argv)
@@ -115,6 +120,9 @@ def check_import(rev: Rev) -> None:
 def measure(rev: Rev, args: argparse.Namespace, out: Path) -> None:
     """One run of the harness on ``rev``: every metric's median (and p99 of latencies) is
     appended to ``rev.values``."""
+    if args.tcp:
+        measure_tcp(rev, args, out)
+        return
     cmd = [sys.executable, str(HERE / "run.py"), "--systems", "unison", "--only", WORKLOADS,
            "--workers", ",".join(map(str, args.workers)), "--fetch-mib", str(args.fetch_mib),
            "--json", str(out)]
@@ -132,6 +140,23 @@ def measure(rev: Rev, args: argparse.Namespace, out: Path) -> None:
             rows.append((f"{cell['metric']} p99", cell["p99"]))
         for metric, value in rows:
             rev.units[metric] = cell["unit"]
+            rev.values.setdefault((metric, cell["n"]), []).append(float(value))
+    out.unlink()
+
+
+def measure_tcp(rev: Rev, args: argparse.Namespace, out: Path) -> None:
+    """``measure`` for ``--tcp``: cluster_bench's dispatch over TCP to plain processes."""
+    cmd = [sys.executable, str(HERE / "cluster_bench.py"), "--systems", "tcp-plain",
+           "--workers", *map(str, args.workers), "--json", str(out)]
+    if args.quick:
+        cmd.append("--quick")
+    proc = subprocess.run(cmd, env=_env(rev), stdout=subprocess.DEVNULL, check=False)
+    if not out.exists():
+        raise SystemExit(f"{rev.name}: cluster_bench failed (exit status {proc.returncode})")
+    for cell in json.loads(out.read_text(encoding="utf-8")):
+        for metric, value in (("tcp dispatch", cell["median_us"]),
+                              ("tcp dispatch p99", cell["p99_us"])):
+            rev.units[metric] = "us"
             rev.values.setdefault((metric, cell["n"]), []).append(float(value))
     out.unlink()
 
