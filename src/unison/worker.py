@@ -483,7 +483,8 @@ def set_niceness(nice: int) -> bool:
     Ray starts its workers at niceness 15, so that its own daemons come first; a unison
     worker started by a Ray actor inherits that, and on a busy node it would wait behind
     every other process while the controller (niceness 0) spins for its reply: dispatch over
-    Ray at N=4 took 226 against 181 us over the same channel without Ray. Raising a niceness
+    Ray at N=4 took 226 against 181 us over the same channel without Ray (python
+    benchmarks/cluster_bench.py, docs/cluster.md). Raising a niceness
     is always allowed; lowering it needs CAP_SYS_NICE or a high enough RLIMIT_NICE."""
     now = os.getpriority(os.PRIO_PROCESS, 0)
     if now == nice:

@@ -664,8 +664,9 @@ class TcpWorkerChannel(WorkerChannel):
     ``spin``: whether a wait yields the core for a while before it sleeps in ``recv``. The
     controller says no to workers on its own host when that host has fewer CPUs than the
     session's processes: a spinning worker there holds a core the controller or a busy peer
-    needs, and sleeping made the round trip 10-15% faster (N=2 and 4 on 2 CPUs; with a core
-    each, spinning saves the wake-up: 35 against 44 µs at N=1)."""
+    needs: sleeping made dispatch 0.91x and 0.88x the time at N=2 and 4 on 2 CPUs (python
+    benchmarks/compare_revs.py --base fc543f2 --head ec7e5fe --tcp). With a core each,
+    spinning saves the wake-up."""
 
     def __init__(self, sock: socket.socket, incarnation: int, spin: bool = True) -> None:
         self._sock = sock

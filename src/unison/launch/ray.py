@@ -226,9 +226,7 @@ class RayLauncher(Launcher):
     ) -> None:
         self.address = address
         self.nice = os.getpriority(os.PRIO_PROCESS, 0) if nice is None else nice
-        """The workers' niceness: the driver's, as a local session's workers inherit it.
-        Ray runs its actors at 15 (worker_niceness); the worker lowers its own at start,
-        or says on stderr why it could not (unison.worker.set_niceness)."""
+        """The workers' niceness (see the class docstring); set by unison.worker.set_niceness."""
         self.num_cpus = num_cpus
         self.num_gpus = num_gpus
         self.resources = dict(resources or {})
