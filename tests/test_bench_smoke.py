@@ -164,3 +164,18 @@ def test_percentile_nearest_rank() -> None:
 def test_unison_bench_finds_the_checkout_script() -> None:
     """``unison bench`` runs benchmarks/run.py of the checkout (an installed wheel has none)."""
     assert bench_script() == ROOT / "benchmarks" / "run.py"
+
+
+def test_cluster_bench_tcp_plain_writes_json_without_ray(tmp_path: Path) -> None:
+    """What ``compare_revs.py --tcp`` reads: the TCP channel's dispatch to plain processes,
+    as JSON, from a run that needs no Ray (so no Ray daemon starts beside it)."""
+    out = tmp_path / "tcp.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cluster_bench.py"), "--systems",
+         "tcp-plain", "--workers", "1", "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "Ray" not in proc.stderr  # ray.init says "... this Ray cluster ..." on stderr
+    cells = json.loads(out.read_text(encoding="utf-8"))
+    assert [(c["system"], c["n"]) for c in cells] == [("unison TCP (plain processes)", 1)]
+    assert 0 < cells[0]["median_us"] <= cells[0]["p99_us"]
