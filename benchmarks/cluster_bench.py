@@ -16,6 +16,11 @@ calls; ``ray.get(compiled.execute(0))`` for a compiled ``MultiOutputNode`` over 
 unison TCP's, median against median (higher: unison faster). Systems run one at a time,
 each with its own workers, the others torn down. ``floor`` is the smallest pure-Python
 shared-memory round trip on this machine (``../shared/probes/ring.py``), where present.
+
+Rounds (``--rounds``, 3 by default): each N runs every system ``rounds`` times in turn, each
+time for ``seconds / rounds`` with fresh workers, and a figure pools its rounds' samples.
+So a slow minute of this shared host falls on all systems alike, rather than on whichever
+ran then; the ratio cells also give the range of the ratios of the single rounds.
 """
 
 from __future__ import annotations
@@ -155,6 +160,19 @@ def _kill(actors: list[Any]) -> None:
         ray.kill(a)
 
 
+def _settle(timeout: float = 30.0) -> None:
+    """Wait until Ray has freed the CPUs of the actors killed before (the systems run one at
+    a time, so then all are free): a graph compiled while they were still held waited for
+    them, and its first execute could time out."""
+    import ray
+
+    api: Any = ray  # its resource calls lack annotations
+    end = time.monotonic() + timeout
+    while (api.available_resources().get("CPU", 0) < api.cluster_resources().get("CPU", 0)
+           and time.monotonic() < end):
+        time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def ray_actors(n: int) -> Iterator[Callable[[], object]]:
     import ray
@@ -171,6 +189,7 @@ def compiled_graph(n: int) -> Iterator[Callable[[], object]]:
     import ray
     from ray.dag import InputNode, MultiOutputNode
 
+    _settle()
     actors = _actors(n)
     compiled: Any = None
     try:
@@ -203,35 +222,55 @@ def _fmt(cell: tuple[float, float] | None) -> str:
     return "n/a" if cell is None else f"{cell[0]:,.0f} / {cell[1]:,.0f}"
 
 
-def _ratio(top: tuple[float, float] | None, bottom: tuple[float, float] | None) -> str:
-    if top is None or bottom is None or bottom[0] <= 0:
+def _ratio(top: Sequence[float] | None, bottom: Sequence[float] | None,
+           rounds: tuple[list[float], list[float]] | None = None) -> str:
+    """Median over median, and the range of the single rounds' ratios where there are
+    several rounds with both figures."""
+    if not top or not bottom or bottom[0] <= 0:
         return "n/a"
-    return f"{top[0] / bottom[0]:.1f}x"
+    text = f"{top[0] / bottom[0]:.1f}x"
+    if rounds is not None:
+        each = [t / b for t, b in zip(*rounds) if b > 0]
+        if len(each) > 1:
+            text += f" ({min(each):.1f}-{max(each):.1f})"
+    return text
 
 
 def render(results: dict[tuple[str, int], tuple[float, float] | None],
-           workers: Sequence[int]) -> str:
+           workers: Sequence[int],
+           per_round: dict[tuple[str, int], list[float]] | None = None) -> str:
     head = "| N | " + " | ".join(SYSTEMS) + " | actor / TCP | Compiled Graphs / TCP |"
     lines = [head, "|" + "---|" * (len(SYSTEMS) + 3)]
+    per_round = per_round or {}
     for n in workers:
-        tcp = results.get(("unison TCP (Ray actors)", n))
+        key = ("unison TCP (Ray actors)", n)
+        tcp = results.get(key)
         cells = [_fmt(results.get((s, n))) for s in SYSTEMS]
-        lines.append(f"| {n} | " + " | ".join(cells) + " | "
-                     f"{_ratio(results.get(('Ray actor calls', n)), tcp)} | "
-                     f"{_ratio(results.get(('Ray Compiled Graphs', n)), tcp)} |")
+        ratios = []
+        for ray_name in ("Ray actor calls", "Ray Compiled Graphs"):
+            pair = None
+            if (ray_name, n) in per_round and key in per_round:
+                pair = (per_round[(ray_name, n)], per_round[key])
+            ratios.append(_ratio(results.get((ray_name, n)), tcp, pair))
+        lines.append(f"| {n} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--seconds", type=float, default=3.0, help="per measurement")
+    parser.add_argument("--seconds", type=float, default=3.0,
+                        help="per system and N, over all rounds")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="times each system runs at each N, in turn with the others")
     parser.add_argument("--quick", action="store_true", help="1 s per measurement")
     parser.add_argument("--systems", nargs="+", default=list(KEYS), choices=KEYS)
     parser.add_argument("--json", type=Path, default=None,
                         help="also write the figures here: system, N, median and p99 (µs)")
     args = parser.parse_args(argv)
     seconds = 1.0 if args.quick else args.seconds
+    rounds = max(1, args.rounds)
+    block = seconds / rounds
     warmup = 50 if args.quick else 200
 
     import ray
@@ -245,37 +284,62 @@ def main(argv: Sequence[str] | None = None) -> int:
             "shm": unison_shm,
             "actors": ray_actors, "cg": compiled_graph}
     names = dict(zip(KEYS, SYSTEMS))
-    results: dict[tuple[str, int], tuple[float, float] | None] = {}
+    samples: dict[tuple[str, int], list[float]] = {}
+    floors: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    per_round: dict[tuple[str, int], list[float]] = {}
+    failed: set[tuple[str, int]] = set()
     try:
         for n in args.workers:
-            # Compiled Graphs first: run after the actor calls at N=4 (2026-12-01, a slower
-            # host), its first execute timed out in Ray (RAY_CGRAPH_get_timeout, 10 s) four
-            # times of four, even with the killed actors reported dead; run first, never
-            for key in sorted(args.systems, key=lambda k: k != "cg"):
-                name = names[key]
-                print(f"measuring {name} at N={n} ...", file=sys.stderr, flush=True)
-                try:
-                    if key == "floor":
-                        results[(name, n)] = probe_floor(n, seconds)
+            for r in range(rounds):
+                # Compiled Graphs first in each round: run straight after the actor calls
+                # at N=4 (2026-12-01, a slower host), its first execute timed out in Ray
+                # (RAY_CGRAPH_get_timeout, 10 s) four times of four; it now also waits for
+                # Ray to free the killed actors' CPUs (_settle)
+                for key in sorted(args.systems, key=lambda k: k != "cg"):
+                    name = names[key]
+                    if (name, n) in failed:
                         continue
-                    with runs[key](n) as op:
-                        results[(name, n)] = summary(time_calls(op, seconds, warmup))
-                except Exception as exc:
-                    print(f"  {name} at N={n} failed: {type(exc).__name__}: {exc}",
+                    print(f"measuring {name} at N={n}, round {r + 1} of {rounds} ...",
                           file=sys.stderr, flush=True)
-                    results[(name, n)] = None
+                    try:
+                        if key == "floor":  # the probe gives (median, p99), no samples
+                            floor = probe_floor(n, block)
+                            if floor is None:
+                                failed.add((name, n))
+                            else:
+                                floors.setdefault((name, n), []).append(floor)
+                                per_round.setdefault((name, n), []).append(floor[0])
+                            continue
+                        with runs[key](n) as op:
+                            got = time_calls(op, block, warmup)
+                        samples.setdefault((name, n), []).extend(got)
+                        per_round.setdefault((name, n), []).append(statistics.median(got))
+                        print(f"  median {per_round[(name, n)][-1]:,.1f} µs", file=sys.stderr,
+                              flush=True)
+                    except Exception as exc:
+                        print(f"  {name} at N={n} failed: {type(exc).__name__}: {exc}",
+                              file=sys.stderr, flush=True)
+                        failed.add((name, n))
     finally:
         ray.shutdown()
+    results: dict[tuple[str, int], tuple[float, float] | None] = {
+        where: summary(got) for where, got in samples.items()}
+    for where, cells in floors.items():  # the rounds' medians' median, and their worst p99
+        results[where] = (statistics.median(c[0] for c in cells), max(c[1] for c in cells))
+    for where in failed:
+        results[where] = None
     command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
     print("Dispatch round trip to N workers, median / p99 in µs (lower is better); ratios: "
-          "the Ray figure's median over unison TCP's (higher: unison faster).\n")
-    print(render(results, args.workers))
+          "the Ray figure's median over unison TCP's (higher: unison faster), and in "
+          "brackets the range over the rounds.\n")
+    print(render(results, args.workers, per_round))
     if args.json is not None:
         args.json.write_text(json.dumps([
             {"system": name, "n": n, "median_us": cell[0], "p99_us": cell[1]}
             for (name, n), cell in results.items() if cell is not None]), encoding="utf-8")
     print(f"\nCPU: {cpu_model()}; Python {platform.python_version()}; ray {ray.__version__}; "
-          f"{source_revision()}; {os.cpu_count()} CPUs; {seconds:g} s per measurement")
+          f"{source_revision()}; {os.cpu_count()} CPUs; {seconds:g} s per system and N, in "
+          f"{rounds} round(s)")
     print(f"command: {command}")
     return 0
 

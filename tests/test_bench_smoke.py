@@ -172,10 +172,27 @@ def test_cluster_bench_tcp_plain_writes_json_without_ray(tmp_path: Path) -> None
     out = tmp_path / "tcp.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "cluster_bench.py"), "--systems",
-         "tcp-plain", "--workers", "1", "--quick", "--json", str(out)],
+         "tcp-plain", "--workers", "1", "--quick", "--rounds", "2", "--json", str(out)],
         capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "Ray" not in proc.stderr  # ray.init says "... this Ray cluster ..." on stderr
+    assert "round 2 of 2" in proc.stderr
     cells = json.loads(out.read_text(encoding="utf-8"))
     assert [(c["system"], c["n"]) for c in cells] == [("unison TCP (plain processes)", 1)]
     assert 0 < cells[0]["median_us"] <= cells[0]["p99_us"]
+
+
+def test_cluster_bench_ratio_cells_give_the_rounds_range() -> None:
+    """A ratio cell: the pooled medians' ratio, then the range of the single rounds'."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import cluster_bench
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    tcp, actors = "unison TCP (Ray actors)", "Ray actor calls"
+    results = {(tcp, 2): (100.0, 200.0), (actors, 2): (1200.0, 3000.0)}
+    per_round = {(tcp, 2): [90.0, 100.0, 120.0], (actors, 2): [1080.0, 1200.0, 1080.0]}
+    row = cluster_bench.render(results, [2], per_round).splitlines()[-1]
+    assert row.endswith("| 12.0x (9.0-12.0) | n/a |"), row
+    single = cluster_bench.render(results, [2]).splitlines()[-1]
+    assert single.endswith("| 12.0x | n/a |"), single
