@@ -72,6 +72,9 @@ class Noop:
     def noop(self, _x: object = None) -> None:
         return None
 
+    def pid(self) -> int:
+        return os.getpid()
+
 
 def time_calls(op: Callable[[], object], seconds: float, warmup: int) -> list[float]:
     """Run ``op`` ``warmup`` times, then for ``seconds``: each call's time in µs."""
@@ -153,24 +156,26 @@ def _actors(n: int) -> list[Any]:
     return actors
 
 
-def _kill(actors: list[Any]) -> None:
+def _kill(actors: list[Any], timeout: float = 30.0) -> None:
+    """Kill the actors and wait until their processes are gone: a graph compiled while
+    killed actors were still exiting (at Ray's niceness 15, behind a busy benchmark) timed
+    out in its first execute (RAY_CGRAPH_get_timeout, 10 s), on every try."""
     import ray
 
+    try:
+        pids = ray.get([a.pid.remote() for a in actors], timeout=timeout)
+    except Exception:  # an actor already gone: nothing to wait for but the others' kill
+        pids = []
     for a in actors:
         ray.kill(a)
-
-
-def _settle(timeout: float = 30.0) -> None:
-    """Wait until Ray has freed the CPUs of the actors killed before (the systems run one at
-    a time, so then all are free): a graph compiled while they were still held waited for
-    them, and its first execute could time out."""
-    import ray
-
-    api: Any = ray  # its resource calls lack annotations
     end = time.monotonic() + timeout
-    while (api.available_resources().get("CPU", 0) < api.cluster_resources().get("CPU", 0)
-           and time.monotonic() < end):
-        time.sleep(0.05)
+    for pid in pids:
+        while time.monotonic() < end:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.02)
 
 
 @contextlib.contextmanager
@@ -189,7 +194,6 @@ def compiled_graph(n: int) -> Iterator[Callable[[], object]]:
     import ray
     from ray.dag import InputNode, MultiOutputNode
 
-    _settle()
     actors = _actors(n)
     compiled: Any = None
     try:
@@ -291,10 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for n in args.workers:
             for r in range(rounds):
-                # Compiled Graphs first in each round: run straight after the actor calls
-                # at N=4 (2026-12-01, a slower host), its first execute timed out in Ray
-                # (RAY_CGRAPH_get_timeout, 10 s) four times of four; it now also waits for
-                # Ray to free the killed actors' CPUs (_settle)
+                # Compiled Graphs first in each round (and _kill waits for killed actors'
+                # processes to end: see there)
                 for key in sorted(args.systems, key=lambda k: k != "cg"):
                     name = names[key]
                     if (name, n) in failed:
