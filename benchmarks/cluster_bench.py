@@ -161,7 +161,7 @@ def _kill(actors: list[Any], timeout: float = 30.0) -> None:
     right after the actor calls at N=2 timed out in their first execute
     (RAY_CGRAPH_get_timeout, 10 s) on every try (`--workers 2 4 --rounds 1 --systems cg
     actors`); a second's pause after the kill, or this wait, cleared that, but one such
-    timeout in 18 Compiled Graphs blocks still came later, so ``measure`` tries twice."""
+    timeout in 17 Compiled Graphs blocks still came later, so ``measure`` tries twice."""
     import ray
 
     try:
