@@ -285,7 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="per system and N, over all rounds")
     parser.add_argument("--rounds", type=int, default=3,
                         help="times each system runs at each N, in turn with the others")
-    parser.add_argument("--quick", action="store_true", help="1 s per measurement")
+    parser.add_argument("--quick", action="store_true",
+                        help="1 s per system and N, over all rounds")
     parser.add_argument("--systems", nargs="+", default=list(KEYS), choices=KEYS)
     parser.add_argument("--json", type=Path, default=None,
                         help="also write the figures here: system, N, median and p99 (µs)")
@@ -327,7 +328,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                             failed.add((name, n))
                         else:
                             floors.setdefault((name, n), []).append(floor)
-                            per_round.setdefault((name, n), []).append(floor[0])
                         continue
                     got = measure(runs[key], n, block, warmup, f"{name} at N={n}")
                     if got is None:
