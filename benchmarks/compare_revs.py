@@ -10,8 +10,10 @@
     table: each metric at each N, the median over repetitions of both, and head / base
 
 A revision other than ``WORKTREE`` (the working tree of this checkout, edits included) is
-checked out with ``git worktree add --detach`` under a temporary directory, removed again at
-the end. Both revisions are measured by the same harness, this checkout's
+checked out with ``git worktree add --detach`` under a temporary directory, its C fast paths
+built in place (``setup.py build_ext --inplace``), and removed again at the end. Both sides
+must run the same ring (C, or pure Python under ``UNISON_PURE=1``), or the run stops: before
+2026-12-01 evening a checked-out base ran the pure-Python ring against this checkout's C one. Both revisions are measured by the same harness, this checkout's
 ``benchmarks/harness/``, so only the library differs; each child imports unison from its
 revision's ``src`` (checked before measuring), and so do its workers, which take the
 controller's unison.
@@ -93,10 +95,25 @@ def checkout(label: str, rev: str, scratch: Path) -> Iterator[Rev]:
     tree = scratch / f"{label}-{sha[:10]}"
     _git("worktree", "add", "--detach", str(tree), sha)
     try:
+        build_native(tree)
         yield Rev(label, f"{rev} ({sha[:10]})", tree)
     finally:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
                        check=False, capture_output=True)
+
+
+def build_native(tree: Path) -> None:
+    """Build the revision's C fast paths in place, as README's install does for this checkout:
+    a fresh git worktree holds only sources, and without this its unison would run the
+    pure-Python ring against this checkout's C one (a comparison of the two rings, not of the
+    revisions). A revision from before the C ring has nothing to build."""
+    if not (tree / "src" / "unison" / "_ring.c").exists():
+        return
+    _log(f"building the C fast paths of {tree.name}")
+    proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree,
+                          capture_output=True, text=True, check=False)
+    if proc.returncode:
+        raise SystemExit(f"building {tree.name}'s C fast paths failed:\n{proc.stderr[-2000:]}")
 
 
 def _env(rev: Rev) -> dict[str, str]:
@@ -107,14 +124,17 @@ def _env(rev: Rev) -> dict[str, str]:
     return env
 
 
-def check_import(rev: Rev) -> None:
-    """Make sure a child of ``rev`` imports unison from its own tree, not an installed one."""
-    where = subprocess.run(
-        [sys.executable, "-c", "import unison; print(unison.__file__)"],
+def check_import(rev: Rev) -> bool:
+    """Make sure a child of ``rev`` imports unison from its own tree, not an installed one;
+    whether its shm channel runs the C fast paths (else the pure-Python ring)."""
+    where, native = subprocess.run(
+        [sys.executable, "-c", "import unison, unison.channel.shm as shm; "
+         "print(unison.__file__); print(getattr(shm, 'NATIVE', False))"],
         env=_env(rev), capture_output=True, text=True, check=True,
-    ).stdout.strip()
+    ).stdout.split()
     if not Path(where).resolve().is_relative_to((rev.tree / "src").resolve()):
         raise SystemExit(f"{rev.name}: unison is imported from {where}, not {rev.tree}/src")
+    return native == "True"
 
 
 def measure(rev: Rev, args: argparse.Namespace, out: Path) -> None:
@@ -198,15 +218,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with checkout("base", args.base, scratch) as base, \
                 checkout("head", args.head, scratch) as head:
-            for rev in (base, head):
-                check_import(rev)
+            natives = [check_import(rev) for rev in (base, head)]
+            if natives[0] != natives[1]:
+                raise SystemExit(
+                    "the base runs the shm channel's "
+                    f"{'C' if natives[0] else 'pure-Python'} ring and the head the "
+                    f"{'C' if natives[1] else 'pure-Python'} one: the comparison would measure "
+                    "the rings, not the revisions (build both, or set UNISON_PURE=1 for both)")
             for rep in range(args.reps):
                 order = (base, head) if rep % 2 == 0 else (head, base)
                 for rev in order:
                     _log(f"repetition {rep + 1}/{args.reps}: {rev.label} = {rev.name}")
                     measure(rev, args, scratch / "cells.json")
+            ring = "C" if natives[0] else "pure-Python"
             print(f"unison, {args.reps} repetition(s) of each revision, alternating "
-                  f"(median of their medians){'; --quick' if args.quick else ''}. "
+                  f"(median of their medians){'; --quick' if args.quick else ''}; the shm "
+                  f"channel's {ring} ring at both. "
                   "Less is better for us, ms and x (memory), more for GB/s; \"better\" "
                   "names the side ahead by 5 % or more.\n")
             print(render(base, head))

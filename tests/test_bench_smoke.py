@@ -196,3 +196,33 @@ def test_cluster_bench_ratio_cells_give_the_rounds_range() -> None:
     assert row.endswith("| 12.0x (9.0-12.0) | n/a |"), row
     single = cluster_bench.render(results, [2]).splitlines()[-1]
     assert single.endswith("| 12.0x | n/a |"), single
+
+
+def test_layers_measures_every_layer_against_the_floor() -> None:
+    """benchmarks/layers.py: the floor, the channel alone and the session, one row per N."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "layers.py"), "--workers", "1",
+         "--seconds", "0.3", "--rounds", "1"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    row = proc.stdout.strip().splitlines()[-1].strip("| ").split(" | ")
+    assert row[0] == "1" and len(row) == 10, row
+    times = [float(v) for v in row[1:6]]  # floor, channel run, run, channel dispatch, dispatch
+    assert all(t > 0 for t in times), row
+    assert [float(v.rstrip("x")) for v in row[6:]] == pytest.approx(
+        [t / times[0] for t in times[1:]], rel=0.02)
+
+
+def test_compare_revs_builds_a_checked_out_revision_like_this_checkout(tmp_path: Path) -> None:
+    """A revision compare_revs checks out runs the same ring as this checkout: its C fast
+    paths are built in place (a bare git worktree would run the pure-Python ring)."""
+    import compare_revs
+    from unison.channel import shm
+
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                      check=False).returncode:
+        pytest.skip("not a git checkout")
+    with compare_revs.checkout("base", "HEAD", tmp_path) as rev:
+        assert rev.tree != ROOT
+        assert compare_revs.check_import(rev) == shm.NATIVE
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=False)

@@ -1,0 +1,154 @@
+"""Where unison's dispatch time goes, layer by layer, against the floor (issue 9).
+
+    python benchmarks/layers.py --workers 2 4 [--seconds 2] [--rounds 3]
+
+Four round trips, measured in turns (each for ``seconds / rounds`` at a time, ``rounds``
+times), so that a slow minute of the host falls on all of them alike:
+
+    floor             the floor system (harness/systems/floor.py): the smallest pure-Python
+                      ring doing the round trip
+    channel run       a real Session's own channel and workers driven without the session
+                      layer: one CALL that asks for a reply, ``chan.send``, then ``chan.recv``
+                      until each worker's reply is in, its request id checked
+    run               ``sess.run(noop)`` on that same Session: the session layer on top
+                      (Request, router, locks, function cache, decoding)
+    channel dispatch  one CALL that keeps its result (freeing the one before, as the session
+                      does), then ``chan.wait_done`` on the workers' done positions
+    dispatch          ``sess.call(noop)`` then ``sess.sync()`` (the dispatch workload of
+                      benchmarks/run.py): Ref, frees, sync's checks on top
+
+The channel round trips use the session's private channel, between the session's own calls,
+with ids drawn from the session's counter, so the session stays in step. Medians in µs, and
+each over the floor's median of the same turns: the channel's ratio is what the ring, the
+wake-ups and the workers' loop cost; the gap from there to run or dispatch is the session
+layer's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import unison
+from harness.report import cpu_model, source_revision
+from harness.systems import make_system
+from unison.protocol import OK, call_msg, loads
+
+KINDS = ("floor", "channel run", "run", "channel dispatch", "dispatch")
+
+
+def noop() -> None:
+    pass
+
+
+def _below(sess: unison.Session) -> tuple[Any, tuple[int, ...], int, Any]:
+    """The session's channel, its ranks, noop's function id on its workers, its id counter."""
+    sess.run(noop)  # the workers hold noop now
+    fn_id, _ = sess._fns.lookup(noop)
+    if not fn_id:
+        raise RuntimeError("noop is not in the session's function cache")
+    return sess._chan, sess.workers, fn_id, sess._ids
+
+
+def channel_run(sess: unison.Session) -> Callable[[], None]:
+    """``run(noop)`` with the session layer taken out: send, then read the replies."""
+    chan, ranks, fn_id, ids = _below(sess)
+
+    def once() -> None:
+        req = next(ids)
+        chan.send(call_msg(None, req, fn_id, None, None, req), ranks)
+        left = len(ranks)
+        while left:
+            for rank, data in chan.recv(None):
+                got, status, _ = loads(data)
+                if got != req or status != OK:
+                    raise RuntimeError(f"worker {rank} answered {got} ({status}), not {req}")
+                left -= 1
+    return once
+
+
+def channel_dispatch(sess: unison.Session) -> Callable[[], None]:
+    """``call(noop)`` and ``sync()`` with the session layer taken out."""
+    chan, ranks, fn_id, ids = _below(sess)
+    held: list[int] = []  # the register the last call left on the workers
+
+    def once() -> None:
+        ref = next(ids)
+        chan.send(call_msg(tuple(held) or None, ref, fn_id, None, None, 0), ranks)
+        held[:] = [ref]
+        mark = chan.mark()
+        while not chan.wait_done(ranks, mark, 1.0):
+            sess.check_alive("waiting in benchmarks/layers.py")
+    return once
+
+
+def dispatch(sess: unison.Session) -> None:
+    """The dispatch workload of benchmarks/run.py: a call, then sync (the Ref is dropped)."""
+    sess.call(noop)
+    sess.sync()
+
+
+def timed(op: Callable[[], object], seconds: float) -> list[float]:
+    for _ in range(200):
+        op()
+    out = []
+    clock = time.perf_counter
+    end = clock() + seconds
+    while True:
+        start = clock()
+        op()
+        now = clock()
+        out.append(now - start)
+        if now > end:
+            return out
+
+
+def measure(n: int, seconds: float, rounds: int) -> dict[str, float]:
+    floor = make_system("floor")
+    floor.start(n)
+    try:
+        with unison.Session(n) as sess:
+            ops: dict[str, Callable[[], object]] = {
+                "floor": floor.dispatch,
+                "channel run": channel_run(sess),
+                "run": lambda: sess.run(noop),
+                "channel dispatch": channel_dispatch(sess),
+                "dispatch": lambda: dispatch(sess),
+            }
+            samples: dict[str, list[float]] = {k: [] for k in KINDS}
+            for _ in range(rounds):
+                for kind in KINDS:
+                    samples[kind] += timed(ops[kind], seconds / rounds)
+    finally:
+        floor.close()
+    return {k: statistics.median(v) * 1e6 for k, v in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--seconds", type=float, default=2.0, help="per kind and N")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    print(f"CPU: {cpu_model()}; git {source_revision()}; command: python benchmarks/layers.py "
+          f"--workers {' '.join(map(str, args.workers))} --seconds {args.seconds} "
+          f"--rounds {args.rounds}\n")
+    over = KINDS[1:]
+    print("| N | " + " | ".join(KINDS) + " | " + " | ".join(f"{k} / floor" for k in over) + " |")
+    print("|--:|" + "--:|" * (len(KINDS) + len(over)))
+    for n in args.workers:
+        got = measure(n, args.seconds, args.rounds)
+        cells = [f"{got[k]:.1f}" for k in KINDS]
+        ratios = [f"{got[k] / got['floor']:.2f}x" for k in over]
+        print(f"| {n} | " + " | ".join(cells + ratios) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
