@@ -13,7 +13,8 @@ A revision other than ``WORKTREE`` (the working tree of this checkout, edits inc
 checked out with ``git worktree add --detach`` under a temporary directory, its C fast paths
 built in place (``setup.py build_ext --inplace``), and removed again at the end. Both sides
 must run the same ring (C, or pure Python under ``UNISON_PURE=1``), or the run stops: before
-2026-12-01 evening a checked-out base ran the pure-Python ring against this checkout's C one. Both revisions are measured by the same harness, this checkout's
+2026-12-01 evening a checked-out base ran the pure-Python ring against this checkout's C
+one. Both revisions are measured by the same harness, this checkout's
 ``benchmarks/harness/``, so only the library differs; each child imports unison from its
 revision's ``src`` (checked before measuring), and so do its workers, which take the
 controller's unison.

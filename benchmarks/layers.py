@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import unison
 from harness.report import cpu_model, source_revision
 from harness.systems import make_system
+from unison.channel import shm
 from unison.protocol import OK, call_msg, loads
 
 KINDS = ("floor", "channel run", "run", "channel dispatch", "dispatch")
@@ -137,7 +138,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=2.0, help="per kind and N")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    print(f"CPU: {cpu_model()}; git {source_revision()}; command: python benchmarks/layers.py "
+    ring = "C" if shm.NATIVE else "pure-Python (UNISON_PURE=1 or no C build)"
+    print(f"CPU: {cpu_model()}; {source_revision()}; shm channel: {ring} ring; "
+          "command: python benchmarks/layers.py "
           f"--workers {' '.join(map(str, args.workers))} --seconds {args.seconds} "
           f"--rounds {args.rounds}\n")
     over = KINDS[1:]
