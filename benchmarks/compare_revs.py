@@ -134,7 +134,7 @@ def check_import(rev: Rev) -> bool:
         [sys.executable, "-c", "import unison, unison.channel.shm as shm; "
          "print(unison.__file__); print(getattr(shm, 'NATIVE', False))"],
         env=_env(rev), capture_output=True, text=True, check=True,
-    ).stdout.split()
+    ).stdout.splitlines()
     if not Path(where).resolve().is_relative_to((rev.tree / "src").resolve()):
         raise SystemExit(f"{rev.name}: unison is imported from {where}, not {rev.tree}/src")
     return native == "True"

@@ -18,7 +18,8 @@ times), so that a slow minute of the host falls on all of them alike:
                       benchmarks/run.py): Ref, frees, sync's checks on top
 
 The channel round trips use the session's private channel, between the session's own calls,
-with ids drawn from the session's counter, so the session stays in step. Medians in µs, and
+with ids drawn from the session's counter, so the session stays in step. The garbage
+collector runs as usual in every kind (benchmarks/run.py pauses it). Medians in µs, and
 each over the floor's median of the same turns: the channel's ratio is what the ring, the
 wake-ups and the workers' loop cost; the gap from there to run or dispatch is the session
 layer's.
@@ -68,6 +69,8 @@ def channel_run(sess: unison.Session) -> Callable[[], None]:
         left = len(ranks)
         while left:
             for rank, data in chan.recv(None):
+                if data is None:
+                    raise RuntimeError(f"worker {rank} is gone: {chan.where(rank)}")
                 got, status, _ = loads(data)
                 if got != req or status != OK:
                     raise RuntimeError(f"worker {rank} answered {got} ({status}), not {req}")
