@@ -18,8 +18,9 @@ times), so that a slow minute of the host falls on all of them alike:
                       benchmarks/run.py): Ref, frees, sync's checks on top
 
 The channel round trips use the session's private channel, between the session's own calls,
-with ids drawn from the session's counter, so the session stays in step. The garbage
-collector runs as usual in every kind (benchmarks/run.py pauses it). Medians in µs, and
+with ids drawn from the session's counter, so the session stays in step. Each turn is
+harness.measure's timed loop, the garbage collector paused as in benchmarks/run.py (the
+runs of 2026-12-01 19:10-19:38 UTC in docs/benchmarks.md had it running). Medians in µs, and
 each over the floor's median of the same turns: the channel's ratio is what the ring, the
 wake-ups and the workers' loop cost; the gap from there to run or dispatch is the session
 layer's.
@@ -30,7 +31,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import unison
+from harness.measure import Loop, time_loop
 from harness.report import cpu_model, source_revision
 from harness.systems import make_system
 from unison.channel import shm
@@ -99,21 +100,6 @@ def dispatch(sess: unison.Session) -> None:
     sess.sync()
 
 
-def timed(op: Callable[[], object], seconds: float) -> list[float]:
-    for _ in range(200):
-        op()
-    out = []
-    clock = time.perf_counter
-    end = clock() + seconds
-    while True:
-        start = clock()
-        op()
-        now = clock()
-        out.append(now - start)
-        if now > end:
-            return out
-
-
 def measure(n: int, seconds: float, rounds: int) -> dict[str, float]:
     floor = make_system("floor")
     floor.start(n)
@@ -126,13 +112,14 @@ def measure(n: int, seconds: float, rounds: int) -> dict[str, float]:
                 "channel dispatch": channel_dispatch(sess),
                 "dispatch": lambda: dispatch(sess),
             }
-            samples: dict[str, list[float]] = {k: [] for k in KINDS}
+            turn = Loop(warmup=200, min_iters=50, max_iters=1 << 30, budget_s=seconds / rounds)
+            samples: dict[str, list[int]] = {k: [] for k in KINDS}
             for _ in range(rounds):
                 for kind in KINDS:
-                    samples[kind] += timed(ops[kind], seconds / rounds)
+                    samples[kind] += time_loop(ops[kind], turn)
     finally:
         floor.close()
-    return {k: statistics.median(v) * 1e6 for k, v in samples.items()}
+    return {k: statistics.median(v) / 1e3 for k, v in samples.items()}
 
 
 def main() -> None:

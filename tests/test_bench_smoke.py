@@ -225,4 +225,3 @@ def test_compare_revs_builds_a_checked_out_revision_like_this_checkout(tmp_path:
     with compare_revs.checkout("base", "HEAD", tmp_path) as rev:
         assert rev.tree != ROOT
         assert compare_revs.check_import(rev) == shm.NATIVE
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=False)
