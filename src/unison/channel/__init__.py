@@ -76,7 +76,9 @@ class Channel(ABC):
     def wait_done(self, ranks: Sequence[int], mark: int, timeout: float) -> bool:
         """Wait up to ``timeout`` until every worker in ``ranks`` has run every message up to
         ``mark``; whether they have. Returns early, False, when a watched fd is readable
-        (a death): the caller looks, then waits again."""
+        (a death): the caller looks, then waits again. Workers that were done before the
+        wait began: False as well if a watched fd is readable, so that a wait with nothing
+        to wait for still notices a death."""
         raise NotImplementedError
 
     def unreported(self, ranks: Sequence[int]) -> bool:

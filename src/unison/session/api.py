@@ -78,10 +78,7 @@ class View:
 
     def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Ref:
         """Run ``fn(*args, **kwargs)`` on every worker of the view; return a Ref at once."""
-        session = self._session
-        limit = session._send_timeout  # _send_deadline(), inlined: the hot path
-        deadline = None if limit is None else time.monotonic() + limit
-        return session._call(self.workers, fn, args, kwargs, deadline)
+        return self._session._call(self.workers, fn, args, kwargs)
 
     def run(
         self, fn: Callable[..., Any], /, *args: Any, timeout: float | None = None, **kwargs: Any
@@ -407,9 +404,33 @@ class Session(View):
 
     def _call(
         self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
-        kwargs: dict[str, Any], deadline: float | None = None,
+        kwargs: dict[str, Any],
     ) -> Ref:
-        return Ref(self, self._send_call(ranks, fn, args, kwargs, deadline), ranks)
+        """``call``. The usual case (a function the workers hold, a few plain arguments, no
+        send timeout, trace or inline worker 0) is sent from this one frame: on a core shared
+        with a worker, every function a round touches costs several times its own time
+        (docs/benchmarks.md, "Issue 9, fourth pass"). Everything else: _send_call."""
+        if (kwargs or self._send_timeout is not None or self._tracer is not None
+                or self._pump is not None or (args and not checks.plain_args(args))):
+            return Ref(self, self._send_call(ranks, fn, args, kwargs, self._send_deadline()),
+                       ranks)
+        lock = self._send_lock
+        lock.acquire()
+        try:
+            fn_id = 0 if self._closed else self._fns.lookup(fn)[0]  # closed: under the lock
+            everyone = ranks == self.workers
+            if fn_id and (everyone or not self._frees):
+                ref_id = next(self._ids)
+                frees = self._take_frees() if self._frees else None
+                try:
+                    self._chan.send(call_msg(frees, ref_id, fn_id, args or None,
+                                             None if everyone else ranks, 0), ranks)
+                except BaseException as exc:
+                    raise self._send_failed(exc, frees, ranks)  # noqa: B904 (its cause is set there)
+                return Ref(self, ref_id, ranks)
+        finally:
+            lock.release()
+        return Ref(self, self._send_call(ranks, fn, args, kwargs, None), ranks)
 
     def _send_call(
         self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
@@ -610,8 +631,20 @@ class Session(View):
         """Where the channel tracks progress (and no request is in flight to these ranks,
         whose late errors a SYNC's replies would bring in), wait on the workers' done
         positions and ask for errors only if one holds some; else send SYNC."""
+        chan, router = self._chan, self._router
+        if timeout is None and chan.tracks_progress and router.idle(ranks) and not self._closed:
+            try:  # the usual case, from this one frame (see _call): done within a slice
+                done = chan.wait_done(ranks, chan.mark(), router.slice)
+            except KeyboardInterrupt:
+                self.interrupted()
+                raise
+            if done and not chan.unreported(ranks):
+                errors = self._errors.pop_earliest()
+                if errors is not None:
+                    raise _worker_error(errors)
+                return
         deadline = _deadline(timeout)
-        if self._chan.tracks_progress and self._router.idle(ranks):
+        if chan.tracks_progress and router.idle(ranks):
             self._wait_done(ranks, deadline)
             ask = self._chan.unreported(ranks)
         else:
@@ -756,19 +789,33 @@ class Session(View):
             if self._tracer is not None:
                 self._tracer.on_message(build, fields, ranks, len(msg) + sum(
                     memoryview(b).nbytes for b in buffers) if buffers else len(msg))
-        except TimeoutError:
+        except BaseException as exc:
+            raise self._send_failed(exc, frees, ranks)  # noqa: B904 (its cause is set there)
+
+    def _send_failed(self, exc: BaseException, frees: tuple[int, ...] | None,
+                     ranks: tuple[int, ...]) -> BaseException:
+        """What a failed send of a message carrying ``frees`` to ``ranks`` raises (the
+        channel's own error as its cause only where it says more than ours)."""
+        err: BaseException
+        if isinstance(exc, TimeoutError):
             if frees:
                 self._frees.extend(frees)  # they ride on the next message instead
-            raise TimeoutError(
+            err = TimeoutError(
                 "the workers did not take the message by the deadline (their command queue is "
                 "full: a worker is busy or stuck). Nothing of it was sent: wait for the workers "
                 "(sync), or close the session." + self._where_they_are(ranks)
-            ) from None
-        except OSError:
-            raise self.died("sending a message", None) from None
-        except channels.PartialSendError as exc:  # some workers got it, some not: no lockstep
-            self._shutdown(0)
-            raise SessionClosed(f"the session is closed because {exc}") from exc
+            )
+        elif isinstance(exc, OSError):
+            err = self.died("sending a message", None)
+        elif isinstance(exc, channels.PartialSendError):  # some workers got it, some not:
+            self._shutdown(0)  # no lockstep
+            err = SessionClosed(f"the session is closed because {exc}")
+            err.__cause__ = exc
+            return err
+        else:
+            return exc
+        err.__suppress_context__ = True
+        return err
 
     def _take_frees(self) -> tuple[int, ...]:
         out = []
