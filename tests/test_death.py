@@ -150,6 +150,20 @@ def test_a_death_during_sync_is_noticed(sess):
     assert info.value.worker == 0
 
 
+def test_a_sync_with_nothing_to_wait_for_notices_a_death(sess):
+    # a sync whose workers finish while it waits skips the look (they were alive to finish);
+    # one that finds them done already looks, so a loop of syncs sees a worker die
+    pids = sess.run(os.getpid)
+    os.kill(pids[1], signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(WorkerDied) as info:
+        while time.monotonic() - killed < 5:
+            sess.sync()
+            time.sleep(0.01)
+    assert time.monotonic() - killed < DETECT
+    assert info.value.worker == 1
+
+
 def test_a_death_wakes_every_waiting_thread(make_session):
     sess = make_session(2)
     pids = sess.run(os.getpid)
