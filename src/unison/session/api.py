@@ -406,31 +406,40 @@ class Session(View):
         self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Ref:
-        """``call``. The usual case (a function the workers hold, a few plain arguments, no
-        send timeout, trace or inline worker 0) is sent from this one frame: on a core shared
-        with a worker, every function a round touches costs several times its own time
-        (docs/benchmarks.md, "Issue 9, fourth pass"). Everything else: _send_call."""
-        if (kwargs or self._send_timeout is not None or self._tracer is not None
+        return Ref(self, self._send_quick(ranks, fn, args, kwargs, None), ranks)
+
+    def _send_quick(
+        self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
+        kwargs: dict[str, Any], req: Request | None,
+    ) -> int:
+        """``_send_call`` without a deadline. The usual case (a function the workers hold, a
+        few plain arguments, no send timeout, trace or inline worker 0) is sent from this one
+        frame: on a core shared with a worker every function a round touches costs several
+        times its own time (docs/benchmarks.md, "Issue 9, fourth pass")."""
+        if not (kwargs or self._send_timeout is not None or self._tracer is not None
                 or self._pump is not None or (args and not checks.plain_args(args))):
-            return Ref(self, self._send_call(ranks, fn, args, kwargs, self._send_deadline()),
-                       ranks)
-        lock = self._send_lock
-        lock.acquire()
-        try:
-            fn_id = 0 if self._closed else self._fns.lookup(fn)[0]  # closed: under the lock
-            everyone = ranks == self.workers
-            if fn_id and (everyone or not self._frees):
-                ref_id = next(self._ids)
-                frees = self._take_frees() if self._frees else None
-                try:
-                    self._chan.send(call_msg(frees, ref_id, fn_id, args or None,
-                                             None if everyone else ranks, 0), ranks)
-                except BaseException as exc:
-                    raise self._send_failed(exc, frees, ranks)  # noqa: B904 (its cause is set there)
-                return Ref(self, ref_id, ranks)
-        finally:
-            lock.release()
-        return Ref(self, self._send_call(ranks, fn, args, kwargs, None), ranks)
+            lock = self._send_lock
+            lock.acquire()
+            try:
+                fn_id = 0 if self._closed else self._fns.lookup(fn)[0]  # closed: under the lock
+                everyone = ranks == self.workers
+                if fn_id and (everyone or not self._frees):
+                    ref_id = next(self._ids) if req is None else req.ref_id
+                    frees = self._take_frees() if self._frees else None
+                    if req is not None:
+                        self._router.expect(req, ranks)
+                    try:
+                        self._chan.send(call_msg(frees, ref_id, fn_id, args or None,
+                                                 None if everyone else ranks,
+                                                 0 if req is None else req.req_id), ranks)
+                    except BaseException as exc:
+                        if req is not None:
+                            self._router.forget(req, ranks)
+                        raise self._send_failed(exc, frees, ranks)  # noqa: B904 (cause: there)
+                    return ref_id
+            finally:
+                lock.release()
+        return self._send_call(ranks, fn, args, kwargs, self._send_deadline(), req)
 
     def _send_call(
         self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
@@ -503,12 +512,16 @@ class Session(View):
         """call and gather in one message each way: the workers reply with the result and
         keep nothing, so no Ref is made or freed."""
         req = Request(next(self._ids), len(ranks), next(self._ids))
-        self._send_call(ranks, fn, args, kwargs, send_by, req)
+        if send_by is None:
+            self._send_quick(ranks, fn, args, kwargs, req)
+        else:
+            self._send_call(ranks, fn, args, kwargs, send_by, req)
         try:
-            return self._results(req, ranks, deadline, "running a call")
+            self._router.wait(req, deadline, "running a call")
         except TimeoutError as exc:  # name the function (here: no cost unless it times out)
             exc.args = (f"run({_fn_name(fn)}): {exc.args[0]}", *exc.args[1:])
             raise
+        return self._values(req, ranks)
 
     def _results(self, req: Request, ranks: tuple[int, ...], deadline: float | None,
                  during: str) -> list[Any]:
