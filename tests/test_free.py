@@ -59,6 +59,23 @@ def test_refs_of_a_view_are_freed_on_its_workers(make_session):
     assert count(sess) == baseline
 
 
+def nothing():
+    return None
+
+
+def test_refs_dropped_before_calls_to_a_view_are_freed_on_every_worker(make_session):
+    sess = make_session(2)
+    baseline = count(sess)
+    refs = [sess.put(i) for i in range(10)]
+    sess[0].call(nothing)  # the function is defined and cached: the next calls go the quick way
+    del refs
+    gc.collect()
+    for _ in range(5):
+        sess[0].call(nothing)  # to worker 0 only, with frees that worker 1 needs as well
+    sess.sync()
+    assert count(sess) == baseline
+
+
 def test_a_thousand_refs_created_and_dropped_leave_nothing_behind(sess):
     baseline = count(sess)
     refs = [sess.put(i) for i in range(1000)]

@@ -425,7 +425,9 @@ class Session(View):
                 everyone = ranks == self.workers
                 if fn_id and (everyone or not self._frees):
                     ref_id = next(self._ids) if req is None else req.ref_id
-                    frees = self._take_frees() if self._frees else None
+                    # frees must reach every worker: a call to some leaves any that came in
+                    # since the test above to the next send (the slow way: a NOP to all)
+                    frees = self._take_frees() if everyone and self._frees else None
                     if req is not None:
                         self._router.expect(req, ranks)
                     try:
