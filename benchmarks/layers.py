@@ -2,7 +2,7 @@
 
     python benchmarks/layers.py --workers 2 4 [--seconds 2] [--rounds 3]
 
-Four round trips, measured in turns (each for ``seconds / rounds`` at a time, ``rounds``
+The round trips below, measured in turns (each for ``seconds / rounds`` at a time, ``rounds``
 times), so that a slow minute of the host falls on all of them alike:
 
     floor             the floor system (harness/systems/floor.py): the smallest pure-Python
@@ -16,6 +16,9 @@ times), so that a slow minute of the host falls on all of them alike:
                       does), then ``chan.wait_done`` on the workers' done positions
     dispatch          ``sess.call(noop)`` then ``sess.sync()`` (the dispatch workload of
                       benchmarks/run.py): Ref, frees, sync's checks on top
+    dispatch + look   (``--death-look``) dispatch, then the look for a dead worker that sync
+                      made after its workers finished until issue 9's fourth pass (one
+                      epoll_wait on the pidfds): what dropping that look saved
 
 The channel round trips use the session's private channel, between the session's own calls,
 with ids drawn from the session's counter, so the session stays in step. Each turn is
@@ -100,7 +103,21 @@ def dispatch(sess: unison.Session) -> None:
     sess.sync()
 
 
-def measure(n: int, seconds: float, rounds: int) -> dict[str, float]:
+def dispatch_looked(sess: unison.Session) -> Callable[[], None]:
+    """dispatch, then the death look sync used to make once its workers were done."""
+    chan = sess._chan
+    if not isinstance(chan, shm.ShmChannel):
+        raise RuntimeError("--death-look needs the shm channel (Session(n) on Linux/x86)")
+    look = chan._death_seen
+
+    def once() -> None:
+        dispatch(sess)
+        look()
+    return once
+
+
+def measure(n: int, seconds: float, rounds: int, kinds: tuple[str, ...] = KINDS
+            ) -> dict[str, float]:
     floor = make_system("floor")
     floor.start(n)
     try:
@@ -111,11 +128,12 @@ def measure(n: int, seconds: float, rounds: int) -> dict[str, float]:
                 "run": lambda: sess.run(noop),
                 "channel dispatch": channel_dispatch(sess),
                 "dispatch": lambda: dispatch(sess),
+                "dispatch + look": dispatch_looked(sess),
             }
             turn = Loop(warmup=200, min_iters=50, max_iters=1 << 30, budget_s=seconds / rounds)
-            samples: dict[str, list[int]] = {k: [] for k in KINDS}
+            samples: dict[str, list[int]] = {k: [] for k in kinds}
             for _ in range(rounds):
-                for kind in KINDS:
+                for kind in kinds:
                     samples[kind] += time_loop(ops[kind], turn)
     finally:
         floor.close()
@@ -127,18 +145,21 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--seconds", type=float, default=2.0, help="per kind and N")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--death-look", action="store_true",
+                        help="also dispatch with the death look sync no longer makes")
     args = parser.parse_args()
+    kinds = (*KINDS, "dispatch + look") if args.death_look else KINDS
     ring = "C" if shm.NATIVE else "pure-Python (UNISON_PURE=1 or no C build)"
     print(f"CPU: {cpu_model()}; {source_revision()}; shm channel: {ring} ring; "
           "command: python benchmarks/layers.py "
           f"--workers {' '.join(map(str, args.workers))} --seconds {args.seconds} "
-          f"--rounds {args.rounds}\n")
-    over = KINDS[1:]
-    print("| N | " + " | ".join(KINDS) + " | " + " | ".join(f"{k} / floor" for k in over) + " |")
-    print("|--:|" + "--:|" * (len(KINDS) + len(over)))
+          f"--rounds {args.rounds}{' --death-look' if args.death_look else ''}\n")
+    over = kinds[1:]
+    print("| N | " + " | ".join(kinds) + " | " + " | ".join(f"{k} / floor" for k in over) + " |")
+    print("|--:|" + "--:|" * (len(kinds) + len(over)))
     for n in args.workers:
-        got = measure(n, args.seconds, args.rounds)
-        cells = [f"{got[k]:.1f}" for k in KINDS]
+        got = measure(n, args.seconds, args.rounds, kinds)
+        cells = [f"{got[k]:.1f}" for k in kinds]
         ratios = [f"{got[k] / got['floor']:.2f}x" for k in over]
         print(f"| {n} | " + " | ".join(cells + ratios) + " |", flush=True)
 

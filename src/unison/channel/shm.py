@@ -371,7 +371,7 @@ class ShmChannel(Channel):
         Workers done before we look: a readable watch fd makes it False (the caller looks
         for a death, so a sync with nothing left to wait for still notices one). Workers
         that finish while we wait were alive to do it: no look then (a syscall on
-        dispatch's hot path, 3-4 us a round at N=2: docs/benchmarks.md)."""
+        dispatch's hot path, about 2.5 us a round: docs/benchmarks.md)."""
         done = self._done
         if done(ranks, mark):
             return not self._death_seen()

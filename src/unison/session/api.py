@@ -101,7 +101,7 @@ class View:
         req = Request(next(session._ids), len(self.workers), next(session._ids))
         fut = session._waits.prepare(req)
         try:
-            session._send_call(self.workers, fn, args, kwargs, send_by, req)
+            session._send_quick(self.workers, fn, args, kwargs, req, send_by)
         except BaseException:
             session._waits.cancel(req)
             raise
@@ -410,14 +410,16 @@ class Session(View):
 
     def _send_quick(
         self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
-        kwargs: dict[str, Any], req: Request | None,
+        kwargs: dict[str, Any], req: Request | None, send_by: float | None = None,
     ) -> int:
-        """``_send_call`` without a deadline. The usual case (a function the workers hold, a
-        few plain arguments, no send timeout, trace or inline worker 0) is sent from this one
-        frame: on a core shared with a worker every function a round touches costs several
-        times its own time (docs/benchmarks.md, "Issue 9, fourth pass")."""
-        if not (kwargs or self._send_timeout is not None or self._tracer is not None
-                or self._pump is not None or (args and not checks.plain_args(args))):
+        """``_send_call``, by ``send_by`` (None: the session's send timeout, if any). The
+        usual case (a function the workers hold, a few plain arguments, no deadline, trace or
+        inline worker 0) is sent from this one frame: on a core shared with a worker every
+        function a round touches costs several times its own time (docs/benchmarks.md,
+        "Issue 9, fourth pass")."""
+        if not (send_by is not None or kwargs or self._send_timeout is not None
+                or self._tracer is not None or self._pump is not None
+                or (args and not checks.plain_args(args))):
             lock = self._send_lock
             lock.acquire()
             try:
@@ -441,7 +443,8 @@ class Session(View):
                     return ref_id
             finally:
                 lock.release()
-        return self._send_call(ranks, fn, args, kwargs, self._send_deadline(), req)
+        return self._send_call(ranks, fn, args, kwargs,
+                               self._send_deadline() if send_by is None else send_by, req)
 
     def _send_call(
         self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
@@ -514,10 +517,7 @@ class Session(View):
         """call and gather in one message each way: the workers reply with the result and
         keep nothing, so no Ref is made or freed."""
         req = Request(next(self._ids), len(ranks), next(self._ids))
-        if send_by is None:
-            self._send_quick(ranks, fn, args, kwargs, req)
-        else:
-            self._send_call(ranks, fn, args, kwargs, send_by, req)
+        self._send_quick(ranks, fn, args, kwargs, req, send_by)
         try:
             self._router.wait(req, deadline, "running a call")
         except TimeoutError as exc:  # name the function (here: no cost unless it times out)
@@ -647,21 +647,17 @@ class Session(View):
         whose late errors a SYNC's replies would bring in), wait on the workers' done
         positions and ask for errors only if one holds some; else send SYNC."""
         chan, router = self._chan, self._router
-        if timeout is None and chan.tracks_progress and router.idle(ranks) and not self._closed:
-            try:  # the usual case, from this one frame (see _call): done within a slice
-                done = chan.wait_done(ranks, chan.mark(), router.slice)
+        deadline = None if timeout is None else _deadline(timeout)
+        if chan.tracks_progress and router.idle(ranks):
+            try:  # the usual case, done within one slice: waited for from here (see _send_quick)
+                done = (deadline is None and not self._closed
+                        and chan.wait_done(ranks, chan.mark(), router.slice))
             except KeyboardInterrupt:
                 self.interrupted()
                 raise
-            if done and not chan.unreported(ranks):
-                errors = self._errors.pop_earliest()
-                if errors is not None:
-                    raise _worker_error(errors)
-                return
-        deadline = _deadline(timeout)
-        if chan.tracks_progress and router.idle(ranks):
-            self._wait_done(ranks, deadline)
-            ask = self._chan.unreported(ranks)
+            if not done:
+                self._wait_done(ranks, deadline)
+            ask = chan.unreported(ranks)
         else:
             ask = True
         if ask:
