@@ -23,7 +23,7 @@ def step(n: int) -> float:
 
 def slow_rank_one() -> None:
     if unison.rank() == 1:
-        time.sleep(0.02)
+        time.sleep(0.05)
     unison.barrier()
 
 
@@ -66,17 +66,20 @@ def test_a_short_run_gives_a_chrome_trace_with_a_track_per_rank(make_session, tm
 
 def test_stats_names_the_rank_that_enters_collectives_last(make_session, caplog):
     sess = make_session(3)
+    sess.run(slow_rank_one)  # untraced: a first call's start-up costs are not lateness
     with caplog.at_level(logging.WARNING, logger="unison.trace"):
         with sess.trace():
-            for _ in range(6):
+            for _ in range(10):
                 sess.run(slow_rank_one)
         stats = sess.stats()
     assert stats.straggler == 1, str(stats)
-    # last into most of them (a rank descheduled for 20 ms on a loaded machine may come
-    # after it once), and late by about 20 ms at each
-    assert stats.last_in[1] >= 4 and stats.collectives == 6
-    assert stats.calls == 6 and set(stats.per_rank) == {0, 1, 2}
-    assert stats.late_ms[1] > 6 * 15 and stats.late_ms[1] > 2 * stats.late_ms[0]
+    # Rank 1 is last into most of them and late by about 50 ms at each. A loaded 2-core CI
+    # machine once descheduled rank 0 for 100 ms, so the bounds leave room for a hiccup
+    # of that size in another rank.
+    assert stats.last_in[1] >= 7 and stats.collectives == 10, str(stats)
+    assert stats.calls == 10 and set(stats.per_rank) == {0, 1, 2}
+    others = max(stats.late_ms.get(0, 0.0), stats.late_ms.get(2, 0.0))
+    assert stats.late_ms[1] > 10 * 25 and stats.late_ms[1] > 2 * others, str(stats)
     assert "straggler: rank 1" in str(stats)
 
 
