@@ -417,3 +417,24 @@ def test_an_exception_whose_class_the_controller_cannot_import_is_a_remote_error
     assert cause.attributes == {"detail": "[1, 2]"}
     assert "only_on_this_worker" in cause.traceback
     assert "RemoteError" in unison.__all__
+
+
+def forge_a_reply() -> str:
+    """Worker code that writes to unison's own channel: a reply for a request nobody made."""
+    import gc
+
+    from unison import protocol
+    from unison.channel import WorkerChannel
+
+    chan = next(o for o in gc.get_objects() if isinstance(o, WorkerChannel))
+    chan.reply(protocol.dumps((987654321, protocol.OK, "forged")))
+    return "real"
+
+
+def test_a_run_whose_reply_carries_another_id_closes_the_session(make_session):
+    """Taking the forged reply for the run's own would be a wrong result in silence."""
+    sess = make_session(2)
+    assert sess.run(unison.rank) == [0, 1]
+    with pytest.raises(unison.SessionClosed, match="out of step"):
+        sess.run(forge_a_reply)
+    assert sess.closed

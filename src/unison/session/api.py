@@ -84,10 +84,9 @@ class View:
         self, fn: Callable[..., Any], /, *args: Any, timeout: float | None = None, **kwargs: Any
     ) -> list[Any]:
         """``call`` then ``gather``: every worker's result, in rank order."""
-        session = self._session
-        deadline = _deadline(timeout)  # a bad timeout is refused before anything is sent
-        send_by = session._send_deadline() if deadline is None else deadline
-        return session._run(self.workers, fn, args, kwargs, send_by, deadline)
+        # a bad timeout is refused before anything is sent
+        deadline = None if timeout is None else _deadline(timeout)
+        return self._session._run(self.workers, fn, args, kwargs, deadline)
 
     async def run_async(
         self, fn: Callable[..., Any], /, *args: Any, timeout: float | None = None,
@@ -97,11 +96,10 @@ class View:
         Cancelling the awaiting task (or ``timeout``) abandons only the wait."""
         session = self._session
         deadline = _deadline(timeout)
-        send_by = session._send_deadline() if deadline is None else deadline
         req = Request(next(session._ids), len(self.workers), next(session._ids))
         fut = session._waits.prepare(req)
         try:
-            session._send_quick(self.workers, fn, args, kwargs, req, send_by)
+            session._send_quick(self.workers, fn, args, kwargs, req, deadline)
         except BaseException:
             session._waits.cancel(req)
             raise
@@ -512,12 +510,13 @@ class Session(View):
 
     def _run(
         self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
-        kwargs: dict[str, Any], send_by: float | None, deadline: float | None,
+        kwargs: dict[str, Any], deadline: float | None,
     ) -> list[Any]:
         """call and gather in one message each way: the workers reply with the result and
-        keep nothing, so no Ref is made or freed."""
+        keep nothing, so no Ref is made or freed. Sent by ``deadline`` too (None: by the
+        session's send timeout, if any)."""
         req = Request(next(self._ids), len(ranks), next(self._ids))
-        self._send_quick(ranks, fn, args, kwargs, req, send_by)
+        self._send_quick(ranks, fn, args, kwargs, req, deadline)
         try:
             self._router.wait(req, deadline, "running a call")
         except TimeoutError as exc:  # name the function (here: no cost unless it times out)
@@ -534,8 +533,12 @@ class Session(View):
     def _values(self, req: Request, ranks: tuple[int, ...]) -> list[Any]:
         """A completed GET's or run's values in rank order, or the WorkerError (or
         CancelledError) their errors make."""
+        try:  # (not through _decode: one call less on the hot path)
+            decoded = self._router.decode(req, ranks, values=True)
+        except OutOfStep as exc:
+            raise self._stepped_out(exc) from None
         values, errors = [], {}
-        for rank, (status, payload) in zip(ranks, self._decode(req, ranks, True)):
+        for rank, (status, payload) in zip(ranks, decoded):
             if status == OK:
                 values.append(payload)
             else:
@@ -753,8 +756,12 @@ class Session(View):
         try:
             return self._router.decode(req, ranks, values=values)
         except OutOfStep as exc:
-            self._shutdown(0)
-            raise SessionClosed(str(exc)) from None
+            raise self._stepped_out(exc) from None
+
+    def _stepped_out(self, exc: OutOfStep) -> SessionClosed:
+        """A reply for another request: the session closes (a wrong result is worse)."""
+        self._shutdown(0)
+        return SessionClosed(str(exc))
 
     # -- sending -------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ and any error its replies bring is kept for the next sync.
 from __future__ import annotations
 
 import collections
+import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Request", "Router", "RouterOwner"]
 
+_loads = pickle.loads  # a reply without buffers (protocol.loads takes the others)
+
 SLICE = 0.5  # the longest single sleep of a wait, so close() and deadlines are noticed
 
 
@@ -56,7 +59,7 @@ class Request:
         self.remaining = count
         self.replies: dict[int, bytes | Reply] = {}
         self.abandoned = False  # its wait timed out: errors in late replies must be kept
-        self.salvaged: set[int] = set()
+        self.salvaged: set[int] | None = None  # made when abandoned: most never are
         self.done: Callable[[BaseException | None], None] | None = None
         """Called (from any thread) once the last reply is in, or with the error that ends
         the wait (the session closed); an event loop's wait sets it."""
@@ -177,7 +180,8 @@ class Router:
                 out.append((OK, ()))
                 continue
             try:
-                got_id, status, payload = protocol.loads(raw)
+                got_id, status, payload = (_loads(raw) if type(raw) is bytes
+                                           else protocol.loads(raw))
             except Exception as exc:
                 raise TypeError(
                     f"the reply of worker {r} cannot be unpickled on the controller: {exc}. "
@@ -344,9 +348,12 @@ class Router:
 
     def _salvage(self, req: Request, rank: int) -> None:
         with self._state_lock:
-            if rank in req.salvaged:
+            salvaged = req.salvaged
+            if salvaged is None:
+                salvaged = req.salvaged = set()
+            elif rank in salvaged:
                 return
-            req.salvaged.add(rank)
+            salvaged.add(rank)
         raw = req.replies[rank]
         if not raw:
             return
