@@ -419,15 +419,22 @@ def test_an_exception_whose_class_the_controller_cannot_import_is_a_remote_error
     assert "RemoteError" in unison.__all__
 
 
-def forge_a_reply() -> str:
-    """Worker code that writes to unison's own channel: a reply for a request nobody made."""
+def forge_the_reply() -> str:
+    """Worker code that meddles with unison's own channel: the reply this call sends
+    carries another request's id."""
     import gc
 
     from unison import protocol
     from unison.channel import WorkerChannel
 
     chan = next(o for o in gc.get_objects() if isinstance(o, WorkerChannel))
-    chan.reply(protocol.dumps((987654321, protocol.OK, "forged")))
+    send = chan.reply
+
+    def forged(data: bytes, buffers: object = ()) -> None:
+        del chan.reply  # the next replies are the channel's own again
+        send(protocol.dumps((987654321, protocol.OK, "forged")))
+
+    chan.reply = forged  # type: ignore[method-assign]
     return "real"
 
 
@@ -435,6 +442,6 @@ def test_a_run_whose_reply_carries_another_id_closes_the_session(make_session):
     """Taking the forged reply for the run's own would be a wrong result in silence."""
     sess = make_session(2)
     assert sess.run(unison.rank) == [0, 1]
-    with pytest.raises(unison.SessionClosed, match="out of step"):
-        sess.run(forge_a_reply)
+    with pytest.raises(unison.SessionClosed, match="answered request 987654321 where"):
+        sess.run(forge_the_reply)
     assert sess.closed
