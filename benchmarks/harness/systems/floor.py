@@ -10,7 +10,9 @@ handed to the ``spawn`` workers as a file descriptor. Layout, in 8-byte words:
     word 2            CTRL   1 while the controller sleeps on an ack
     word 8 + i        SLEEP  1 while worker i sleeps on a command
     word ACK + 8 i    ACK    the last SEQ worker i finished; the word after it, its reply
-    byte PAYLOAD      the pickled ``(op, fn, args)`` command, written once for all N
+    byte PAYLOAD      the pickled ``(op, fid, fn, args)`` command, written once for all N:
+                      the function itself only the first time (``fn`` None after that:
+                      the workers keep it by ``fid``, as unison's do)
 
 The controller writes the payload, then LEN, then SEQ; a worker that sees the new SEQ reads the
 payload, runs it, writes its reply, then its ACK. Each side waits the same way: yield the CPU
@@ -133,12 +135,17 @@ def _worker(mem: int, n: int, rank: int, efd: int, ctrl_efd: int, alive: int) ->
     poller.register(efd, select.POLLIN)
     poller.register(alive, select.POLLIN)  # hangs up when the controller goes
     ack, start = ACK + 8 * rank, _payload(n)
+    fns: dict[int, Any] = {}  # fid -> the function, sent once
     last = 0
     while True:
         if _wait(q, SEQ, last, SLEEP + rank, efd, poller):
             return  # the controller is gone
         last = q[SEQ]
-        op, fn, args = pickle.loads(buf[start:start + q[LEN]])
+        op, fid, fn, args = pickle.loads(buf[start:start + q[LEN]])
+        if fn is None:
+            fn = fns.get(fid)
+        else:
+            fns[fid] = fn
         if op == STOP:
             reply = None
         else:
@@ -170,9 +177,11 @@ class FloorSystem(System):
         self._efds: list[int] = []
         self._alive_w: int | None = None
         self._poller = select.poll()
+        self._fids: dict[Any, int] = {}  # function -> its id on the workers
 
     def start(self, n: int) -> None:
         self._n = n
+        self._fids = {}  # fresh workers hold no function yet
         mem = os.memfd_create("unison-bench-floor", os.MFD_CLOEXEC)
         self._fds.append(mem)
         os.ftruncate(mem, _size(n))
@@ -202,9 +211,15 @@ class FloorSystem(System):
         """Write the command once for all N workers, waking those asleep; its number."""
         q, buf = self._q, self._buf
         assert q is not None and buf is not None
-        data = pickle.dumps((op, fn, args), protocol=5)
+        fid = self._fids.get(fn, 0)
+        fresh = fn is not None and not fid  # its first call: it travels once, then its id
+        if fresh:
+            fid = len(self._fids) + 1
+        data = pickle.dumps((op, fid, fn if fresh else None, args), protocol=5)
         if len(data) > PAYLOAD_BYTES:
             raise ValueError(f"floor: a command of {len(data)} bytes exceeds {PAYLOAD_BYTES}")
+        if fresh:
+            self._fids[fn] = fid
         start = _payload(self._n)
         buf[start:start + len(data)] = data
         q[LEN] = len(data)
