@@ -412,9 +412,9 @@ class Session(View):
     ) -> int:
         """``_send_call``, by ``send_by`` (None: the session's send timeout, if any). The
         usual case (a function the workers hold, a few plain arguments, no deadline, trace or
-        inline worker 0) is sent from this one frame: on a core shared with a worker every
-        function a round touches costs several times its own time (docs/benchmarks.md,
-        "Issue 9, fourth pass")."""
+        inline worker 0) is sent from this one frame: on a core shared with a worker the
+        steps a round touches cost more than their own time (docs/benchmarks.md, "Issue 9,
+        fourth pass", and the fifth on what a bare call costs)."""
         if not (send_by is not None or kwargs or self._send_timeout is not None
                 or self._tracer is not None or self._pump is not None
                 or (args and not checks.plain_args(args))):
@@ -533,12 +533,8 @@ class Session(View):
     def _values(self, req: Request, ranks: tuple[int, ...]) -> list[Any]:
         """A completed GET's or run's values in rank order, or the WorkerError (or
         CancelledError) their errors make."""
-        try:  # (not through _decode: one call less on the hot path)
-            decoded = self._router.decode(req, ranks, values=True)
-        except OutOfStep as exc:
-            raise self._stepped_out(exc) from None
         values, errors = [], {}
-        for rank, (status, payload) in zip(ranks, decoded):
+        for rank, (status, payload) in zip(ranks, self._decode(req, ranks, True)):
             if status == OK:
                 values.append(payload)
             else:
@@ -756,12 +752,8 @@ class Session(View):
         try:
             return self._router.decode(req, ranks, values=values)
         except OutOfStep as exc:
-            raise self._stepped_out(exc) from None
-
-    def _stepped_out(self, exc: OutOfStep) -> SessionClosed:
-        """A reply for another request: the session closes (a wrong result is worse)."""
-        self._shutdown(0)
-        return SessionClosed(str(exc))
+            self._shutdown(0)
+            raise SessionClosed(str(exc)) from None
 
     # -- sending -------------------------------------------------------------------------------
 
