@@ -20,6 +20,12 @@ times), so that a slow minute of the host falls on all of them alike:
                       made after its workers finished until issue 9's fourth pass (one
                       epoll_wait on the pidfds): what dropping that look saved
 
+With ``--phases``, each N also splits ``run`` and ``dispatch`` of the same Session in
+time: from the call to the channel's send, the send, from there to the channel's last
+``recv`` (or, for dispatch, until sync returns), and what the controller does after it.
+The channel's send and recv are wrapped for that (a few hundred ns each), so these rounds
+are a little slower than the table's; what matters is where the round's time goes.
+
 The channel round trips use the session's private channel, between the session's own calls,
 with ids drawn from the session's counter, so the session stays in step. Each turn is
 harness.measure's timed loop, the garbage collector paused as in benchmarks/run.py (the
@@ -32,8 +38,10 @@ layer's.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -140,6 +148,52 @@ def measure(n: int, seconds: float, rounds: int, kinds: tuple[str, ...] = KINDS
     return {k: statistics.median(v) / 1e3 for k, v in samples.items()}
 
 
+def phases(n: int, rounds: int = 20000) -> dict[str, dict[str, float]]:
+    """Median µs of each phase of ``run`` and ``dispatch`` (see the module's docstring)."""
+    clock = time.perf_counter_ns
+    marks = {"sent": 0, "got": 0}
+    out: dict[str, dict[str, float]] = {}
+    with unison.Session(n) as sess:
+        chan = sess._chan
+        send, recv = chan.send, chan.recv
+
+        def timed_send(*args: Any, **kwargs: Any) -> None:
+            marks["send"] = clock()
+            send(*args, **kwargs)
+            marks["sent"] = clock()
+
+        def timed_recv(*args: Any, **kwargs: Any) -> Any:
+            got = recv(*args, **kwargs)
+            marks["got"] = clock()
+            return got
+
+        chan.send, chan.recv = timed_send, timed_recv  # type: ignore[method-assign]
+        for name, op in (("run", lambda: sess.run(noop)), ("dispatch", lambda: dispatch(sess))):
+            for _ in range(1000):
+                op()
+            split: dict[str, list[int]] = {k: [] for k in PHASES}
+            gc.collect()
+            gc.disable()
+            try:
+                for _ in range(rounds):
+                    t0 = clock()
+                    op()
+                    t1 = clock()
+                    last = marks["got"] if name == "run" else t1
+                    split["total"].append(t1 - t0)
+                    split["to send"].append(marks["send"] - t0)
+                    split["send"].append(marks["sent"] - marks["send"])
+                    split["waiting"].append(last - marks["sent"])
+                    split["after"].append(t1 - last)
+            finally:
+                gc.enable()
+            out[name] = {k: statistics.median(v) / 1e3 for k, v in split.items()}
+    return out
+
+
+PHASES = ("total", "to send", "send", "waiting", "after")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
@@ -147,13 +201,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--death-look", action="store_true",
                         help="also dispatch with the death look sync no longer makes")
+    parser.add_argument("--phases", action="store_true",
+                        help="also split run and dispatch into their phases")
     args = parser.parse_args()
     kinds = (*KINDS, "dispatch + look") if args.death_look else KINDS
     ring = "C" if shm.NATIVE else "pure-Python (UNISON_PURE=1 or no C build)"
     print(f"CPU: {cpu_model()}; {source_revision()}; shm channel: {ring} ring; "
           "command: python benchmarks/layers.py "
           f"--workers {' '.join(map(str, args.workers))} --seconds {args.seconds} "
-          f"--rounds {args.rounds}{' --death-look' if args.death_look else ''}\n")
+          f"--rounds {args.rounds}{' --death-look' if args.death_look else ''}"
+          f"{' --phases' if args.phases else ''}\n")
     over = kinds[1:]
     print("| N | " + " | ".join(kinds) + " | " + " | ".join(f"{k} / floor" for k in over) + " |")
     print("|--:|" + "--:|" * (len(kinds) + len(over)))
@@ -162,6 +219,14 @@ def main() -> None:
         cells = [f"{got[k]:.1f}" for k in kinds]
         ratios = [f"{got[k] / got['floor']:.2f}x" for k in over]
         print(f"| {n} | " + " | ".join(cells + ratios) + " |", flush=True)
+    if args.phases:
+        print("\nPhases of one round, median µs (the channel's send and recv timed):\n")
+        print("| N | op | " + " | ".join(PHASES) + " |")
+        print("|--:|---|" + "--:|" * len(PHASES))
+        for n in args.workers:
+            for name, split in phases(n).items():
+                print(f"| {n} | {name} | " + " | ".join(f"{split[k]:.1f}" for k in PHASES)
+                      + " |", flush=True)
 
 
 if __name__ == "__main__":

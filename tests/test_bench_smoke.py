@@ -225,3 +225,37 @@ def test_compare_revs_builds_a_checked_out_revision_like_this_checkout(tmp_path:
     with compare_revs.checkout("base", "HEAD", tmp_path) as rev:
         assert rev.tree != ROOT
         assert compare_revs.check_import(rev) == shm.NATIVE
+
+
+def test_layers_phases_split_a_round_where_the_controller_spends_it() -> None:
+    """layers.py --phases: each phase of run and dispatch is timed, and they make up the round."""
+    import layers
+
+    got = layers.phases(1, rounds=300)
+    assert set(got) == {"run", "dispatch"}
+    for name, split in got.items():
+        assert set(split) == set(layers.PHASES), split
+        parts = [split[k] for k in layers.PHASES[1:]]
+        assert all(v >= 0 for v in parts) and split["total"] > 0, (name, split)
+        assert sum(parts) == pytest.approx(split["total"], rel=0.5), (name, split)
+    assert got["dispatch"]["after"] == 0  # sync's wait is its last phase
+    assert got["run"]["after"] > 0  # decoding the replies
+
+
+def test_ab_worker_times_both_loops_and_the_lean_one_against_the_floor() -> None:
+    """benchmarks/ab_worker.py: a base revision's worker loop and this tree's, nested in one
+    session's workers, and the lean bound; one row per N and workload."""
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                      check=False).returncode:
+        pytest.skip("not a git checkout")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "ab_worker.py"), "--base", "HEAD",
+         "--workers", "1", "--turns", "1", "--per-turn", "30"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.strip("| ").split(" | ") for line in proc.stdout.splitlines()[-2:]]
+    assert [r[:2] for r in rows] == [["1", "dispatch"], ["1", "run"]], rows
+    for row in rows:
+        floor, base, head, lean = (float(v) for v in row[2:6])
+        assert min(floor, base, head, lean) > 0, row
+        assert float(row[6].rstrip("x")) == pytest.approx(head / base, abs=0.01), row

@@ -58,13 +58,9 @@ def call_msg(frees: tuple[int, ...] | None, ref_id: int, fn_id: int, args: Any,
              ranks: tuple[int, ...] | None, req_id: int = 0) -> bytes:
     """Run function ``fn_id`` into register ``ref_id``. ``args``: None, a tuple of plain
     values, or the pickle of ``(args, kwargs)``; ``ranks``: the call's workers if not all;
-    ``req_id``: reply with the result (or error) at once, keeping nothing (``run``)."""
+    ``req_id``: reply with the result (or error) at once, keeping nothing (``run``).
+    worker.serve unpacks these seven fields in place: the hot path."""
     return _dump((CALL, frees, ref_id, fn_id, args, ranks, req_id), 5)
-
-
-def read_call(msg: tuple[Any, ...]) -> tuple[int, int, Any, tuple[int, ...] | None, int]:
-    _, _, ref_id, fn_id, args, ranks, req_id = msg
-    return ref_id, fn_id, args, ranks, req_id
 
 
 def define_msg(frees: tuple[int, ...] | None, fn_id: int, fn_pickle: bytes) -> bytes:

@@ -57,7 +57,6 @@ from unison.protocol import (
     PUT,
     SHUTDOWN,
     SYNC,
-    read_call,
     read_define,
     read_get,
     read_put,
@@ -192,15 +191,15 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
         got = recv()
         if got is None:
             return
-        msg = loads(got[0])
-        bufs = got[1]
+        data, bufs = got
+        msg = _loads(data, buffers=bufs) if bufs else _loads(data)  # protocol.loads, inlined
         op, frees = msg[0], msg[1]
         if frees:
             for i in frees:
                 if regs.pop(i, None) is None:
                     fns.pop(i, None)
         if op == CALL:
-            ref_id, fn_id, blob, ranks, req_id = read_call(msg)
+            _, _, ref_id, fn_id, blob, ranks, req_id = msg  # protocol.read_call, inlined
             fn = fns.get(fn_id)
             if coll is not None:
                 coll.begin(ref_id, ranks)
@@ -301,7 +300,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
 _MISSING = object()
 _SCALARS = frozenset({type(None), bool, int, float, str, bytes})
 """Results that plain pickle takes as they are (no buffers, no __main__ class)."""
-_dump = pickle.dumps
+_dump, _loads = pickle.dumps, pickle.loads
 
 
 def _reply_value(chan: WorkerChannel, req_id: int, what: str, obj: object) -> None:
