@@ -191,8 +191,8 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
         got = recv()
         if got is None:
             return
-        data, bufs = got
-        msg = _loads(data, buffers=bufs) if bufs else _loads(data)  # protocol.loads, inlined
+        msg = _loads(got[0])  # protocol.loads without its frame: a command is plain bytes
+        bufs = got[1]  # the out-of-band buffers of the arguments' or the value's pickle
         op, frees = msg[0], msg[1]
         if frees:
             for i in frees:
