@@ -7,7 +7,8 @@ installs in separate runs, and this host drifts by more than that between runs. 
 Session is measured throughout, and its workers switch loops between turns: each worker runs
 the base revision's ``serve`` nested inside its own (a call that returns when the controller
 sends a stop entry), then this tree's ``serve`` nested the same way, so both pay the same
-wrapper. A third loop, ``lean`` (lean_serve: the least the loop must do, as the floor's
+wrapper; each turn starts one kind later than the one before, as the first after a pause
+runs slower. A third loop, ``lean`` (lean_serve: the least the loop must do, as the floor's
 worker does), bounds what the loop's bookkeeping costs: what stays between lean and the
 floor is the channel's and the session's. The floor system is timed in the same turns.
 ``dispatch`` is ``sess.call(noop)`` then ``sess.sync()``; ``run`` is ``sess.run(noop)``
@@ -146,8 +147,9 @@ def measure(n: int, sources: dict[str, str], turns: int, per_turn: int) -> dict[
                 "floor": floor.dispatch, "dispatch": dispatch,
                 "floor run": floor.gather_small, "run": lambda: sess.run(noop)}
             clock = time.perf_counter_ns
-            for _ in range(turns):
-                for kind in kinds:
+            for turn in range(turns):
+                k = turn % len(kinds)  # each turn starts one later: no kind always comes first
+                for kind in kinds[k:] + kinds[:k]:
                     which, _, work = kind.partition(" ")
                     op = ops[kind] if which.startswith("floor") else ops[work]
                     if which in ("base", "head", "lean"):
