@@ -191,7 +191,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
         got = recv()
         if got is None:
             return
-        msg = _loads(got[0])  # protocol.loads without its frame: a command is plain bytes
+        msg = _loads(got[0])  # protocol.loads without its frame (a command is bytes or a view)
         bufs = got[1]  # the out-of-band buffers of the arguments' or the value's pickle
         op, frees = msg[0], msg[1]
         if frees:
@@ -199,7 +199,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                 if regs.pop(i, None) is None:
                     fns.pop(i, None)
         if op == CALL:
-            _, _, ref_id, fn_id, blob, ranks, req_id = msg  # protocol.read_call, inlined
+            _, _, ref_id, fn_id, blob, ranks, req_id = msg  # as protocol.call_msg packs it
             fn = fns.get(fn_id)
             if coll is not None:
                 coll.begin(ref_id, ranks)
