@@ -101,13 +101,12 @@ def lean_serve(chan: Any, coll: Any, board: Any, loop: Any, recv: Callable[[], A
             regs[ref_id] = value
 
 
-_base: dict[str, Callable[..., None]] = {}
-
-
 def _base_serve(sources: dict[str, str]) -> Callable[..., None]:
-    """The base's serve, loaded once per worker, its module state the live worker's."""
-    if "serve" in _base:
-        return _base["serve"]
+    """The base's serve, its module state the live worker's. Loaded once per worker: kept in
+    sys.modules (``nest`` travels by value, so a global of this script would not last)."""
+    loaded = sys.modules.get("unison_base_worker")
+    if loaded is not None:
+        return loaded.serve  # type: ignore[no-any-return]
     import unison
     from unison import worker
 
@@ -124,9 +123,8 @@ def _base_serve(sources: dict[str, str]) -> Callable[..., None]:
         sys.modules["unison.protocol"] = saved
     for name in ("registers", "_identity", "_current", "_board"):
         setattr(mod, name, getattr(worker, name))
-    serve: Callable[..., None] = mod.serve
-    _base["serve"] = serve
-    return serve
+    sys.modules["unison_base_worker"] = mod
+    return mod.serve  # type: ignore[no-any-return]
 
 
 def measure(n: int, sources: dict[str, str], turns: int, per_turn: int) -> dict[str, float]:

@@ -149,7 +149,8 @@ def measure(n: int, seconds: float, rounds: int, kinds: tuple[str, ...] = KINDS
 
 
 def phases(n: int, rounds: int = 20000) -> dict[str, dict[str, float]]:
-    """Median µs of each phase of ``run`` and ``dispatch`` (see the module's docstring)."""
+    """Median µs of each phase of ``run`` and ``dispatch`` (see the module's docstring);
+    dispatch has no "after": its wait is sync's, which ends the round."""
     clock = time.perf_counter_ns
     marks = {"sent": 0, "got": 0}
     out: dict[str, dict[str, float]] = {}
@@ -179,15 +180,16 @@ def phases(n: int, rounds: int = 20000) -> dict[str, dict[str, float]]:
                     t0 = clock()
                     op()
                     t1 = clock()
-                    last = marks["got"] if name == "run" else t1
+                    last = marks["got"] if name == "run" else t1  # dispatch ends in sync
                     split["total"].append(t1 - t0)
                     split["to send"].append(marks["send"] - t0)
                     split["send"].append(marks["sent"] - marks["send"])
                     split["waiting"].append(last - marks["sent"])
-                    split["after"].append(t1 - last)
+                    if name == "run":
+                        split["after"].append(t1 - last)
             finally:
                 gc.enable()
-            out[name] = {k: statistics.median(v) / 1e3 for k, v in split.items()}
+            out[name] = {k: statistics.median(v) / 1e3 for k, v in split.items() if v}
     return out
 
 
@@ -225,8 +227,8 @@ def main() -> None:
         print("|--:|---|" + "--:|" * len(PHASES))
         for n in args.workers:
             for name, split in phases(n).items():
-                print(f"| {n} | {name} | " + " | ".join(f"{split[k]:.1f}" for k in PHASES)
-                      + " |", flush=True)
+                cells = [f"{split[k]:.1f}" if k in split else "-" for k in PHASES]
+                print(f"| {n} | {name} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -233,12 +233,12 @@ def test_layers_phases_split_a_round_where_the_controller_spends_it() -> None:
 
     got = layers.phases(1, rounds=300)
     assert set(got) == {"run", "dispatch"}
+    assert set(got["run"]) == set(layers.PHASES)
+    assert set(got["dispatch"]) == set(layers.PHASES) - {"after"}  # sync's wait ends it
     for name, split in got.items():
-        assert set(split) == set(layers.PHASES), split
-        parts = [split[k] for k in layers.PHASES[1:]]
+        parts = [v for k, v in split.items() if k != "total"]
         assert all(v >= 0 for v in parts) and split["total"] > 0, (name, split)
         assert sum(parts) == pytest.approx(split["total"], rel=0.5), (name, split)
-    assert got["dispatch"]["after"] == 0  # sync's wait is its last phase
     assert got["run"]["after"] > 0  # decoding the replies
 
 
