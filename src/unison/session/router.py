@@ -59,7 +59,7 @@ class Request:
         self.remaining = count
         self.replies: dict[int, bytes | Reply] = {}
         self.abandoned = False  # its wait timed out: errors in late replies must be kept
-        self.salvaged: set[int] | None = None  # made when abandoned: most never are
+        self.salvaged: set[int] = set()  # ranks whose late reply was read after a timeout
         self.done: Callable[[BaseException | None], None] | None = None
         """Called (from any thread) once the last reply is in, or with the error that ends
         the wait (the session closed); an event loop's wait sets it."""
@@ -348,12 +348,9 @@ class Router:
 
     def _salvage(self, req: Request, rank: int) -> None:
         with self._state_lock:
-            salvaged = req.salvaged
-            if salvaged is None:
-                salvaged = req.salvaged = set()
-            elif rank in salvaged:
+            if rank in req.salvaged:
                 return
-            salvaged.add(rank)
+            req.salvaged.add(rank)
         raw = req.replies[rank]
         if not raw:
             return
