@@ -61,6 +61,7 @@ def nest(which: str, sources: dict[str, str] | None = None) -> int:
     chan = next(o for o in live if isinstance(o, WorkerChannel))
     coll = next((o for o in live if isinstance(o, Collectives)), None)
     loop = next(o for o in live if isinstance(o, worker.Loop))
+    del live  # every object of the worker: not to be held while the loop runs
     serve: Callable[..., None] = worker.serve
     if which == "base":
         serve = _base_serve(sources or {})
