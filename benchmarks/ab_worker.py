@@ -16,7 +16,9 @@ floor is the channel's and the session's. The floor system is timed in the same 
 
 The base revision's worker.py (and protocol.py, which it imports from) are loaded as modules
 of their own; the nested loop shares the live worker's state (registers, identity, the
-cancellation board), so both loops do the same work.
+cancellation board), so both loops do the same work. The controller sends this tree's
+commands, so the base must read them: a revision from before the quick forms (protocol.py's
+QUICK_CALL, issue 9's seventh pass) is refused.
 """
 
 from __future__ import annotations
@@ -82,22 +84,21 @@ def lean_serve(chan: Any, coll: Any, board: Any, loop: Any, recv: Callable[[], A
     unpickle, drop the frees, call, keep the result or reply with it. No errors, no
     cancellation, no collectives, no trace: a bound for what the real loop's bookkeeping
     costs, never a loop to use."""
-    import pickle
-
     from unison import worker
+    from unison.protocol import ok_reply, read_quick_call
 
-    regs, fns, loads, dumps = worker.registers, loop.fns, pickle.loads, pickle.dumps
+    regs, fns = worker.registers, loop.fns
     while True:
         got = recv()
         if got is None:
             return
-        _, frees, ref_id, fn_id, _, _, req_id = loads(got[0])
+        _, frees, ref_id, fn_id, _, _, req_id = read_quick_call(got[0])  # noop: quick form
         if frees:
             for i in frees:
                 regs.pop(i, None)
         value = fns[fn_id]()
         if req_id:
-            chan.reply(dumps((req_id, 0, value), 5))
+            chan.reply(ok_reply(req_id, value))
         else:
             regs[ref_id] = value
 
@@ -181,6 +182,9 @@ def main() -> None:
     args = parser.parse_args()
     sources = {"worker": _source(args.base, "src/unison/worker.py"),
                "protocol": _source(args.base, "src/unison/protocol.py")}
+    if "QUICK_CALL" not in sources["protocol"]:
+        sys.exit(f"ab_worker.py: {args.base} predates the quick CALL this tree sends, so its "
+                 "worker loop cannot read it; compare it with compare_revs.py instead")
     print(f"CPU: {cpu_model()}; head: {source_revision()}; base: {args.base}; command: python "
           f"benchmarks/ab_worker.py --base {args.base} --workers "
           f"{' '.join(map(str, args.workers))} --turns {args.turns} --per-turn {args.per_turn}\n")

@@ -53,7 +53,7 @@ from harness.measure import Loop, time_loop
 from harness.report import cpu_model, source_revision
 from harness.systems import make_system
 from unison.channel import shm
-from unison.protocol import OK, call_msg, loads
+from unison.protocol import OK, call_msg, read_reply
 
 KINDS = ("floor", "channel run", "run", "channel dispatch", "dispatch")
 
@@ -83,7 +83,7 @@ def channel_run(sess: unison.Session) -> Callable[[], None]:
             for rank, data in chan.recv(None):
                 if data is None:
                     raise RuntimeError(f"worker {rank} is gone: {chan.where(rank)}")
-                got, status, _ = loads(data)
+                got, status, _ = read_reply(data)
                 if got != req or status != OK:
                     raise RuntimeError(f"worker {rank} answered {got} ({status}), not {req}")
                 left -= 1

@@ -202,6 +202,17 @@ def test_a_reply_for_another_request_is_never_taken():
         router.decode(req, (0,))
 
 
+def test_a_quick_reply_for_another_request_is_never_taken():
+    router, chan, _, _ = make(2)
+    req = Request(9, 2)
+    router.expect(req, (0, 1))
+    chan._q.put((0, protocol.ok_reply(9, 5)))
+    chan._q.put((1, protocol.ok_reply(8, 5)))  # a quick form, its id wrong
+    router.wait(req, None, "testing")
+    with pytest.raises(OutOfStep, match="answered request 8 where 9 was expected"):
+        router.decode(req, (0, 1), values=True)
+
+
 def test_an_ack_where_a_value_is_expected_is_never_taken_for_one():
     router, chan, _, _ = make(1)
     req = Request(4, 1)

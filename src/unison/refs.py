@@ -63,14 +63,13 @@ class Ref:
 
     def free(self) -> None:
         """Free the workers' objects now (with the next message). Idempotent."""
+        # also __del__, in any thread: so no lock. The session's free list is a deque, whose
+        # append is atomic; the next message to every worker carries it
         if not self._freed:
             self._freed = True
-            self._session._release(self._id)
+            self._session._frees.append(self._id)
 
-    def __del__(self) -> None:
-        if not self._freed:
-            self._freed = True
-            self._session._release(self._id)
+    __del__ = free
 
     def __reduce__(self) -> tuple[object, tuple[int]]:
         return protocol.ref_reduce(self)

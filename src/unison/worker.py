@@ -55,11 +55,14 @@ from unison.protocol import (
     GET,
     OK,
     PUT,
+    QUICK_CALL,
     SHUTDOWN,
     SYNC,
+    ok_reply,
     read_define,
     read_get,
     read_put,
+    read_quick_call,
     read_request,
 )
 from unison.spec import WorkerSpec
@@ -191,7 +194,8 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
         got = recv()
         if got is None:
             return
-        msg = _loads(got[0])  # protocol.loads without its frame (a command is bytes or a view)
+        data = got[0]  # a command is bytes or a view: protocol.loads without its frame
+        msg = _loads(data) if data[0] != QUICK_CALL else read_quick_call(data)
         bufs = got[1]  # the out-of-band buffers of the arguments' or the value's pickle
         op, frees = msg[0], msg[1]
         if frees:
@@ -251,7 +255,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                 coll.end(ref_id)
             if req_id:  # run: the result goes straight back, nothing is kept
                 if type(value) in _SCALARS:  # nothing out of band, nothing by value
-                    chan.reply(_dump((req_id, OK, value), 5))
+                    chan.reply(ok_reply(req_id, value))
                 else:
                     _reply_value(chan, req_id, f"the result of {_name(fn)}", value)
             else:
@@ -300,7 +304,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
 _MISSING = object()
 _SCALARS = frozenset({type(None), bool, int, float, str, bytes})
 """Results that plain pickle takes as they are (no buffers, no __main__ class)."""
-_dump, _loads = pickle.dumps, pickle.loads
+_loads = pickle.loads
 
 
 def _reply_value(chan: WorkerChannel, req_id: int, what: str, obj: object) -> None:

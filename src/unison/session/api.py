@@ -78,7 +78,8 @@ class View:
 
     def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Ref:
         """Run ``fn(*args, **kwargs)`` on every worker of the view; return a Ref at once."""
-        return self._session._call(self.workers, fn, args, kwargs)
+        session, ranks = self._session, self.workers
+        return Ref(session, session._send_quick(ranks, fn, args, kwargs, None), ranks)
 
     def run(
         self, fn: Callable[..., Any], /, *args: Any, timeout: float | None = None, **kwargs: Any
@@ -243,6 +244,24 @@ class Session(View):
         session is closed as soon as the last reference to it goes)."""
         return self
 
+    # View's call and sync, without the property above: dispatch's hot path
+    def call(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Ref:
+        """Run ``fn(*args, **kwargs)`` on every worker; return a Ref at once."""
+        ranks = self.workers
+        return Ref(self, self._send_quick(ranks, fn, args, kwargs, None), ranks)
+
+    def run(
+        self, fn: Callable[..., Any], /, *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """``call`` then ``gather``: every worker's result, in rank order."""
+        deadline = None if timeout is None else _deadline(timeout)  # refused before a send
+        return self._run(self.workers, fn, args, kwargs, deadline)
+
+    def sync(self, timeout: float | None = None) -> None:
+        """Wait until every worker has done all it was sent; raise any error from those
+        calls that nobody fetched yet (each error is reported once)."""
+        self._sync(self.workers, timeout)
+
     # -- views ---------------------------------------------------------------------------------
 
     def __getitem__(self, key: object) -> View:
@@ -400,12 +419,6 @@ class Session(View):
 
     # -- the calls behind Session, View and Ref ------------------------------------------------
 
-    def _call(
-        self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Ref:
-        return Ref(self, self._send_quick(ranks, fn, args, kwargs, None), ranks)
-
     def _send_quick(
         self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
         kwargs: dict[str, Any], req: Request | None, send_by: float | None = None,
@@ -533,16 +546,17 @@ class Session(View):
     def _values(self, req: Request, ranks: tuple[int, ...]) -> list[Any]:
         """A completed GET's or run's values in rank order, or the WorkerError (or
         CancelledError) their errors make."""
-        values, errors = [], {}
-        for rank, (status, payload) in zip(ranks, self._decode(req, ranks, True)):
-            if status == OK:
-                values.append(payload)
-            else:
-                errors[rank] = payload
-        if errors:
-            self._errors.forget(req.ref_id)
-            raise _worker_error(errors)
-        return values
+        decoded = self._decode(req, ranks, True)
+        values = []
+        for status, payload in decoded:
+            if status != OK:
+                break
+            values.append(payload)
+        else:
+            return values
+        self._errors.forget(req.ref_id)
+        raise _worker_error({rank: payload for rank, (status, payload) in zip(ranks, decoded)
+                             if status != OK})
 
     def _fetch(self, ref: Ref, ranks: tuple[int, ...], deadline: float | None) -> list[Any]:
         self._check_fetch(ref)
@@ -716,10 +730,6 @@ class Session(View):
                 "cancellation takes effect at the next Python bytecode). It ends cancelled if "
                 "it ever returns; close the session to stop it now."
             )
-
-    def _release(self, ref_id: int) -> None:
-        """Called from Ref.__del__, in any thread: so no lock, just an atomic append."""
-        self._frees.append(ref_id)
 
     def _request(
         self, build: Callable[..., bytes], ref_id: int, ranks: tuple[int, ...],

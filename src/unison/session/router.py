@@ -26,15 +26,13 @@ and any error its replies bring is kept for the next sync.
 from __future__ import annotations
 
 import collections
-import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from unison import protocol
 from unison.channel import Channel, Reply
-from unison.protocol import OK
+from unison.protocol import OK, read_reply
 from unison.session.unreported import UnreportedErrors
 
 if TYPE_CHECKING:
@@ -42,8 +40,6 @@ if TYPE_CHECKING:
     from unison.trace import Trace
 
 __all__ = ["Request", "Router", "RouterOwner"]
-
-_loads = pickle.loads  # a reply without buffers (protocol.loads takes the others)
 
 SLICE = 0.5  # the longest single sleep of a wait, so close() and deadlines are noticed
 
@@ -100,7 +96,8 @@ class Router:
         self._state_lock = threading.Lock()
         self._cv = threading.Condition(threading.Lock())
         self._followers = 0
-        self._slice = SLICE if watched else 0.05  # no death fds to wake us: poll more often
+        self.slice = SLICE if watched else 0.05  # no death fds to wake us: poll more often
+        """The longest single sleep of a wait (s); set by set_watched."""
         self.closed = False  # set by the owner; checked at every slice
         self.tracer: Trace | None = None
         """The running trace (unison.trace), told of every reply; None: off."""
@@ -109,12 +106,7 @@ class Router:
 
     def set_watched(self, watched: bool) -> None:
         """Whether a death wakes a waiting recv (then waits need not poll as often)."""
-        self._slice = SLICE if watched else 0.05
-
-    @property
-    def slice(self) -> float:
-        """The longest single sleep of a wait (s)."""
-        return self._slice
+        self.slice = SLICE if watched else 0.05
 
     def idle(self, ranks: Sequence[int]) -> bool:
         """Whether no request to ``ranks`` awaits a reply."""
@@ -147,7 +139,7 @@ class Router:
         is then abandoned: its late replies' errors are kept for the next sync)."""
         try:
             while req.remaining:
-                if self._recv_lock.acquire(blocking=False):
+                if self._recv_lock.acquire(False):
                     try:
                         self._pump(req, deadline, during)
                     finally:
@@ -180,8 +172,7 @@ class Router:
                 out.append((OK, ()))
                 continue
             try:
-                got_id, status, payload = (_loads(raw) if type(raw) is bytes
-                                           else protocol.loads(raw))
+                got_id, status, payload = read_reply(raw)
             except Exception as exc:
                 raise TypeError(
                     f"the reply of worker {r} cannot be unpickled on the controller: {exc}. "
@@ -215,7 +206,7 @@ class Router:
 
     def _pump(self, req: Request, deadline: float | None, during: str) -> None:
         """Read replies for everyone until ``req`` is complete; caller holds the recv lock."""
-        chan, owner, slice_ = self._chan, self._owner, self._slice
+        chan, owner, slice_ = self._chan, self._owner, self.slice
         hang = self.hang
         if hang is not None:
             slice_ = min(slice_, hang.interval)
@@ -274,7 +265,7 @@ class Router:
         fails every waiting request (through the owner, which closes the session).
         ``clear``: empty the wake fd first (a syscall; a spinning wait skips it, and the
         poll that ends the spin empties it)."""
-        if not self._recv_lock.acquire(blocking=False):
+        if not self._recv_lock.acquire(False):
             return
         try:
             if clear:
@@ -355,7 +346,7 @@ class Router:
         if not raw:
             return
         try:
-            _, status, payload = protocol.loads(raw)
+            _, status, payload = read_reply(raw)
         except Exception:
             return  # a value that cannot be unpickled here carries no error
         if req.ref_id and status != OK:
