@@ -17,8 +17,8 @@ floor is the channel's and the session's. The floor system is timed in the same 
 The base revision's worker.py (and protocol.py, which it imports from) are loaded as modules
 of their own; the nested loop shares the live worker's state (registers, identity, the
 cancellation board), so both loops do the same work. The controller sends this tree's
-commands, so the base must read them: a revision from before the quick forms (protocol.py's
-QUICK_CALL, issue 9's seventh pass) is refused.
+commands, so the base must read them: a revision from before CALLs were marshalled
+(protocol.py's ``dumps_plain``, issue 9's seventh pass) is refused.
 """
 
 from __future__ import annotations
@@ -85,20 +85,20 @@ def lean_serve(chan: Any, coll: Any, board: Any, loop: Any, recv: Callable[[], A
     cancellation, no collectives, no trace: a bound for what the real loop's bookkeeping
     costs, never a loop to use."""
     from unison import worker
-    from unison.protocol import ok_reply, read_quick_call
+    from unison.protocol import dumps_plain, loads_plain
 
     regs, fns = worker.registers, loop.fns
     while True:
         got = recv()
         if got is None:
             return
-        _, frees, ref_id, fn_id, _, _, req_id = read_quick_call(got[0])  # noop: quick form
+        _, frees, ref_id, fn_id, _, _, req_id = loads_plain(got[0])  # a CALL: marshalled
         if frees:
             for i in frees:
                 regs.pop(i, None)
         value = fns[fn_id]()
         if req_id:
-            chan.reply(ok_reply(req_id, value))
+            chan.reply(dumps_plain((req_id, 0, value)))
         else:
             regs[ref_id] = value
 
@@ -182,8 +182,8 @@ def main() -> None:
     args = parser.parse_args()
     sources = {"worker": _source(args.base, "src/unison/worker.py"),
                "protocol": _source(args.base, "src/unison/protocol.py")}
-    if "QUICK_CALL" not in sources["protocol"]:
-        sys.exit(f"ab_worker.py: {args.base} predates the quick CALL this tree sends, so its "
+    if "dumps_plain" not in sources["protocol"]:
+        sys.exit(f"ab_worker.py: {args.base} predates the marshalled CALL this tree sends, so its "
                  "worker loop cannot read it; compare it with compare_revs.py instead")
     print(f"CPU: {cpu_model()}; head: {source_revision()}; base: {args.base}; command: python "
           f"benchmarks/ab_worker.py --base {args.base} --workers "

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import pickle
-import struct
 import threading
 from typing import Any
 
@@ -172,44 +171,41 @@ def test_an_error_without_a_blob_unpacks_to_a_remote_error() -> None:
     assert "KeyError" in str(back)
 
 
-# -- the quick forms: a CALL and a run's reply packed with struct, read as their pickles ------
+# -- marshal for plain messages: a CALL and a reply of a plain value ---------------------------
 
 def _command(data: bytes) -> tuple[Any, ...]:
     """A command as the worker reads it (worker.serve)."""
-    if data[0] == protocol.QUICK_CALL:
-        return protocol.read_quick_call(data)
-    return pickle.loads(data)  # type: ignore[no-any-return]
+    if data[0] == protocol.PICKLED:
+        return pickle.loads(data)  # type: ignore[no-any-return]
+    return protocol.loads_plain(data)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("frees", [None, (7,), tuple(range(3, 40))])  # 37: past the table
-@pytest.mark.parametrize("args", [None, (1, -(2**70), 2.5, "s✓", None, True, complex(1, 2))])
-@pytest.mark.parametrize("req_id", [0, 12])
-def test_a_quick_call_reads_as_its_pickle(frees: Any, args: Any, req_id: int) -> None:
-    data = protocol.call_msg(frees, 5, 3, args, None, req_id)
-    assert data[0] == protocol.QUICK_CALL
+@pytest.mark.parametrize("frees", [None, (7,), tuple(range(3, 40))])
+@pytest.mark.parametrize("args", [None, (1, -(2**70), 2.5, "s✓\ud800", None, True, 1 + 2j),
+                                  b"the pickle of (args, kwargs)"])
+@pytest.mark.parametrize("ranks", [None, (1, 3)])
+def test_a_call_reads_back_exactly(frees: Any, args: Any, ranks: Any) -> None:
+    data = protocol.call_msg(frees, 5, 3, args, ranks, 12)
+    assert data[0] != protocol.PICKLED  # marshalled
     got = _command(data)
-    assert got == (protocol.CALL, frees, 5, 3, args, None, req_id) or (
-        frees is None and got == (protocol.CALL, (), 5, 3, args, None, req_id))
-    if args:
+    assert got == (protocol.CALL, frees, 5, 3, args, ranks, 12)
+    if type(args) is tuple:
         assert [type(a) for a in got[4]] == [type(a) for a in args]  # True stays a bool
 
 
-@pytest.mark.parametrize("ranks, args", [((1,), None), (None, b"pickled (args, kwargs)")])
-def test_a_call_to_some_workers_or_with_pickled_arguments_is_pickled(ranks: Any,
-                                                                     args: Any) -> None:
-    data = protocol.call_msg((4,), 5, 3, args, ranks, 0)
-    assert data[:1] == pickle.PROTO  # 0x80: never a quick form's first byte
-    assert _command(data) == (protocol.CALL, (4,), 5, 3, args, ranks, 0)
+def test_every_other_command_is_a_pickle() -> None:
+    """The worker reads a command by its first byte: a pickle's is always PICKLED."""
+    for data in (protocol.define_msg(None, 3, b"fn"), protocol.put_msg((1,), 4, b"v"),
+                 protocol.get_msg(None, 5, 4), protocol.sync_msg(None, 6),
+                 protocol.nop_msg((7,)), protocol.shutdown_msg(None, 8)):
+        assert data[0] == protocol.PICKLED
 
 
-@pytest.mark.parametrize("value, quick", [
-    (0, True), (-1, True), (2**63 - 1, True), (-(2**63), True), (2**63, False),
-    (10**30, False), (None, True), (1.5, True), (-0.0, True), (math.inf, True),
-    (True, False), (False, False), ("7", False), (b"7", False), (3 + 0j, False),
-])
-def test_a_reply_reads_back_exactly_whichever_form_it_takes(value: Any, quick: bool) -> None:
-    data = protocol.ok_reply(41, value)
-    assert (data[0] == protocol.QUICK_REPLY) is quick
+@pytest.mark.parametrize("value", [0, -1, 2**63, -(10**30), None, 1.5, -0.0, math.inf, True,
+                                   False, "7✓", b"\x807", ""])
+def test_a_plain_reply_reads_back_exactly(value: Any) -> None:
+    data = protocol.dumps_plain((41, protocol.OK, value))  # as worker.serve replies to run
+    assert data[0] != protocol.PICKLED
     got_id, status, payload = protocol.read_reply(data)
     assert (got_id, status, payload) == (41, protocol.OK, value)
     assert type(payload) is type(value)  # a bool stays a bool, an int an int
@@ -217,21 +213,17 @@ def test_a_reply_reads_back_exactly_whichever_form_it_takes(value: Any, quick: b
         assert math.copysign(1, payload) == math.copysign(1, value)
 
 
-def test_nan_comes_back_in_a_quick_reply() -> None:
-    assert math.isnan(protocol.read_reply(protocol.ok_reply(1, math.nan))[2])
+def test_nan_comes_back_in_a_plain_reply() -> None:
+    nan = protocol.read_reply(protocol.dumps_plain((1, protocol.OK, math.nan)))[2]
+    assert math.isnan(nan)
 
 
-@pytest.mark.parametrize("bad", [
-    bytes([protocol.QUICK_REPLY, 9]) + bytes(16),  # no such kind
-    protocol.ok_reply(3, 5)[:-1],  # truncated
-    protocol.ok_reply(3, None) + b"x",  # too long
-])
-def test_a_malformed_quick_reply_is_refused(bad: bytes) -> None:
-    with pytest.raises(ValueError, match="quick reply"):
-        protocol.read_reply(bad)
+def test_a_pickled_reply_reads_back_too() -> None:
+    assert protocol.read_reply(protocol.dumps((3, protocol.ERR, "x"))) == (3, protocol.ERR, "x")
 
 
-def test_a_truncated_quick_call_is_refused() -> None:
-    data = protocol.call_msg((1, 2, 3), 5, 3, None, None, 0)
-    with pytest.raises((ValueError, struct.error)):
-        protocol.read_quick_call(data[:-8])
+@pytest.mark.parametrize("cut", [1, 5, -1])
+def test_a_truncated_plain_reply_is_refused(cut: int) -> None:
+    data = protocol.dumps_plain((41, protocol.OK, 123456789))
+    with pytest.raises((ValueError, EOFError)):
+        protocol.read_reply(data[:cut])

@@ -18,19 +18,12 @@ Every message is one tuple, pickled once whatever the number of workers. ``frees
 tuple of ids to drop before the message runs (or None): that is how dropped Refs are
 batched onto the next message instead of costing a round trip each.
 
-The hot path's two messages have a quick form, packed with struct instead (pickle's set-up
-alone cost about 0.9 µs a message on the 2-vCPU EPYC of issue 9, struct's 0.1 µs): a CALL to
-every worker whose arguments are none or plain values, and a reply that is an int, a float
-or None. Their first byte (QUICK_CALL, QUICK_REPLY) tells them from a pickle (0x80)::
-
-    CALL   QUICK_CALL  nfrees:u32 ref_id:i64 fn_id:i64 req_id:i64  frees:i64 * nfrees
-           [marshal of the plain arguments' tuple]
-    reply  QUICK_REPLY kind:u8 req_id:i64 [value: i64 (kind "i") or f64 (kind "d")]
-
-Encoding is pickle protocol 5. The standard pickler is tried first, as it is the fastest;
-anything it cannot take, or that it would send by reference to the controller's ``__main__``
-(which a worker never imports), goes through cloudpickle, by value. A Ref inside the
-arguments pickles as a lookup in the receiving worker's register file.
+A CALL and a reply of a plain value (None, bool, int, float, str, bytes) are encoded with
+marshal instead: every field they hold is of a type marshal takes, and it does the same
+work as pickle with less set-up (on the 2-vCPU EPYC of issue 9, 30% less per message on
+each side, counted in instructions by benchmarks/python_cost.py). A reader tells the two
+apart by the first byte: a pickle's is always PICKLED (its PROTO opcode), a marshalled
+tuple's never is.
 """
 
 from __future__ import annotations
@@ -38,7 +31,6 @@ from __future__ import annotations
 import io
 import marshal
 import pickle
-import struct
 import sys
 import threading
 import traceback
@@ -65,12 +57,9 @@ _dump = pickle.dumps
 # once, reads (op, frees) = msg[0], msg[1], then the rest with the reader of that op.
 
 
-QUICK_CALL, QUICK_REPLY = 0x01, 0x02  # the quick forms' first byte; a pickle's is 0x80
-_QCALL = struct.Struct("<BIqqq")
-_QCALLS = tuple(struct.Struct(f"<BIqqq{n}q") for n in range(16))  # by its number of frees
-_QREPLY = (struct.Struct("<BBq"), struct.Struct("<BBqq"), struct.Struct("<BBqd"))
-"""The quick reply's forms by kind: 0 None, 1 an int (that fits 64 bits), 2 a float."""
-_INT64 = 1 << 63
+PICKLED = pickle.PROTO[0]  # 0x80: the first byte of every pickle; marshal's is another
+dumps_plain, loads_plain = marshal.dumps, marshal.loads
+"""marshal, for messages of plain values: a CALL, and a reply of a plain value."""
 
 
 def call_msg(frees: tuple[int, ...] | None, ref_id: int, fn_id: int, args: Any,
@@ -78,56 +67,17 @@ def call_msg(frees: tuple[int, ...] | None, ref_id: int, fn_id: int, args: Any,
     """Run function ``fn_id`` into register ``ref_id``. ``args``: None, a tuple of plain
     values, or the pickle of ``(args, kwargs)``; ``ranks``: the call's workers if not all;
     ``req_id``: reply with the result (or error) at once, keeping nothing (``run``).
-    worker.serve reads the quick form with ``read_quick_call`` and unpacks the seven
-    fields in place: the hot path."""
-    if ranks is None and type(args) is not bytes:  # the quick form
-        if not frees:
-            msg = _QCALL.pack(QUICK_CALL, 0, ref_id, fn_id, req_id)
-        else:
-            n = len(frees)
-            form = _QCALLS[n] if n < len(_QCALLS) else struct.Struct(f"<BIqqq{n}q")
-            msg = form.pack(QUICK_CALL, n, ref_id, fn_id, req_id, *frees)
-        return msg + marshal.dumps(args) if args else msg
-    return _dump((CALL, frees, ref_id, fn_id, args, ranks, req_id), 5)
-
-
-def read_quick_call(data: bytes | memoryview) -> tuple[Any, ...]:
-    """A CALL's quick form as the tuple its pickle holds."""
-    _, n, ref_id, fn_id, req_id = _QCALL.unpack_from(data)
-    end = _QCALL.size + 8 * n
-    if len(data) < end:
-        raise ValueError(f"a quick CALL of {len(data)} bytes, too short for {n} frees")
-    frees = _QCALLS[n].unpack_from(data)[5:] if n < len(_QCALLS) else struct.unpack_from(
-        f"<{n}q", data, _QCALL.size)
-    args = marshal.loads(data[end:]) if len(data) > end else None
-    return (CALL, frees, ref_id, fn_id, args, None, req_id)
-
-
-def ok_reply(req_id: int, value: Any) -> bytes:
-    """A run's reply of a result with nothing out of band: an int, a float or None in the
-    quick form, anything else pickled."""
-    kind = type(value)
-    if kind is int and -_INT64 <= value < _INT64:
-        return _QREPLY[1].pack(QUICK_REPLY, 1, req_id, value)
-    if value is None:
-        return _QREPLY[0].pack(QUICK_REPLY, 0, req_id)
-    if kind is float:
-        return _QREPLY[2].pack(QUICK_REPLY, 2, req_id, value)
-    return _dump((req_id, OK, value), 5)
+    Marshalled, not pickled; worker.serve unpacks the seven fields in place: the hot path."""
+    return dumps_plain((CALL, frees, ref_id, fn_id, args, ranks, req_id))
 
 
 def read_reply(data: bytes | memoryview | Reply) -> tuple[int, int, Any]:
-    """A (non-empty) reply's ``(req_id, OK | ERR, payload)``, whichever form it came in.
-    Raises ValueError for a quick reply of an unknown kind or a wrong size."""
+    """A (non-empty) reply's ``(req_id, OK | ERR, payload)``, pickled or marshalled."""
     if isinstance(data, tuple):  # a Reply, with its out-of-band buffers
         return pickle.loads(data[0], buffers=data[1])  # type: ignore[no-any-return]
-    if data[0] != QUICK_REPLY:
+    if data[0] == PICKLED:
         return pickle.loads(data)  # type: ignore[no-any-return]
-    kind = data[1]
-    if kind >= len(_QREPLY) or len(data) != _QREPLY[kind].size:
-        raise ValueError(f"a quick reply of kind {kind} and {len(data)} bytes")
-    got = _QREPLY[kind].unpack(data)
-    return got[2], OK, got[3] if kind else None
+    return loads_plain(data)  # type: ignore[no-any-return]
 
 
 def define_msg(frees: tuple[int, ...] | None, fn_id: int, fn_pickle: bytes) -> bytes:

@@ -54,15 +54,15 @@ from unison.protocol import (
     ERR,
     GET,
     OK,
+    PICKLED,
     PUT,
-    QUICK_CALL,
     SHUTDOWN,
     SYNC,
-    ok_reply,
+    dumps_plain,
+    loads_plain,
     read_define,
     read_get,
     read_put,
-    read_quick_call,
     read_request,
 )
 from unison.spec import WorkerSpec
@@ -195,7 +195,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
         if got is None:
             return
         data = got[0]  # a command is bytes or a view: protocol.loads without its frame
-        msg = _loads(data) if data[0] != QUICK_CALL else read_quick_call(data)
+        msg = _loads(data) if data[0] == PICKLED else loads_plain(data)  # a CALL: marshal
         bufs = got[1]  # the out-of-band buffers of the arguments' or the value's pickle
         op, frees = msg[0], msg[1]
         if frees:
@@ -255,7 +255,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                 coll.end(ref_id)
             if req_id:  # run: the result goes straight back, nothing is kept
                 if type(value) in _SCALARS:  # nothing out of band, nothing by value
-                    chan.reply(ok_reply(req_id, value))
+                    chan.reply(dumps_plain((req_id, OK, value)))
                 else:
                     _reply_value(chan, req_id, f"the result of {_name(fn)}", value)
             else:
@@ -303,7 +303,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
 
 _MISSING = object()
 _SCALARS = frozenset({type(None), bool, int, float, str, bytes})
-"""Results that plain pickle takes as they are (no buffers, no __main__ class)."""
+"""Results that marshal takes as they are (no buffers, no class to import)."""
 _loads = pickle.loads
 
 

@@ -1,0 +1,211 @@
+"""What unison's own Python costs per round on each side, the other side taken out (issue 9).
+
+    python benchmarks/python_cost.py [--rounds 20000]                 # µs per round
+    python benchmarks/python_cost.py --instructions [--rounds 20000]  # under valgrind
+
+On a 2-core host the controller's Python before the send and after the last reply, and a
+worker's between taking a command and publishing its reply, add straight to every round
+(docs/benchmarks.md, "Issue 9, sixth pass"); but a round's time swings by 2x from one minute
+to the next there. So this measures each side's Python alone:
+
+    controller   a real Session(2) whose channel's send does nothing and whose waits find
+                 the workers done at once (dispatch: ``sess.call(noop); sess.sync()``) or
+                 the replies already in (run: ``sess.run(small_value)``, each worker's reply
+                 made beforehand in the tree's own format)
+    worker       ``worker.serve`` in this process, fed commands made beforehand by the tree's
+                 own ``call_msg`` (dispatch: a CALL that frees the previous result; run: a
+                 CALL that asks for the result back), replying into a list. Without the
+                 collectives and the cancellation board a real worker also calls.
+
+``--instructions`` re-runs this script under valgrind's callgrind, counting only inside the
+rounds (they run through ``map``, and only ``map_next`` is counted), and prints
+instructions per round: the same on every run of the same code, so two revisions compare
+to the percent on a noisy host (``PYTHONPATH=<tree>/src`` picks the revision). Without it,
+the best and the median µs per round of 7 timed fills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import pickle
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import unison
+from harness.report import cpu_model, source_revision
+from harness.tasks import noop, small_value
+from unison import protocol
+
+WORKLOADS = ("controller dispatch", "controller run", "worker dispatch", "worker run")
+
+
+def _reply(req_id: int, value: int) -> bytes:
+    """A worker's reply to run, as this tree's worker makes it."""
+    plain = getattr(protocol, "dumps_plain", None)  # revisions before it pickled replies
+    reply = (req_id, protocol.OK, value)
+    return plain(reply) if plain else pickle.dumps(reply, 5)
+
+
+@contextlib.contextmanager
+def stubbed(sess: unison.Session) -> Iterator[None]:
+    """``sess``'s channel sends nothing and finds every worker done, until the block ends
+    (then the channel is whole again: close() must reach the real workers). The workers
+    hold both functions first, so that no round defines one."""
+    sess.run(noop)
+    sess.run(small_value)
+    chan: Any = sess._chan  # its methods replaced on the instance: Any for mypy
+    chan.send = lambda data, ranks, buffers=(), *, deadline=None: None
+    chan.wait_done = lambda ranks, mark, timeout: True
+    chan.unreported = lambda ranks: False
+    try:
+        yield
+    finally:
+        for name in ("send", "wait_done", "unreported", "recv"):
+            chan.__dict__.pop(name, None)
+
+
+def controller_rounds(sess: unison.Session, work: str, count: int) -> Iterator[None]:
+    """``count`` rounds of ``work`` on ``sess``, inside ``stubbed``, as a ``map``."""
+    if work == "dispatch":
+        def one(_: int) -> None:
+            sess.call(noop)
+            sess.sync()
+        return map(one, range(count))
+    first = next(sess._ids) + 1  # run draws two ids a round, its request's first
+    replies = {req: [(r, _reply(req, 7)) for r in range(sess.num_workers)]
+               for req in range(first, first + 2 * count + 2, 2)}
+    expect = sess._router._expect[0]
+    chan: Any = sess._chan
+    chan.recv = lambda timeout, watch=None: replies[expect[0].req_id]
+
+    def once(_: int) -> None:
+        sess.run(small_value)
+    return map(once, range(count))
+
+
+class _Replies:
+    """A worker channel that keeps the replies (the worker's side of ``worker rounds``)."""
+
+    oob_replies = False
+
+    def __init__(self) -> None:
+        self.got: list[bytes] = []
+
+    def reply(self, data: bytes, buffers: object = ()) -> None:
+        self.got.append(data)
+
+    def ack(self) -> None:
+        self.got.append(b"")
+
+    def unreported(self, count: int) -> None:
+        pass
+
+
+def worker_rounds(work: str, count: int) -> Iterator[None]:
+    """``count`` commands of ``work`` through ``worker.serve`` in this process, as a
+    ``map`` of one call."""
+    from unison import worker
+
+    loop = worker.Loop()
+    loop.fns[1] = small_value if work == "run" else noop
+    made: list[tuple[bytes, list[Any]]] = []
+    for i in range(2, count + 12):  # run: reply to request i; dispatch: free the one before
+        frees = None if work == "run" or i == 2 else (i - 1,)
+        made.append((protocol.call_msg(frees, i, 1, None, None, i if work == "run" else 0), []))
+    chan = _Replies()
+    warm = iter(made[:10])  # the loop's first commands import what it needs: not counted
+    worker.serve(chan, None, None, loop, recv=lambda: next(warm, None))  # type: ignore[arg-type]
+    chan.got.clear()
+    cmds = iter(made[10:])
+
+    def serve(_: int) -> None:
+        worker.serve(chan, None, None, loop, recv=lambda: next(cmds, None))  # type: ignore[arg-type]
+        if work == "run" and len(chan.got) != count:
+            raise RuntimeError(f"{len(chan.got)} replies to {count} runs")
+    return map(serve, range(1))
+
+
+def rounds(workload: str, count: int, sess: unison.Session) -> Iterator[None]:
+    side, work = workload.split()
+    return controller_rounds(sess, work, count) if side == "controller" else worker_rounds(
+        work, count)
+
+
+def timed(workload: str, count: int) -> tuple[float, float]:
+    """The best and the median µs per round of 7 fills of ``count`` rounds."""
+    per: list[float] = []
+    with unison.Session(2) as sess, stubbed(sess):
+        for _ in range(7):
+            it = rounds(workload, count, sess)
+            gc.disable()
+            start = time.perf_counter()
+            for _ in it:
+                pass
+            per.append((time.perf_counter() - start) / count * 1e6)
+            gc.enable()
+    return min(per), statistics.median(per)
+
+
+def counted(workload: str, count: int) -> int:
+    """Instructions per round, counted by callgrind inside ``map_next`` only."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "callgrind.out"
+        subprocess.run(
+            ["valgrind", "--tool=callgrind", "--collect-atstart=no",
+             "--toggle-collect=map_next", f"--callgrind-out-file={out}", sys.executable,
+             __file__, "--child", workload, "--rounds", str(count)],
+            check=True, capture_output=True)
+        for line in out.read_text().splitlines():
+            if line.startswith(("totals:", "summary:")):
+                return int(line.split()[1]) // count
+    raise RuntimeError("callgrind wrote no totals")
+
+
+def _child(workload: str, count: int) -> None:
+    with unison.Session(2) as sess, stubbed(sess):
+        it = rounds(workload, count, sess)
+        gc.disable()
+        for _ in it:
+            pass
+        gc.enable()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=20000)
+    parser.add_argument("--instructions", action="store_true",
+                        help="count instructions under valgrind (callgrind) instead of timing")
+    parser.add_argument("--child", choices=WORKLOADS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child(args.child, args.rounds)
+        return
+    if args.instructions and shutil.which("valgrind") is None:
+        sys.exit("python_cost.py --instructions needs valgrind on PATH")
+    print(f"CPU: {cpu_model()}; {source_revision()}, from {Path(unison.__file__).parent}; "
+          f"command: python benchmarks/python_cost.py"
+          f"{' --instructions' if args.instructions else ''} --rounds {args.rounds}\n")
+    if args.instructions:
+        print("| workload | instructions per round |\n|---|--:|")
+        for w in WORKLOADS:
+            print(f"| {w} | {counted(w, args.rounds)} |", flush=True)
+    else:
+        print("| workload | best µs | median µs |\n|---|--:|--:|")
+        for w in WORKLOADS:
+            best, median = timed(w, args.rounds)
+            print(f"| {w} | {best:.2f} | {median:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
