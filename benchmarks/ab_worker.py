@@ -85,7 +85,7 @@ def lean_serve(chan: Any, coll: Any, board: Any, loop: Any, recv: Callable[[], A
     cancellation, no collectives, no trace: a bound for what the real loop's bookkeeping
     costs, never a loop to use."""
     from unison import worker
-    from unison.protocol import dumps_plain, loads_plain
+    from unison.protocol import PLAIN, dumps_plain, loads_plain
 
     regs, fns = worker.registers, loop.fns
     while True:
@@ -98,7 +98,7 @@ def lean_serve(chan: Any, coll: Any, board: Any, loop: Any, recv: Callable[[], A
                 regs.pop(i, None)
         value = fns[fn_id]()
         if req_id:
-            chan.reply(dumps_plain((req_id, 0, value)))
+            chan.reply(dumps_plain((req_id, 0, value), PLAIN))
         else:
             regs[ref_id] = value
 

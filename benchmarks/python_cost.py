@@ -52,9 +52,10 @@ WORKLOADS = ("controller dispatch", "controller run", "worker dispatch", "worker
 
 def _reply(req_id: int, value: int) -> bytes:
     """A worker's reply to run, as this tree's worker makes it."""
-    plain = getattr(protocol, "dumps_plain", None)  # revisions before it pickled replies
     reply = (req_id, protocol.OK, value)
-    return plain(reply) if plain else pickle.dumps(reply, 5)
+    if not hasattr(protocol, "dumps_plain"):  # revisions before it pickled replies
+        return pickle.dumps(reply, 5)
+    return protocol.dumps_plain(reply, getattr(protocol, "PLAIN", 4))
 
 
 @contextlib.contextmanager

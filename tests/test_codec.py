@@ -204,7 +204,7 @@ def test_every_other_command_is_a_pickle() -> None:
 @pytest.mark.parametrize("value", [0, -1, 2**63, -(10**30), None, 1.5, -0.0, math.inf, True,
                                    False, "7✓", b"\x807", ""])
 def test_a_plain_reply_reads_back_exactly(value: Any) -> None:
-    data = protocol.dumps_plain((41, protocol.OK, value))  # as worker.serve replies to run
+    data = protocol.dumps_plain((41, protocol.OK, value), protocol.PLAIN)  # as serve replies
     assert data[0] != protocol.PICKLED
     got_id, status, payload = protocol.read_reply(data)
     assert (got_id, status, payload) == (41, protocol.OK, value)
@@ -214,7 +214,7 @@ def test_a_plain_reply_reads_back_exactly(value: Any) -> None:
 
 
 def test_nan_comes_back_in_a_plain_reply() -> None:
-    nan = protocol.read_reply(protocol.dumps_plain((1, protocol.OK, math.nan)))[2]
+    nan = protocol.read_reply(protocol.dumps_plain((1, protocol.OK, math.nan), protocol.PLAIN))[2]
     assert math.isnan(nan)
 
 
@@ -224,6 +224,6 @@ def test_a_pickled_reply_reads_back_too() -> None:
 
 @pytest.mark.parametrize("cut", [1, 5, -1])
 def test_a_truncated_plain_reply_is_refused(cut: int) -> None:
-    data = protocol.dumps_plain((41, protocol.OK, 123456789))
+    data = protocol.dumps_plain((41, protocol.OK, 123456789), protocol.PLAIN)
     with pytest.raises((ValueError, EOFError)):
         protocol.read_reply(data[:cut])

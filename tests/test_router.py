@@ -206,8 +206,8 @@ def test_a_marshalled_reply_for_another_request_is_never_taken():
     router, chan, _, _ = make(2)
     req = Request(9, 2)
     router.expect(req, (0, 1))
-    chan._q.put((0, protocol.dumps_plain((9, OK, 5))))
-    chan._q.put((1, protocol.dumps_plain((8, OK, 5))))  # as a worker replies to run; id wrong
+    chan._q.put((0, protocol.dumps_plain((9, OK, 5), protocol.PLAIN)))
+    chan._q.put((1, protocol.dumps_plain((8, OK, 5), protocol.PLAIN)))  # id wrong
     router.wait(req, None, "testing")
     with pytest.raises(OutOfStep, match="answered request 8 where 9 was expected"):
         router.decode(req, (0, 1), values=True)

@@ -55,6 +55,7 @@ from unison.protocol import (
     GET,
     OK,
     PICKLED,
+    PLAIN,
     PUT,
     SHUTDOWN,
     SYNC,
@@ -255,7 +256,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                 coll.end(ref_id)
             if req_id:  # run: the result goes straight back, nothing is kept
                 if type(value) in _SCALARS:  # nothing out of band, nothing by value
-                    chan.reply(dumps_plain((req_id, OK, value)))
+                    chan.reply(dumps_plain((req_id, OK, value), PLAIN))
                 else:
                     _reply_value(chan, req_id, f"the result of {_name(fn)}", value)
             else:
