@@ -14,8 +14,11 @@ to the next there. So this measures each side's Python alone:
                  made beforehand in the tree's own format)
     worker       ``worker.serve`` in this process, fed commands made beforehand by the tree's
                  own ``call_msg`` (dispatch: a CALL that frees the previous result; run: a
-                 CALL that asks for the result back), replying into a list. Without the
-                 collectives and the cancellation board a real worker also calls.
+                 CALL that asks for the result back), replying into a list; with the shm
+                 collectives and the cancellation board a worker's loop tells of each call
+    floor        the floor system's controller (harness/systems/floor.py), its waits
+                 finding every worker done at once, its workers paused (SIGSTOP) and
+                 marked awake: what the same rounds need at least
 
 ``--instructions`` re-runs this script under valgrind's callgrind, counting only inside the
 rounds (they run through ``map``, and only ``map_next`` is counted), and prints
@@ -29,8 +32,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import os
 import pickle
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -47,7 +52,8 @@ from harness.report import cpu_model, source_revision
 from harness.tasks import noop, small_value
 from unison import protocol
 
-WORKLOADS = ("controller dispatch", "controller run", "worker dispatch", "worker run")
+WORKLOADS = ("controller dispatch", "controller run", "worker dispatch", "worker run",
+             "floor dispatch", "floor run")
 
 
 def _reply(req_id: int, value: int) -> bytes:
@@ -76,7 +82,7 @@ def stubbed(sess: unison.Session) -> Iterator[None]:
             chan.__dict__.pop(name, None)
 
 
-def controller_rounds(sess: unison.Session, work: str, count: int) -> Iterator[None]:
+def controller_rounds(sess: unison.Session, work: str, count: int) -> Iterator[object]:
     """``count`` rounds of ``work`` on ``sess``, inside ``stubbed``, as a ``map``."""
     if work == "dispatch":
         def one(_: int) -> None:
@@ -113,11 +119,19 @@ class _Replies:
         pass
 
 
-def worker_rounds(work: str, count: int) -> Iterator[None]:
+def worker_rounds(work: str, count: int) -> Iterator[object]:
     """``count`` commands of ``work`` through ``worker.serve`` in this process, as a
     ``map`` of one call."""
     from unison import worker
+    from unison.cancel import Board
+    from unison.collective.shm import Layout, ShmCollectives
 
+    board = Board(2)  # what a worker's loop calls around each call, as in a Session
+    size = Layout(2, 1).size
+    fd = os.memfd_create("unison-python-cost", os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    coll = ShmCollectives(fd, 0, 2, 1)
+    os.close(fd)  # mapped now
     loop = worker.Loop()
     loop.fns[1] = small_value if work == "run" else noop
     made: list[tuple[bytes, list[Any]]] = []
@@ -126,21 +140,54 @@ def worker_rounds(work: str, count: int) -> Iterator[None]:
         made.append((protocol.call_msg(frees, i, 1, None, None, i if work == "run" else 0), []))
     chan = _Replies()
     warm = iter(made[:10])  # the loop's first commands import what it needs: not counted
-    worker.serve(chan, None, None, loop, recv=lambda: next(warm, None))  # type: ignore[arg-type]
+    worker.serve(chan, coll, board, loop, recv=lambda: next(warm, None))  # type: ignore[arg-type]
     chan.got.clear()
     cmds = iter(made[10:])
 
     def serve(_: int) -> None:
-        worker.serve(chan, None, None, loop, recv=lambda: next(cmds, None))  # type: ignore[arg-type]
+        worker.serve(chan, coll, board, loop, recv=lambda: next(cmds, None))  # type: ignore[arg-type]
         if work == "run" and len(chan.got) != count:
             raise RuntimeError(f"{len(chan.got)} replies to {count} runs")
     return map(serve, range(1))
 
 
-def rounds(workload: str, count: int, sess: unison.Session) -> Iterator[None]:
+@contextlib.contextmanager
+def floor_rounds(work: str, count: int) -> Iterator[Iterator[object]]:
+    """``count`` rounds of the floor system's controller (harness/systems/floor.py), its
+    waits finding every worker done at once, as a ``map``."""
+    from harness.systems import floor
+
+    system = floor.FloorSystem()
+    system.start(2)
+    system.dispatch()
+    system.gather_small()  # the workers hold both functions now
+    real = floor._wait
+    floor._wait = lambda *args: []
+    pids = system.worker_pids()
+    for pid in pids:  # paused, and not asleep: no command wakes them (a spinning worker
+        os.kill(pid, signal.SIGSTOP)  # is what the real rounds mostly meet)
+    assert system._q is not None
+    for r in range(2):
+        system._q[floor.SLEEP + r] = 0
+    try:
+        yield map(lambda _: system.dispatch() if work == "dispatch" else system.gather_small(),
+                  range(count))
+    finally:
+        floor._wait = real
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        system.close()
+
+
+@contextlib.contextmanager
+def rounds(workload: str, count: int, sess: unison.Session) -> Iterator[Iterator[object]]:
     side, work = workload.split()
-    return controller_rounds(sess, work, count) if side == "controller" else worker_rounds(
-        work, count)
+    if side == "floor":
+        with floor_rounds(work, count) as it:
+            yield it
+    else:
+        yield controller_rounds(sess, work, count) if side == "controller" else worker_rounds(
+            work, count)
 
 
 def timed(workload: str, count: int) -> tuple[float, float]:
@@ -148,13 +195,13 @@ def timed(workload: str, count: int) -> tuple[float, float]:
     per: list[float] = []
     with unison.Session(2) as sess, stubbed(sess):
         for _ in range(7):
-            it = rounds(workload, count, sess)
-            gc.disable()
-            start = time.perf_counter()
-            for _ in it:
-                pass
-            per.append((time.perf_counter() - start) / count * 1e6)
-            gc.enable()
+            with rounds(workload, count, sess) as it:
+                gc.disable()
+                start = time.perf_counter()
+                for _ in it:
+                    pass
+                per.append((time.perf_counter() - start) / count * 1e6)
+                gc.enable()
     return min(per), statistics.median(per)
 
 
@@ -174,8 +221,7 @@ def counted(workload: str, count: int) -> int:
 
 
 def _child(workload: str, count: int) -> None:
-    with unison.Session(2) as sess, stubbed(sess):
-        it = rounds(workload, count, sess)
+    with unison.Session(2) as sess, stubbed(sess), rounds(workload, count, sess) as it:
         gc.disable()
         for _ in it:
             pass
