@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from unison.channel import Channel, Reply
-from unison.protocol import OK, read_reply
+from unison.protocol import OK, PICKLED, loads_plain, read_reply
 from unison.session.unreported import UnreportedErrors
 
 if TYPE_CHECKING:
@@ -172,7 +172,9 @@ class Router:
                 out.append((OK, ()))
                 continue
             try:
-                got_id, status, payload = read_reply(raw)
+                got_id, status, payload = (  # read_reply, its plain case inlined: run's
+                    loads_plain(raw) if type(raw) is bytes and raw[0] != PICKLED
+                    else read_reply(raw))
             except Exception as exc:
                 raise TypeError(
                     f"the reply of worker {r} cannot be unpickled on the controller: {exc}. "
