@@ -259,3 +259,31 @@ def test_ab_worker_times_both_loops_and_the_lean_one_against_the_floor() -> None
         floor, base, head, lean = (float(v) for v in row[2:6])
         assert min(floor, base, head, lean) > 0, row
         assert float(row[6].rstrip("x")) == pytest.approx(head / base, abs=0.01), row
+
+
+def test_python_cost_times_each_side_and_the_floor() -> None:
+    """benchmarks/python_cost.py: each side's Python per round, the channel stubbed; the
+    worker's rounds really ran their commands (the tool checks run's replies itself)."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "python_cost.py"), "--rounds", "200"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.strip("| ").split(" | ") for line in proc.stdout.splitlines()[-6:]]
+    assert [r[0] for r in rows] == ["controller dispatch", "controller run", "worker dispatch",
+                                    "worker run", "floor dispatch", "floor run"], rows
+    for _, best, median in rows:
+        assert 0 < float(best) <= float(median), rows
+
+
+def test_python_cost_leaves_the_session_whole() -> None:
+    """The stubs go with the block: the session then reaches its real workers again."""
+    import python_cost
+    import unison
+    from harness.tasks import noop
+
+    with unison.Session(2) as sess:
+        with python_cost.stubbed(sess), python_cost.rounds("controller run", 50, sess) as it:
+            assert list(it) == [None] * 50
+        assert sess.run(unison.rank) == [0, 1]
+        sess.call(noop)
+        sess.sync()
