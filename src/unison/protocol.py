@@ -14,16 +14,16 @@
     (SHUTDOWN, frees, req_id)                   -> reply like SYNC, then leave the loop
                               reply <- (req_id, OK | ERR, payload)
 
-Every message is one tuple, pickled once whatever the number of workers. ``frees`` is a
+Every message is one tuple, encoded once whatever the number of workers. ``frees`` is a
 tuple of ids to drop before the message runs (or None): that is how dropped Refs are
 batched onto the next message instead of costing a round trip each.
 
 A CALL and a reply of a plain value (None, bool, int, float, str, bytes) are encoded with
-marshal instead: every field they hold is of a type marshal takes, and it does the same
-work as pickle with less set-up (on the 2-vCPU EPYC of issue 9, 30% less per message on
-each side, counted in instructions by benchmarks/python_cost.py). A reader tells the two
-apart by the first byte: a pickle's is always PICKLED (its PROTO opcode), a marshalled
-tuple's never is.
+marshal instead (version PLAIN): every field they hold is of a type marshal takes, and it
+does the same work as pickle with less set-up (for a CALL, about half the instructions to
+write and 40% fewer to read: docs/benchmarks.md, "Issue 9, seventh pass"). Everything else
+is pickled. A reader tells the two apart by the first byte: a pickle's is always PICKLED
+(its PROTO opcode), a marshalled tuple's never is.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ dumps_plain, loads_plain = marshal.dumps, marshal.loads
 ``dumps_plain(msg, PLAIN)``."""
 PLAIN = 2
 """The marshal version: 3 and later add object references, whose table costs more to set up
-than these messages take to write (python_cost.py: 1740 instructions a CALL at 2, 3250 at
-4, 3630 for pickle)."""
+than these messages take to write (1740 instructions a CALL at 2, 3250 at 4, 3630 for
+pickle)."""
 
 
 def call_msg(frees: tuple[int, ...] | None, ref_id: int, fn_id: int, args: Any,
