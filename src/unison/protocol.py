@@ -18,6 +18,11 @@ Every message is one tuple, encoded once whatever the number of workers. ``frees
 tuple of ids to drop before the message runs (or None): that is how dropped Refs are
 batched onto the next message instead of costing a round trip each.
 
+Encoding is pickle protocol 5. The standard pickler is tried first, as it is the fastest;
+anything it cannot take, or that it would send by reference to the controller's ``__main__``
+(which a worker never imports), goes through cloudpickle, by value. A Ref inside the
+arguments pickles as a lookup in the receiving worker's register file.
+
 A CALL and a reply of a plain value (None, bool, int, float, str, bytes) are encoded with
 marshal instead (version PLAIN): every field they hold is of a type marshal takes, and it
 does the same work as pickle with less set-up (for a CALL, about half the instructions to
