@@ -218,6 +218,13 @@ def test_nan_comes_back_in_a_plain_reply() -> None:
     assert math.isnan(nan)
 
 
+def test_a_large_plain_reply_mapped_where_the_worker_put_it_reads_back() -> None:
+    """The shm channel hands a large body over as a Reply of a view, without buffers."""
+    big = b"\x80" * 100_000
+    data = bytearray(protocol.dumps_plain((6, protocol.OK, big), protocol.PLAIN))
+    assert protocol.read_reply(Reply(memoryview(data), [])) == (6, protocol.OK, big)
+
+
 def test_a_pickled_reply_reads_back_too() -> None:
     assert protocol.read_reply(protocol.dumps((3, protocol.ERR, "x"))) == (3, protocol.ERR, "x")
 

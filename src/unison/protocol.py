@@ -82,11 +82,14 @@ def call_msg(frees: tuple[int, ...] | None, ref_id: int, fn_id: int, args: Any,
 
 
 def read_reply(data: bytes | memoryview | Reply) -> tuple[int, int, Any]:
-    """A (non-empty) reply's ``(req_id, OK | ERR, payload)``, pickled or marshalled."""
-    if isinstance(data, tuple):  # a Reply, with its out-of-band buffers
-        return pickle.loads(data[0], buffers=data[1])  # type: ignore[no-any-return]
+    """A (non-empty) reply's ``(req_id, OK | ERR, payload)``, pickled or marshalled. A
+    channel's Reply brings out-of-band buffers, or a large body mapped where the worker put
+    it: either kind of body."""
+    buffers = None
+    if isinstance(data, tuple):
+        data, buffers = data
     if data[0] == PICKLED:
-        return pickle.loads(data)  # type: ignore[no-any-return]
+        return pickle.loads(data, buffers=buffers)  # type: ignore[no-any-return]
     return loads_plain(data)  # type: ignore[no-any-return]
 
 
