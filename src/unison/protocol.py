@@ -68,8 +68,7 @@ dumps_plain, loads_plain = marshal.dumps, marshal.loads
 ``dumps_plain(msg, PLAIN)``."""
 PLAIN = 2
 """The marshal version: 3 and later add object references, whose table costs more to set up
-than these messages take to write (1740 instructions a CALL at 2, 3250 at 4, 3630 for
-pickle)."""
+than these messages take to write (docs/benchmarks.md, "Issue 9, seventh pass")."""
 
 
 def call_msg(frees: tuple[int, ...] | None, ref_id: int, fn_id: int, args: Any,
