@@ -50,6 +50,13 @@ def polite() -> bool:
         return unison.cancelled()
 
 
+def _pending(pid: int) -> dict[str, int]:
+    """The signals pending on a process's main thread (SigPnd) and on the process (ShdPnd)."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return {k: int(fields[k], 16) for k in ("SigPnd", "ShdPnd")}
+
+
 def running(sess, ref, ranks=None) -> None:
     """Wait until every worker of ``ref`` (or ``ranks``) is inside its call: a fresh session on
     a loaded machine may take a while to get there, and cancelling earlier skips the call."""
@@ -104,6 +111,13 @@ def test_a_call_stuck_in_c_is_reported(sess):
     running(sess, ref)
     with pytest.raises(TimeoutError, match="stuck in C"):
         ref.cancel(timeout=0.3)
+    # The signal waits on each worker's main thread, not on the process: sent to the process,
+    # any thread that does not block it (the pipe channel's reader) could take it, and then a
+    # sleep in the main thread would never wake (issue 11's CI failure of 2026-12-02).
+    bit = 1 << (SIGNAL - 1)
+    for pid in sess._pids:
+        pending = _pending(pid)
+        assert pending["SigPnd"] & bit and not pending["ShdPnd"] & bit, (pid, pending)
     with pytest.raises(unison.CancelledError):  # once back in Python, the pending signal lands
         ref.gather(timeout=10)
     assert sess.run(unison.rank) == [0, 1]

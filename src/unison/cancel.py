@@ -11,7 +11,10 @@ before each call, and a signal that interrupts a call already running.
 The controller posts, fences, then reads each worker's running word, and keeps reading it
 while it waits: either the worker sees the cancellation before it starts (and skips the
 call), or the controller sees it running (and signals it, once). The signal is a system
-call, so the worker's handler sees the post.
+call, so the worker's handler sees the post. It goes to the worker's main thread (tgkill),
+not to the process: the kernel may hand a process's signal to any thread that does not
+block it (the pipe channel's reader, a BLAS pool), and then a sleep in the main thread never
+wakes, as only the main thread runs Python's handlers.
 
 Python runs a signal handler at the next bytecode of the main thread, so a function in
 Python code, or in a C call that returns on EINTR (time.sleep, a blocking read, a regex),
@@ -25,12 +28,14 @@ all, as the ring never forgets the last SLOTS), then one cache line per worker.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from unison.channel.arena import sealed_memfd
 
@@ -49,6 +54,29 @@ def _fence() -> None:
     """A full memory barrier: a lock round trip is a locked instruction on x86."""
     with _fence_lock:
         pass
+
+
+def _load_tgkill() -> Callable[[int, int, int], int] | None:
+    try:
+        tgkill: Callable[[int, int, int], int] = ctypes.CDLL(None, use_errno=True).tgkill
+        return tgkill
+    except (OSError, AttributeError):  # no glibc 2.30+ or musl: the process, then
+        return None
+
+
+_tgkill = _load_tgkill()
+
+
+def signal_main_thread(pid: int, sig: int) -> None:
+    """Send ``sig`` to the main thread of process ``pid`` (its thread id is its pid)."""
+    if _tgkill is None:
+        os.kill(pid, sig)
+        return
+    if _tgkill(pid, pid, sig) != 0:
+        err = ctypes.get_errno()
+        if err == errno.ESRCH:
+            raise ProcessLookupError(err, os.strerror(err))
+        raise OSError(err, os.strerror(err))
 
 
 class Cancelled(BaseException):
@@ -103,7 +131,7 @@ class Board:
                     if pids[r] == os.getpid():  # worker 0 inline in us: never signal ourself
                         continue
                     try:
-                        os.kill(pids[r], SIGNAL)
+                        signal_main_thread(pids[r], SIGNAL)
                     except ProcessLookupError:
                         pass  # it died: the session hears of it on its next wait
             if not inside or time.monotonic() >= end:
