@@ -287,3 +287,20 @@ def test_python_cost_leaves_the_session_whole() -> None:
         assert sess.run(unison.rank) == [0, 1]
         sess.call(noop)
         sess.sync()
+
+
+def test_hogs_timeline_prints_points_per_tenth_of_a_second() -> None:
+    """benchmarks/hogs_timeline.py: dispatch beside hogs, one point per 0.1 s, with unison's
+    run delay per round."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "hogs_timeline.py"), "--workers", "1",
+         "--seconds", "0.35", "--hogs", "1"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if " N=1: " in line)
+    assert set(lines) == {"unison N=1", "pipe N=1"}, proc.stdout
+    for name, points in lines.items():
+        fields = [p.rstrip("C").split("/") for p in points.split()]
+        assert len(fields) >= 3, points
+        assert all(len(f) == (3 if name.startswith("unison") else 2) for f in fields), points
+        assert all(float(f[0]) > 0 and int(f[1]) > 0 for f in fields), points

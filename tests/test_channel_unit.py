@@ -9,6 +9,8 @@ import gc
 import os
 import pickle
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -293,6 +295,7 @@ def calm(monkeypatch: pytest.MonkeyPatch) -> None:
     """A machine that never looks crowded, whatever else runs beside the test."""
     monkeypatch.setattr(pacing, "LONG_YIELD", 60.0)
     monkeypatch.setattr(pacing.crowd, "until", 0.0)
+    monkeypatch.setattr(pacing.crowd, "next_look", float("inf"))
 
 
 def test_spin_stops_when_ready_or_when_its_budget_is_spent(calm: None) -> None:
@@ -314,6 +317,7 @@ def test_frequent_long_yields_make_waits_sleep_at_once_for_a_while(
     trip beside two hogs). A lone long yield does not: sleeping costs a wake-up each time."""
     monkeypatch.setattr(pacing.crowd, "until", 0.0)
     monkeypatch.setattr(pacing.crowd, "rate", 0.0)
+    monkeypatch.setattr(pacing.crowd, "next_look", float("inf"))  # yields alone, here
     monkeypatch.setattr(pacing, "_yield", lambda: time.sleep(2 * pacing.LONG_YIELD))
     looks: list[int] = []
     assert not pacing.spin(lambda: looks.append(1) is not None, 60.0)
@@ -336,6 +340,46 @@ def test_frequent_long_yields_make_waits_sleep_at_once_for_a_while(
     calls = iter(range(10))
     assert pacing.spin(lambda: next(calls) == 2, 60.0)  # it probes with a spin again
     assert pacing.crowd.rate < rate  # and a clean spin brings the rate down
+
+
+@pytest.mark.skipif(not os.path.exists(pacing._SCHEDSTAT), reason="no per-thread schedstat")
+def test_a_stranger_holding_our_core_is_seen_without_any_yield(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where yields come back at once, the scheduler's own record still shows a stranger:
+    this thread and a CPU hog pinned to one core take turns of a time slice each, and the
+    next look reads spells off the core far over LONG_YIELD."""
+    monkeypatch.setattr(pacing.crowd, "until", 0.0)
+    monkeypatch.setattr(pacing.crowd, "rate", 0.0)
+    cpu = min(os.sched_getaffinity(0))
+    mine = os.sched_getaffinity(0)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(hog.pid, {cpu})
+        os.sched_setaffinity(0, {cpu})
+        pacing.crowd.look(pacing._clock())  # the baseline
+        end = time.perf_counter() + 0.2
+        while time.perf_counter() < end:  # busy beside the hog
+            pass
+        rate = pacing.crowd.rate
+        pacing.crowd.look(pacing._clock())
+        assert pacing.crowd.rate > rate
+    finally:
+        os.sched_setaffinity(0, mine)
+        hog.kill()
+        hog.wait()
+    pacing.crowd.look(pacing._clock())  # alone again: a quiet stretch does not count
+    rate = pacing.crowd.rate
+    time.sleep(0.05)
+    pacing.crowd.look(pacing._clock())
+    assert pacing.crowd.rate == rate
+
+
+def test_no_schedstat_means_no_more_looks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pacing, "_SCHEDSTAT", "/nonexistent/schedstat")
+    monkeypatch.setattr(pacing.crowd, "next_look", 0.0)
+    pacing.crowd.look(pacing._clock())
+    assert pacing.crowd.next_look == float("inf")
 
 
 def test_a_long_yield_inside_a_pacer_counts_too(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,6 +22,16 @@ than LONG_YIELD. One such wait gives up its spin and sleeps; once the rate passe
 CROWDED_RATE, every wait for the next CROWDED seconds skips the spin and sleeps at once, as
 a pipe would. Then waits probe with a spin again; clean ones bring the rate down.
 
+A spin can miss the crowd. On Linux's EEVDF scheduler a yield hands the core over only to a
+task that is owed CPU, so a spinner's yields may all come back at once while a stranger holds
+the other core; and the CPU a spinner burns leaves it owing time, so the stranger then
+preempts it, or its wake-up waits out the stranger's slice, where no yield is timed (issue 9:
+dispatch beside two hogs took 4 ms a round for a second at a time, at N=1 and N=8, against
+30-300 us while waits slept at once). So every LOOK seconds a wait also reads the thread's
+scheduler statistics (/proc/thread-self/schedstat): if the spells it spent runnable but off
+the core averaged more than LONG_YIELD since the last look, it met a stranger. Peers hand the
+core back within tens of microseconds, so they never count.
+
 The waits and their parameters:
 
     channel.shm   controller recv, worker recv   spin 200 us, then sleep on an eventfd
@@ -36,6 +46,7 @@ The waits and their parameters:
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -56,6 +67,10 @@ CROWDED_RATE = 0.04
 Small on purpose: such a wait costs a time slice (~4 ms), a sleep's wake-up some 50 us, so
 spinning stops paying once more than a few percent of waits meet a stranger's slice."""
 _ALPHA = 1 / 32  # weight of the latest wait in the running rate
+LOOK = 0.01
+"""How often (s, while waiting) a wait reads the thread's scheduler statistics: about 10 us
+a look, so 0.1% of a core at most."""
+_SCHEDSTAT = "/proc/thread-self/schedstat"  # ns on the CPU, ns runnable but off it, spells
 
 _yield = os.sched_yield
 _clock = time.perf_counter
@@ -65,11 +80,34 @@ class _Crowd:
     """This process's view of the machine: ``until`` is the time (perf_counter) before which
     waits skip the spin. One per process: every wait of ours meets the same strangers."""
 
-    __slots__ = ("rate", "until")
+    __slots__ = ("_seen", "next_look", "rate", "until")
 
     def __init__(self) -> None:
         self.until = 0.0
         self.rate = 0.0
+        self.next_look = 0.0
+        """When (perf_counter) a wait should ``look`` next."""
+        self._seen: tuple[int, int, int] | None = None  # (thread, run delay ns, spells)
+
+    def look(self, now: float) -> None:
+        """Read this thread's run delay; a stranger held the core if its spells off the
+        core since the last look averaged over LONG_YIELD."""
+        self.next_look = now + LOOK
+        try:
+            fd = os.open(_SCHEDSTAT, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                fields = os.read(fd, 64).split()
+            finally:
+                os.close(fd)
+            delay, spells = int(fields[1]), int(fields[2])
+        except (OSError, ValueError, IndexError):  # not kept by this kernel: never again
+            self.next_look = float("inf")
+            return
+        seen, thread = self._seen, threading.get_ident()
+        self._seen = (thread, delay, spells)
+        if seen is not None and seen[0] == thread and spells > seen[2] and (
+                delay - seen[1]) / (spells - seen[2]) > LONG_YIELD * 1e9:
+            self.met_long_yield(now)
 
     def met_long_yield(self, now: float) -> None:
         """A wait met a stranger's time slice."""
@@ -92,6 +130,8 @@ def spin(ready: Callable[[], bool], budget: float) -> bool:
     (and must check again after announcing that it sleeps). On a crowded machine (see the
     module's docstring) it returns False at once, or after the first long yield."""
     now = _clock()
+    if now >= crowd.next_look:
+        crowd.look(now)
     if now < crowd.until:
         return False
     end = now + budget

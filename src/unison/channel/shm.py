@@ -720,6 +720,8 @@ class ShmWorkerChannel(WorkerChannel):
     def _wait(self, pos: int) -> None:
         q = self._q
         now = _clock()  # pacing.spin, inlined: the worker's hot path
+        if now >= crowd.next_look:
+            crowd.look(now)
         if now >= crowd.until:
             end = now + SPIN
             while True:
