@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness.measure import _HOG, HOGS
 from harness.report import cpu_model, source_revision
 from harness.systems import make_system
-from harness.tasks import noop
 from unison.pacing import crowd
 
 BLOCK = 0.1  # seconds per printed point

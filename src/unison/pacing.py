@@ -165,6 +165,8 @@ class Pacer:
         caller checks the deadline itself."""
         if self._spin_end:
             now = _clock()
+            if now >= crowd.next_look:
+                crowd.look(now)
             if now < self._spin_end and now >= crowd.until:
                 _yield()
                 then = _clock()
