@@ -29,8 +29,8 @@ preempts it, or its wake-up waits out the stranger's slice, where no yield is ti
 dispatch beside two hogs took 4 ms a round for a second at a time, at N=1 and N=8, against
 30-300 us while waits slept at once). So every LOOK seconds a wait also reads the thread's
 scheduler statistics (/proc/thread-self/schedstat): if the spells it spent runnable but off
-the core averaged more than LONG_YIELD since the last look, it met a stranger. Peers hand the
-core back within tens of microseconds, so they never count.
+the core averaged more than LONG_YIELD since the last look, the machine is crowded now.
+Peers hand the core back within tens of microseconds, so they never count.
 
 The waits and their parameters:
 
@@ -67,9 +67,11 @@ CROWDED_RATE = 0.04
 Small on purpose: such a wait costs a time slice (~4 ms), a sleep's wake-up some 50 us, so
 spinning stops paying once more than a few percent of waits meet a stranger's slice."""
 _ALPHA = 1 / 32  # weight of the latest wait in the running rate
-LOOK = 0.01
-"""How often (s, while waiting) a wait reads the thread's scheduler statistics: about 10 us
-a look, so 0.1% of a core at most."""
+LOOK = 0.05
+"""How often (s, while waiting) a wait reads the thread's scheduler statistics (about 10 us
+a look). Every 10 ms raised dispatch's p99 at N=2 by 13-40% (a look delays the round it
+falls in); a look that finds strangers makes the machine crowded at once, so 50 ms still
+ends a slow spell within a tenth of a second."""
 _SCHEDSTAT = "/proc/thread-self/schedstat"  # ns on the CPU, ns runnable but off it, spells
 
 _yield = os.sched_yield
@@ -108,6 +110,7 @@ class _Crowd:
         if seen is not None and seen[0] == thread and spells > seen[2] and (
                 delay - seen[1]) / (spells - seen[2]) > LONG_YIELD * 1e9:
             self.met_long_yield(now)
+            self.until = now + CROWDED  # an average over many spells: no need for a second
 
     def met_long_yield(self, now: float) -> None:
         """A wait met a stranger's time slice."""
