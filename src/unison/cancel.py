@@ -60,7 +60,7 @@ def _load_tgkill() -> Callable[[int, int, int], int] | None:
     try:
         tgkill: Callable[[int, int, int], int] = ctypes.CDLL(None, use_errno=True).tgkill
         return tgkill
-    except (OSError, AttributeError):  # no glibc 2.30+ or musl: the process, then
+    except (OSError, AttributeError):  # a libc without it (glibc before 2.30): the process
         return None
 
 
