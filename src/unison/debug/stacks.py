@@ -231,14 +231,15 @@ def _ask(rank: int, pid: int) -> tuple[_Ask | None, str]:
         return None, f"not available: cannot open its stack file ({exc.strerror})"
     try:
         pending, tasks = _signal_state(pid)
-        if any(b for b in tasks.values()) and not pending:
-            # a handler may still be writing an earlier dump: let it finish first
-            end = time.monotonic() + 0.2
-            while time.monotonic() < end and any(_signal_state(pid)[1].values()):
-                time.sleep(_POLL)
+        # An earlier request's signal still pending, or its handler still writing (it blocks
+        # the signal meanwhile): let that dump finish before emptying the file, which would
+        # else cut the head off a dump being written (one came back without its main thread).
+        end = time.monotonic() + 0.2
+        while (pending or any(tasks.values())) and time.monotonic() < end:
+            time.sleep(_POLL)
             pending, tasks = _signal_state(pid)
         os.ftruncate(fd, 0)
-        if not pending:  # else an earlier request's signal is still to come: that one answers
+        if not pending:  # else a signal blocked all along is still to come: that one answers
             os.kill(pid, SIGNAL)
     except OSError as exc:
         os.close(fd)
