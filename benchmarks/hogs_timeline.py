@@ -26,17 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness.measure import _HOG, HOGS
 from harness.report import cpu_model, source_revision
 from harness.systems import make_system
-from unison.pacing import crowd
+from unison.pacing import crowd, run_delay
 
 BLOCK = 0.1  # seconds per printed point
 
 
 def _run_delay_ns() -> int:
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
+    got = run_delay()
+    return 0 if got is None else got[0]
 
 
 def timeline(name: str, n: int, seconds: float, hogs: int) -> str:

@@ -317,3 +317,20 @@ def test_hogs_timeline_prints_points_per_tenth_of_a_second() -> None:
         assert len(fields) >= 3, points
         assert all(len(f) == (3 if name.startswith("unison") else 2) for f in fields), points
         assert all(float(f[0]) > 0 and int(f[1]) > 0 for f in fields), points
+
+
+def test_added_work_prints_a_row_per_system_with_each_extra() -> None:
+    """benchmarks/added_work.py: the round with D µs added on each side, floor and unison."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "added_work.py"), "--workers", "1",
+         "--extra", "5", "--reps", "1"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.strip("| ").split(" | ") for line in proc.stdout.splitlines()[-2:]]
+    assert [r[:2] for r in rows] == [["floor", "1"], ["unison", "1"]], rows
+    for row in rows:
+        base = float(row[2])
+        for cell in row[3:]:
+            median, _, growth = cell.partition(" (+")
+            assert len(row) == 5 and base > 0, row
+            assert float(growth.rstrip(")")) == pytest.approx(float(median) - base, abs=0.11), row

@@ -50,7 +50,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["CROWDED", "FIRST_NAP", "LONG_YIELD", "Pacer", "crowd", "spin"]
+__all__ = ["CROWDED", "FIRST_NAP", "LONG_YIELD", "Pacer", "crowd", "run_delay", "spin"]
 
 FIRST_NAP = 20e-6
 """The first nap of a Pacer once its spin budget is spent (s); each next nap doubles."""
@@ -78,6 +78,21 @@ _yield = os.sched_yield
 _clock = time.perf_counter
 
 
+def run_delay() -> tuple[int, int] | None:
+    """This thread's time runnable but off the core (ns) and its spells on it, from
+    /proc/thread-self/schedstat; None where the kernel does not keep them. An open, a read
+    and a close, so no descriptor outlives the call."""
+    try:
+        fd = os.open(_SCHEDSTAT, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fields = os.read(fd, 64).split()
+        finally:
+            os.close(fd)
+        return int(fields[1]), int(fields[2])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class _Crowd:
     """This process's view of the machine: ``until`` is the time (perf_counter) before which
     waits skip the spin. One per process: every wait of ours meets the same strangers."""
@@ -95,16 +110,11 @@ class _Crowd:
         """Read this thread's run delay; a stranger held the core if its spells off the
         core since the last look averaged over LONG_YIELD."""
         self.next_look = now + LOOK
-        try:
-            fd = os.open(_SCHEDSTAT, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                fields = os.read(fd, 64).split()
-            finally:
-                os.close(fd)
-            delay, spells = int(fields[1]), int(fields[2])
-        except (OSError, ValueError, IndexError):  # not kept by this kernel: never again
+        got = run_delay()
+        if got is None:  # not kept by this kernel: never again
             self.next_look = float("inf")
             return
+        delay, spells = got
         seen, thread = self._seen, threading.get_ident()
         self._seen = (thread, delay, spells)
         if seen is not None and seen[0] == thread and spells > seen[2] and (
