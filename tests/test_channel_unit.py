@@ -375,6 +375,45 @@ def test_a_stranger_holding_our_core_is_seen_without_any_yield(
     assert pacing.crowd.rate == rate
 
 
+def test_long_spells_off_the_core_count_only_where_they_fill_a_share_of_the_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two spells of half a millisecond in 50 ms (2% of the time: a scheduler's slice
+    between peers) are no crowd; spells as long that fill 90% of it are (two CPU hogs)."""
+    monkeypatch.setattr(pacing.crowd, "until", 0.0)
+    monkeypatch.setattr(pacing.crowd, "rate", 0.0)
+    monkeypatch.setattr(pacing.crowd, "_seen", None)
+    stats = iter([(0, 0), (1_100_000, 2), (1_100_000 + 45_000_000, 2 + 40)])
+    monkeypatch.setattr(pacing, "run_delay", lambda: next(stats))
+    pacing.crowd.look(100.0)  # the baseline
+    pacing.crowd.look(100.05)
+    assert pacing.crowd.until == 0.0
+    pacing.crowd.look(100.1)
+    assert pacing.crowd.until == pytest.approx(100.1 + pacing.CROWDED)
+    pacing.crowd.forget()
+    assert (pacing.crowd.until, pacing.crowd.rate) == (0.0, 0.0)
+
+
+def test_the_wait_for_the_first_command_forgets_the_workers_start(
+    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Workers that start side by side keep each other off the core for a second or more;
+    that is no crowd once the first command is here, and a later wait keeps what it saw."""
+    chan, workers = shm_pair
+    monkeypatch.setattr(pacing.crowd, "next_look", float("inf"))
+    for first in (True, False):
+        until = time.perf_counter() + 60.0
+        monkeypatch.setattr(pacing.crowd, "until", until)
+        sender = threading.Timer(0.05, chan.send, (b"command", [0, 1]))
+        sender.start()
+        try:
+            got = workers[0].recv()
+        finally:
+            sender.join()
+        assert got is not None and bytes(got[0]) == b"command"
+        assert pacing.crowd.until == (0.0 if first else until)
+
+
 def test_no_schedstat_means_no_more_looks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pacing, "_SCHEDSTAT", "/nonexistent/schedstat")
     monkeypatch.setattr(pacing.crowd, "next_look", 0.0)

@@ -38,6 +38,20 @@ def test_default_channel_is_shm_on_linux(sess: unison.Session) -> None:
     assert isinstance(sess._chan, shm.ShmChannel)
 
 
+def _crowd_state() -> tuple[float, float]:
+    from unison import pacing
+
+    return pacing.crowd.until, pacing.crowd.rate
+
+
+def test_no_side_takes_the_workers_start_for_a_crowd(make_session) -> None:  # type: ignore[no-untyped-def]
+    """Four workers importing side by side on two cores look like CPU hogs; judged so, the
+    session's first half second of calls slept on every round (issue 9, ninth pass)."""
+    sess = make_session(4)
+    assert sess.run(_crowd_state) == [(0.0, 0.0)] * 4  # the first command: nothing since
+    assert _crowd_state()[0] <= time.perf_counter()
+
+
 def test_unknown_channel_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown channel 'tcpx'"):
         unison.Session(1, channel="tcpx")

@@ -50,7 +50,9 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["CROWDED", "FIRST_NAP", "LONG_YIELD", "Pacer", "crowd", "run_delay", "spin"]
+__all__ = [
+    "CROWDED", "CROWD_SHARE", "FIRST_NAP", "LONG_YIELD", "Pacer", "crowd", "run_delay", "spin",
+]
 
 FIRST_NAP = 20e-6
 """The first nap of a Pacer once its spin budget is spent (s); each next nap doubles."""
@@ -72,6 +74,12 @@ LOOK = 0.05
 a look). Every 10 ms raised dispatch's p99 at N=2 by 13-40% (a look delays the round it
 falls in); a look that finds strangers makes the machine crowded at once, so 50 ms still
 ends a slow spell within a tenth of a second."""
+CROWD_SHARE = 0.25
+"""The share of the time since the last look spent runnable but off the core, above which
+long spells off it mean a stranger. Beside two CPU hogs a spinner spent 90% there; without
+it, two spells of 0.5 ms in 50 ms (2%; a scheduler's slice between peers) or the
+peers' own start (7 spells of 2.5 ms in a window of seconds) made the machine crowded, and
+dispatch then slept on every round for half a second (issue 9, ninth pass)."""
 _SCHEDSTAT = "/proc/thread-self/schedstat"  # ns on the CPU, ns runnable but off it, spells
 
 _yield = os.sched_yield
@@ -104,11 +112,12 @@ class _Crowd:
         self.rate = 0.0
         self.next_look = 0.0
         """When (perf_counter) a wait should ``look`` next."""
-        self._seen: tuple[int, int, int] | None = None  # (thread, run delay ns, spells)
+        self._seen: tuple[int, float, int, int] | None = None  # thread, when, delay, spells
 
     def look(self, now: float) -> None:
-        """Read this thread's run delay; a stranger held the core if its spells off the
-        core since the last look averaged over LONG_YIELD."""
+        """Read this thread's run delay; a stranger held the core if, since the last look,
+        the thread spent over CROWD_SHARE of the time off the core in spells averaging over
+        LONG_YIELD."""
         self.next_look = now + LOOK
         got = run_delay()
         if got is None:  # not kept by this kernel: never again
@@ -116,11 +125,22 @@ class _Crowd:
             return
         delay, spells = got
         seen, thread = self._seen, threading.get_ident()
-        self._seen = (thread, delay, spells)
-        if seen is not None and seen[0] == thread and spells > seen[2] and (
-                delay - seen[1]) / (spells - seen[2]) > LONG_YIELD * 1e9:
+        self._seen = (thread, now, delay, spells)
+        if seen is None or seen[0] != thread or spells <= seen[3]:
+            return
+        off = delay - seen[2]
+        if off > (now - seen[1]) * 1e9 * CROWD_SHARE and (
+                off / (spells - seen[3]) > LONG_YIELD * 1e9):
             self.met_long_yield(now)
             self.until = now + CROWDED  # an average over many spells: no need for a second
+
+    def forget(self) -> None:
+        """Start afresh: the peers' start is over. While workers start, each spends seconds
+        importing beside the others, which looks like strangers (N=8: 65% of the time off
+        the core in spells of 10 ms); judged so, the session's first half second of calls
+        slept on every round."""
+        self.until = self.rate = 0.0
+        self._seen = None
 
     def met_long_yield(self, now: float) -> None:
         """A wait met a stranger's time slice."""

@@ -717,7 +717,16 @@ class ShmWorkerChannel(WorkerChannel):
     def unreported(self, count: int) -> None:
         self._q[self._unrep_idx] = count  # published with the next done position
 
-    def _wait(self, pos: int) -> None:
+    def _first_wait(self, pos: int) -> None:
+        """The wait for the session's first command: it spans the other workers' start,
+        which no later wait should take for a crowd (pacing.crowd.forget)."""
+        self._wait = self._spin_then_sleep  # type: ignore[method-assign]
+        self._spin_then_sleep(pos)
+        crowd.forget()
+
+    _wait = _first_wait
+
+    def _spin_then_sleep(self, pos: int) -> None:
         q = self._q
         now = _clock()  # pacing.spin, inlined: the worker's hot path
         if now >= crowd.next_look:

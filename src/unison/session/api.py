@@ -40,6 +40,7 @@ from unison.debug.hang import Watchdog
 from unison.errors import CancelledError, SessionClosed, WorkerDied, WorkerError
 from unison.launch import Launcher
 from unison.launch import create as create_launcher
+from unison.pacing import crowd
 from unison.protocol import (
     OK,
     call_msg,
@@ -227,6 +228,7 @@ class Session(View):
             self._res.start(self._res.specs(num_workers, num_groups, cpus), envs)
             self._router.set_watched(self._res.watched)
             self._router.wait(ready, start_deadline, "starting")
+            crowd.forget()  # the workers' start was no crowd of strangers
             self._pids = [pid for _, pid in self._router.decode(ready, self.workers)]
             if hang_timeout is not None and hang_timeout != math.inf:
                 self._router.hang = Watchdog(hang_timeout, self._pids)
