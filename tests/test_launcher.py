@@ -5,6 +5,7 @@ test, which checks that a Session takes a Launcher instance)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import select
 import signal
 import sys
@@ -103,6 +104,23 @@ def test_started_workers_run_until_stopped(
     launcher.stop(0.5)
     launcher.stop(0.5)  # idempotent
     assert launcher.watch_fds() == []  # released with the workers
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Popen(process_group=) is 3.11's")
+def test_workers_lead_their_own_process_groups_in_the_controllers_session(
+        launched: tuple[Launcher, channels.Channel]) -> None:
+    """Not our process group: a terminal's Ctrl-C reaches the controller alone. Our
+    session: a session of its own would put a worker in a scheduler autogroup of its own
+    (Linux), where its yields hand the core over to nobody outside it (issue 9)."""
+    for rank in range(2):
+        keeper = _keeper(rank)
+        worker = keeper.children()[0]
+        for pid in (keeper.pid, worker.pid):
+            assert os.getpgid(pid) == keeper.pid != os.getpgid(0)
+            assert os.getsid(pid) == os.getsid(0)
+            if os.path.exists(f"/proc/{pid}/autogroup"):
+                with open(f"/proc/{pid}/autogroup") as theirs, open("/proc/self/autogroup") as ours:
+                    assert theirs.read().split()[0] == ours.read().split()[0]
 
 
 def test_a_killed_worker_is_seen_and_described(
