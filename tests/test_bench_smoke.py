@@ -334,3 +334,20 @@ def test_added_work_prints_a_row_per_system_with_each_extra() -> None:
             median, _, growth = cell.partition(" (+")
             assert len(row) == 5 and base > 0, row
             assert float(growth.rstrip(")")) == pytest.approx(float(median) - base, abs=0.11), row
+
+
+def test_switches_prints_sleeps_and_the_workers_scheduling_group() -> None:
+    """benchmarks/switches.py: per round, each side's sleeps and switches, and how many
+    workers share the controller's autogroup: all of unison's and the floor's."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "switches.py"), "--workers", "2",
+         "--seconds", "0.2"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.strip("| ").split(" | ") for line in proc.stdout.splitlines()[-2:]]
+    assert [r[:2] for r in rows] == [["unison", "2"], ["floor", "2"]], rows
+    for row in rows:
+        assert len(row) == 8 and float(row[2]) > 0, row
+        assert all(float(cell) >= 0 for cell in row[3:7]), row
+        if os.path.exists("/proc/self/autogroup"):
+            assert row[7] == "2/2", row

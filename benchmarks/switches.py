@@ -1,0 +1,157 @@
+"""How the processes of a round trip leave the core, per round (issue 9, ninth pass).
+
+    python benchmarks/switches.py --workers 2 8 [--seconds 1] [--systems unison,floor] [--perf]
+
+For each system and N, dispatch rounds for ``seconds``, then per round, from
+/proc/<pid>/status: the controller's and the workers' (their mean) voluntary context
+switches, which are sleeps (a wait that gave up its spin, or skipped it on a machine it
+took for crowded), and involuntary ones (a yield that handed the core over, or a
+preemption). A spinning round trip sleeps in almost no round; one that sleeps in many pays
+a kernel wake-up each time.
+
+Also how many workers are in the controller's scheduler autogroup (/proc/<pid>/autogroup,
+where the kernel keeps them): Linux makes one per session, and a yield hands the core over
+only inside the yielder's group, so a worker in a session of its own (setsid) kept the core
+from the controller in part of its turns.
+
+``--perf`` (root, and perf with the sched tracepoints): ``perf record -a -e
+sched:sched_switch -e syscalls:sys_enter_sched_yield`` during 0.3 s of the rounds, then the
+share of the workers' turns on a core that ended at their first yield (the rest took 2 or
+more yields to hand the core over, or none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness.report import cpu_model, source_revision
+from harness.systems import make_system
+
+PERF_SECONDS = 0.3
+
+
+def _switches(pid: int) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches of ``pid`` so far."""
+    with open(f"/proc/{pid}/status") as f:
+        status = f.read()
+    voluntary = re.search(r"^voluntary_ctxt_switches:\s*(\d+)", status, re.M)
+    involuntary = re.search(r"^nonvoluntary_ctxt_switches:\s*(\d+)", status, re.M)
+    if voluntary is None or involuntary is None:
+        raise RuntimeError(f"/proc/{pid}/status has no context switch counts")
+    return int(voluntary.group(1)), int(involuntary.group(1))
+
+
+def _autogroup(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/autogroup") as f:
+            return f.read().split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _first_yield_share(data: str, workers: set[int]) -> float:
+    """The share of the workers' turns on a core that ended right after their first yield."""
+    out = subprocess.run(["perf", "script", "-i", data, "-F", "tid,cpu,event,trace"],
+                         capture_output=True, text=True, check=True).stdout
+    turns: collections.Counter[int] = collections.Counter()  # yields in the turn -> turns
+    running: dict[str, list[int]] = {}  # cpu -> [tid on it, its yields this turn]
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        tid, cpu, event = int(fields[0]), fields[1], fields[2]
+        now = running.get(cpu)
+        if "sched_yield" in event:
+            if now is not None and now[0] == tid:
+                now[1] += 1
+        elif "sched_switch" in event:
+            prev = re.search(r"prev_pid=(\d+)", line)
+            nxt = re.search(r"next_pid=(\d+)", line)
+            if prev is None or nxt is None:
+                continue
+            left = int(prev.group(1))
+            if now is not None and now[0] == left and left in workers:
+                turns[min(now[1], 2)] += 1
+            running[cpu] = [int(nxt.group(1)), 0]
+    total = sum(turns.values())
+    return turns[1] / total if total else float("nan")
+
+
+def measure(name: str, n: int, seconds: float, perf: bool) -> str:
+    system = make_system(name)
+    system.start(n)
+    try:
+        for _ in range(2000):
+            system.dispatch()
+        workers = system.worker_pids()
+        me = os.getpid()
+        mine = _autogroup(me)
+        shared = sum(_autogroup(pid) == mine for pid in workers) if mine else None
+        before = {pid: _switches(pid) for pid in (me, *workers)}
+        rounds, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            system.dispatch()
+            rounds += 1
+        took = time.perf_counter() - start
+        after = {pid: _switches(pid) for pid in (me, *workers)}
+        share = ""
+        if perf:
+            with tempfile.TemporaryDirectory() as tmp:
+                data = os.path.join(tmp, "sched.data")
+                rec = subprocess.Popen(
+                    ["perf", "record", "-q", "-a", "-o", data, "-e", "sched:sched_switch",
+                     "-e", "syscalls:sys_enter_sched_yield", "--", "sleep", str(PERF_SECONDS)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                while rec.poll() is None:
+                    system.dispatch()
+                if rec.returncode == 0:
+                    share = f" | {_first_yield_share(data, set(workers)):.0%}"
+                else:
+                    share = " | (perf failed)"
+    finally:
+        system.close()
+
+    def per_round(pids: list[int], which: int) -> float:
+        return sum(after[p][which] - before[p][which] for p in pids) / len(pids) / rounds
+
+    group = "-" if shared is None else f"{shared}/{n}"
+    return (f"| {name} | {n} | {took / rounds * 1e6:.1f} | {per_round([me], 0):.3f} | "
+            f"{per_round(workers, 0):.3f} | {per_round([me], 1):.2f} | "
+            f"{per_round(workers, 1):.2f} | {group}{share} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 8])
+    parser.add_argument("--seconds", type=float, default=1.0)
+    parser.add_argument("--systems", default="unison,floor")
+    parser.add_argument("--perf", action="store_true",
+                        help="also the workers' turns that ended at their first yield")
+    args = parser.parse_args()
+    if args.perf and shutil.which("perf") is None:
+        parser.error("--perf needs the perf tool")
+    print(f"CPU: {cpu_model()}; unison {source_revision()}; "
+          f"command: python {' '.join(sys.argv)}\n")
+    head = ("| system | N | µs per round | controller sleeps per round | worker sleeps per "
+            "round | controller switched out | worker switched out | workers in the "
+            "controller's autogroup")
+    print(head + (" | workers' turns ended at the first yield |" if args.perf else " |"))
+    print("|---|--:|--:|--:|--:|--:|--:|--:|" + ("--:|" if args.perf else ""))
+    for n in args.workers:
+        for name in args.systems.split(","):
+            print(measure(name, n, args.seconds, args.perf), flush=True)
+
+
+if __name__ == "__main__":
+    main()
