@@ -1,6 +1,7 @@
 """How the processes of a round trip leave the core, per round (issue 9, ninth pass).
 
-    python benchmarks/switches.py --workers 2 8 [--seconds 1] [--systems unison,floor] [--perf]
+    python benchmarks/switches.py --workers 2 8 [--seconds 1] [--systems unison,floor] [--pin]
+                                  [--perf]
 
 For each system and N, dispatch rounds for ``seconds``, then per round, from
 /proc/<pid>/status: the controller's and the workers' (their mean) voluntary context
@@ -8,6 +9,13 @@ switches, which are sleeps (a wait that gave up its spin, or skipped it on a mac
 took for crowded), and involuntary ones (a yield that handed the core over, or a
 preemption). A spinning round trip sleeps in almost no round; one that sleeps in many pays
 a kernel wake-up each time.
+
+And the CPU time each spent per round (/proc/<pid>/schedstat): on a core that a worker
+shares with the controller, the round is the two's CPU time, context switches and the
+caches they refill included, which a side's Python alone (benchmarks/python_cost.py) leaves
+out. ``--pin`` pins worker r to CPU r (mod the CPUs) and the controller to the first, so
+that each system meets the same placement (Linux moves unpinned processes around, and a
+round trip's time moves with it).
 
 Also how many workers are in the controller's scheduler autogroup (/proc/<pid>/autogroup,
 where the kernel keeps them): Linux makes one per session, and a yield hands the core over
@@ -52,6 +60,13 @@ def _switches(pid: int) -> tuple[int, int]:
     return int(voluntary.group(1)), int(involuntary.group(1))
 
 
+def _cpu_ns(pid: int) -> int:
+    """Nanoseconds ``pid``'s main thread has run (the processes here run one thread each
+    in the rounds)."""
+    with open(f"/proc/{pid}/schedstat") as f:
+        return int(f.read().split()[0])
+
+
 def _autogroup(pid: int) -> str | None:
     try:
         with open(f"/proc/{pid}/autogroup") as f:
@@ -88,23 +103,31 @@ def _first_yield_share(data: str, workers: set[int]) -> float:
     return turns[1] / total if total else float("nan")
 
 
-def measure(name: str, n: int, seconds: float, perf: bool) -> str:
+def measure(name: str, n: int, seconds: float, perf: bool, pin: bool) -> str:
     system = make_system(name)
     system.start(n)
+    me = os.getpid()
+    allowed = os.sched_getaffinity(0)
     try:
+        workers = system.worker_pids()
+        if pin:
+            cpus = sorted(allowed)
+            for rank, pid in enumerate(workers):
+                os.sched_setaffinity(pid, {cpus[rank % len(cpus)]})
+            os.sched_setaffinity(0, {cpus[0]})
         for _ in range(2000):
             system.dispatch()
-        workers = system.worker_pids()
-        me = os.getpid()
         mine = _autogroup(me)
         shared = sum(_autogroup(pid) == mine for pid in workers) if mine else None
         before = {pid: _switches(pid) for pid in (me, *workers)}
+        cpu_before = {pid: _cpu_ns(pid) for pid in (me, *workers)}
         rounds, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
             system.dispatch()
             rounds += 1
         took = time.perf_counter() - start
         after = {pid: _switches(pid) for pid in (me, *workers)}
+        cpu = {pid: (_cpu_ns(pid) - cpu_before[pid]) / 1e3 / rounds for pid in (me, *workers)}
         share = ""
         if perf:
             with tempfile.TemporaryDirectory() as tmp:
@@ -120,15 +143,17 @@ def measure(name: str, n: int, seconds: float, perf: bool) -> str:
                 else:
                     share = " | (perf failed)"
     finally:
+        os.sched_setaffinity(0, allowed)
         system.close()
 
     def per_round(pids: list[int], which: int) -> float:
         return sum(after[p][which] - before[p][which] for p in pids) / len(pids) / rounds
 
     group = "-" if shared is None else f"{shared}/{n}"
+    shown = " ".join(f"{cpu[pid]:.1f}" for pid in workers[:4]) + (" ..." if n > 4 else "")
     return (f"| {name} | {n} | {took / rounds * 1e6:.1f} | {per_round([me], 0):.3f} | "
             f"{per_round(workers, 0):.3f} | {per_round([me], 1):.2f} | "
-            f"{per_round(workers, 1):.2f} | {group}{share} |")
+            f"{per_round(workers, 1):.2f} | {cpu[me]:.1f} | {shown} | {group}{share} |")
 
 
 def main() -> None:
@@ -136,6 +161,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--systems", default="unison,floor")
+    parser.add_argument("--pin", action="store_true",
+                        help="worker r on CPU r (mod the CPUs), the controller on the first")
     parser.add_argument("--perf", action="store_true",
                         help="also the workers' turns that ended at their first yield")
     args = parser.parse_args()
@@ -144,13 +171,14 @@ def main() -> None:
     print(f"CPU: {cpu_model()}; unison {source_revision()}; "
           f"command: python {' '.join(sys.argv)}\n")
     head = ("| system | N | µs per round | controller sleeps per round | worker sleeps per "
-            "round | controller switched out | worker switched out | workers in the "
-            "controller's autogroup")
+            "round | controller switched out | worker switched out | controller's CPU µs "
+            "per round | each worker's CPU µs per round | workers in the controller's "
+            "autogroup")
     print(head + (" | workers' turns ended at the first yield |" if args.perf else " |"))
-    print("|---|--:|--:|--:|--:|--:|--:|--:|" + ("--:|" if args.perf else ""))
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|" + ("--:|" if args.perf else ""))
     for n in args.workers:
         for name in args.systems.split(","):
-            print(measure(name, n, args.seconds, args.perf), flush=True)
+            print(measure(name, n, args.seconds, args.perf, args.pin), flush=True)
 
 
 if __name__ == "__main__":

@@ -341,13 +341,14 @@ def test_switches_prints_sleeps_and_the_workers_scheduling_group() -> None:
     workers share the controller's autogroup: all of unison's and the floor's."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "switches.py"), "--workers", "2",
-         "--seconds", "0.2"],
+         "--seconds", "0.2", "--pin"],
         capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     rows = [line.strip("| ").split(" | ") for line in proc.stdout.splitlines()[-2:]]
     assert [r[:2] for r in rows] == [["unison", "2"], ["floor", "2"]], rows
     for row in rows:
-        assert len(row) == 8 and float(row[2]) > 0, row
-        assert all(float(cell) >= 0 for cell in row[3:7]), row
+        assert len(row) == 10 and float(row[2]) > 0, row
+        assert all(float(cell) >= 0 for cell in row[3:8]), row
+        assert len(row[8].split()) == 2 and all(float(c) > 0 for c in row[8].split()), row
         if os.path.exists("/proc/self/autogroup"):
-            assert row[7] == "2/2", row
+            assert row[9] == "2/2", row
