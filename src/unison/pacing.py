@@ -76,10 +76,10 @@ falls in); a look that finds strangers makes the machine crowded at once, so 50 
 ends a slow spell within a tenth of a second."""
 CROWD_SHARE = 0.25
 """The share of the time since the last look spent runnable but off the core, above which
-long spells off it mean a stranger. Beside two CPU hogs a spinner spent 90% there; without
-it, two spells of 0.5 ms in 50 ms (2%; a scheduler's slice between peers) or the
-peers' own start (7 spells of 2.5 ms in a window of seconds) made the machine crowded, and
-dispatch then slept on every round for half a second (issue 9, ninth pass)."""
+long spells off it mean a stranger. Beside two CPU hogs a spinner spent 90% there. Without
+it, two spells of 0.5 ms in 50 ms (2%: a scheduler's slices between peers) made the
+machine crowded, and dispatch then slept on every round for half a second (issue 9, ninth
+pass). The peers' own start can fill more (65% at N=8): ``forget`` drops it."""
 _SCHEDSTAT = "/proc/thread-self/schedstat"  # ns on the CPU, ns runnable but off it, spells
 
 _yield = os.sched_yield
