@@ -245,6 +245,14 @@ def loads(data: bytes | memoryview | Reply, buffers: list[Any] | None = None) ->
     return pickle.loads(data, buffers=buffers)
 
 
+def code_in_file(filename: str, make: Any, args: tuple[Any, ...]) -> Any:
+    """A code object as cloudpickle rebuilds it, back in its own file (see
+    session.fncache). Here, in a module every worker has imported, because unpickling a
+    function by value imports the module of this: from unison.session it cost each worker
+    75 ms (asyncio and the rest) at the session's first function of a script."""
+    return make(*args).replace(co_filename=filename)
+
+
 def ref_reduce(ref: Ref) -> tuple[object, tuple[int]]:
     """How a Ref pickles: as a lookup, by id, in the register file of the worker that reads it."""
     refs = getattr(_local, "refs", None)

@@ -28,6 +28,8 @@ from typing import Any
 
 import cloudpickle
 
+from unison.protocol import code_in_file
+
 __all__ = ["FunctionCache"]
 
 BIG_CAPTURE = 1 << 20  # a re-sent by-value function this large earns a warning
@@ -164,14 +166,8 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is types.CodeType:
             make, args = cloudpickle.cloudpickle._code_reduce(obj)
-            return _code_in_file, (obj.co_filename, make, args)
+            return code_in_file, (obj.co_filename, make, args)
         return super().reducer_override(obj)
-
-
-def _code_in_file(filename: str, make: Callable[..., types.CodeType],
-                  args: tuple[Any, ...]) -> types.CodeType:
-    """A code object, as cloudpickle rebuilds it, back in its own file."""
-    return make(*args).replace(co_filename=filename)
 
 
 def _by_reference(fn: Any) -> bool:
