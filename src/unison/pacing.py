@@ -28,9 +28,11 @@ the other core; and the CPU a spinner burns leaves it owing time, so the strange
 preempts it, or its wake-up waits out the stranger's slice, where no yield is timed (issue 9:
 dispatch beside two hogs took 4 ms a round for a second at a time, at N=1 and N=8, against
 30-300 us while waits slept at once). So every LOOK seconds a wait also reads the thread's
-scheduler statistics (/proc/thread-self/schedstat): if the spells it spent runnable but off
-the core averaged more than LONG_YIELD since the last look, the machine is crowded now.
-Peers hand the core back within tens of microseconds, so they never count.
+scheduler statistics (/proc/thread-self/schedstat): if, since the last look, it spent over
+CROWD_SHARE of the time runnable but off the core, in spells averaging over STRANGER_SPELL,
+the machine is crowded now. Peers hand the core back within tens of microseconds, or at
+worst within the scheduler's slice, so they do not count; nor does the peers' own start,
+which each side forgets (``crowd.forget``) once the first command is in.
 
 The waits and their parameters:
 
@@ -51,7 +53,8 @@ import time
 from collections.abc import Callable
 
 __all__ = [
-    "CROWDED", "CROWD_SHARE", "FIRST_NAP", "LONG_YIELD", "Pacer", "crowd", "run_delay", "spin",
+    "CROWDED", "CROWD_SHARE", "FIRST_NAP", "LONG_YIELD", "RATE_HALF_LIFE", "STRANGER_SPELL",
+    "Pacer", "crowd", "run_delay", "spin",
 ]
 
 FIRST_NAP = 20e-6
@@ -64,10 +67,18 @@ CROWDED = 0.5
 """How long (s) waits sleep at once once the machine is crowded, before spins probe again.
 Each probe under a lasting crowd costs a time slice; probing every 50 ms instead of 0.5 s
 made dispatch beside two hogs 2-3x slower (and slower than a pipe)."""
-CROWDED_RATE = 0.04
-"""The share of recent waits meeting a long yield above which the machine counts as crowded.
-Small on purpose: such a wait costs a time slice (~4 ms), a sleep's wake-up some 50 us, so
-spinning stops paying once more than a few percent of waits meet a stranger's slice."""
+CROWDED_RATE = 0.075
+"""The share of recent waits meeting a long yield above which the machine counts as crowded:
+about three of them close together. Small on purpose: such a wait costs a time slice (~4 ms),
+a sleep's wake-up some 50 us, so spinning stops paying once more than a few percent of waits
+meet a stranger's slice. Not two: a kernel thread that now and then runs for a few
+milliseconds (this host's kdamond, 4 ms turns) gives one long yield, or two, to every
+process, and each verdict then cost half a second of sleeping rounds (issue 9, ninth pass);
+lasting strangers give many, and the looks (LOOK) see them besides."""
+RATE_HALF_LIFE = 0.02
+"""Between long yields the rate also halves every this many seconds: a worker whose next
+command is mostly there when it comes back waits rarely, and two long yields a tenth of a
+second apart are not frequent, however few waits lie between them."""
 _ALPHA = 1 / 32  # weight of the latest wait in the running rate
 LOOK = 0.05
 """How often (s, while waiting) a wait reads the thread's scheduler statistics (about 10 us
@@ -80,6 +91,14 @@ long spells off it mean a stranger. Beside two CPU hogs a spinner spent 90% ther
 it, two spells of 0.5 ms in 50 ms (2%: a scheduler's slices between peers) made the
 machine crowded, and dispatch then slept on every round for half a second (issue 9, ninth
 pass). The peers' own start can fill more (65% at N=8): ``forget`` drops it."""
+STRANGER_SPELL = 2e-3
+"""The mean spell off the core (s) since the last look above which (with CROWD_SHARE) a
+stranger holds it: a CPU-bound process keeps the core until the scheduler's tick ends its
+slice (4 ms here: 3.5-3.9 ms off the core a round beside two hogs). Peers are shorter, but
+not always under LONG_YIELD: four workers and the controller on two cores averaged
+1.1-1.25 ms (the scheduler's own slices), and at 0.5 ms that made the machine crowded for
+half a second at a time (issue 9, ninth pass). Where the tick is faster (HZ=1000), a hog's
+slices are shorter and fall to the long yields instead."""
 _SCHEDSTAT = "/proc/thread-self/schedstat"  # ns on the CPU, ns runnable but off it, spells
 
 _yield = os.sched_yield
@@ -105,11 +124,12 @@ class _Crowd:
     """This process's view of the machine: ``until`` is the time (perf_counter) before which
     waits skip the spin. One per process: every wait of ours meets the same strangers."""
 
-    __slots__ = ("_seen", "next_look", "rate", "until")
+    __slots__ = ("_last_long", "_seen", "next_look", "rate", "until")
 
     def __init__(self) -> None:
         self.until = 0.0
         self.rate = 0.0
+        self._last_long = 0.0  # when a wait last met a long yield (perf_counter)
         self.next_look = 0.0
         """When (perf_counter) a wait should ``look`` next."""
         self._seen: tuple[int, float, int, int] | None = None  # thread, when, delay, spells
@@ -117,7 +137,7 @@ class _Crowd:
     def look(self, now: float) -> None:
         """Read this thread's run delay; a stranger held the core if, since the last look,
         the thread spent over CROWD_SHARE of the time off the core in spells averaging over
-        LONG_YIELD."""
+        STRANGER_SPELL."""
         self.next_look = now + LOOK
         got = run_delay()
         if got is None:  # not kept by this kernel: never again
@@ -130,7 +150,7 @@ class _Crowd:
             return
         off = delay - seen[2]
         if off > (now - seen[1]) * 1e9 * CROWD_SHARE and (
-                off / (spells - seen[3]) > LONG_YIELD * 1e9):
+                off / (spells - seen[3]) > STRANGER_SPELL * 1e9):
             self.met_long_yield(now)
             self.until = now + CROWDED  # an average over many spells: no need for a second
 
@@ -144,7 +164,9 @@ class _Crowd:
 
     def met_long_yield(self, now: float) -> None:
         """A wait met a stranger's time slice."""
-        self.rate = rate = self.rate + _ALPHA * (1.0 - self.rate)
+        rate = self.rate * 0.5 ** (max(0.0, now - self._last_long) / RATE_HALF_LIFE)
+        self._last_long = now
+        self.rate = rate = rate + _ALPHA * (1.0 - rate)
         if rate > CROWDED_RATE:
             self.until = now + CROWDED
 
