@@ -18,7 +18,8 @@ whole time slice (milliseconds), so every yield costs a slice and a spinning wai
 (issue 9 measured 4-8 ms per round trip beside two CPU hogs). A sleeper woken by an eventfd
 preempts such a stranger at once, but each wake-up costs tens of microseconds. So each wait
 times its yields, and the process keeps a running rate of waits that met a yield longer
-than LONG_YIELD. One such wait gives up its spin and sleeps; once the rate passes
+than LONG_YIELD (fading with time as well: RATE_HALF_LIFE). One such wait gives up its spin
+and sleeps; once the rate passes
 CROWDED_RATE, every wait for the next CROWDED seconds skips the spin and sleeps at once, as
 a pipe would. Then waits probe with a spin again; clean ones bring the rate down.
 
