@@ -19,9 +19,9 @@ whole time slice (milliseconds), so every yield costs a slice and a spinning wai
 preempts such a stranger at once, but each wake-up costs tens of microseconds. So each wait
 times its yields, and the process keeps a running rate of waits that met a yield longer
 than LONG_YIELD (fading with time as well: RATE_HALF_LIFE). One such wait gives up its spin
-and sleeps; once the rate passes
-CROWDED_RATE, every wait for the next CROWDED seconds skips the spin and sleeps at once, as
-a pipe would. Then waits probe with a spin again; clean ones bring the rate down.
+and sleeps; once the rate passes CROWDED_RATE, every wait for the next CROWDED seconds skips
+the spin and sleeps at once, as a pipe would. Then waits probe with a spin again; clean ones
+bring the rate down.
 
 A spin can miss the crowd. On Linux's EEVDF scheduler a yield hands the core over only to a
 task that is owed CPU, so a spinner's yields may all come back at once while a stranger holds
