@@ -10,12 +10,12 @@ took for crowded), and involuntary ones (a yield that handed the core over, or a
 preemption). A spinning round trip sleeps in almost no round; one that sleeps in many pays
 a kernel wake-up each time.
 
-And the CPU time each spent per round (/proc/<pid>/schedstat): on a core that a worker
-shares with the controller, the round is the two's CPU time, context switches and the
-caches they refill included, which a side's Python alone (benchmarks/python_cost.py) leaves
-out. ``--pin`` pins worker r to CPU r (mod the CPUs) and the controller to the first, so
-that each system meets the same placement (Linux moves unpinned processes around, and a
-round trip's time moves with it).
+And the CPU time each spent per round (its threads' /proc/<pid>/task/*/schedstat): on a
+core that a worker shares with the controller, the round is the two's CPU time, context
+switches and the caches they refill included, which a side's Python alone
+(benchmarks/python_cost.py) leaves out. ``--pin`` pins worker r to CPU r (mod the CPUs)
+and the controller to the first, so that each system meets the same placement (Linux moves
+unpinned processes around, and a round trip's time moves with it).
 
 Also how many workers are in the controller's scheduler autogroup (/proc/<pid>/autogroup,
 where the kernel keeps them): Linux makes one per session, and a yield hands the core over
@@ -43,6 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from harness.measure import _schedstat_cpu
 from harness.report import cpu_model, source_revision
 from harness.systems import make_system
 
@@ -58,13 +59,6 @@ def _switches(pid: int) -> tuple[int, int]:
     if voluntary is None or involuntary is None:
         raise RuntimeError(f"/proc/{pid}/status has no context switch counts")
     return int(voluntary.group(1)), int(involuntary.group(1))
-
-
-def _cpu_ns(pid: int) -> int:
-    """Nanoseconds ``pid``'s main thread has run (the processes here run one thread each
-    in the rounds)."""
-    with open(f"/proc/{pid}/schedstat") as f:
-        return int(f.read().split()[0])
 
 
 def _autogroup(pid: int) -> str | None:
@@ -120,14 +114,15 @@ def measure(name: str, n: int, seconds: float, perf: bool, pin: bool) -> str:
         mine = _autogroup(me)
         shared = sum(_autogroup(pid) == mine for pid in workers) if mine else None
         before = {pid: _switches(pid) for pid in (me, *workers)}
-        cpu_before = {pid: _cpu_ns(pid) for pid in (me, *workers)}
+        cpu_before = {pid: _schedstat_cpu(pid) for pid in (me, *workers)}
         rounds, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
             system.dispatch()
             rounds += 1
         took = time.perf_counter() - start
         after = {pid: _switches(pid) for pid in (me, *workers)}
-        cpu = {pid: (_cpu_ns(pid) - cpu_before[pid]) / 1e3 / rounds for pid in (me, *workers)}
+        cpu = {pid: (_schedstat_cpu(pid) - cpu_before[pid]) * 1e6 / rounds
+               for pid in (me, *workers)}
         share = ""
         if perf:
             with tempfile.TemporaryDirectory() as tmp:
@@ -167,7 +162,8 @@ def main() -> None:
                         help="also the workers' turns that ended at their first yield")
     args = parser.parse_args()
     if args.perf and shutil.which("perf") is None:
-        parser.error("--perf needs the perf tool")
+        parser.error("--perf needs the perf tool on PATH (and root for its tracepoints): "
+                     "install it, or run without --perf")
     print(f"CPU: {cpu_model()}; unison {source_revision()}; "
           f"command: python {' '.join(sys.argv)}\n")
     head = ("| system | N | µs per round | controller sleeps per round | worker sleeps per "

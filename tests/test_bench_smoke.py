@@ -198,6 +198,20 @@ def test_cluster_bench_ratio_cells_give_the_rounds_range() -> None:
     assert single.endswith("| 12.0x | n/a |"), single
 
 
+def _tool(script: str, *args: str) -> str:
+    """Run ``benchmarks/<script> args``; its stdout, once it exited 0 (else its stderr is the
+    failure)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _last_rows(out: str, count: int) -> list[list[str]]:
+    """The cells of the last ``count`` rows of the markdown table ``out`` ends with."""
+    return [line.strip("| ").split(" | ") for line in out.splitlines()[-count:]]
+
+
 def _half_unit(printed: str) -> float:
     """Half the last printed digit's unit: how far rounding may have moved the value."""
     decimals = len(printed.partition(".")[2])
@@ -206,12 +220,8 @@ def _half_unit(printed: str) -> float:
 
 def test_layers_measures_every_layer_against_the_floor() -> None:
     """benchmarks/layers.py: the floor, the channel alone and the session, one row per N."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "layers.py"), "--workers", "1",
-         "--seconds", "0.3", "--rounds", "1"],
-        capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr
-    row = proc.stdout.strip().splitlines()[-1].strip("| ").split(" | ")
+    out = _tool("layers.py", "--workers", "1", "--seconds", "0.3", "--rounds", "1")
+    row = _last_rows(out.strip(), 1)[0]
     assert row[0] == "1" and len(row) == 10, row
     times = [float(v) for v in row[1:6]]  # floor, channel run, run, channel dispatch, dispatch
     assert all(t > 0 for t in times), row
@@ -258,12 +268,8 @@ def test_ab_worker_times_both_loops_and_the_lean_one_against_the_floor() -> None
     if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
                       check=False).returncode:
         pytest.skip("not a git checkout")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "ab_worker.py"), "--base", "HEAD",
-         "--workers", "1", "--turns", "1", "--per-turn", "30"],
-        capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr
-    rows = [line.strip("| ").split(" | ") for line in proc.stdout.splitlines()[-2:]]
+    rows = _last_rows(_tool("ab_worker.py", "--base", "HEAD", "--workers", "1", "--turns", "1",
+                            "--per-turn", "30"), 2)
     assert [r[:2] for r in rows] == [["1", "dispatch"], ["1", "run"]], rows
     for row in rows:
         floor, base, head, lean = (float(v) for v in row[2:6])
@@ -277,11 +283,7 @@ def test_ab_worker_times_both_loops_and_the_lean_one_against_the_floor() -> None
 def test_python_cost_times_each_side_and_the_floor() -> None:
     """benchmarks/python_cost.py: each side's Python per round, the channel stubbed; the
     worker's rounds really ran their commands (the tool checks run's replies itself)."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "python_cost.py"), "--rounds", "200"],
-        capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr
-    rows = [line.strip("| ").split(" | ") for line in proc.stdout.splitlines()[-6:]]
+    rows = _last_rows(_tool("python_cost.py", "--rounds", "200"), 6)
     assert [r[0] for r in rows] == ["controller dispatch", "controller run", "worker dispatch",
                                     "worker run", "floor dispatch", "floor run"], rows
     for _, best, median in rows:
@@ -305,13 +307,9 @@ def test_python_cost_leaves_the_session_whole() -> None:
 def test_hogs_timeline_prints_points_per_tenth_of_a_second() -> None:
     """benchmarks/hogs_timeline.py: dispatch beside hogs, one point per 0.1 s, with unison's
     run delay per round."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "hogs_timeline.py"), "--workers", "1",
-         "--seconds", "0.35", "--hogs", "1"],
-        capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr
-    lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if " N=1: " in line)
-    assert set(lines) == {"unison N=1", "pipe N=1"}, proc.stdout
+    out = _tool("hogs_timeline.py", "--workers", "1", "--seconds", "0.35", "--hogs", "1")
+    lines = dict(line.split(": ", 1) for line in out.splitlines() if " N=1: " in line)
+    assert set(lines) == {"unison N=1", "pipe N=1"}, out
     for name, points in lines.items():
         fields = [p.rstrip("C").split("/") for p in points.split()]
         assert len(fields) >= 3, points
@@ -321,12 +319,7 @@ def test_hogs_timeline_prints_points_per_tenth_of_a_second() -> None:
 
 def test_added_work_prints_a_row_per_system_with_each_extra() -> None:
     """benchmarks/added_work.py: the round with D µs added on each side, floor and unison."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "added_work.py"), "--workers", "1",
-         "--extra", "5", "--reps", "1"],
-        capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr
-    rows = [line.strip("| ").split(" | ") for line in proc.stdout.splitlines()[-2:]]
+    rows = _last_rows(_tool("added_work.py", "--workers", "1", "--extra", "5", "--reps", "1"), 2)
     assert [r[:2] for r in rows] == [["floor", "1"], ["unison", "1"]], rows
     for row in rows:
         base = float(row[2])
@@ -339,12 +332,7 @@ def test_added_work_prints_a_row_per_system_with_each_extra() -> None:
 def test_switches_prints_sleeps_and_the_workers_scheduling_group() -> None:
     """benchmarks/switches.py: per round, each side's sleeps and switches, and how many
     workers share the controller's autogroup: all of unison's and the floor's."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "switches.py"), "--workers", "2",
-         "--seconds", "0.2", "--pin"],
-        capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr
-    rows = [line.strip("| ").split(" | ") for line in proc.stdout.splitlines()[-2:]]
+    rows = _last_rows(_tool("switches.py", "--workers", "2", "--seconds", "0.2", "--pin"), 2)
     assert [r[:2] for r in rows] == [["unison", "2"], ["floor", "2"]], rows
     for row in rows:
         assert len(row) == 10 and float(row[2]) > 0, row

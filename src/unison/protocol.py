@@ -39,6 +39,8 @@ import pickle
 import sys
 import threading
 import traceback
+import types
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -245,7 +247,8 @@ def loads(data: bytes | memoryview | Reply, buffers: list[Any] | None = None) ->
     return pickle.loads(data, buffers=buffers)
 
 
-def code_in_file(filename: str, make: Any, args: tuple[Any, ...]) -> Any:
+def code_in_file(filename: str, make: Callable[..., types.CodeType],
+                 args: tuple[Any, ...]) -> types.CodeType:
     """A code object as cloudpickle rebuilds it, back in its own file (see
     session.fncache). Here, in a module every worker has imported, because unpickling a
     function by value imports the module of this: from unison.session it cost each worker
