@@ -35,6 +35,17 @@ def alive(pid: int) -> bool:
         return False
 
 
+def autogroup(pid: int | str = "self") -> str | None:
+    """The scheduler autogroup a process is in, or None where autogroups do not apply: the
+    file is missing, or empty for a task in a cpu cgroup other than the root (as in CI)."""
+    try:
+        with open(f"/proc/{pid}/autogroup") as f:
+            fields = f.read().split()
+    except OSError:
+        return None
+    return fields[0] if fields else None
+
+
 def wait_gone(pids: Iterable[int], timeout: float) -> list[int]:
     """Wait up to ``timeout`` seconds for every pid to be gone; return those still alive."""
     pids = list(pids)

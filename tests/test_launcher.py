@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 import unison
+from support import autogroup
 from unison import channel as channels
 from unison.launch import DeathReport, Launcher, create
 from unison.launch.local import LocalLauncher
@@ -118,9 +119,7 @@ def test_workers_lead_their_own_process_groups_in_the_controllers_session(
         for pid in (keeper.pid, worker.pid):
             assert os.getpgid(pid) == keeper.pid != os.getpgid(0)
             assert os.getsid(pid) == os.getsid(0)
-            if os.path.exists(f"/proc/{pid}/autogroup"):
-                with open(f"/proc/{pid}/autogroup") as theirs, open("/proc/self/autogroup") as ours:
-                    assert theirs.read().split()[0] == ours.read().split()[0]
+            assert autogroup(pid) == autogroup()
 
 
 def test_a_killed_worker_is_seen_and_described(
