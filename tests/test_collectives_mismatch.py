@@ -5,6 +5,7 @@ worker (SIGABRT)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -121,3 +122,35 @@ def test_torch_backend_mismatch_raises_instead_of_aborting(shared, specs):
     for r, (kind, message) in enumerate(got):
         assert kind == "CollectiveError", f"worker {r} returned {message} silently"
     assert sess.run(torch_allreduce_ranks, timeout=120) == [[3.0], [3.0]]  # still usable
+
+
+def delay_after_next_wait(slow: int, delay: float) -> None:
+    """On worker ``slow``, the next collective wait, once it is over, pauses ``delay`` s
+    before the rank checks what its peers called: a preemption at the worst moment."""
+    if unison.rank() != slow:
+        return
+    from unison.collective.shm import ShmCollectives
+
+    plain = ShmCollectives._await
+
+    def late(self: ShmCollectives, *args: Any) -> None:
+        plain(self, *args)
+        ShmCollectives._await = plain  # type: ignore[method-assign]
+        time.sleep(delay)
+
+    ShmCollectives._await = late  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("spec", [("barrier",), ("scatter", 0), ("gather", 1)],
+                         ids=["barrier", "scatter", "gather"])
+def test_a_late_reader_never_sees_the_next_calls_collective(shared, spec):
+    """A collective with one meeting (barrier, scatter, gather) can end a call while a peer
+    has yet to check what the others called. Worker 0 goes on to the next call's first
+    collective; it must not overwrite its record under worker 1, which would then raise a
+    mismatch that never was (or, with another record, miss one that was)."""
+    sess = shared(2)
+    sess.call(delay_after_next_wait, 1, 0.2)
+    first = sess.call(mismatched, [spec] * 2)
+    then = sess.call(allreduce_ranks)
+    assert [kind for kind, _ in first.gather(timeout=QUICK)] == ["ok", "ok"], first.gather()
+    assert then.gather(timeout=QUICK) == [[3.0], [3.0]]

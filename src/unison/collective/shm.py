@@ -20,8 +20,11 @@ Before it arrives, a worker also publishes what it is calling (allreduce with op
 broadcast from root 2, ...). Every participant compares that with the peers' once all have
 arrived, so a program whose ranks call different collectives raises CollectiveError on
 every rank instead of mixing their data. The record is kept per scope and per parity of the
-collective's index: a peer can be at most one collective ahead in a scope, so the record a
-waiter reads is never overwritten under it.
+collective's index: within a call a peer can be at most one collective ahead in a scope.
+The next call starts again at index 0, so a worker's first collective of a call first waits
+until no peer can still be reading its last record (each arrived past it or left that call;
+a peer preempted after a barrier's wait would otherwise read the next call's record and
+raise a mismatch that never was). So the record a waiter reads is never overwritten under it.
 
 A waiter never hangs on a peer that will not come: a peer that finished the current call
 (``left >= call id``) without arriving makes the collective raise CollectiveError, within
@@ -160,6 +163,8 @@ class ShmCollectives(CallScope, Collectives):
         me = self._w[rank]
         self._q[me + _PID] = os.getpid()
         self._index = [0, 0]  # collectives so far in this call: world, group
+        # per scope, the last record this worker showed: (call, gen, ranks); see _meet
+        self._shown: list[tuple[int, int, tuple[int, ...]] | None] = [None, None]
         self._spills: dict[int, deque[tuple[int, int, int]]] = {}  # dst -> (index, call, fd)
         self._views: dict[tuple[int, str, int], np.ndarray] = {}
         self._watch = watch_peers
@@ -247,6 +252,26 @@ class ShmCollectives(CallScope, Collectives):
                     "joining it (it raised, returned early, or ran a different collective)"
                 )
 
+    def _await_readers(self, which: int, call: int, gen: int, ranks: Sequence[int],
+                       what: str) -> None:
+        """Wait until no peer can still be checking the record we showed at ``gen`` of an
+        earlier call: each has arrived past it, or left that call. Within a call the
+        parities keep records apart (a peer is at most one collective behind), but the next
+        call starts again at index 0, and a collective with one meeting (barrier, scatter,
+        gather) lets us go on while a peer has yet to read."""
+        q, w = self._q, self._w
+        lingering = [j for j in ranks
+                     if j != self.rank and q[w[j] + which] <= gen and q[w[j] + _LEFT] < call]
+        if not lingering:
+            return
+        pacer = _Pacer()
+        while True:
+            lingering = [j for j in lingering if q[w[j] + which] <= gen and q[w[j] + _LEFT] < call]
+            if not lingering:
+                return
+            self._check_abort(what, lingering)
+            pacer.pause()
+
     def _desc_at(self, rank: int, which: int, gen: int) -> int:
         """Index of ``rank``'s (descriptor, signature) words for the collective at ``gen``."""
         return self._w[rank] + _DESC + 4 * which + 2 * ((gen >> 2) & 1)
@@ -255,11 +280,15 @@ class ShmCollectives(CallScope, Collectives):
         """Publish what this rank calls, arrive at ``gen``, wait for the peers, and raise
         CollectiveError on every rank if any of them called something else."""
         q = self._q
+        what = describe(desc)
+        shown = self._shown[which]
+        if shown is not None and shown[0] != self._call:
+            self._await_readers(which, *shown, what)
+        self._shown[which] = (self._call, gen, ranks)
         at = self._desc_at(self.rank, which, gen)
         q[at] = desc
         q[at + 1] = sig
         self._arrive(which, gen)
-        what = describe(desc)
         self._await(which, ranks, gen, what)
         for j in ranks:
             theirs = self._desc_at(j, which, gen)
