@@ -877,3 +877,19 @@ def test_session_helpers_refuse_bad_ranks_and_lengths(shared):
         sess.broadcast_from(1, src=3)
     with pytest.raises(ValueError):
         sess.scatter_from([1, 2], src=0)
+
+
+def one_complex_prod(values: list[complex]) -> np.ndarray:
+    return unison.allreduce(np.array([values[unison.rank()]], np.complex64), "prod")
+
+
+def test_a_one_element_complex_product_has_numpys_bits(shared):
+    """numpy multiplies a one-element complex array in place with other rounding than out
+    of place (here inf where x0 * x1 * x2 is finite); the fold must give numpy's a * b * c."""
+    values = [4.548312e16j, 3.2715196e10 - 7.156942e16j, 104535 + 16472j]
+    xs = [np.array([v], np.complex64) for v in values]
+    with np.errstate(over="ignore"):
+        want = xs[0] * xs[1] * xs[2]
+    assert np.isfinite(want).all()
+    for got in shared(3).run(one_complex_prod, values):
+        assert got.tobytes() == want.tobytes(), (got, want)

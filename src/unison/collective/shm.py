@@ -51,6 +51,7 @@ anything a call can return, a collective can carry.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import select
@@ -701,6 +702,11 @@ def _reduce_into(out: np.ndarray, parts: Sequence[np.ndarray], ufunc: Callable[.
     """out = parts[0] op parts[1] op ... in rank order, so every rank gets the same bits."""
     if len(parts) == 1:
         np.copyto(out, parts[0])
+        return
+    if out.size == 1 and len(parts) > 2:
+        # numpy multiplies one complex in place on another path than out of place (other
+        # rounding, and inf where the product is finite): fold as numpy's own a * b * c does
+        out[...] = functools.reduce(ufunc, parts)
         return
     ufunc(parts[0], parts[1], out=out)
     for p in parts[2:]:
