@@ -13,6 +13,7 @@ Everything here is pure: no shared memory, no processes, so it is unit-tested di
 
 from __future__ import annotations
 
+import functools
 import operator
 import zlib
 from collections.abc import Sequence
@@ -86,6 +87,7 @@ def check_scatter_values(xs: Sequence[Any] | None, size: int) -> Sequence[Any]:
     return xs
 
 
+@functools.lru_cache(maxsize=256)
 def descriptor(kind: str, op: str | None = None, root: int | None = None) -> int:
     """What a rank calls, as one number: kind, op and root (as the caller passed it)."""
     return (KINDS.index(kind) | (0 if op is None else OPS.index(op) + 1) << 8
@@ -115,7 +117,16 @@ def shape_signature(shape: Sequence[int], dtype: str) -> int:
 
 def array_signature(a: np.ndarray) -> int:
     """Shape and dtype of a numpy array (byte order and datetime units count too)."""
-    return (shape_signature(a.shape, a.dtype.str) << 8) | a.dtype.num
+    key = (a.shape, a.dtype)
+    sig = _SIGNATURES.get(key)
+    if sig is None:
+        if len(_SIGNATURES) >= 1024:
+            _SIGNATURES.clear()
+        sig = _SIGNATURES[key] = (shape_signature(a.shape, a.dtype.str) << 8) | a.dtype.num
+    return sig
+
+
+_SIGNATURES: dict[tuple[tuple[int, ...], np.dtype[Any]], int] = {}  # a collective's hot path
 
 
 class CallScope:

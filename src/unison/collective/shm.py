@@ -200,8 +200,9 @@ class ShmCollectives(CallScope, Collectives):
     def _arrive(self, which: int, gen: int) -> None:
         self._q[self._w[self.rank] + which] = gen
 
-    def _await(self, which: int, ranks: Sequence[int], gen: int, what: str) -> None:
-        """Wait until every rank in ``ranks`` reached ``gen`` on counter ``which``."""
+    def _await(self, which: int, ranks: Sequence[int], gen: int, what: str | int) -> None:
+        """Wait until every rank in ``ranks`` reached ``gen`` on counter ``which``. ``what``
+        names the collective in errors: a name, or its descriptor (named only to raise)."""
         q, w = self._q, self._w
         waiting = [j for j in ranks if q[w[j] + which] < gen]
         if not waiting:
@@ -214,19 +215,19 @@ class ShmCollectives(CallScope, Collectives):
             self._check(waiting, which, gen, what)
             pacer.pause()
 
-    def _check_abort(self, what: str, peers: Sequence[int] = ()) -> None:
+    def _check_abort(self, what: str | int, peers: Sequence[int] = ()) -> None:
         """The controller saw a worker die, or (``watch_peers``) one of ``peers`` is gone:
         every wait gives up."""
         dead = self._q[0]
         if dead:
-            raise CollectiveError(f"{what} gave up: worker {dead - 1} died")
+            raise CollectiveError(f"{_named(what)} gave up: worker {dead - 1} died")
         if self._watch and peers:
             now = time.monotonic()
             if now >= self._next_look:
                 self._next_look = now + _LOOK
                 for j in peers:
                     if self._gone(j):
-                        raise CollectiveError(f"{what} gave up: worker {j} died")
+                        raise CollectiveError(f"{_named(what)} gave up: worker {j} died")
 
     def _gone(self, j: int) -> bool:
         """Whether peer ``j``'s process has ended (False while it has not said its pid)."""
@@ -243,18 +244,19 @@ class ShmCollectives(CallScope, Collectives):
                 return True
         return bool(select.select([known[1]], [], [], 0)[0])
 
-    def _check(self, waiting: Sequence[int], which: int, gen: int, what: str) -> None:
+    def _check(self, waiting: Sequence[int], which: int, gen: int, what: str | int) -> None:
         q, w = self._q, self._w
         self._check_abort(what, waiting)
         for j in waiting:
             if q[w[j] + _LEFT] >= self._call and q[w[j] + which] < gen:
                 raise CollectiveError(
-                    f"{what} on worker {self.rank} gave up: worker {j} left the call without "
-                    "joining it (it raised, returned early, or ran a different collective)"
+                    f"{_named(what)} on worker {self.rank} gave up: worker {j} left the call "
+                    "without joining it (it raised, returned early, or ran a different "
+                    "collective)"
                 )
 
     def _await_readers(self, which: int, call: int, gen: int, ranks: Sequence[int],
-                       what: str) -> None:
+                       what: int) -> None:
         """Wait until no peer can still be checking the record we showed at ``gen`` of an
         earlier call: each has arrived past it, or left that call. Within a call the
         parities keep records apart (a peer is at most one collective behind), but the next
@@ -281,28 +283,27 @@ class ShmCollectives(CallScope, Collectives):
         """Publish what this rank calls, arrive at ``gen``, wait for the peers, and raise
         CollectiveError on every rank if any of them called something else."""
         q = self._q
-        what = describe(desc)
         shown = self._shown[which]
         if shown is not None and shown[0] != self._call:
-            self._await_readers(which, *shown, what)
+            self._await_readers(which, *shown, desc)
         self._shown[which] = (self._call, gen, ranks)
         at = self._desc_at(self.rank, which, gen)
         q[at] = desc
         q[at + 1] = sig
         self._arrive(which, gen)
-        self._await(which, ranks, gen, what)
+        self._await(which, ranks, gen, desc)
         for j in ranks:
             theirs = self._desc_at(j, which, gen)
             if q[theirs] != desc:
                 raise CollectiveError(
-                    f"mismatched collectives: worker {self.rank} called {what} but worker {j} "
-                    f"called {describe(q[theirs])}; every worker must call the same "
-                    "collectives, with the same op and root, in the same order"
+                    f"mismatched collectives: worker {self.rank} called {describe(desc)} but "
+                    f"worker {j} called {describe(q[theirs])}; every worker must call the "
+                    "same collectives, with the same op and root, in the same order"
                 )
             if q[theirs + 1] != sig:
                 raise CollectiveError(
-                    f"{what}: worker {j} passed data of another shape, dtype or device than "
-                    f"worker {self.rank}: every worker must pass the same"
+                    f"{describe(desc)}: worker {j} passed data of another shape, dtype or "
+                    f"device than worker {self.rank}: every worker must pass the same"
                 )
 
     def arrive(self, group: bool, kind: str, op: str | None = None, root: int | None = None,
@@ -332,7 +333,9 @@ class ShmCollectives(CallScope, Collectives):
         out = np.empty_like(arr)
         sig = array_signature(arr)
         if arr.nbytes <= SLOT:
-            self._allreduce_flat(arr.reshape(-1), out.reshape(-1), ufunc, which, ranks, sig,
+            flat = arr.ndim == 1
+            self._allreduce_flat(arr if flat else arr.reshape(-1),
+                                 out if flat else out.reshape(-1), ufunc, which, ranks, sig,
                                  desc)
         else:
             flat_in, flat_out = arr.reshape(-1), out.reshape(-1)
@@ -492,7 +495,7 @@ class ShmCollectives(CallScope, Collectives):
                     got[j][done : done + n] = self._buf[base : base + n]
             done += cap
             self._arrive(which, gen | 1)
-            self._await(which, ranks, gen | 1, describe(desc))
+            self._await(which, ranks, gen | 1, desc)
             r += 1
         return got
 
@@ -667,6 +670,11 @@ class _Pacer(Pacer):
         super().__init__(spin=_SPIN, cap=_CHECK)
 
 
+def _named(what: str | int) -> str:
+    """A collective's name for an error: as given, or named from its descriptor."""
+    return what if isinstance(what, str) else describe(what)
+
+
 def _ufunc(op: str) -> Callable[..., Any]:
     """The numpy ufunc that reduces by ``op`` (mean sums, then divides)."""
     return _UFUNCS[check_op(op)]
@@ -674,6 +682,8 @@ def _ufunc(op: str) -> Callable[..., Any]:
 
 def _as_array(x: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
     """``x`` as a contiguous numpy array, and how to turn a result back into x's kind."""
+    if type(x) is np.ndarray:
+        return _contiguous(x), _same
     if type(x).__module__.startswith("torch"):
         import torch
 
@@ -685,12 +695,16 @@ def _as_array(x: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
             arr = _contiguous(x.detach().numpy())
             return arr, torch.from_numpy
     if isinstance(x, np.ndarray):
-        return _contiguous(x), lambda r: r
+        return _contiguous(x), _same
     if isinstance(x, (int, float, complex, bool, np.generic)):
         return np.asarray(x), lambda r: r[()].item() if not isinstance(x, np.generic) else r[()]
     raise TypeError(
         f"reductions take numpy arrays, CPU torch tensors or numbers, not {type(x).__name__}"
     )
+
+
+def _same(r: np.ndarray) -> np.ndarray:
+    return r
 
 
 def _contiguous(a: np.ndarray) -> np.ndarray:
