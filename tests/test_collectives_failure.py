@@ -210,6 +210,31 @@ def test_a_worker_returning_early_fails_the_others(make_session, kind):
     check_session_goes_on(sess)
 
 
+def return_or_join(leaver: int, kind: str) -> Any:
+    """Worker ``leaver`` returns after DELAY without joining; the others join ``kind``."""
+    if unison.rank() == leaver:
+        time.sleep(DELAY)
+        return "left"
+    return join(kind)
+
+
+@pytest.mark.parametrize("kind", ["allreduce", "reduce_scatter", "barrier", "allgather"])
+def test_a_peer_already_in_the_next_call_is_never_taken_for_one_that_joined(make_session,
+                                                                          kind):
+    """The next call is queued, so the worker that returned early runs the same collective
+    there at once, while the others still wait in this call. Its arrival (and its data)
+    belongs to the next call: the waiters must raise, not return a result mixed with it."""
+    sess = make_session(2)
+    first = sess.call(return_or_join, 1, kind)
+    second = sess.call(join, kind)
+    with pytest.raises(WorkerError) as info:
+        first.gather(timeout=LIMIT)
+    assert isinstance(info.value.errors.get(0), CollectiveError), info.value.errors
+    assert "worker 1 left the call" in str(info.value.errors[0])
+    again = sess.run(join, kind, timeout=LIMIT)  # a call nobody left: the right answer
+    assert [repr(v) for v in second.gather(timeout=LIMIT)] == [repr(v) for v in again]
+
+
 def test_a_worker_leaving_a_group_barrier_fails_only_its_group(make_session):
     sess = make_session(4, num_groups=2)
     with pytest.raises(WorkerError) as info:

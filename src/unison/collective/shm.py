@@ -26,8 +26,9 @@ until no peer can still be reading its last record (each arrived past it or left
 a peer preempted after a barrier's wait would otherwise read the next call's record and
 raise a mismatch that never was). So the record a waiter reads is never overwritten under it.
 
-A waiter never hangs on a peer that will not come: a peer that finished the current call
-(``left >= call id``) without arriving makes the collective raise CollectiveError, within
+A waiter never hangs on a peer that will not come, nor takes a later call's data for this
+one's: a peer that finished the current call (``left >= call id``) without arriving, or
+shows a generation of a later call, makes the collective raise CollectiveError, within
 milliseconds; so does the controller's abort flag, set when a worker dies. A segment the
 controller cannot reach (made by a worker on another host: collective/rendezvous.py) has
 no abort flag that anyone sets, so its waiters watch their peers' pids instead
@@ -202,14 +203,17 @@ class ShmCollectives(CallScope, Collectives):
 
     def _await(self, which: int, ranks: Sequence[int], gen: int, what: str | int) -> None:
         """Wait until every rank in ``ranks`` reached ``gen`` on counter ``which``. ``what``
-        names the collective in errors: a name, or its descriptor (named only to raise)."""
+        names the collective in errors: a name, or its descriptor (named only to raise).
+        A peer counts only at a generation of this call (below ``top``): one already in a
+        later call left this one without joining, and what it shows is that call's."""
         q, w = self._q, self._w
-        waiting = [j for j in ranks if q[w[j] + which] < gen]
+        top = (self._call + 1) << 24
+        waiting = [j for j in ranks if not gen <= q[w[j] + which] < top]
         if not waiting:
             return
         pacer = _Pacer()
         while True:
-            waiting = [j for j in waiting if q[w[j] + which] < gen]
+            waiting = [j for j in waiting if not gen <= q[w[j] + which] < top]
             if not waiting:
                 return
             self._check(waiting, which, gen, what)
@@ -247,8 +251,11 @@ class ShmCollectives(CallScope, Collectives):
     def _check(self, waiting: Sequence[int], which: int, gen: int, what: str | int) -> None:
         q, w = self._q, self._w
         self._check_abort(what, waiting)
+        top = (self._call + 1) << 24
         for j in waiting:
-            if q[w[j] + _LEFT] >= self._call and q[w[j] + which] < gen:
+            left = q[w[j] + _LEFT]  # before its generation: a peer arrives, then leaves
+            reached = q[w[j] + which]
+            if reached >= top or (left >= self._call and reached < gen):
                 raise CollectiveError(
                     f"{_named(what)} on worker {self.rank} gave up: worker {j} left the call "
                     "without joining it (it raised, returned early, or ran a different "
