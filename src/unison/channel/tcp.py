@@ -4,7 +4,7 @@
     listen(bind, port) <---- connect ------------------ socket
       accept thread: HMAC challenge both ways  <------> (multiprocessing.connection's)
                      hello (rank wanted, pid, host) <-- then its WorkerSpec, its incarnation -->
-    send(msg) -> frame ----------------------------->  reader thread -> queue -> recv()
+    send(msg) -> frame ----------------------------->  recv(): the worker loop reads it
     recv() <- frames (each names the incarnation) <--  reply(data)
 
 One TCP connection per worker carries everything, both ways. Before a byte of it is
