@@ -9,6 +9,7 @@ import gc
 import os
 import pickle
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -424,6 +425,33 @@ def test_the_wait_for_the_first_command_forgets_the_workers_start(
             sender.join()
         assert got is not None and bytes(got[0]) == b"command"
         assert pacing.crowd.until == (0.0 if first else until)
+
+
+def test_a_tcp_workers_first_command_forgets_the_workers_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the shm channel's worker: a worker that joined over TCP (a Ray actor, or one
+    started by hand) forgets what its wait for the first command saw, and only that wait."""
+    from unison.channel import tcp
+
+    ours, theirs = socket.socketpair()
+    worker = tcp.TcpWorkerChannel(theirs, 7)
+    monkeypatch.setattr(pacing.crowd, "next_look", float("inf"))
+    try:
+        for first in (True, False):
+            until = time.perf_counter() + 60.0
+            monkeypatch.setattr(pacing.crowd, "until", until)
+            frame = tcp._HEAD.pack(tcp._MAGIC, 7, 7, 0) + b"command"
+            sender = threading.Timer(0.05, ours.sendall, (frame,))
+            sender.start()
+            try:
+                got = worker.recv()
+            finally:
+                sender.join()
+            assert got is not None and bytes(got[0]) == b"command"
+            assert pacing.crowd.until == (0.0 if first else until)
+    finally:
+        ours.close()
+        worker.close()
 
 
 def test_no_schedstat_means_no_more_looks(monkeypatch: pytest.MonkeyPatch) -> None:

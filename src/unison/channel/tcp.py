@@ -47,7 +47,7 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 from typing import Any
 
 from unison.channel import Channel, PartialSendError, Reply, WorkerChannel, write_frame
-from unison.pacing import spin
+from unison.pacing import crowd, spin
 
 SPIN = 200e-6
 """How long a wait yields the core, looking for data, before it sleeps (as the shm channel)."""
@@ -679,9 +679,18 @@ class TcpWorkerChannel(WorkerChannel):
         self._off = 0
         self._scratch = bytearray(_CHUNK)
         self._scratch_view = memoryview(self._scratch)
+        self._fresh = True
+
+    def _wait_first(self) -> None:
+        """Until the first command is in; then forget what the wait saw (pacing.crowd)."""
+        self._poll.poll()
+        crowd.forget()
 
     def recv(self) -> tuple[memoryview, list[Any]] | None:
         try:
+            if self._fresh:  # the wait for the session's first command spans the other
+                self._fresh = False  # workers' start (and in a Ray actor, Ray's), which no
+                self._wait_first()  # later wait should take for a crowd
             if not self._have:
                 if self._spin and not self._poll.poll(0):  # the next command is often a
                     spin(lambda: bool(self._poll.poll(0)), SPIN)  # few µs away
