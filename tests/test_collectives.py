@@ -893,3 +893,34 @@ def test_a_one_element_complex_product_has_numpys_bits(shared):
     assert np.isfinite(want).all()
     for got in shared(3).run(one_complex_prod, values):
         assert got.tobytes() == want.tobytes(), (got, want)
+
+
+def rank_sum(i: int) -> Any:
+    return unison.allreduce(i * 10 + unison.rank())
+
+
+def rank_list(i: int) -> Any:
+    return unison.allgather((i, unison.rank()))
+
+
+def rank_broadcast(i: int) -> Any:
+    return unison.broadcast((i, unison.rank()), src=i % unison.world_size())
+
+
+def rank_barrier(i: int) -> int:
+    unison.barrier()
+    return i
+
+
+def test_collectives_of_calls_queued_back_to_back(shared):
+    """Calls queued without waiting: a worker that finished a collective runs the next call's
+    at once, while its peers may still be in the last phase of this one. That is a peer that
+    passed, not one that left: every call gives its own right answer."""
+    sess = shared(3)
+    want = {rank_sum: lambda i: [30 * i + 3] * 3,
+            rank_list: lambda i: [[(i, 0), (i, 1), (i, 2)]] * 3,
+            rank_broadcast: lambda i: [(i, i % 3)] * 3,
+            rank_barrier: lambda i: [i] * 3}
+    refs = [(fn, i, sess.call(fn, i)) for i in range(60) for fn in want]
+    for fn, i, ref in refs:
+        assert ref.gather(timeout=QUICK) == want[fn](i), (fn.__name__, i)

@@ -235,6 +235,76 @@ def test_a_peer_already_in_the_next_call_is_never_taken_for_one_that_joined(make
     assert [repr(v) for v in second.gather(timeout=LIMIT)] == [repr(v) for v in again]
 
 
+def read_late_or_fail_after_meeting(values: list[float]) -> tuple[str, Any]:
+    """Worker 0 pauses between the meeting and reading its peers' inputs; worker 1 fails
+    right after the meeting, and its next call (queued) runs another allreduce at once."""
+    from unison.collective import shm
+
+    r = unison.rank()
+    if r == 0:
+        plain_meet = shm.ShmCollectives._meet
+
+        def late(self: Any, *args: Any) -> None:
+            plain_meet(self, *args)
+            shm.ShmCollectives._meet = plain_meet
+            time.sleep(DELAY)
+
+        shm.ShmCollectives._meet = late
+    if r == 1:
+        plain_reduce = shm._reduce_into
+
+        def fail(*args: Any) -> None:
+            shm._reduce_into = plain_reduce
+            raise RuntimeError("failed after the meeting")
+
+        shm._reduce_into = fail
+    try:
+        return "ok", unison.allreduce(np.full(4, values[r])).tolist()
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+
+
+def test_a_peer_that_fails_after_the_meeting_never_overwrites_what_others_read(make_session):
+    """Its next call must not write its input slot while a slower peer still reads the
+    failed call's: that peer's result is the right sum or an error, never the next call's
+    data mixed in."""
+    sess = make_session(2)
+    first = sess.call(read_late_or_fail_after_meeting, [1.0, 2.0])
+    second = sess.call(join, "allreduce")
+    got = first.gather(timeout=LIMIT)
+    assert got[1][0] == "RuntimeError", got
+    assert got[0] in [("ok", [3.0] * 4)] or got[0][0] == "CollectiveError", got
+    assert [v.tolist() for v in second.gather(timeout=LIMIT)] == [[1.0] * 4] * 2
+
+
+def catch_then_barrier(leaver: int) -> str:
+    """Worker ``leaver`` returns at once; the others catch their failed allreduce and go on
+    to a barrier in the same call."""
+    if unison.rank() == leaver:
+        return "left"
+    try:
+        unison.allreduce(np.ones(4))
+    except CollectiveError:
+        pass
+    try:
+        unison.barrier()
+    except CollectiveError as exc:
+        return str(exc)
+    return "the barrier passed"
+
+
+def test_after_a_failed_collective_the_rest_of_the_call_raises(make_session):
+    """Peers of a failed collective may be anywhere in it (one still reading our input),
+    so a worker that catches the error and goes on is out of step: its next collective
+    in that call raises at once, saying so; the next call is in step again."""
+    sess = make_session(3)
+    got = sess.run(catch_then_barrier, 1, timeout=LIMIT)
+    assert got[1] == "left"
+    for r in (0, 2):
+        assert "an earlier collective of this call failed" in got[r], got
+    check_session_goes_on(sess)
+
+
 def test_a_worker_leaving_a_group_barrier_fails_only_its_group(make_session):
     sess = make_session(4, num_groups=2)
     with pytest.raises(WorkerError) as info:

@@ -87,6 +87,7 @@ SMALL = 64 << 10  # reductions up to this size (any size between 2 workers): eve
 RING = 64  # messages in flight per ordered pair before a send waits for the receiver
 _LINE = 64
 _REC = 2 * _LINE  # one worker's record: see Layout
+_NEVER = 1 << 64  # above any generation
 _SPIN = 1e-3
 _CHECK = 0.002  # while sleeping, re-check the peers this often (s)
 _LOOK = 0.05  # with watch_peers, look whether the awaited peers still live this often (s)
@@ -165,8 +166,9 @@ class ShmCollectives(CallScope, Collectives):
         me = self._w[rank]
         self._q[me + _PID] = os.getpid()
         self._index = [0, 0]  # collectives so far in this call: world, group
-        # per scope, the last record this worker showed: (call, gen, ranks); see _meet
-        self._shown: list[tuple[int, int, tuple[int, ...]] | None] = [None, None]
+        # per scope, what peers may still read of ours: (call, the generation they must
+        # reach, ranks, whether the collective failed here); see _next
+        self._owe: list[tuple[int, int, tuple[int, ...], bool] | None] = [None, None]
         self._spills: dict[int, deque[tuple[int, int, int]]] = {}  # dst -> (index, call, fd)
         self._views: dict[tuple[int, str, int], np.ndarray] = {}
         self._watch = watch_peers
@@ -193,10 +195,40 @@ class ShmCollectives(CallScope, Collectives):
 
     # -- scopes and barriers -----------------------------------------------------------------
 
-    def _next(self, which: int) -> int:
+    def _next(self, which: int, ranks: tuple[int, ...], last: int, desc: int) -> int:
+        """The generation of this scope's next collective, whose last phase is ``last`` (1,
+        or 3 for a large reduction among 3 or more), once nothing of ours that a peer may
+        still read stands in the way (see _settle)."""
+        for scope in (0, 1):
+            if self._owe[scope] is not None:
+                self._settle(scope, desc)
         i = self._index[which]
         self._index[which] = i + 1
-        return (self._call << 24) | (i << 2)
+        gen = (self._call << 24) | (i << 2)
+        self._owe[which] = (self._call, gen | last, ranks, True)  # until it succeeds
+        return gen
+
+    def _settle(self, scope: int, desc: int) -> None:
+        """What peers may still read of ours, from the last collective in ``scope``:
+        - it succeeded, in this call: nothing to do. Records alternate by parity, and a
+          peer reached every meeting we passed after it.
+        - it failed, in this call: raise. Its peers may be anywhere in it (still reading
+          our slot, or gone), so what follows in this call cannot be in step.
+        - it ran in an earlier call: wait until each peer reached its last phase or left
+          that call. The next call starts again at index 0, and our writes would land
+          under a peer preempted after a barrier's wait (which would read the next call's
+          record), or one still reading our slot after we gave up on another peer."""
+        call, need, ranks, failed = self._owe[scope]  # type: ignore[misc]
+        if call == self._call:
+            if failed:
+                raise CollectiveError(
+                    f"{describe(desc)} on worker {self.rank}: an earlier collective of this "
+                    "call failed, so this worker is out of step with its peers until the "
+                    "call ends; let that CollectiveError end the call instead of going on"
+                )
+            return
+        self._await_readers(scope, call, need, ranks, desc)
+        self._owe[scope] = None
 
     def _arrive(self, which: int, gen: int) -> None:
         self._q[self._w[self.rank] + which] = gen
@@ -204,10 +236,12 @@ class ShmCollectives(CallScope, Collectives):
     def _await(self, which: int, ranks: Sequence[int], gen: int, what: str | int) -> None:
         """Wait until every rank in ``ranks`` reached ``gen`` on counter ``which``. ``what``
         names the collective in errors: a name, or its descriptor (named only to raise).
-        A peer counts only at a generation of this call (below ``top``): one already in a
-        later call left this one without joining, and what it shows is that call's."""
+        At a meeting (phase 0) a peer counts only at a generation of this call (below
+        ``top``): one already in a later call left this one without joining (a peer that
+        met us there waits, in _next, until we passed), and what it shows is that call's.
+        At a later phase a peer in a later call passed it."""
         q, w = self._q, self._w
-        top = (self._call + 1) << 24
+        top = _NEVER if gen & 3 else (self._call + 1) << 24
         waiting = [j for j in ranks if not gen <= q[w[j] + which] < top]
         if not waiting:
             return
@@ -251,7 +285,7 @@ class ShmCollectives(CallScope, Collectives):
     def _check(self, waiting: Sequence[int], which: int, gen: int, what: str | int) -> None:
         q, w = self._q, self._w
         self._check_abort(what, waiting)
-        top = (self._call + 1) << 24
+        top = _NEVER if gen & 3 else (self._call + 1) << 24
         for j in waiting:
             left = q[w[j] + _LEFT]  # before its generation: a peer arrives, then leaves
             reached = q[w[j] + which]
@@ -262,21 +296,17 @@ class ShmCollectives(CallScope, Collectives):
                     "collective)"
                 )
 
-    def _await_readers(self, which: int, call: int, gen: int, ranks: Sequence[int],
+    def _await_readers(self, which: int, call: int, need: int, ranks: Sequence[int],
                        what: int) -> None:
-        """Wait until no peer can still be checking the record we showed at ``gen`` of an
-        earlier call: each has arrived past it, or left that call. Within a call the
-        parities keep records apart (a peer is at most one collective behind), but the next
-        call starts again at index 0, and a collective with one meeting (barrier, scatter,
-        gather) lets us go on while a peer has yet to read."""
+        """Wait until each peer of ``ranks`` reached generation ``need`` or left ``call``."""
         q, w = self._q, self._w
         lingering = [j for j in ranks
-                     if j != self.rank and q[w[j] + which] <= gen and q[w[j] + _LEFT] < call]
+                     if j != self.rank and q[w[j] + which] < need and q[w[j] + _LEFT] < call]
         if not lingering:
             return
         pacer = _Pacer()
         while True:
-            lingering = [j for j in lingering if q[w[j] + which] <= gen and q[w[j] + _LEFT] < call]
+            lingering = [j for j in lingering if q[w[j] + which] < need and q[w[j] + _LEFT] < call]
             if not lingering:
                 return
             self._check_abort(what, lingering)
@@ -290,10 +320,6 @@ class ShmCollectives(CallScope, Collectives):
         """Publish what this rank calls, arrive at ``gen``, wait for the peers, and raise
         CollectiveError on every rank if any of them called something else."""
         q = self._q
-        shown = self._shown[which]
-        if shown is not None and shown[0] != self._call:
-            self._await_readers(which, *shown, desc)
-        self._shown[which] = (self._call, gen, ranks)
         at = self._desc_at(self.rank, which, gen)
         q[at] = desc
         q[at + 1] = sig
@@ -319,7 +345,11 @@ class ShmCollectives(CallScope, Collectives):
         (``kind``, ``op``, ``root``) on data of the same ``sig`` (see shape_signature).
         Returns the participating ranks."""
         which, ranks = self.scope(group)
-        self._meet(which, ranks, self._next(which), descriptor(kind, op, root), sig)
+        desc = descriptor(kind, op, root)
+        gen = self._next(which, ranks, 1, desc)
+        self._meet(which, ranks, gen, desc, sig)
+        # peers may still read our record: the next call's first collective waits for them
+        self._owe[which] = (self._call, gen | 1, ranks, False)
         return ranks
 
     def barrier(self, group: bool = False) -> None:
@@ -356,12 +386,14 @@ class ShmCollectives(CallScope, Collectives):
 
     def _allreduce_flat(self, a: np.ndarray, out: np.ndarray, ufunc: Callable[..., Any],
                         which: int, ranks: tuple[int, ...], sig: int, desc: int) -> None:
-        gen = self._next(which)
+        whole = a.nbytes <= SMALL or len(ranks) <= 2  # each reduces all of it
+        gen = self._next(which, ranks, 1 if whole else 3, desc)
         slots = self._publish(a, sig, which, ranks, gen, desc)
-        if a.nbytes <= SMALL or len(ranks) <= 2:
+        if whole:
             _reduce_into(out, slots, ufunc)
             self._arrive(which, gen | 1)
             self._await(which, ranks, gen | 1, "allreduce")
+            self._owe[which] = None  # every peer has read
             return
         k = ranks.index(self.rank)
         lo, hi = _share(a.size, len(ranks), k)
@@ -373,6 +405,7 @@ class ShmCollectives(CallScope, Collectives):
         np.copyto(out, result)
         self._arrive(which, gen | 3)
         self._await(which, ranks, gen | 3, "allreduce")
+        self._owe[which] = None
 
     def reduce_scatter(self, x: Any, op: str, group: bool) -> Any:
         arr, restore = _as_array(x)
@@ -387,7 +420,7 @@ class ShmCollectives(CallScope, Collectives):
             full = self._allreduce(arr, "sum" if op == "mean" else op, group, desc)
             part = np.array_split(full, len(ranks))[ranks.index(self.rank)]
             return restore(_mean(part, len(ranks), arr.dtype) if op == "mean" else part.copy())
-        gen = self._next(which)
+        gen = self._next(which, ranks, 1, desc)
         slots = self._publish(arr.reshape(-1), array_signature(arr), which, ranks, gen, desc)
         first, last = _share(arr.shape[0], len(ranks), ranks.index(self.rank))
         row = int(np.prod(arr.shape[1:], dtype=np.int64))
@@ -396,6 +429,7 @@ class ShmCollectives(CallScope, Collectives):
         _reduce_into(out.reshape(-1), [s[lo:hi] for s in slots], ufunc)
         self._arrive(which, gen | 1)
         self._await(which, ranks, gen | 1, "reduce_scatter")
+        self._owe[which] = None
         if op == "mean":
             out = _mean(out, len(ranks), arr.dtype)
         return restore(out)
@@ -484,7 +518,7 @@ class ShmCollectives(CallScope, Collectives):
         rounds = 1
         r = 0
         while r < rounds:
-            gen = self._next(which)
+            gen = self._next(which, ranks, 1, desc)
             self._q[me + _NBYTES] = total
             chunk = stream.read(cap)
             base = self.lay.slot[self.rank]
@@ -503,6 +537,7 @@ class ShmCollectives(CallScope, Collectives):
             done += cap
             self._arrive(which, gen | 1)
             self._await(which, ranks, gen | 1, desc)
+            self._owe[which] = None
             r += 1
         return got
 
