@@ -21,15 +21,21 @@ broadcast from root 2, ...). Every participant compares that with the peers' onc
 arrived, so a program whose ranks call different collectives raises CollectiveError on
 every rank instead of mixing their data. The record is kept per scope and per parity of the
 collective's index: within a call a peer can be at most one collective ahead in a scope.
-The next call starts again at index 0, so a worker's first collective of a call first waits
-until no peer can still be reading its last record (each arrived past it or left that call;
-a peer preempted after a barrier's wait would otherwise read the next call's record and
-raise a mismatch that never was). So the record a waiter reads is never overwritten under it.
+
+Nothing a peer may still read is overwritten under it. Within a call, the parities and the
+depart phases see to that. Across calls they cannot: the index starts again at 0, and the
+controller queues the next call before this one ends, so a worker may begin it while a
+peer is still preempted after a barrier's wait, or still reads its slot after the worker
+gave up on a third one. So each worker remembers, per scope, what its last collective left
+readable (``_owe``: the phase its peers must reach), and its next call's first collective
+waits until each peer reached it or left that call, before it writes anything. A collective
+that failed leaves its peers anywhere in it; the rest of that call raises at once.
 
 A waiter never hangs on a peer that will not come, nor takes a later call's data for this
 one's: a peer that finished the current call (``left >= call id``) without arriving, or
-shows a generation of a later call, makes the collective raise CollectiveError, within
-milliseconds; so does the controller's abort flag, set when a worker dies. A segment the
+that shows a later call's generation at a meeting (one that met us there would be waiting
+for us, as above), makes the collective raise CollectiveError, within milliseconds; so
+does the controller's abort flag, set when a worker dies. A segment the
 controller cannot reach (made by a worker on another host: collective/rendezvous.py) has
 no abort flag that anyone sets, so its waiters watch their peers' pids instead
 (``watch_peers``: a pidfd per peer, looked at every _LOOK seconds of a wait).
@@ -200,15 +206,17 @@ class ShmCollectives(CallScope, Collectives):
         or 3 for a large reduction among 3 or more), once nothing of ours that a peer may
         still read stands in the way (see _settle)."""
         for scope in (0, 1):
-            if self._owe[scope] is not None:
-                self._settle(scope, desc)
+            owe = self._owe[scope]
+            if owe is not None:
+                self._settle(scope, owe, desc)
         i = self._index[which]
         self._index[which] = i + 1
         gen = (self._call << 24) | (i << 2)
         self._owe[which] = (self._call, gen | last, ranks, True)  # until it succeeds
         return gen
 
-    def _settle(self, scope: int, desc: int) -> None:
+    def _settle(self, scope: int, owe: tuple[int, int, tuple[int, ...], bool],
+                desc: int) -> None:
         """What peers may still read of ours, from the last collective in ``scope``:
         - it succeeded, in this call: nothing to do. Records alternate by parity, and a
           peer reached every meeting we passed after it.
@@ -218,7 +226,7 @@ class ShmCollectives(CallScope, Collectives):
           that call. The next call starts again at index 0, and our writes would land
           under a peer preempted after a barrier's wait (which would read the next call's
           record), or one still reading our slot after we gave up on another peer."""
-        call, need, ranks, failed = self._owe[scope]  # type: ignore[misc]
+        call, need, ranks, failed = owe
         if call == self._call:
             if failed:
                 raise CollectiveError(
