@@ -50,10 +50,13 @@ SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
 _fence_lock = threading.Lock()
 
 
+_acquire, _release = _fence_lock.acquire, _fence_lock.release
+
+
 def _fence() -> None:
     """A full memory barrier: a lock round trip is a locked instruction on x86."""
-    with _fence_lock:
-        pass
+    _acquire()
+    _release()
 
 
 def _load_tgkill() -> Callable[[int, int, int], int] | None:
@@ -158,6 +161,8 @@ class Board:
         """About to run ``call_id``: say so, then whether it is cancelled (skip it then)."""
         q = self._q
         q[_RUNNING + _LINE * rank] = call_id
+        _acquire()  # a full fence: else the load below may pass the store (x86 allows it),
+        _release()  # and a post the controller made meanwhile goes unseen by both sides
         if q[0] != self._seen:
             self.fresh()
         return call_id in self.cancelled
