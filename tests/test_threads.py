@@ -190,3 +190,46 @@ def test_close_while_threads_are_busy_ends_every_thread_with_session_closed(make
         t.join(5)
     assert not [t for t in threads if t.is_alive()], "threads hung after close()"
     assert all(isinstance(e, unison.SessionClosed) for e in outcomes.values()), outcomes
+
+
+def rank_sum():
+    return unison.allreduce(float(unison.rank() + 1))
+
+
+def test_a_call_held_up_before_it_is_sent_never_overtakes_with_a_lower_id(make_session):
+    """Call ids must grow in the order calls reach the workers: their collectives tell calls
+    apart by id. Thread A is held up on its way to the send lock while thread B sends; had
+    A taken its id before the lock, its call would arrive with the lower id, after B's, and
+    their allreduces would take each other for peers that left."""
+    sess = make_session(2)
+    sess.run(rank_sum)
+    plain = sess._send_lock
+
+    class HoldsUpA:
+        def acquire(self, *args, **kwargs):
+            if threading.current_thread().name == "A":
+                time.sleep(0.3)
+            return plain.acquire(*args, **kwargs)
+
+        def release(self):
+            return plain.release()
+
+    got = {}
+
+    def a():
+        got["A"] = sess.run(rank_sum, timeout=15)
+
+    def b():
+        time.sleep(0.1)
+        got["B"] = sess.call(rank_sum).gather(timeout=15)
+
+    sess._send_lock = HoldsUpA()
+    try:
+        threads = [threading.Thread(target=a, name="A"), threading.Thread(target=b, name="B")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        sess._send_lock = plain
+    assert got == {"A": [3.0, 3.0], "B": [3.0, 3.0]}

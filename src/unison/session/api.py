@@ -98,7 +98,7 @@ class View:
         Cancelling the awaiting task (or ``timeout``) abandons only the wait."""
         session = self._session
         deadline = _deadline(timeout)
-        req = Request(next(session._ids), len(self.workers), next(session._ids))
+        req = Request(next(session._ids), len(self.workers))  # its ref id: when sent
         fut = session._waits.prepare(req)
         try:
             session._send_quick(self.workers, fn, args, kwargs, req, deadline)
@@ -441,7 +441,9 @@ class Session(View):
                 fn_id = 0 if self._closed else self._fns.lookup(fn)[0]  # closed: under the lock
                 everyone = ranks == self.workers
                 if fn_id and (everyone or not self._frees):
-                    ref_id = next(self._ids) if req is None else req.ref_id
+                    ref_id = next(self._ids)  # under the send lock: see _send_call
+                    if req is not None:
+                        req.ref_id = ref_id
                     # frees must reach every worker: a call to some leaves any that came in
                     # since the test above to the next send (the slow way: a NOP to all)
                     frees = self._take_frees() if everyone and self._frees else None
@@ -477,12 +479,17 @@ class Session(View):
             blob, bufs = self._encode_args(ranks, fn, args, kwargs)
         elif args:
             blob = args  # plain values ride inside the message itself: no second pickle
-        ref_id = next(self._ids) if req is None else req.ref_id
         if deadline is None:  # _lock_send, inlined: the hot path
             self._send_lock.acquire()
         else:
             self._lock_send(deadline)
         try:
+            # taken under the send lock, so that ids grow in the order calls reach the
+            # workers: a worker's collectives tell calls apart by their ids, and a call that
+            # overtook a lower one made its peers think they had left (several threads)
+            ref_id = next(self._ids)
+            if req is not None:
+                req.ref_id = ref_id
             fn_id, fresh = self._fns.lookup(fn)
             cached = True
             if not fn_id:
@@ -509,10 +516,10 @@ class Session(View):
         if self._closed:
             self.check_open()
         deadline = self._send_deadline()
-        ref_id = next(self._ids)
         blobs = [self._encode_value(v, what) for v, what in _labelled(values)]
         self._lock_send(deadline)
         try:
+            ref_id = next(self._ids)  # under the send lock, as a call's
             if len(blobs) == 1:
                 self._send(put_msg, (ref_id, blobs[0][0]), ranks, blobs[0][1], deadline)
             else:
@@ -532,7 +539,7 @@ class Session(View):
         """call and gather in one message each way: the workers reply with the result and
         keep nothing, so no Ref is made or freed. Sent by ``deadline`` too (None: by the
         session's send timeout, if any)."""
-        req = Request(next(self._ids), len(ranks), next(self._ids))
+        req = Request(next(self._ids), len(ranks))  # its ref id: when sent
         self._send_quick(ranks, fn, args, kwargs, req, deadline)
         try:
             self._router.wait(req, deadline, "running a call")
