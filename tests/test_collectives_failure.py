@@ -305,6 +305,50 @@ def test_after_a_failed_collective_the_rest_of_the_call_raises(make_session):
     check_session_goes_on(sess)
 
 
+def leave_messages_unreceived() -> None:
+    if unison.rank() == 0:
+        for i in range(64):  # every entry of the ring to worker 1, never taken
+            unison.send(i, 1)
+    unison.barrier()
+
+
+def spill_fails_or_recv() -> str:
+    """Worker 0's send of a large array fails making its spill; worker 1 waits for it."""
+    from unison.collective import shm
+
+    if unison.rank() == 0:
+        plain = shm._spill
+
+        def no_room(*args: Any) -> int:
+            shm._spill = plain
+            raise OSError(28, "no room for the spill (simulated)")
+
+        shm._spill = no_room
+        try:
+            unison.send(np.zeros(1 << 20), 1)  # 8 MiB: more than fits inline
+        except OSError as exc:
+            return f"send failed: {exc}"
+        return "sent"
+    time.sleep(DELAY)  # worker 0 has failed and left by now
+    try:
+        unison.recv(0)
+    except CollectiveError as exc:
+        return str(exc)
+    return "received"
+
+
+def test_a_send_that_fails_leaves_the_receiver_an_error_not_a_spin(make_session):
+    """The failed send must not leave its ring entry marked 'being written' (here over a
+    stale message of the last call): the receiver would spin on it at 100% CPU forever,
+    never looking whether the sender left."""
+    sess = make_session(2)
+    sess.run(leave_messages_unreceived, timeout=LIMIT)
+    sent, received = sess.run(spill_fails_or_recv, timeout=LIMIT)
+    assert sent.startswith("send failed"), sent
+    assert "worker 0 left the call without sending" in received, received
+    check_session_goes_on(sess)
+
+
 def test_a_worker_leaving_a_group_barrier_fails_only_its_group(make_session):
     sess = make_session(4, num_groups=2)
     with pytest.raises(WorkerError) as info:

@@ -592,19 +592,19 @@ class ShmCollectives(CallScope, Collectives):
             while q[tail] <= h - RING and q[w[dst] + _LEFT] < q[old + _E_CALL]:
                 self._check_abort(f"send to worker {dst}", (dst,))
                 pacer.pause()
+        where = 0
+        if total > self.lay.inline:  # first what can fail (no memory, no fds): the entry
+            fd = _spill(payload, total)  # is untouched if it does
+            self._spills.setdefault(dst, deque()).append((h, self._call, fd))
+            where = fd + 1
         e = self._entry(self.rank, dst, h)
-        q[e + _E_IDX] = 0  # being written: a receiver reading this stale entry retries
-        if total <= self.lay.inline:
+        q[e + _E_IDX] = 0  # being written: a receiver reading this stale entry looks later
+        if not where:
             box = self.lay.mailbox[self.rank][dst] + self.lay.inline * (h % RING)
             for part in payload:
                 part = memoryview(part).cast("B")
                 self._buf[box : box + len(part)] = part
                 box += len(part)
-            where = 0
-        else:
-            fd = _spill(payload, total)
-            self._spills.setdefault(dst, deque()).append((h, self._call, fd))
-            where = fd + 1
         q[e + _E_CALL] = self._call
         q[e + _E_TOTAL] = total
         q[e + _E_WHERE] = where
@@ -657,7 +657,8 @@ class ShmCollectives(CallScope, Collectives):
             call, total, where, their_tag = (q[e + _E_CALL], q[e + _E_TOTAL], q[e + _E_WHERE],
                                              q[e + _E_TAG])
             if idx == 0 or q[e + _E_IDX] != idx:
-                continue  # the sender is reusing a stale entry's place: read it again
+                return None  # the sender is reusing a stale entry's place: _recv looks again
+                # (pacing itself, and raising if the sender died or left the call meanwhile)
             if idx > t + 1:  # the sender reused the places of stale messages: skip them
                 q[tail] = idx - RING
                 continue
