@@ -2,8 +2,8 @@
 before each call, and a signal that interrupts a call already running.
 
     controller: ref.cancel()                        worker r
-      board.post(id): slot[gen % SLOTS] = id         before a call: running[r] = id, fence,
-                      gen += 1, fence                  board.fresh() -> id cancelled? skip it
+      board.post(id): table[id % TABLE] = id,        before a call: running[r] = id, fence,
+                      fence                            table[id % TABLE] == id? skip it
       running[r] == id? -> signal worker r           (signal) handler: running[r] is a
       wait until running[r] != id, or report           cancelled id -> raise Cancelled there
         that r is stuck in C code                    after the call: running[r] = 0
@@ -21,9 +21,14 @@ Python code, or in a C call that returns on EINTR (time.sleep, a blocking read, 
 gets ``Cancelled`` at once; a C call that never returns to Python cannot be interrupted,
 and ``cancel`` says so after its wait.
 
-One memfd per session (``unison-<session>-cancel``), a page: word 0 the generation, then
-SLOTS cancelled ids (a ring: a worker more than SLOTS cancellations behind re-reads them
-all, as the ring never forgets the last SLOTS), then one cache line per worker.
+One memfd per session (``unison-<session>-cancel``): a table of TABLE words, where a
+cancelled id lives at ``id % TABLE``, then one cache line per worker. A worker looks up
+the call it is about to run, however many cancellations came since its last look (a ring
+of recent ones, as before, forgot the oldest: behind 256 cancellations of queued calls, a
+worker ran cancelled calls). An id is overwritten only by one TABLE ids later, and a
+worker is never that far behind: every id the session takes goes out in a message of 20
+bytes or more, and the command ring holds 2 MiB. The memfd's pages are made as posts
+touch them.
 """
 
 from __future__ import annotations
@@ -41,9 +46,9 @@ from unison.channel.arena import sealed_memfd
 
 __all__ = ["SIGNAL", "Board", "Cancelled"]
 
-SLOTS = 256
+TABLE = 1 << 20
 _LINE = 8  # words per cache line
-_RUNNING = 1 + SLOTS  # word index of worker 0's line
+_RUNNING = TABLE  # word index of worker 0's line
 SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
 """The signal that interrupts a running call (a real-time one, which no library uses)."""
 
@@ -99,19 +104,12 @@ class Board:
         self.fd = fd
         self._mm = mmap.mmap(fd, size)
         self._q = memoryview(self._mm).cast("Q")
-        self._seen = 0
-        self.cancelled: set[int] = set()
-        """Ids this side has read off the board (a worker's view)."""
-        self._lock = threading.Lock()
 
     # -- controller --------------------------------------------------------------------------
 
     def post(self, call_id: int) -> None:
         """Cancel ``call_id`` on every worker: those that have not started it skip it."""
-        with self._lock:
-            gen = self._q[0]
-            self._q[1 + gen % SLOTS] = call_id
-            self._q[0] = gen + 1  # published after its slot
+        self._q[call_id % TABLE] = call_id
         _fence()
 
     def running(self, rank: int) -> int:
@@ -144,18 +142,8 @@ class Board:
 
     # -- worker --------------------------------------------------------------------------------
 
-    def fresh(self) -> set[int]:
-        """The cancelled ids, read again if the controller posted since the last look."""
-        q = self._q
-        gen = q[0]
-        if gen != self._seen:
-            if len(self.cancelled) > 4 * SLOTS:  # ids of calls that never came here
-                self.cancelled = set()
-                self._seen = max(0, gen - SLOTS)
-            for g in range(max(self._seen, gen - SLOTS), gen):
-                self.cancelled.add(q[1 + g % SLOTS])
-            self._seen = gen
-        return self.cancelled
+    def is_cancelled(self, call_id: int) -> bool:
+        return self._q[call_id % TABLE] == call_id
 
     def enter(self, rank: int, call_id: int) -> bool:
         """About to run ``call_id``: say so, then whether it is cancelled (skip it then)."""
@@ -163,9 +151,7 @@ class Board:
         q[_RUNNING + _LINE * rank] = call_id
         _acquire()  # a full fence: else the load below may pass the store (x86 allows it),
         _release()  # and a post the controller made meanwhile goes unseen by both sides
-        if q[0] != self._seen:
-            self.fresh()
-        return call_id in self.cancelled
+        return q[call_id % TABLE] == call_id
 
     def leave(self, rank: int) -> None:
         self._q[_RUNNING + _LINE * rank] = 0

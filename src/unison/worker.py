@@ -154,14 +154,14 @@ def cancelled() -> bool:
     """Inside a worker's function: whether the controller cancelled this call. Poll it in a
     long loop, to stop cleanly where ``unison.Cancelled`` would otherwise be raised."""
     call = _current[0]
-    return bool(call) and _board is not None and call in _board.fresh()
+    return bool(call) and _board is not None and _board.is_cancelled(call)
 
 
 def _on_cancel_signal(signum: int, frame: object) -> None:
     """The controller cancelled a running call: raise Cancelled in it, at the next bytecode.
     Only while a function runs (``_current``), so the loop's own code is never hit."""
     call = _current[0]
-    if call and _board is not None and call in _board.fresh():
+    if call and _board is not None and _board.is_cancelled(call):
         raise Cancelled(f"call #{call} was cancelled by the controller while it ran")
 
 
