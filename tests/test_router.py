@@ -142,7 +142,7 @@ def test_a_timeout_abandons_the_request_and_a_late_error_is_kept():
     chan.reply(0, 5, ERR, error("late failure"))  # the abandoned GET's reply comes first
     chan.ack(0)
     router.wait(later, None, "testing")
-    kept = errors.pop_earliest()
+    kept = errors.pop_earliest((0, 1))
     assert kept is not None and kept[0][2] == "late failure"
 
 
@@ -157,7 +157,7 @@ def test_a_late_value_of_an_abandoned_request_is_not_an_error():
     chan.reply(0, 5, OK, "fine")
     chan.ack(0)
     router.wait(later, None, "testing")
-    assert errors.pop_earliest() is None
+    assert errors.pop_earliest((0, 1)) is None
 
 
 def test_an_abandoned_sync_keeps_every_error_it_carries():
@@ -168,8 +168,8 @@ def test_an_abandoned_sync_keeps_every_error_it_carries():
         router.wait(req, time.monotonic() + 0.05, "syncing")
     chan.reply(0, 7, OK, [(3, error("three")), (4, error("four"))])
     router.drain()
-    assert errors.pop_earliest()[0][2] == "three"
-    assert errors.pop_earliest()[0][2] == "four"
+    assert errors.pop_earliest((0, 1))[0][2] == "three"
+    assert errors.pop_earliest((0, 1))[0][2] == "four"
 
 
 def test_an_ended_stream_is_a_death():
@@ -261,15 +261,23 @@ def test_the_unreported_store_reports_each_error_once_earliest_first():
     errors.add(7, 1, error("seven on 1"))
     errors.add_all(0, [(3, error("three on 0")), (7, error("seven on 0"))])
     errors.forget(99)
-    first = errors.pop_earliest()
+    first = errors.pop_earliest((0, 1))
     assert sorted(first) == [0] and first[0][2] == "three on 0"
-    second = errors.pop_earliest()
+    second = errors.pop_earliest((0, 1))
     assert sorted(second) == [0, 1]
-    assert errors.pop_earliest() is None
+    assert errors.pop_earliest((0, 1)) is None
+    errors.add(5, 1, error("five on 1"))
+    errors.add(6, 0, error("six on 0"))
+    errors.add(6, 1, error("six on 1"))
+    # a view's sync takes its workers' errors only, earliest first; the rest stay
+    assert [(r, e[2]) for r, e in errors.pop_earliest((0,)).items()] == [(0, "six on 0")]
+    assert [(r, e[2]) for r, e in errors.pop_earliest((1,)).items()] == [(1, "five on 1")]
+    assert [(r, e[2]) for r, e in errors.pop_earliest((0, 1)).items()] == [(1, "six on 1")]
+    assert errors.pop_earliest((0, 1)) is None
     errors.add(8, 0, error("lost"))
     with pytest.warns(RuntimeWarning, match=r"call #8 of f raised ValueError: lost"):
         errors.warn_all("a session")
-    assert errors.pop_earliest() is None
+    assert errors.pop_earliest((0, 1)) is None
 
 
 def _send_an_extra_ack() -> int:

@@ -149,3 +149,21 @@ def test_views_of_one_session_share_its_workers(sess4):
     ref = sess4[0:2].scatter(["a", "b"])
     assert sess4[1].run(str.upper, ref) == ["B"]
     assert sess4.group(0).run(str.upper, ref) == ["A", "B"]
+
+
+def fail(tag):
+    raise KeyError(tag)
+
+
+def test_a_views_sync_raises_its_own_workers_errors_only(sess4):
+    """Each error is raised once, by a sync that covers its worker: a view's sync never
+    raises an error of a worker outside it, and leaves it for one that covers it."""
+    sess4[1].call(fail, "first")
+    sess4[1].call(fail, "second")
+    with pytest.raises(unison.WorkerError, match="first"):
+        sess4[1].sync()
+    sess4[0].call(identity)
+    sess4[0].sync()  # worker 1's second error is not worker 0's
+    with pytest.raises(unison.WorkerError, match="second"):
+        sess4.sync()
+    sess4.sync()

@@ -611,7 +611,7 @@ class Session(View):
         await self._waits.wait(req, fut, timeout, "syncing")
         for rank, (_, errs) in zip(ranks, self._decode(req, ranks)):
             self._errors.add_all(rank, errs)
-        errors = self._errors.pop_earliest()
+        errors = self._errors.pop_earliest(ranks)
         if errors is not None:
             raise _worker_error(errors)
 
@@ -689,7 +689,7 @@ class Session(View):
             self._router.wait(req, deadline, "syncing")
             for rank, (_, errs) in zip(ranks, self._decode(req, ranks)):
                 self._errors.add_all(rank, errs)
-        errors = self._errors.pop_earliest()
+        errors = self._errors.pop_earliest(ranks)
         if errors is not None:
             raise _worker_error(errors)
 

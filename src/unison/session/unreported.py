@@ -41,14 +41,21 @@ class UnreportedErrors:
         with self._lock:
             self._errors.pop(ref_id, None)
 
-    def pop_earliest(self) -> dict[int, Error] | None:
-        """The errors of the earliest call that has any, by rank, or None."""
+    def pop_earliest(self, ranks: tuple[int, ...]) -> dict[int, Error] | None:
+        """The errors on ``ranks`` of the earliest call that has any there, by rank, or
+        None. A view's sync takes only its workers' errors: others' stay for a sync that
+        covers them."""
         if not self._errors:  # one read, no lock: an error added meanwhile is the next one's
             return None
         with self._lock:
-            if not self._errors:
-                return None
-            return self._errors.pop(min(self._errors))
+            for ref_id in sorted(self._errors):
+                errors = self._errors[ref_id]
+                mine = {r: errors.pop(r) for r in ranks if r in errors}
+                if mine:
+                    if not errors:
+                        del self._errors[ref_id]
+                    return mine
+            return None
 
     def warn_all(self, session: str) -> None:
         """Say every error left, as asyncio does for a task's exception nobody retrieved."""
