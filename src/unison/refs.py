@@ -57,8 +57,10 @@ class Ref:
         """Cancel the call behind this Ref on its workers: where it has not started it is
         skipped; where it runs, ``unison.Cancelled`` is raised in it at its next Python
         bytecode. Fetching the Ref then raises ``unison.CancelledError``; the session and
-        every other object stay intact. Waits up to ``timeout`` seconds for the call to
-        leave every worker, then raises TimeoutError naming those stuck in C code."""
+        every other object stay intact. Where the call had already finished, its result
+        stays (as with ``concurrent.futures.Future.cancel``, work done is not undone), and
+        fetching gives it. Waits up to ``timeout`` seconds for the call to leave every
+        worker, then raises TimeoutError naming those stuck in C code."""
         self._session._cancel(self, timeout)
 
     def free(self) -> None:
