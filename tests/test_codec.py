@@ -100,6 +100,42 @@ def test_cpu_torch_tensors_round_trip_in_and_out_of_band() -> None:
     assert torch.equal(_round_trip(bf16), bf16)
 
 
+def test_a_tensor_keeps_its_attributes_and_its_channels_last_layout() -> None:
+    """What torch's own pickling keeps, the out-of-band path keeps too: attributes set on a
+    tensor, and a channels-last layout (its strides), besides the values."""
+    torch = pytest.importorskip("torch")
+    named = torch.arange(6.0)
+    named.name_in_model = "layer3.q_proj"
+    out = _round_trip(named)
+    assert torch.equal(out, named) and out.name_in_model == "layer3.q_proj"
+    for shape, layout in [((2, 3, 4, 5), torch.channels_last),
+                          ((2, 3, 4, 5, 6), torch.channels_last_3d)]:
+        t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+        t = t.contiguous(memory_format=layout)
+        for oob in (True, False):
+            out = _round_trip(t, oob)
+            assert torch.equal(out, t) and out.stride() == t.stride(), (shape, oob)
+
+
+class _Rounded:
+    def __init__(self, x: float) -> None:
+        self.x = x
+
+
+def test_a_reducer_registered_after_the_first_message_is_used() -> None:
+    """copyreg registrations made at any time count, with torch imported as without."""
+    import copyreg
+
+    pytest.importorskip("torch")
+    assert _round_trip(_Rounded(1.25)).x == 1.25  # the table is made (torch is imported)
+    copyreg.pickle(_Rounded, lambda r: (_Rounded, (round(r.x),)))
+    try:
+        assert _round_trip(_Rounded(1.25)).x == 1
+    finally:
+        del copyreg.dispatch_table[_Rounded]
+    assert _round_trip(_Rounded(1.25)).x == 1.25
+
+
 class _StubSession:
     """Enough of a Session for a Ref to be made and dropped."""
 

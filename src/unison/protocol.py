@@ -33,6 +33,7 @@ is pickled. A reader tells the two apart by the first byte: a pickle's is always
 
 from __future__ import annotations
 
+import copyreg
 import io
 import marshal
 import pickle
@@ -193,19 +194,19 @@ def _dumps_with_tensors(obj: object, callback: Any) -> bytes:
     one is copied once into shared memory instead of being pickled in-band."""
     out = io.BytesIO()
     pickler = pickle.Pickler(out, protocol=5, buffer_callback=callback)
-    global _tensor_table
-    if _tensor_table is None:
-        import copyreg
-
+    global _tensor_table, _tensor_table_of
+    if _tensor_table_of != copyreg.dispatch_table:  # a reducer registered since: see it
         import torch
 
-        _tensor_table = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
+        _tensor_table_of = dict(copyreg.dispatch_table)
+        _tensor_table = {**_tensor_table_of, torch.Tensor: _reduce_tensor}
     pickler.dispatch_table = _tensor_table
     pickler.dump(obj)
     return out.getvalue()
 
 
-_tensor_table: dict[type, Any] | None = None
+_tensor_table: dict[type, Any] = {}
+_tensor_table_of: dict[type, Any] | None = None  # the copyreg table it was made from
 
 
 def _reduce_tensor(t: Any) -> Any:
@@ -213,20 +214,29 @@ def _reduce_tensor(t: Any) -> Any:
 
     simple = (type(t) is torch.Tensor and t.device.type == "cpu" and not t.requires_grad
               and t.layout is torch.strided and not t.is_quantized
-              and not t.is_neg() and not t.is_conj())
+              and not t.is_neg() and not t.is_conj()
+              and not t.__dict__)  # attributes set on it: torch's pickling keeps them
     if simple:
         try:
+            if not t.is_contiguous():  # channels-last: its memory in order, as an array,
+                for layout, to_memory, back in (  # and how to see its dimensions again
+                        (torch.channels_last, (0, 2, 3, 1), (0, 3, 1, 2)),
+                        (torch.channels_last_3d, (0, 2, 3, 4, 1), (0, 4, 1, 2, 3))):
+                    if t.dim() == len(back) and t.is_contiguous(memory_format=layout):
+                        return (tensor_from_numpy, (t.permute(*to_memory).numpy(), back))
             return (tensor_from_numpy, (t.contiguous().numpy(),))
         except (TypeError, RuntimeError):
             pass  # a dtype numpy lacks (bfloat16): torch's own pickling
     return t.__reduce_ex__(5)
 
 
-def tensor_from_numpy(arr: Any) -> Any:
-    """A CPU tensor over a received array's memory (copy-on-write shared memory: no copy)."""
+def tensor_from_numpy(arr: Any, permute: tuple[int, ...] | None = None) -> Any:
+    """A CPU tensor over a received array's memory (copy-on-write shared memory: no copy);
+    ``permute``: a channels-last tensor's dimensions, from its memory's order."""
     import torch
 
-    return torch.from_numpy(arr)
+    t = torch.from_numpy(arr)
+    return t if permute is None else t.permute(*permute)
 
 
 def dumps_with_refs(obj: object) -> tuple[bytes, list[pickle.PickleBuffer], list[Ref]]:
