@@ -158,6 +158,24 @@ def test_a_dead_process_worker_is_still_noticed(inline: Callable[..., unison.Ses
     assert again.run(unison.rank) == [0, 1]
 
 
+def exit_or_allreduce() -> object:
+    if unison.rank() == 1:
+        os._exit(3)
+    return unison.allreduce(np.ones(3))
+
+
+def test_a_peer_dying_while_worker_0_waits_in_a_collective(
+        inline: Callable[..., unison.Session]) -> None:
+    """Worker 0's collective runs in the controller's own thread, which no other wait can
+    interrupt: it must see the peer's death itself (it hung for good before)."""
+    sess = inline(2)
+    start = time.monotonic()
+    with pytest.raises(WorkerDied) as info:
+        sess.run(exit_or_allreduce, timeout=30)
+    assert info.value.worker == 1
+    assert time.monotonic() - start < 2.0
+
+
 def test_one_inline_session_per_process(inline: Callable[..., unison.Session]) -> None:
     first = inline(2)
     with pytest.raises(RuntimeError, match="only one session at a time"):

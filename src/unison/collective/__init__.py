@@ -58,10 +58,13 @@ _NO_MEMFD = ("this session has no shared-memory collectives: the platform lacks 
              "(see README, Platforms); move data through the controller with put/scatter/gather")
 
 
-def setup(spec: dict[str, Any] | None, rank: int, n: int, groups: int) -> Collectives | None:
+def setup(spec: dict[str, Any] | None, rank: int, n: int, groups: int, *,
+          watch_peers: bool = False) -> Collectives | None:
     """Called once by the worker at start with the session's collective spec. Returns the
     backend the worker loop tells where each call begins and ends (the torch backends pass
-    that on to the shared-memory one, which relies on it)."""
+    that on to the shared-memory one, which relies on it). ``watch_peers``: waits look at
+    the peers' pids themselves (inline worker 0: the controller that would set the abort
+    flag is the thread waiting)."""
     global _shm, _torch, _on_shm, _why
     if spec is None:
         _why = (_NO_MEMFD, _NO_MEMFD)
@@ -72,7 +75,7 @@ def setup(spec: dict[str, Any] | None, rank: int, n: int, groups: int) -> Collec
         _shm, _torch, _on_shm = cluster.setup(spec, rank, n, groups)
         _why = cluster.missing(spec.get("shared"))
         return _torch or _shm
-    _shm = ShmCollectives(spec["fd"], rank, n, groups)
+    _shm = ShmCollectives(spec["fd"], rank, n, groups, watch_peers=watch_peers)
     if spec.get("torch_address"):
         from unison.collective.torch import TorchCollectives
 
@@ -86,6 +89,8 @@ def teardown() -> None:
     """Forget the backends ``setup`` made (worker 0 inline in the controller, whose process
     outlives its session)."""
     global _shm, _torch, _on_shm, _why
+    if _shm is not None:
+        _shm.close()
     _shm, _torch, _on_shm, _why = None, None, (False, False), ("", "")
 
 

@@ -181,6 +181,12 @@ class ShmCollectives(CallScope, Collectives):
         self._pidfds: dict[int, tuple[int, int]] = {}  # rank -> (pid, its pidfd)
         self._next_look = 0.0
 
+    def close(self) -> None:
+        """Let go of the peers' pidfds (``watch_peers``); the mapping goes with the object."""
+        for _, pidfd in self._pidfds.values():
+            os.close(pidfd)
+        self._pidfds.clear()
+
     # -- called by the worker loop around each call ------------------------------------------
 
     def begin(self, call_id: int, ranks: tuple[int, ...] | None) -> None:
