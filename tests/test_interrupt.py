@@ -90,3 +90,22 @@ def test_ctrl_c_during_a_wait_stops_the_workers_and_closes_the_session(make_sess
     assert wait_gone(pids, 2.0) == []
     with pytest.raises(unison.SessionClosed):
         sess.run(unison.rank)
+
+
+def test_ctrl_c_during_close_still_stops_the_workers_and_lets_go(make_session):
+    """close() waiting out its grace for a long call: Ctrl-C there kills the workers and
+    releases their fds before KeyboardInterrupt goes on (a second close could not: the
+    session is closed already). Before, they lived until the call ended."""
+    sess = make_session(2)
+    pids = sess.run(os.getpid)
+    sess.call(time.sleep, 30)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sess.close(timeout=10)
+    finally:
+        timer.cancel()
+    assert wait_gone(pids, 2.0) == []
+    assert len(os.listdir("/proc/self/fd")) < fds_before  # pidfds and pipes let go

@@ -267,9 +267,13 @@ class LocalLauncher(Launcher):
         self.stopped = True
         self._watch = []
         deadline = time.monotonic() + max(grace, 0.0)
-        for w in self.workers:
-            if w.wait_exit(max(deadline - time.monotonic(), 0.0)) is None:
-                w.kill()
+        interrupted: BaseException | None = None
+        try:
+            for w in self.workers:
+                if w.wait_exit(max(deadline - time.monotonic(), 0.0)) is None:
+                    w.kill()
+        except BaseException as exc:  # Ctrl-C in the grace wait: this stop is the only one,
+            interrupted = exc  # so it kills and lets go of everything before it re-raises
         for w in self.workers:
             w.kill()  # also reaps anything the worker left behind in its process group
             w.popen.wait()
@@ -290,6 +294,8 @@ class LocalLauncher(Launcher):
                     stream.close()
         if selector is not None:
             selector.close()
+        if interrupted is not None:
+            raise interrupted
 
 
 def _emit(worker: WorkerProcess, is_err: bool, lines: list[str]) -> None:
