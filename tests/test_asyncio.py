@@ -173,3 +173,23 @@ def test_a_second_event_loop_after_the_first_is_done(sess):
     assert asyncio.run(sess.run_async(unison.rank)) == [0, 1]
     assert asyncio.run(sess.run_async(unison.rank)) == [0, 1]
     assert sess.run(unison.rank) == [0, 1]  # and the blocking path still works
+
+
+def test_an_await_after_the_session_died_raises_session_closed(sess):
+    """Every await after a death raises SessionClosed at once. The session's fds are closed
+    and their numbers may be the user's by now: binding the loop to them again (OSError
+    EBADF, or worse, taking over the user's own reader) must never happen."""
+    pids = sess.run(os.getpid)
+    os.kill(pids[1], signal.SIGKILL)
+
+    async def main() -> list[str]:
+        got = []
+        for _ in range(3):
+            try:
+                await sess.run_async(os.getpid, timeout=10)
+            except (unison.WorkerDied, unison.SessionClosed) as exc:
+                got.append(type(exc).__name__)
+        return got
+
+    got = asyncio.run(main())
+    assert got[0] in ("WorkerDied", "SessionClosed") and got[1:] == ["SessionClosed"] * 2, got

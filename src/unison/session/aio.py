@@ -109,7 +109,10 @@ class Waits:
 
     def prepare(self, req: Request) -> asyncio.Future[None]:
         """A future of the running loop for ``req``, set from whichever thread delivers its
-        last reply. Call before sending, and ``wait`` (or ``cancel``) after."""
+        last reply. Call before sending, and ``wait`` (or ``cancel``) after. A closed
+        session raises SessionClosed here: its fds are closed, and their numbers may be
+        the user's by now (binding the loop to them would take over the user's readers)."""
+        self._owner.check_open()
         loop = asyncio.get_running_loop()
         with self._lock:
             if self._loop is not loop:
