@@ -4,6 +4,8 @@ clear error naming the owner, and the parent's next results are its own."""
 from __future__ import annotations
 
 import os
+import sys
+import time
 
 import pytest
 
@@ -44,3 +46,28 @@ def test_a_forked_child_cannot_use_the_parents_session(sess):
     assert ref.gather() == [16, 16]
     assert sess.run(square, 5) == [25, 25]
     assert not sess.closed
+
+
+def fork_then_return(how: str) -> int:
+    """Fork a child that, a moment later, returns or exits the usual way: into the worker's
+    own loop, which must not take it for the worker."""
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(0.2)
+        if how == "exit":
+            sys.exit(0)
+        return -1  # returns from the call, in the child
+    return pid
+
+
+@pytest.mark.parametrize("how", ["exit", "return"])
+def test_a_child_forked_by_a_call_ends_where_the_call_ends(make_session, how):
+    """Before, the child answered on its parent's channel and went on serving as a second
+    copy of the worker: a healthy worker was killed for a broken reply ring, or the replies
+    were out of step."""
+    sess = make_session(2)
+    children = sess.run(fork_then_return, how, timeout=30)
+    assert all(c > 0 for c in children)
+    time.sleep(0.5)  # the children have come back by now
+    for _ in range(3):
+        assert sess.run(unison.rank, timeout=30) == [0, 1]

@@ -150,6 +150,30 @@ _current = [0]
 _board: Board | None = None
 
 
+_forked = [False]  # set in a child that a worker's function forks (os.register_at_fork)
+
+
+def _end_fork() -> NoReturn:
+    """A process the user's function forked returned (or raised, or sys.exit) into the
+    worker's loop. The channel, the registers, the board and the collectives are its
+    parent's: a word on any of them would break the session (a second reply, a worker
+    killed for a reply ring that breaks the format). It ends as its function ended."""
+    exc = sys.exc_info()[1]
+    code = 0 if exc is None else 1
+    if isinstance(exc, SystemExit):
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _forked.__setitem__(0, True))
+
+
 def cancelled() -> bool:
     """Inside a worker's function: whether the controller cancelled this call. Poll it in a
     long loop, to stop cleanly where ``unison.Cancelled`` would otherwise be raised."""
@@ -187,6 +211,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
     controller's, which closes the session)."""
     regs = registers
     me = _identity.get("rank", 0)
+    _forked[0] = False  # this process serves: only a fork from here on is a stranger
     loop = loop or Loop()
     fns, unreported = loop.fns, loop.unreported
     loads, dumps = protocol.loads, protocol.dumps
@@ -233,6 +258,8 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                         args, kwargs = loads(blob, bufs)
                         value = fn(*args, **kwargs)  # type: ignore[misc]
                 finally:
+                    if _forked[0]:  # a child the call forked came back here: not ours
+                        _end_fork()
                     _current[0] = 0  # a signal in here still lands in the except below
                     if board is not None:
                         board.leave(me)
