@@ -267,6 +267,27 @@ def test_close_warns_about_an_error_nobody_fetched_naming_call_and_worker(make_s
         sess.close()
 
 
+def test_a_with_block_that_raises_still_says_the_errors_nobody_fetched(channel):
+    """Leaving a with block on an exception closes with a short grace, not none: idle
+    workers still hand over the errors nobody fetched (before, they were lost in silence)."""
+    with (pytest.warns(RuntimeWarning, match=r"fails_on raised ValueError: unseen"),
+          pytest.raises(KeyError), unison.Session(2, channel=channel) as sess):
+        sess.call(fails_on, 1, "unseen")
+        sess.call(unison.rank).gather()
+        raise KeyError("the block's own error")
+
+
+def test_close_without_grace_says_that_errors_were_left_behind(make_session):
+    """close(timeout=0) stops the workers at once, so it cannot collect their errors; where
+    the channel shows that a worker held some (shared memory), it says so."""
+    sess = make_session(2, channel="shm")
+    sess.call(fails_on, 1, "left behind")
+    sess.call(unison.rank).gather()
+    with pytest.warns(RuntimeWarning, match=r"worker\(s\) \[1\] held errors of calls nobody "
+                                            r"fetched"):
+        sess.close(timeout=0)
+
+
 def test_close_does_not_warn_about_errors_that_were_fetched(make_session, recwarn):
     sess = make_session(2)
     ref = sess.call(fails_on, 0, "seen")

@@ -357,7 +357,9 @@ class Session(View):
     def close(self, timeout: float = 3.0) -> None:
         """Let calls in flight finish for up to ``timeout`` seconds, then stop every worker.
         Errors of calls that nobody fetched are not lost: each becomes a RuntimeWarning.
-        Idempotent."""
+        A worker stopped before it could hand them over (still busy at the end of the
+        grace, or ``timeout=0``) cannot say them; where the channel shows that it held some
+        (shared memory), one RuntimeWarning says so. Idempotent."""
         grace = _seconds(timeout, "timeout")
         if grace == math.inf:
             raise ValueError("close(timeout=...) needs a finite number of seconds")
@@ -384,6 +386,11 @@ class Session(View):
             return
         deadline = time.monotonic() + grace
         goodbye = None
+        chan = self._chan
+        # where the channel shows it, which workers hold errors nobody fetched: if they are
+        # stopped before they hand them over, say so rather than lose them in silence
+        holding = ([r for r in self.workers if chan.unreported((r,))]
+                   if chan.tracks_progress and self._dead is None else [])
         # a thread blocked sending (to busy workers) holds the send lock: don't wait past grace
         if grace > 0 and self._dead is None and self._send_lock.acquire(timeout=grace):
             try:
@@ -406,12 +413,22 @@ class Session(View):
             "the session was closed while this wait was pending"))
         _live.discard(self)
         self._errors.warn_all(self.name)
+        lost = [r for r in holding if goodbye is None or r in router.pending(goodbye)]
+        if lost:
+            warnings.warn(
+                f"worker(s) {lost} held errors of calls nobody fetched, and {self.name} was "
+                f"closed before they could hand them over (close's grace: {grace:g} s): get "
+                "or gather the Refs, or call sess.sync(), before closing to see them",
+                RuntimeWarning, stacklevel=3,
+            )
 
     def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close(timeout=3.0 if exc[0] is None else 0)
+        # after an exception, a short grace: enough for idle workers to answer SHUTDOWN with
+        # the errors nobody fetched (none at all lost them), not enough to keep the user
+        self.close(timeout=3.0 if exc[0] is None else 0.5)
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
