@@ -52,6 +52,8 @@ _RUNNING = TABLE  # word index of worker 0's line
 SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
 """The signal that interrupts a running call (a real-time one, which no library uses)."""
 
+_RESIGNAL = 0.1  # s: how long a worker may stay inside a cancelled call before another signal
+
 _fence_lock = threading.Lock()
 
 
@@ -121,14 +123,18 @@ class Board:
         """Post ``call_id``, signal each worker of ``ranks`` seen inside it (``pids`` by
         rank), and wait up to ``timeout`` for them to leave it; the ranks still inside."""
         self.post(call_id)
-        signalled: set[int] = set()
+        signalled: dict[int, float] = {}  # rank -> when we last signalled it
         end = time.monotonic() + timeout
         nap = 20e-6
         while True:
             inside = [r for r in ranks if self.running(r) == call_id]
+            now = time.monotonic()
             for r in inside:
-                if r not in signalled:
-                    signalled.add(r)
+                # again if it is still inside a while later: a signal that found the call
+                # not yet begun, or lost (seen in the chaos loop, cause not found), is
+                # harmless to repeat: the handler raises only in a cancelled call
+                if now - signalled.get(r, -1.0) >= _RESIGNAL:
+                    signalled[r] = now
                     if pids[r] == os.getpid():  # worker 0 inline in us: never signal ourself
                         continue
                     try:
@@ -149,8 +155,11 @@ class Board:
         """About to run ``call_id``: say so, then whether it is cancelled (skip it then)."""
         q = self._q
         q[_RUNNING + _LINE * rank] = call_id
-        _acquire()  # a full fence: else the load below may pass the store (x86 allows it),
-        _release()  # and a post the controller made meanwhile goes unseen by both sides
+        # a full fence (a locked instruction): else the load below may pass the store (x86
+        # allows it), and a post the controller made meanwhile goes unseen by both sides. A
+        # fresh lock: the cancellation signal may raise in here, and must not leave a shared
+        # one held for the next call
+        threading.Lock().acquire()
         return q[call_id % TABLE] == call_id
 
     def leave(self, rank: int) -> None:
