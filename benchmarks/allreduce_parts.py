@@ -75,9 +75,7 @@ def timed_parts(kib: int, rounds: int) -> dict[str, float]:
         t2 = clock()
         shm._reduce_into(out, [coll._view(coll.lay.slot[j], x) for j in ranks], np.add)
         t3 = clock()
-        coll._arrive(which, gen | 1)
-        coll._await(which, ranks, gen | 1, desc)
-        coll._owe[which] = None
+        coll._finish(which, ranks, gen | 1, desc)
         t4 = clock()
         if i >= warm:
             spent["copy"] += t1 - t0

@@ -54,16 +54,11 @@ SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
 
 _RESIGNAL = 0.1  # s: how long a worker may stay inside a cancelled call before another signal
 
-_fence_lock = threading.Lock()
-
-
-_acquire, _release = _fence_lock.acquire, _fence_lock.release
-
-
 def _fence() -> None:
-    """A full memory barrier: a lock round trip is a locked instruction on x86."""
-    _acquire()
-    _release()
+    """A full memory barrier: taking a lock is a locked instruction on x86. A fresh lock,
+    never released: an exception raised in here (Ctrl-C in the controller, Cancelled in a
+    worker) must not leave a shared one held for the next fence."""
+    threading.Lock().acquire()
 
 
 def _load_tgkill() -> Callable[[int, int, int], int] | None:
@@ -155,12 +150,8 @@ class Board:
         """About to run ``call_id``: say so, then whether it is cancelled (skip it then)."""
         q = self._q
         q[_RUNNING + _LINE * rank] = call_id
-        # a full fence (a locked instruction): else the load below may pass the store (x86
-        # allows it), and a post the controller made meanwhile goes unseen by both sides. A
-        # fresh lock: the cancellation signal may raise in here, and must not leave a shared
-        # one held for the next call
-        threading.Lock().acquire()
-        return q[call_id % TABLE] == call_id
+        _fence()  # else the load below may pass the store (x86 allows it), and a post the
+        return q[call_id % TABLE] == call_id  # controller made meanwhile goes unseen by both
 
     def leave(self, rank: int) -> None:
         self._q[_RUNNING + _LINE * rank] = 0

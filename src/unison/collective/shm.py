@@ -247,6 +247,13 @@ class ShmCollectives(CallScope, Collectives):
     def _arrive(self, which: int, gen: int) -> None:
         self._q[self._w[self.rank] + which] = gen
 
+    def _finish(self, which: int, ranks: tuple[int, ...], last: int, desc: int) -> None:
+        """A collective's last phase: arrive at ``last``, wait for every peer. Then each has
+        read all this worker showed in it, so nothing is owed (see _settle)."""
+        self._arrive(which, last)
+        self._await(which, ranks, last, desc)
+        self._owe[which] = None
+
     def _await(self, which: int, ranks: Sequence[int], gen: int, what: str | int) -> None:
         """Wait until every rank in ``ranks`` reached ``gen`` on counter ``which``. ``what``
         names the collective in errors: a name, or its descriptor (named only to raise).
@@ -350,7 +357,8 @@ class ShmCollectives(CallScope, Collectives):
             if q[theirs + 1] != sig:
                 raise CollectiveError(
                     f"{describe(desc)}: worker {j} passed data of another shape, dtype or "
-                    f"device than worker {self.rank}: every worker must pass the same"
+                    f"device than worker {self.rank}: every worker must pass data of the same "
+                    "shape and dtype, on the same kind of device"
                 )
 
     def arrive(self, group: bool, kind: str, op: str | None = None, root: int | None = None,
@@ -405,9 +413,7 @@ class ShmCollectives(CallScope, Collectives):
         slots = self._publish(a, sig, which, ranks, gen, desc)
         if whole:
             _reduce_into(out, slots, ufunc)
-            self._arrive(which, gen | 1)
-            self._await(which, ranks, gen | 1, "allreduce")
-            self._owe[which] = None  # every peer has read
+            self._finish(which, ranks, gen | 1, desc)
             return
         k = ranks.index(self.rank)
         lo, hi = _share(a.size, len(ranks), k)
@@ -415,11 +421,9 @@ class ShmCollectives(CallScope, Collectives):
         result = self._view(self.lay.result[g], a)
         _reduce_into(result[lo:hi], [s[lo:hi] for s in slots], ufunc)
         self._arrive(which, gen | 1)
-        self._await(which, ranks, gen | 1, "allreduce")
+        self._await(which, ranks, gen | 1, desc)
         np.copyto(out, result)
-        self._arrive(which, gen | 3)
-        self._await(which, ranks, gen | 3, "allreduce")
-        self._owe[which] = None
+        self._finish(which, ranks, gen | 3, desc)
 
     def reduce_scatter(self, x: Any, op: str, group: bool) -> Any:
         arr, restore = _as_array(x)
@@ -441,9 +445,7 @@ class ShmCollectives(CallScope, Collectives):
         lo, hi = first * row, last * row
         out = np.empty((last - first, *arr.shape[1:]), arr.dtype)
         _reduce_into(out.reshape(-1), [s[lo:hi] for s in slots], ufunc)
-        self._arrive(which, gen | 1)
-        self._await(which, ranks, gen | 1, "reduce_scatter")
-        self._owe[which] = None
+        self._finish(which, ranks, gen | 1, desc)
         if op == "mean":
             out = _mean(out, len(ranks), arr.dtype)
         return restore(out)
@@ -549,9 +551,7 @@ class ShmCollectives(CallScope, Collectives):
                     base = self.lay.slot[j]
                     got[j][done : done + n] = self._buf[base : base + n]
             done += cap
-            self._arrive(which, gen | 1)
-            self._await(which, ranks, gen | 1, desc)
-            self._owe[which] = None
+            self._finish(which, ranks, gen | 1, desc)
             r += 1
         return got
 
