@@ -2,18 +2,20 @@
 
     python benchmarks/allreduce_parts.py --workers 1 2 4 [--kib 4] [--rounds 5000]
 
-Each worker times ``unison.allreduce(x)`` of a float32 array (``whole``), then runs the same
-steps by hand through the shared-memory backend, timing each:
+Each worker times ``unison.allreduce(x)`` of a float32 array (``whole``), then the call that
+runs its steps in C where they were built (``c_steps``: unison/_coll.c, with the generation's
+bookkeeping around it); ``python`` is what is left: choosing the backend, checking the input,
+the result array. Then it runs the steps of the numpy path (dtypes and ops the C steps do not
+take, or a build without them) by hand, timing each:
 
     copy     the input into this worker's slot (and its size and signature words)
     meet     publish what it calls, arrive, wait for every peer, check their records
     reduce   read every peer's slot and reduce, in rank order
     depart   arrive at the second phase and wait for every peer (the slots may be reused)
 
-``whole - (copy + meet + reduce + depart)`` is the Python around them: choosing the backend,
-checking the input, the signature, the result array. At N=1 nobody waits and no cache line
-crosses a core: what is left is the Python alone, the least any allreduce through this
-backend can cost. Medians over the workers of each one's mean per round; µs.
+At N=1 nobody waits and no cache line crosses a core: ``python`` there is the least any
+allreduce through this backend costs. Medians over the workers of each one's mean per
+round; µs.
 
 It reaches into the backend's private steps (``ShmCollectives._publish`` and friends), as
 benchmarks/layers.py does into the channel: a measurement tool, not an API.
@@ -36,7 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import unison
 from harness.report import cpu_model
 
-PARTS = ("whole", "copy", "meet", "reduce", "depart")
+STEPS = ("copy", "meet", "reduce", "depart")  # the numpy path's
+PARTS = ("whole", "c_steps", *STEPS)
 
 
 def timed_parts(kib: int, rounds: int) -> dict[str, float]:
@@ -51,19 +54,28 @@ def timed_parts(kib: int, rounds: int) -> dict[str, float]:
     warm = max(100, rounds // 10)
     for _ in range(warm):
         unison.allreduce(x)
-    start = time.perf_counter_ns()
+    clock = time.perf_counter_ns
+    start = clock()
     for _ in range(rounds):
         unison.allreduce(x)
-    whole = (time.perf_counter_ns() - start) / rounds
+    whole = (clock() - start) / rounds
 
     which, ranks = coll.scope(False)
     desc = descriptor("allreduce", "sum")
     sig = array_signature(x)
     out = np.empty_like(x)
+    c_steps = float("nan")
+    if coll._c is not None:
+        how = coll._small_how("sum", x)
+        for _ in range(warm):
+            coll._allreduce_c(x, out, how, which, ranks)
+        start = clock()
+        for _ in range(rounds):
+            coll._allreduce_c(x, out, how, which, ranks)
+        c_steps = (clock() - start) / rounds
     me = coll._w[coll.rank]
     mine = coll._view(coll.lay.slot[coll.rank], x)
-    spent = dict.fromkeys(PARTS[1:], 0)
-    clock = time.perf_counter_ns
+    spent = dict.fromkeys(STEPS, 0)
     for i in range(warm + rounds):
         t0 = clock()
         gen = coll._next(which, ranks, 1, desc)
@@ -82,7 +94,8 @@ def timed_parts(kib: int, rounds: int) -> dict[str, float]:
             spent["meet"] += t2 - t1
             spent["reduce"] += t3 - t2
             spent["depart"] += t4 - t3
-    return {"whole": whole / 1e3, **{k: v / rounds / 1e3 for k, v in spent.items()}}
+    return {"whole": whole / 1e3, "c_steps": c_steps / 1e3,
+            **{k: v / rounds / 1e3 for k, v in spent.items()}}
 
 
 def measure(workers: list[int], kib: int, rounds: int) -> list[dict[str, Any]]:
@@ -93,14 +106,15 @@ def measure(workers: list[int], kib: int, rounds: int) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"N": n}
         for part in PARTS:
             row[part] = statistics.median(w[part] for w in per_worker)
-        row["python"] = row["whole"] - sum(row[p] for p in PARTS[1:])
+        row["python"] = row["whole"] - row["c_steps"]
         rows.append(row)
     return rows
 
 
 def render(rows: list[dict[str, Any]], kib: int) -> str:
-    cols = [*PARTS, "python"]
-    lines = [f"allreduce of {kib} KiB float32, µs per round (median over the workers)", "",
+    cols = ["whole", "c_steps", "python", *STEPS]
+    lines = [f"allreduce of {kib} KiB float32, µs per round (median over the workers); "
+             "copy to depart: the numpy path's steps", "",
              "| N | " + " | ".join(cols) + " |", "|--:|" + "--:|" * len(cols)]
     for row in rows:
         lines.append(f"| {row['N']} | " + " | ".join(f"{row[c]:.2f}" for c in cols) + " |")

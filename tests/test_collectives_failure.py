@@ -237,7 +237,9 @@ def test_a_peer_already_in_the_next_call_is_never_taken_for_one_that_joined(make
 
 def read_late_or_fail_after_meeting(values: list[float]) -> tuple[str, Any]:
     """Worker 0 pauses between the meeting and reading its peers' inputs; worker 1 fails
-    right after the meeting, and its next call (queued) runs another allreduce at once."""
+    right after the meeting, and its next call (queued) runs another allreduce at once.
+    complex128: numpy's path, whose Python steps can be made to fail here (a float64 sum
+    runs its meeting and its reads in one C call: unison/_coll.c)."""
     from unison.collective import shm
 
     r = unison.rank()
@@ -259,7 +261,7 @@ def read_late_or_fail_after_meeting(values: list[float]) -> tuple[str, Any]:
 
         shm._reduce_into = fail
     try:
-        return "ok", unison.allreduce(np.full(4, values[r])).tolist()
+        return "ok", unison.allreduce(np.full(4, values[r], np.complex128)).real.tolist()
     except Exception as exc:
         return type(exc).__name__, str(exc)
 

@@ -43,6 +43,9 @@ no abort flag that anyone sets, so its waiters watch their peers' pids instead
 Reductions run in rank order on every element, so every rank gets bit-identical results.
 Large reductions among 3 or more split the work: each worker reduces one share into the
 group's result area (reduce-scatter), then everyone copies the whole result (allgather).
+The others (whole, up to SMALL or between 2) run in one C call where unison/_coll.c was
+built and takes their op and dtype: copy, meet, check, reduce and depart, writing what the
+numpy path writes and computing its bits (see _allreduce_c).
 
 Point to point is eager. Each ordered pair has a queue of RING entries; a message that fits
 the entry's inline area is copied there, a larger one goes into a memfd of its own (named
@@ -83,7 +86,7 @@ from unison.collective.checks import (
     member,
 )
 from unison.errors import CollectiveError
-from unison.pacing import Pacer
+from unison.pacing import LONG_YIELD, Pacer, crowd
 
 SLOT = 32 << 20  # bytes per worker slot and per result area; larger data goes in rounds
 SMALL = 64 << 10  # reductions up to this size (any size between 2 workers): every worker
@@ -108,6 +111,38 @@ _GEN_W, _GEN_G, _LEFT, _PID, _NBYTES, _SIG, _DESC = range(7)  # _DESC: 8 words, 
 _E_IDX, _E_CALL, _E_TOTAL, _E_WHERE, _E_TAG = range(5)
 TAG_SEND, TAG_SCATTER, TAG_GATHER = 0, 1, 2
 _TAG_NAMES = ("send", "scatter", "gather")
+
+# a small allreduce in C (unison/_coll.c): its statuses; how its waits spin before this
+# module's Pacer takes over: checks a pause apart (only where every participant can hold a
+# core: at N=4 on 2 cores 256 of them doubled a 4 KiB allreduce's time, and at N=2 saved 1 us
+# of 7), then yields for at most _C_SPIN_NS; and which (op, dtype) it reduces, by code
+_C_DONE, _C_MEET, _C_MISMATCH, _C_DEPART, _C_LONG = 0, 1, 2, 3, 16
+_C_PAUSES = 128
+_C_SPIN_NS = 100_000
+_CORES = len(os.sched_getaffinity(0))
+_C_LONG_NS = int(LONG_YIELD * 1e9)
+_C_TYPES = ("<f4", "<f8", "<i4", "<i8", "<u4", "<u8")  # as _coll.c's T_F32 .. T_U64
+_C_OPS = ("sum", "prod", "min", "max")  # as _coll.c's OP_SUM .. OP_MAX
+_C_CODES = {  # no float min or max: numpy's NaN rules stay numpy's
+    (op, t): _C_OPS.index(op) << 4 | i
+    for i, t in enumerate(_C_TYPES) for op in _C_OPS if t[1] != "f" or op in ("sum", "prod")
+}
+_C_CODES.update({("mean", t): _C_CODES["sum", t] for t in ("<f4", "<f8")})  # then / N
+
+
+def _native() -> Any:
+    """The C steps of a small allreduce, unless they did not build, UNISON_PURE=1 is set, or
+    they were built for another record layout (a stale build): then numpy and Python."""
+    if os.environ.get("UNISON_PURE"):
+        return None
+    try:
+        from unison import _coll as native
+    except ImportError:
+        return None
+    return native if native.RECORD == (_GEN_W, _GEN_G, _LEFT, _PID, _NBYTES, _SIG, _DESC) else None
+
+
+_coll = _native()
 
 
 def _p2p_bytes(n: int) -> int:
@@ -180,6 +215,9 @@ class ShmCollectives(CallScope, Collectives):
         self._watch = watch_peers
         self._pidfds: dict[int, tuple[int, int]] = {}  # rank -> (pid, its pidfd)
         self._next_look = 0.0
+        self._c = _coll.Reducer(self._mm, rank, self._w, lay.slot, SLOT) if _coll else None
+        self._small: dict[tuple[str, np.dtype[Any], tuple[int, ...]],
+                          tuple[int, int, int] | tuple[()]] = {}
 
     def close(self) -> None:
         """Let go of the peers' pidfds (``watch_peers``); the mapping goes with the object."""
@@ -346,6 +384,12 @@ class ShmCollectives(CallScope, Collectives):
         q[at + 1] = sig
         self._arrive(which, gen)
         self._await(which, ranks, gen, desc)
+        self._check_records(which, ranks, gen, desc, sig)
+
+    def _check_records(self, which: int, ranks: tuple[int, ...], gen: int, desc: int,
+                       sig: int) -> None:
+        """Raise CollectiveError on every rank if a peer called something else at ``gen``."""
+        q = self._q
         for j in ranks:
             theirs = self._desc_at(j, which, gen)
             if q[theirs] != desc:
@@ -380,8 +424,30 @@ class ShmCollectives(CallScope, Collectives):
     # -- reductions ----------------------------------------------------------------------------
 
     def allreduce(self, x: Any, op: str, group: bool) -> Any:
+        if type(x) is np.ndarray and type(op) is str and self._c is not None:
+            how = self._small.get((op, x.dtype, x.shape))
+            if how is None:
+                how = self._small_how(op, x)
+            if how:  # the common case, kept short: in C (see _allreduce_c)
+                which, ranks = self.scope(group)
+                out = np.empty(x.shape, x.dtype)
+                self._allreduce_c(_contiguous(x), out, how, which, ranks)
+                return _mean(out, len(ranks), x.dtype) if op == "mean" else out
         check_op(op)
         return self._allreduce(x, op, group, descriptor("allreduce", op))
+
+    def _small_how(self, op: str, x: np.ndarray) -> tuple[int, int, int] | tuple[()]:
+        """How _allreduce_c reduces ``x`` by ``op``: (code, signature, descriptor), or () if
+        it does not (another dtype or op, or larger than SMALL). Kept per (op, dtype, shape):
+        working it out costs more than the C steps."""
+        code = _C_CODES.get((op, x.dtype.str))
+        how: tuple[int, int, int] | tuple[()] = ()
+        if code is not None and x.nbytes <= SMALL:
+            how = (code, array_signature(x), descriptor("allreduce", op))
+        if len(self._small) >= 256:
+            self._small.clear()
+        self._small[op, x.dtype, x.shape] = how
+        return how
 
     def _allreduce(self, x: Any, op: str, group: bool, desc: int) -> Any:
         arr, restore = _as_array(x)
@@ -391,7 +457,10 @@ class ShmCollectives(CallScope, Collectives):
             arr = arr.astype(np.float64)  # as numpy's mean does
         out = np.empty_like(arr)
         sig = array_signature(arr)
-        if arr.nbytes <= SLOT:
+        code = _C_CODES.get((op, arr.dtype.str)) if self._c is not None else None
+        if code is not None and (arr.nbytes <= SMALL or (len(ranks) <= 2 and arr.nbytes <= SLOT)):
+            self._allreduce_c(arr, out, (code, sig, desc), which, ranks)
+        elif arr.nbytes <= SLOT:
             flat = arr.ndim == 1
             self._allreduce_flat(arr if flat else arr.reshape(-1),
                                  out if flat else out.reshape(-1), ufunc, which, ranks, sig,
@@ -424,6 +493,35 @@ class ShmCollectives(CallScope, Collectives):
         self._await(which, ranks, gen | 1, desc)
         np.copyto(out, result)
         self._finish(which, ranks, gen | 3, desc)
+
+    def _allreduce_c(self, a: np.ndarray, out: np.ndarray, how: tuple[int, int, int],
+                     which: int, ranks: tuple[int, ...]) -> None:
+        """_allreduce_flat's "whole" case in C, which every rank takes for this (op, dtype)
+        and size (``how``: see _small_how): publish, meet, check, reduce, depart (unison/
+        _coll.c). C waits only briefly; a wait it gives up continues here, with every check
+        that _await makes. Same bits as numpy's path, same errors."""
+        code, sig, desc = how
+        gen = self._next(which, ranks, 1, desc)
+        spin = 0 if time.perf_counter() < crowd.until else _C_SPIN_NS  # crowded: no spin
+        pauses = _C_PAUSES if len(ranks) <= _CORES else 0
+        c = self._c
+        assert c is not None
+        status = c.allreduce(a, out, code, which, gen, desc, sig, ranks, 0, pauses, spin,
+                             _C_LONG_NS)
+        if status & _C_LONG:
+            crowd.met_long_yield(time.perf_counter())
+            status &= ~_C_LONG
+        if status == _C_MEET:
+            self._await(which, ranks, gen, desc)
+            status = c.allreduce(a, out, code, which, gen, desc, sig, ranks, 1, 0, 0, 0)
+        if status == _C_MISMATCH:
+            self._check_records(which, ranks, gen, desc, 0)
+            self._check_sizes(ranks, a.nbytes, sig, desc)
+            raise CollectiveError(f"{describe(desc)} on worker {self.rank}: a peer's record "
+                                  "changed under the meeting")  # the checks above raise first
+        if status == _C_DEPART:
+            self._await(which, ranks, gen | 1, desc)
+        self._owe[which] = None
 
     def reduce_scatter(self, x: Any, op: str, group: bool) -> Any:
         arr, restore = _as_array(x)
@@ -461,15 +559,19 @@ class ShmCollectives(CallScope, Collectives):
         mine = self._view(self.lay.slot[self.rank], a)
         np.copyto(mine, a)
         self._meet(which, ranks, gen, desc, 0)
+        self._check_sizes(ranks, a.nbytes, sig, desc)
+        return [mine if j == self.rank else self._view(self.lay.slot[j], a) for j in ranks]
+
+    def _check_sizes(self, ranks: tuple[int, ...], nbytes: int, sig: int, desc: int) -> None:
+        """Raise CollectiveError if a peer's reduction input differs in size or signature."""
         q, w = self._q, self._w
         for j in ranks:
-            if q[w[j] + _NBYTES] != a.nbytes or q[w[j] + _SIG] != sig:
+            if q[w[j] + _NBYTES] != nbytes or q[w[j] + _SIG] != sig:
                 raise CollectiveError(
                     f"{describe(desc)}: worker {j} passed an array of another shape or dtype "
-                    f"({q[w[j] + _NBYTES]} bytes) than worker {self.rank} ({a.nbytes} bytes): "
+                    f"({q[w[j] + _NBYTES]} bytes) than worker {self.rank} ({nbytes} bytes): "
                     "every worker must pass the same shape and dtype"
                 )
-        return [mine if j == self.rank else self._view(self.lay.slot[j], a) for j in ranks]
 
     def _view(self, offset: int, like: np.ndarray) -> np.ndarray:
         key = (offset, like.dtype.str, like.size)

@@ -1,0 +1,343 @@
+/* unison._coll: a small allreduce's shared-memory steps in C (issue 9).
+ *
+ * collective/shm.py owns the segment's layout, the protocol and every slow path; this file
+ * runs the steps a small allreduce pays each time, in one call and without the interpreter:
+ *
+ *   stage 0: nbytes and signature into our record, our input into our slot, what we call
+ *            (descriptor, 0) at the parity's place; release-store our generation; wait a
+ *            short while for every peer to reach it.
+ *   stage 1: (the peers met) check every peer's descriptor, nbytes and signature; reduce
+ *            the slots in rank order into out; release-store generation | 1; wait a short
+ *            while for every peer to reach it.
+ *
+ * The waits here are short (the caller's budget, 0 on a crowded machine): a yield-spin
+ * that gives up after the budget, after one yield that kept us off the core longer than
+ * long_ns, or when the controller's abort flag is up. The caller then waits with its own
+ * Pacer, which checks for dead, departed and out-of-step peers and raises; each return
+ * says where it stopped:
+ *
+ *   DONE 0        out holds the result and every peer passed generation | 1
+ *   MEET 1        published and arrived; some peer has not: wait for gen, then stage 1
+ *   MISMATCH 2    some peer called something else or passed other data: the caller raises
+ *   DEPART 3      out holds the result; some peer has not passed generation | 1 yet
+ *   | LONG 16     a yield took longer than long_ns (the machine may be crowded)
+ *
+ * Reductions run element by element in rank order, (x0 op x1) op x2 ..., as collective/
+ * shm.py's numpy path does, so every rank computes the same bits whichever path it takes
+ * (integers wrap as numpy's do; no float min or max: numpy's NaN rules stay numpy's).
+ * Compiled with -ffp-contract=off: nothing may fuse a product into a sum.
+ */
+#define _GNU_SOURCE
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+/* words of a worker's record, as collective/shm.py's _GEN_W .. _DESC (checked at import) */
+enum { GEN_W, GEN_G, LEFT, PID, NBYTES, SIG, DESC };
+enum { DONE = 0, MEET = 1, MISMATCH = 2, DEPART = 3, LONG = 16 };
+/* what reduces how: (op << 4) | type */
+enum { T_F32, T_F64, T_I32, T_I64, T_U32, T_U64 };
+enum { OP_SUM, OP_PROD, OP_MIN, OP_MAX };
+#define MAX_RANKS 256
+#define UNLOCKED (1 << 20) /* copies and folds this large run without the GIL, as numpy's do */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    uint64_t *q;
+    char *base;
+    int n, rank;
+    Py_ssize_t rec[MAX_RANKS];  /* word index of each rank's record */
+    Py_ssize_t slot[MAX_RANKS]; /* byte offset of each rank's slot */
+    Py_ssize_t slot_size;
+} Reducer;
+
+static inline uint64_t load(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+static inline void store(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+#if defined(__x86_64__) || defined(__i386__)
+static inline void cpu_relax(void) { __builtin_ia32_pause(); }
+#else
+static inline void cpu_relax(void) { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
+#endif
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void Reducer_dealloc(Reducer *self) {
+    if (self->view.obj) PyBuffer_Release(&self->view);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Reducer_init(Reducer *self, PyObject *args, PyObject *kw) {
+    (void)kw;
+    PyObject *buf, *recs, *slots;
+    Py_ssize_t slot_size;
+    int rank;
+    if (!PyArg_ParseTuple(args, "OiOOn", &buf, &rank, &recs, &slots, &slot_size)) return -1;
+    Py_ssize_t n = PySequence_Size(recs);
+    if (n < 1 || n > MAX_RANKS || PySequence_Size(slots) != n) {
+        PyErr_SetString(PyExc_ValueError, "records and slots: one per rank, at most 256");
+        return -1;
+    }
+    if (self->view.obj) PyBuffer_Release(&self->view);
+    if (PyObject_GetBuffer(buf, &self->view, PyBUF_WRITABLE) < 0) return -1;
+    self->q = (uint64_t *)self->view.buf;
+    self->base = (char *)self->view.buf;
+    if (rank < 0 || rank >= n) {
+        PyErr_SetString(PyExc_ValueError, "rank: one of the records");
+        return -1;
+    }
+    self->n = (int)n;
+    self->rank = rank;
+    self->slot_size = slot_size;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *r = PySequence_GetItem(recs, i), *s = PySequence_GetItem(slots, i);
+        if (!r || !s) { Py_XDECREF(r); Py_XDECREF(s); return -1; }
+        self->rec[i] = PyLong_AsSsize_t(r);
+        self->slot[i] = PyLong_AsSsize_t(s);
+        Py_DECREF(r); Py_DECREF(s);
+        if (PyErr_Occurred()) return -1;
+        if (self->rec[i] < 0 || self->slot[i] < 0 ||
+            (self->rec[i] + DESC + 8) * 8 > self->view.len ||
+            self->slot[i] + slot_size > self->view.len) {
+            PyErr_SetString(PyExc_ValueError, "a record or slot lies outside the buffer");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Whether every rank of ranks[0:m] shows a generation in [lo, hi) on counter which. */
+static int reached(Reducer *s, const int *ranks, int m, int which, uint64_t lo, uint64_t hi) {
+    for (int k = 0; k < m; k++) {
+        uint64_t g = load(&s->q[s->rec[ranks[k]] + which]);
+        if (g < lo || g >= hi) return 0;
+    }
+    return 1;
+}
+
+/* Spin until reached(): ``pauses`` checks a pause apart, then yield-spin for at most
+ * budget_ns. 1 if reached; 0, and *long_seen when a yield kept us off the core longer than
+ * long_ns, if not. */
+typedef struct { int pauses; int64_t budget_ns, long_ns; } Spin;
+
+static int await_short(Reducer *s, const int *ranks, int m, int which, uint64_t lo,
+                       uint64_t hi, const Spin *spin, int *long_seen) {
+    if (reached(s, ranks, m, which, lo, hi)) return 1;
+    int64_t budget_ns = spin->budget_ns, long_ns = spin->long_ns;
+    if (budget_ns <= 0) return 0;
+    for (int i = 0; i < spin->pauses; i++) { /* a peer on another core is often this close */
+        cpu_relax();
+        if (reached(s, ranks, m, which, lo, hi)) return 1;
+    }
+    int64_t t = now_ns(), end = t + budget_ns;
+    while (!load(&s->q[0])) { /* the controller's abort flag: the caller raises */
+        sched_yield();
+        int64_t after = now_ns();
+        if (reached(s, ranks, m, which, lo, hi)) return 1;
+        if (after - t > long_ns) { *long_seen = 1; return 0; }
+        if (after >= end) return 0;
+        t = after;
+    }
+    return 0;
+}
+
+#define FOLD(T, U, EXPR)                                                           \
+    do {                                                                           \
+        T *o = (T *)out;                                                           \
+        const T *a = (const T *)parts[0], *b = (const T *)parts[1];                \
+        for (Py_ssize_t i = 0; i < count; i++) { T x = a[i], y = b[i]; o[i] = (EXPR); } \
+        for (int k = 2; k < m; k++) {                                              \
+            b = (const T *)parts[k];                                               \
+            for (Py_ssize_t i = 0; i < count; i++) { T x = o[i], y = b[i]; o[i] = (EXPR); } \
+        }                                                                          \
+    } while (0)
+
+#define WRAPPING(T, U, OP) FOLD(T, U, (T)((U)x OP (U)y))
+#define ORDERED(T, CMP) FOLD(T, T, (y CMP x) ? y : x)
+
+/* The item size of what ``code`` reduces; 0 if fold() does not take it. */
+static int item_size(int code) {
+    static const int size[] = {4, 8, 4, 8, 4, 8};
+    int type = code & 15, op = code >> 4;
+    if (code < 0 || type > T_U64 || op > OP_MAX) return 0;
+    if ((type == T_F32 || type == T_F64) && op > OP_PROD) return 0; /* numpy's NaN rules */
+    return size[type];
+}
+
+/* out = parts[0] op parts[1] op ... elementwise, in order; 0 if code is unknown. */
+static int fold(int code, char *out, char *const *parts, int m, Py_ssize_t nbytes) {
+    int size = item_size(code);
+    if (!size) return 0;
+    Py_ssize_t count = nbytes / size;
+    if (m == 1) {
+        memcpy(out, parts[0], (size_t)nbytes);
+        return 1;
+    }
+    switch (code) {
+    case OP_SUM << 4 | T_F32: FOLD(float, float, x + y); return 1;
+    case OP_SUM << 4 | T_F64: FOLD(double, double, x + y); return 1;
+    case OP_PROD << 4 | T_F32: FOLD(float, float, x * y); return 1;
+    case OP_PROD << 4 | T_F64: FOLD(double, double, x * y); return 1;
+    case OP_SUM << 4 | T_I32: case OP_SUM << 4 | T_U32: WRAPPING(uint32_t, uint32_t, +); return 1;
+    case OP_SUM << 4 | T_I64: case OP_SUM << 4 | T_U64: WRAPPING(uint64_t, uint64_t, +); return 1;
+    case OP_PROD << 4 | T_I32: case OP_PROD << 4 | T_U32: WRAPPING(uint32_t, uint32_t, *); return 1;
+    case OP_PROD << 4 | T_I64: case OP_PROD << 4 | T_U64: WRAPPING(uint64_t, uint64_t, *); return 1;
+    case OP_MIN << 4 | T_I32: ORDERED(int32_t, <); return 1;
+    case OP_MIN << 4 | T_I64: ORDERED(int64_t, <); return 1;
+    case OP_MIN << 4 | T_U32: ORDERED(uint32_t, <); return 1;
+    case OP_MIN << 4 | T_U64: ORDERED(uint64_t, <); return 1;
+    case OP_MAX << 4 | T_I32: ORDERED(int32_t, >); return 1;
+    case OP_MAX << 4 | T_I64: ORDERED(int64_t, >); return 1;
+    case OP_MAX << 4 | T_U32: ORDERED(uint32_t, >); return 1;
+    case OP_MAX << 4 | T_U64: ORDERED(uint64_t, >); return 1;
+    }
+    return 0;
+}
+
+/* allreduce(a, out, code, which, gen, desc, sig, ranks, stage, pauses, budget_ns, long_ns)
+ * -> status (see the top of this file). a and out: C-contiguous buffers of the same size, at
+ * most a slot; ranks: the participants' global ranks in order, this worker among them;
+ * pauses, budget_ns and long_ns: how its waits spin (await_short). */
+static PyObject *Reducer_allreduce(Reducer *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 12) {
+        PyErr_SetString(PyExc_TypeError, "allreduce takes 12 arguments");
+        return NULL;
+    }
+    int code = (int)PyLong_AsLong(args[2]);
+    int which = (int)PyLong_AsLong(args[3]);
+    uint64_t gen = PyLong_AsUnsignedLongLong(args[4]);
+    uint64_t desc = PyLong_AsUnsignedLongLong(args[5]);
+    uint64_t sig = PyLong_AsUnsignedLongLong(args[6]);
+    int stage = (int)PyLong_AsLong(args[8]);
+    Spin spin = {(int)PyLong_AsLong(args[9]), PyLong_AsLongLong(args[10]),
+                 PyLong_AsLongLong(args[11])};
+    if (PyErr_Occurred()) return NULL;
+    PyObject *ranks_obj = args[7];
+    if (!PyTuple_Check(ranks_obj) || (which != 0 && which != 1)) {
+        PyErr_SetString(PyExc_TypeError, "ranks must be a tuple, which 0 or 1");
+        return NULL;
+    }
+    int m = (int)PyTuple_GET_SIZE(ranks_obj), ranks[MAX_RANKS];
+    if (m < 1 || m > self->n) {
+        PyErr_SetString(PyExc_ValueError, "ranks: between 1 and the number of workers");
+        return NULL;
+    }
+    for (int k = 0; k < m; k++) {
+        long r = PyLong_AsLong(PyTuple_GET_ITEM(ranks_obj, k));
+        if (r < 0 || r >= self->n) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a rank out of range");
+            return NULL;
+        }
+        ranks[k] = (int)r;
+    }
+    Py_buffer a, out;
+    if (PyObject_GetBuffer(args[0], &a, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(args[1], &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&a);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t nbytes = a.len;
+    if (out.len != nbytes || nbytes > self->slot_size) {
+        PyErr_SetString(PyExc_ValueError, "a and out: the same size, at most a slot");
+        goto finally;
+    }
+    int size = item_size(code);
+    if (!size || nbytes % size) { /* before anything is published */
+        PyErr_Format(PyExc_ValueError, "no reduction has code %d for %zd bytes", code, nbytes);
+        goto finally;
+    }
+    uint64_t *q = self->q;
+    Py_ssize_t me = self->rec[self->rank];
+    int parity = (int)((gen >> 2) & 1), long_seen = 0, status;
+    if (stage == 0) {
+        q[me + NBYTES] = (uint64_t)nbytes;
+        q[me + SIG] = sig;
+        PyThreadState *ts = nbytes >= UNLOCKED ? PyEval_SaveThread() : NULL;
+        memcpy(self->base + self->slot[self->rank], a.buf, (size_t)nbytes);
+        if (ts) PyEval_RestoreThread(ts);
+        q[me + DESC + 4 * which + 2 * parity] = desc;
+        q[me + DESC + 4 * which + 2 * parity + 1] = 0;
+        store(&q[me + which], gen);
+        uint64_t top = ((gen >> 24) + 1) << 24; /* a meeting counts this call's arrivals only */
+        if (!await_short(self, ranks, m, which, gen, top, &spin, &long_seen)) {
+            status = MEET;
+            goto done;
+        }
+    }
+    __atomic_thread_fence(__ATOMIC_ACQUIRE); /* stage 1: the caller saw them arrive */
+    char *parts[MAX_RANKS];
+    for (int k = 0; k < m; k++) {
+        Py_ssize_t r = self->rec[ranks[k]];
+        Py_ssize_t at = r + DESC + 4 * which + 2 * parity;
+        if (q[at] != desc || q[at + 1] != 0 || q[r + NBYTES] != (uint64_t)nbytes ||
+            q[r + SIG] != sig) {
+            status = MISMATCH;
+            goto done;
+        }
+        parts[k] = self->base + self->slot[ranks[k]];
+    }
+    PyThreadState *ts = nbytes >= UNLOCKED ? PyEval_SaveThread() : NULL;
+    int folded = fold(code, (char *)out.buf, parts, m, nbytes);
+    if (ts) PyEval_RestoreThread(ts);
+    if (!folded) { /* item_size() said it would */
+        PyErr_Format(PyExc_SystemError, "no reduction has code %d", code);
+        goto finally;
+    }
+    store(&q[me + which], gen | 1);
+    status = await_short(self, ranks, m, which, gen | 1, UINT64_MAX, &spin, &long_seen)
+                 ? DONE : DEPART;
+done:
+    result = PyLong_FromLong(status | (long_seen ? LONG : 0));
+finally:
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyMethodDef Reducer_methods[] = {
+    {"allreduce", (PyCFunction)(void (*)(void))Reducer_allreduce, METH_FASTCALL,
+     "allreduce(a, out, code, which, gen, desc, sig, ranks, stage, pauses, budget_ns, "
+     "long_ns) -> status"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject ReducerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "unison._coll.Reducer",
+    .tp_basicsize = sizeof(Reducer),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Reducer(buffer, rank, records, slots, slot_size)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Reducer_init,
+    .tp_dealloc = (destructor)Reducer_dealloc,
+    .tp_methods = Reducer_methods,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "unison._coll",
+    "A small allreduce's shared-memory steps in C (see collective/shm.py).", -1, NULL,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__coll(void) {
+    if (PyType_Ready(&ReducerType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&ReducerType);
+    if (PyModule_AddObject(m, "Reducer", (PyObject *)&ReducerType) < 0 ||
+        PyModule_AddObject(m, "RECORD", Py_BuildValue("(iiiiiii)", GEN_W, GEN_G, LEFT, PID,
+                                                      NBYTES, SIG, DESC)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

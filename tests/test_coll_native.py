@@ -1,0 +1,140 @@
+"""A small allreduce's C steps (src/unison/_coll.c, issue 9): README's install builds them,
+they are chosen automatically, and they stand in for the numpy path exactly: the same bits
+(signed zeros, infinities, NaNs and integer wrap-around included), the same records in
+shared memory (workers with and without them meet in one collective), and the same errors
+when a wait they give up on goes on in Python."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import unison
+from unison.collective import shm
+
+UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+N = 3
+SPECIAL = [0.0, -0.0, 1.5, -2.25, np.inf, -np.inf, np.nan, 3e38, -3e38, 1e-45, 7.0]
+
+
+def inputs(dtype: str, rank: int) -> np.ndarray:
+    """Rank ``rank``'s input: for floats, every pair of special values meets across ranks;
+    for integers, values that overflow when summed or multiplied."""
+    if dtype.startswith("float"):
+        vals = np.array(SPECIAL, dtype)
+        pairs = np.roll(np.repeat(vals, len(SPECIAL)), rank * (len(SPECIAL) + 1))
+        rounding = np.random.default_rng(rank).standard_normal(64) * 10.0 ** rank
+        return np.concatenate([pairs, rounding.astype(dtype)])
+    info = np.iinfo(dtype)
+    vals = np.array([info.max, info.min, info.max // 3, -7 % (int(info.max) + 1), 1, 0, 12345],
+                    dtype)
+    return np.roll(np.tile(vals, 5), rank * 3)
+
+
+def every_case() -> list[tuple[str, str]]:
+    return sorted({(op, np.dtype(d.replace("<", "")).name) for op, d in shm._C_CODES})
+
+
+def reduce_all(cases: list[tuple[str, str]]) -> tuple[bool, list[bytes]]:
+    """This worker's allreduce of its input for every case, as bytes; and whether it ran the
+    C steps."""
+    r = unison.rank()
+    with np.errstate(all="ignore"):
+        return shm._coll is not None, [unison.allreduce(inputs(d, r), op).tobytes()
+                                       for op, d in cases]
+
+
+def expected(op: str, dtype: str) -> bytes:
+    xs = [inputs(dtype, r) for r in range(N)]
+    with np.errstate(all="ignore"):
+        if op == "mean":
+            return (functools.reduce(np.add, xs) / N).astype(dtype).tobytes()
+        return functools.reduce(UFUNCS[op], xs).tobytes()
+
+
+def test_the_extension_is_built_and_chosen() -> None:
+    if os.environ.get("UNISON_PURE"):
+        pytest.skip("UNISON_PURE is set: the pure-Python path was asked for")
+    import unison._coll  # noqa: F401  (README's install command builds it)
+
+    assert shm._coll is not None
+
+
+@pytest.mark.parametrize("pure", [(), (0,), (0, 1, 2)], ids=["native", "mixed", "pure"])
+def test_same_bits_as_numpy_with_or_without_c(pure: tuple[int, ...]) -> None:
+    if os.environ.get("UNISON_PURE") and len(pure) < N:
+        pytest.skip("UNISON_PURE is set: no C steps to compare")
+    cases = every_case()
+    env = {r: {"UNISON_PURE": "1" if r in pure else ""} for r in range(N)}
+    with unison.Session(N, env=env) as sess:
+        got = sess.run(reduce_all, cases, timeout=60)
+    assert [native for native, _ in got] == [r not in pure for r in range(N)]
+    for i, (op, dtype) in enumerate(cases):
+        want = expected(op, dtype)
+        for r, (_, outs) in enumerate(got):
+            assert outs[i] == want, f"rank {r}: allreduce({op!r}) of {dtype} differs from numpy"
+
+
+def slow_waits(rounds: int, crowded: bool) -> tuple[list[float], int]:
+    """allreduces whose waits outlast the C steps' spin: a peer sleeps past it in turn, or
+    (``crowded``) the C steps may not spin at all, so waits go on in Python; and how many
+    did."""
+    r = unison.rank()
+    coll = unison.collective._shm
+    assert coll is not None
+    waits = 0
+    python_await = coll._await
+
+    def counted(*args: Any) -> None:
+        nonlocal waits
+        waits += 1
+        python_await(*args)
+
+    coll._await = counted  # type: ignore[method-assign]
+    if crowded:
+        unison.pacing.crowd.until = time.perf_counter() + 3600
+    try:
+        out = []
+        for k in range(rounds):
+            if k % N == r:
+                time.sleep(0.002)
+            out.append(float(unison.allreduce(np.array([k + r], np.float64))[0]))
+        return out, waits
+    finally:
+        unison.pacing.crowd.until = 0.0
+        del coll._await
+
+
+@pytest.mark.parametrize("crowded", [False, True], ids=["peer-sleeps", "no-spin"])
+def test_waits_the_c_steps_give_up_go_on_in_python(crowded: bool) -> None:
+    with unison.Session(N) as sess:
+        got = sess.run(slow_waits, 150, crowded, timeout=60)
+    want = [float(N * k + sum(range(N))) for k in range(150)]
+    assert [out for out, _ in got] == [want] * N
+    assert all(waits >= 100 for _, waits in got), got  # the sleeper's peers, at least
+
+
+def mismatched(kind: str) -> Any:
+    r = unison.rank()
+    if kind == "shape":
+        return unison.allreduce(np.ones(4 + (r == 1), np.float32))
+    if kind == "dtype":
+        return unison.allreduce(np.ones(4, np.float32 if r != 1 else np.float64))
+    return unison.allreduce(np.ones(4, np.float32), "sum" if r != 1 else "prod")
+
+
+@pytest.mark.parametrize("kind", ["shape", "dtype", "op"])
+def test_a_mismatch_raises_on_every_rank(kind: str) -> None:
+    with unison.Session(N) as sess:
+        with pytest.raises(unison.WorkerError) as info:
+            sess.run(mismatched, kind, timeout=30)
+        errors = info.value.errors
+        assert sorted(errors) == list(range(N))
+        assert all(isinstance(e, unison.CollectiveError) for e in errors.values()), errors
+        assert sess.run(lambda: unison.allreduce(np.ones(2, np.float32)).tolist(),
+                        timeout=30) == [[3.0, 3.0]] * N  # still usable
