@@ -176,6 +176,24 @@ def test_a_peer_dying_while_worker_0_waits_in_a_collective(
     assert time.monotonic() - start < 2.0
 
 
+def late_allgather() -> object:
+    if unison.rank() == 1:
+        time.sleep(0.3)  # worker 0 waits long enough to watch its peer's pid
+    return unison.allgather(unison.rank())
+
+
+def test_a_long_wait_leaves_no_fd_once_the_call_ends(
+        inline: Callable[..., unison.Session]) -> None:
+    """Worker 0's long waits open a pidfd per peer; they close with the call, not the
+    session (the chaos loop saw one left open between rounds)."""
+    sess = inline(2)
+    assert sess.run(unison.rank, timeout=30) == [0, 1]  # no collective yet
+    fds = sorted(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        assert sess.run(late_allgather, timeout=30) == [[0, 1]] * 2
+    assert sorted(os.listdir("/proc/self/fd")) == fds
+
+
 def test_one_inline_session_per_process(inline: Callable[..., unison.Session]) -> None:
     first = inline(2)
     with pytest.raises(RuntimeError, match="only one session at a time"):

@@ -220,7 +220,8 @@ class ShmCollectives(CallScope, Collectives):
                           tuple[int, int, int] | tuple[()]] = {}
 
     def close(self) -> None:
-        """Let go of the peers' pidfds (``watch_peers``); the mapping goes with the object."""
+        """Let go of the peers' pidfds (``watch_peers``; each call's end does too); the
+        mapping goes with the object."""
         for _, pidfd in self._pidfds.values():
             os.close(pidfd)
         self._pidfds.clear()
@@ -237,6 +238,8 @@ class ShmCollectives(CallScope, Collectives):
         self._q[self._w[self.rank] + _LEFT] = call_id  # "left": peers waiting for us give up
         if self._spills:
             self._reclaim_all()
+        if self._pidfds:  # opened by this call's long waits (watch_peers): none outlives it
+            self.close()
 
     def _reclaim_all(self) -> None:
         """Close the spills taken since the last look (at most RING per peer stay open)."""
