@@ -65,8 +65,8 @@ def timed_parts(kib: int, rounds: int) -> dict[str, float]:
     sig = array_signature(x)
     out = np.empty_like(x)
     c_steps = float("nan")
-    if coll._c is not None:
-        how = coll._small_how("sum", x)
+    how = coll._small_how("sum", x) if coll._c is not None else ()
+    if how:  # built, and small enough
         for _ in range(warm):
             coll._allreduce_c(x, out, how, which, ranks)
         start = clock()
