@@ -121,13 +121,14 @@ _C_PAUSES = 128
 _C_SPIN_NS = 100_000
 _CORES = len(os.sched_getaffinity(0))
 _C_LONG_NS = int(LONG_YIELD * 1e9)
-_C_TYPES = ("<f4", "<f8", "<i4", "<i8", "<u4", "<u8")  # as _coll.c's T_F32 .. T_U64
+_C_TYPES = tuple(np.dtype(t).str for t in ("f4", "f8", "i4", "i8", "u4", "u8"))  # native
+# byte order; as _coll.c's T_F32 .. T_U64
 _C_OPS = ("sum", "prod", "min", "max")  # as _coll.c's OP_SUM .. OP_MAX
 _C_CODES = {  # no float min or max: numpy's NaN rules stay numpy's
     (op, t): _C_OPS.index(op) << 4 | i
     for i, t in enumerate(_C_TYPES) for op in _C_OPS if t[1] != "f" or op in ("sum", "prod")
 }
-_C_CODES.update({("mean", t): _C_CODES["sum", t] for t in ("<f4", "<f8")})  # then / N
+_C_CODES.update({("mean", t): _C_CODES["sum", t] for t in _C_TYPES[:2]})  # then / N
 
 
 def _native() -> Any:
