@@ -40,6 +40,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from unison import trace as _trace
 from unison.collective.base import Collectives
 from unison.collective.shm import ShmCollectives
@@ -143,6 +145,8 @@ def _choose(group: bool, *values: Any) -> Collectives:
 
 def allreduce(x: Any, op: str = "sum", *, group: bool = False) -> Any:
     """x0 op x1 op ... over the workers (sum, prod, min, max or mean), on every worker."""
+    if type(x) is np.ndarray and _on_shm[group] and _trace.events is None:
+        return _shm.allreduce(x, op, group)  # type: ignore[union-attr]  # _backend's choice
     return _backend(group, x).allreduce(x, op, group)
 
 
