@@ -149,7 +149,7 @@ static int await_short(Reducer *s, const int *ranks, int m, int which, uint64_t 
     return 0;
 }
 
-#define FOLD(T, U, EXPR)                                                           \
+#define FOLD(T, EXPR)                                                           \
     do {                                                                           \
         T *o = (T *)out;                                                           \
         const T *a = (const T *)parts[0], *b = (const T *)parts[1];                \
@@ -160,8 +160,8 @@ static int await_short(Reducer *s, const int *ranks, int m, int which, uint64_t 
         }                                                                          \
     } while (0)
 
-#define WRAPPING(T, U, OP) FOLD(T, U, (T)((U)x OP (U)y))
-#define ORDERED(T, CMP) FOLD(T, T, (y CMP x) ? y : x)
+#define WRAPPING(U, OP) FOLD(U, (U)(x OP y)) /* unsigned: wraps as numpy's integers do */
+#define ORDERED(T, CMP) FOLD(T, (y CMP x) ? y : x)
 
 /* The item size of what ``code`` reduces; 0 if fold() does not take it. */
 static int item_size(int code) {
@@ -182,14 +182,14 @@ static int fold(int code, char *out, char *const *parts, int m, Py_ssize_t nbyte
         return 1;
     }
     switch (code) {
-    case OP_SUM << 4 | T_F32: FOLD(float, float, x + y); return 1;
-    case OP_SUM << 4 | T_F64: FOLD(double, double, x + y); return 1;
-    case OP_PROD << 4 | T_F32: FOLD(float, float, x * y); return 1;
-    case OP_PROD << 4 | T_F64: FOLD(double, double, x * y); return 1;
-    case OP_SUM << 4 | T_I32: case OP_SUM << 4 | T_U32: WRAPPING(uint32_t, uint32_t, +); return 1;
-    case OP_SUM << 4 | T_I64: case OP_SUM << 4 | T_U64: WRAPPING(uint64_t, uint64_t, +); return 1;
-    case OP_PROD << 4 | T_I32: case OP_PROD << 4 | T_U32: WRAPPING(uint32_t, uint32_t, *); return 1;
-    case OP_PROD << 4 | T_I64: case OP_PROD << 4 | T_U64: WRAPPING(uint64_t, uint64_t, *); return 1;
+    case OP_SUM << 4 | T_F32: FOLD(float, x + y); return 1;
+    case OP_SUM << 4 | T_F64: FOLD(double, x + y); return 1;
+    case OP_PROD << 4 | T_F32: FOLD(float, x * y); return 1;
+    case OP_PROD << 4 | T_F64: FOLD(double, x * y); return 1;
+    case OP_SUM << 4 | T_I32: case OP_SUM << 4 | T_U32: WRAPPING(uint32_t, +); return 1;
+    case OP_SUM << 4 | T_I64: case OP_SUM << 4 | T_U64: WRAPPING(uint64_t, +); return 1;
+    case OP_PROD << 4 | T_I32: case OP_PROD << 4 | T_U32: WRAPPING(uint32_t, *); return 1;
+    case OP_PROD << 4 | T_I64: case OP_PROD << 4 | T_U64: WRAPPING(uint64_t, *); return 1;
     case OP_MIN << 4 | T_I32: ORDERED(int32_t, <); return 1;
     case OP_MIN << 4 | T_I64: ORDERED(int64_t, <); return 1;
     case OP_MIN << 4 | T_U32: ORDERED(uint32_t, <); return 1;

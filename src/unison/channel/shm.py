@@ -75,24 +75,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
+from unison import _native
 from unison.channel import Channel, Reply, WorkerChannel
 from unison.channel.arena import Arena, ArenaReader, Malformed, create_file, sealed_memfd
 from unison.channel.ring import Ring
 from unison.pacing import LONG_YIELD, Pacer, crowd, spin
 
-
-def _native() -> Any:
-    """The C fast paths (unison/_ring.c), unless they did not build or UNISON_PURE=1."""
-    if os.environ.get("UNISON_PURE"):
-        return None
-    try:
-        from unison import _ring
-    except ImportError:
-        return None
-    return _ring
-
-
-_ring = _native()
+_ring = _native.load("_ring")  # the C fast paths (unison/_ring.c), or None
 NATIVE = _ring is not None
 """Whether the command ring's fast paths run in C here (else pure Python, same protocol)."""
 

@@ -72,7 +72,7 @@ from typing import Any
 
 import numpy as np
 
-from unison import protocol
+from unison import _native, protocol
 from unison.channel.arena import sealed_memfd
 from unison.collective.base import Collectives
 from unison.collective.checks import (
@@ -116,7 +116,7 @@ _TAG_NAMES = ("send", "scatter", "gather")
 # module's Pacer takes over: checks a pause apart (only where every participant can hold a
 # core: at N=4 on 2 cores 256 of them doubled a 4 KiB allreduce's time, and at N=2 saved 1 us
 # of 7), then yields for at most _C_SPIN_NS; and which (op, dtype) it reduces, by code
-_C_DONE, _C_MEET, _C_MISMATCH, _C_DEPART, _C_LONG = 0, 1, 2, 3, 16
+_C_MEET, _C_MISMATCH, _C_DEPART, _C_LONG = 1, 2, 3, 16  # and 0: done
 _C_PAUSES = 128
 _C_SPIN_NS = 100_000
 _CORES = len(os.sched_getaffinity(0))
@@ -131,19 +131,17 @@ _C_CODES = {  # no float min or max: numpy's NaN rules stay numpy's
 _C_CODES.update({("mean", t): _C_CODES["sum", t] for t in _C_TYPES[:2]})  # then / N
 
 
-def _native() -> Any:
-    """The C steps of a small allreduce, unless they did not build, UNISON_PURE=1 is set, or
-    they were built for another record layout (a stale build): then numpy and Python."""
-    if os.environ.get("UNISON_PURE"):
+def _steps_in_c() -> Any:
+    """The C steps of a small allreduce (unison/_coll.c), unless they did not build,
+    UNISON_PURE=1 is set, or they were built for another record layout (a stale build):
+    then numpy and Python."""
+    native = _native.load("_coll")
+    if native is None or native.RECORD != (_GEN_W, _GEN_G, _LEFT, _PID, _NBYTES, _SIG, _DESC):
         return None
-    try:
-        from unison import _coll as native
-    except ImportError:
-        return None
-    return native if native.RECORD == (_GEN_W, _GEN_G, _LEFT, _PID, _NBYTES, _SIG, _DESC) else None
+    return native
 
 
-_coll = _native()
+_coll = _steps_in_c()
 
 
 def _p2p_bytes(n: int) -> int:
@@ -521,8 +519,10 @@ class ShmCollectives(CallScope, Collectives):
         if status == _C_MISMATCH:
             self._check_records(which, ranks, gen, desc, 0)
             self._check_sizes(ranks, a.nbytes, sig, desc)
-            raise CollectiveError(f"{describe(desc)} on worker {self.rank}: a peer's record "
-                                  "changed under the meeting")  # the checks above raise first
+            raise CollectiveError(  # the checks above raise first: only a bug gets here
+                f"{describe(desc)} on worker {self.rank}: a peer's record changed under the "
+                "meeting; this is a bug in unison: please report it with the collectives "
+                "this call ran (UNISON_PURE=1 runs them without the C steps meanwhile)")
         if status == _C_DEPART:
             self._await(which, ranks, gen | 1, desc)
         self._owe[which] = None
