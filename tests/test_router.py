@@ -223,6 +223,33 @@ def test_an_ack_where_a_value_is_expected_is_never_taken_for_one():
         router.decode(req, (0,), values=True)
 
 
+@pytest.mark.parametrize("second", [
+    protocol.dumps_plain((8, OK, 5), protocol.PLAIN),  # another request's
+    protocol.dumps_plain((9, ERR, error("boom")), protocol.PLAIN),  # an error
+    b"",  # an ack
+    protocol.dumps((9, OK, 5)),  # pickled: decoded the long way
+    protocol.dumps_plain((9, OK), protocol.PLAIN),  # two fields, not three
+    b"\x00garbage",  # not marshal
+], ids=["other-id", "error", "ack", "pickled", "short", "garbage"])
+def test_the_plain_values_shortcut_takes_only_plain_ok_replies_for_the_request(second):
+    """Router.values (run's usual case) gives up, for decode to judge, on anything but a
+    plain OK reply carrying this request's id."""
+    router, chan, _, _ = make(2)
+    req = Request(9, 2)
+    router.expect(req, (0, 1))
+    chan._q.put((0, protocol.dumps_plain((9, OK, 5), protocol.PLAIN)))
+    chan._q.put((1, second))
+    router.wait(req, None, "testing")
+    assert router.values(req, (0, 1)) is None
+    good = Request(10, 2)
+    router.expect(good, (0, 1))
+    for rank in (0, 1):
+        chan._q.put((rank, protocol.dumps_plain((10, OK, rank + 40), protocol.PLAIN)))
+    router.wait(good, None, "testing")
+    assert router.values(good, (0, 1)) == [40, 41]
+    assert router.values(good, (1, 0)) == [41, 40]
+
+
 def test_a_reply_that_no_request_waits_for_closes_the_session():
     router, chan, _, owner = make(2)
     req = Request(1, 1)

@@ -574,6 +574,9 @@ class Session(View):
     def _values(self, req: Request, ranks: tuple[int, ...]) -> list[Any]:
         """A completed GET's or run's values in rank order, or the WorkerError (or
         CancelledError) their errors make."""
+        values = self._router.values(req, ranks)
+        if values is not None:
+            return values
         decoded = self._decode(req, ranks, True)
         values = []
         for status, payload in decoded:

@@ -55,7 +55,8 @@ class Request:
         self.remaining = count
         self.replies: dict[int, bytes | Reply] = {}
         self.abandoned = False  # its wait timed out: errors in late replies must be kept
-        self.salvaged: set[int] = set()  # ranks whose late reply was read after a timeout
+        self.salvaged: set[int] | None = None  # ranks whose late reply was read after a
+        # timeout (made then: run's hot path makes a Request per call)
         self.done: Callable[[BaseException | None], None] | None = None
         """Called (from any thread) once the last reply is in, or with the error that ends
         the wait (the session closed); an event loop's wait sets it."""
@@ -155,6 +156,25 @@ class Router:
         except KeyboardInterrupt:
             self._owner.interrupted()
             raise
+
+    def values(self, req: Request, ranks: Sequence[int]) -> list[Any] | None:
+        """A completed GET's or run's values in ``ranks`` order where every reply is a plain
+        OK one for it: run's usual case, in one loop. None otherwise: ``decode`` then says
+        what each reply is, and raises where one is wrong."""
+        replies, want = req.replies, req.req_id
+        out = []
+        try:
+            for r in ranks:
+                raw = replies[r]
+                if type(raw) is not bytes or not raw or raw[0] == PICKLED:
+                    return None
+                got, status, value = loads_plain(raw)
+                if got != want or status != OK:
+                    return None
+                out.append(value)
+        except Exception:
+            return None
+        return out
 
     def decode(self, req: Request, ranks: Sequence[int], *, values: bool = False
                ) -> list[tuple[int, Any]]:
@@ -341,7 +361,9 @@ class Router:
 
     def _salvage(self, req: Request, rank: int) -> None:
         with self._state_lock:
-            if rank in req.salvaged:
+            if req.salvaged is None:
+                req.salvaged = set()
+            elif rank in req.salvaged:
                 return
             req.salvaged.add(rank)
         raw = req.replies[rank]
