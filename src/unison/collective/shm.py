@@ -251,14 +251,16 @@ class ShmCollectives(CallScope, Collectives):
         """The generation of this scope's next collective, whose last phase is ``last`` (1,
         or 3 for a large reduction among 3 or more), once nothing of ours that a peer may
         still read stands in the way (see _settle)."""
-        for scope in (0, 1):
-            owe = self._owe[scope]
-            if owe is not None:
-                self._settle(scope, owe, desc)
-        i = self._index[which]
-        self._index[which] = i + 1
-        gen = (self._call << 24) | (i << 2)
-        self._owe[which] = (self._call, gen | last, ranks, True)  # until it succeeds
+        owe, call = self._owe, self._call
+        if owe[0] is not None:  # two tests, not a loop: a small allreduce's hot path
+            self._settle(0, owe[0], desc)
+        if owe[1] is not None:
+            self._settle(1, owe[1], desc)
+        index = self._index
+        i = index[which]
+        index[which] = i + 1
+        gen = (call << 24) | (i << 2)
+        owe[which] = (call, gen | last, ranks, True)  # until it succeeds
         return gen
 
     def _settle(self, scope: int, owe: tuple[int, int, tuple[int, ...], bool],
@@ -433,7 +435,8 @@ class ShmCollectives(CallScope, Collectives):
             if how:  # the common case, kept short: in C (see _allreduce_c)
                 which, ranks = self.scope(group)
                 out = np.empty(x.shape, x.dtype)
-                self._allreduce_c(_contiguous(x), out, how, which, ranks)
+                self._allreduce_c(x if x.flags.c_contiguous else x.copy(), out, how, which,
+                                  ranks)  # (_contiguous, inlined)
                 return _mean(out, len(ranks), x.dtype) if op == "mean" else out
         check_op(op)
         return self._allreduce(x, op, group, descriptor("allreduce", op))
