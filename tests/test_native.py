@@ -41,6 +41,25 @@ def test_the_extension_is_built_and_chosen() -> None:
     assert shm.NATIVE
 
 
+def test_the_fence_is_one_c_call_where_built_and_a_fresh_lock_otherwise() -> None:
+    """The store-load fences of the channel and the cancellation board: the C one where
+    _ring was built. The pure fallback takes a fresh lock each time, so a signal's
+    exception between its steps can never leave a shared lock held (the next fence would
+    then block forever)."""
+    from unison import _native, cancel
+
+    if os.environ.get("UNISON_PURE"):
+        assert _native.fence is _native._lock_fence
+    else:
+        import unison._ring
+
+        assert _native.fence is unison._ring.fence
+    assert shm._fence is _native.fence and cancel._fence is _native.fence
+    for _ in range(3):
+        _native.fence()
+        _native._lock_fence()
+
+
 @pytest.mark.parametrize("controller_pure,workers_pure", [
     (False, False), (True, True), (False, True), (True, False),
 ], ids=["native", "pure", "native-controller", "native-workers"])

@@ -378,9 +378,25 @@ static PyTypeObject TakerType = {
     .tp_methods = Taker_methods,
 };
 
+/* fence(): a full memory barrier, for the Python sides' "store a word, then load another"
+ * handshakes (channel/shm.py, cancel.py). One call: no signal's exception can land inside
+ * it, as one can between a Python lock's acquire and release. */
+static PyObject *fence(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"fence", fence, METH_NOARGS, "fence(): a full memory barrier"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "unison._ring",
-    "The shm channel's command ring fast paths in C (see channel/shm.py).", -1, NULL,
+    "The shm channel's command ring fast paths in C (see channel/shm.py).", -1,
+    module_methods,
 };
 
 PyMODINIT_FUNC PyInit__ring(void) {

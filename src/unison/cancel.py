@@ -38,10 +38,10 @@ import errno
 import mmap
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Sequence
 
+from unison._native import fence as _fence
 from unison.channel.arena import sealed_memfd
 
 __all__ = ["SIGNAL", "Board", "Cancelled"]
@@ -53,13 +53,6 @@ SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
 """The signal that interrupts a running call (a real-time one, which no library uses)."""
 
 _RESIGNAL = 0.1  # s: how long a worker may stay inside a cancelled call before another signal
-
-def _fence() -> None:
-    """A full memory barrier: taking a lock is a locked instruction on x86. A fresh lock,
-    never released: an exception raised in here (Ctrl-C in the controller, Cancelled in a
-    worker) must not leave a shared one held for the next fence."""
-    threading.Lock().acquire()
-
 
 def _load_tgkill() -> Callable[[int, int, int], int] | None:
     try:

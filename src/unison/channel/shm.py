@@ -15,8 +15,9 @@ per worker, and an arena for large buffers.
 Ordering. A writer publishes the payload first, then the position that covers it; x86 keeps
 stores in order (TSO), and CPython never reorders them, so a reader that sees the position
 sees the payload. The sleep handshake ("set my flag, re-check the position" against
-"publish the position, check the flag") needs a store-load fence on each side: an
-uncontended lock round trip (a locked instruction) gives it. Every sleep also has a 1 s
+"publish the position, check the flag") needs a store-load fence on each side:
+``unison._native.fence`` (one C call where _ring was built, else a lock taken: a locked
+instruction). Every sleep also has a 1 s
 timeout, so a lost wake-up could only cost latency, never a hang. Hosts with weaker memory
 models (ARM) would need real fences around the position stores: use ``channel="pipe"`` there.
 
@@ -76,6 +77,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from unison import _native
+from unison._native import fence as _fence
 from unison.channel import Channel, Reply, WorkerChannel
 from unison.channel.arena import Arena, ArenaReader, Malformed, create_file, sealed_memfd
 from unison.channel.ring import Ring
@@ -106,8 +108,6 @@ _CTL_ASYNC = _CTL_SLEEP + 2  # index of its flag "an event loop waits on the rep
 _NO_VIEWS: list[memoryview] = []
 _DESC = 24
 
-_fence_lock = threading.Lock()
-_acquire, _release = _fence_lock.acquire, _fence_lock.release
 _CMD = Ring(CMD_RING)
 _REPLY = Ring(REPLY_RING)
 _CMD_MASK = _CMD.mask  # the hot paths inline Ring.offset
@@ -115,12 +115,6 @@ _REPLY_MASK = _REPLY.mask
 _INLINE_MAX = CMD_RING // 4  # larger messages go through the arena
 _REPLY_INLINE = REPLY_RING // 4  # larger reply bodies go through the reply arena
 REPLY_KEEP = 1 << 27  # bytes of freed reply blocks a worker keeps backed for reuse
-
-
-def _fence() -> None:
-    """A full memory barrier: a lock round trip is a locked instruction on x86."""
-    _acquire()
-    _release()
 
 
 def _align8(n: int) -> int:
@@ -295,8 +289,7 @@ class ShmChannel(Channel):
             self._buf[body + n : body + n + len(descs)] = descs
         self._wpos = pos = pos + size
         q[0] = pos  # publish: the entry is complete before its position is seen
-        _acquire()  # a full fence between publishing and reading the sleeping flags
-        _release()
+        _fence()  # between publishing and reading the sleeping flags
         sleep_idx = self._sleep_idx
         for r in ranks:
             if q[sleep_idx[r]]:
@@ -698,8 +691,7 @@ class ShmWorkerChannel(WorkerChannel):
         """Publish how far this worker has run; wake the controller if it waits on that."""
         q = self._q
         q[self._done_idx] = pos
-        _acquire()  # a full fence between publishing and reading the flag
-        _release()
+        _fence()  # between publishing and reading the flag
         if q[_CTL_DONE]:
             os.eventfd_write(self._done_efd, 1)
 
@@ -804,8 +796,7 @@ class ShmWorkerChannel(WorkerChannel):
         q[start // 8] = n | flags
         buf[start + 8 : start + 8 + n] = chunk
         self._rpos = q[self._rw_idx] = pos + size  # publish
-        _acquire()  # _wake_controller, inlined: a fence, then the flags
-        _release()
+        _fence()  # _wake_controller, inlined: a fence, then the flags
         if q[_CTL_SLEEP] or q[_CTL_ASYNC]:
             os.eventfd_write(self._ctl_efd, 1)
 
@@ -821,8 +812,7 @@ class ShmWorkerChannel(WorkerChannel):
             return
         q[(self._rbase + off) >> 3] = 0  # an empty entry: the ack
         self._rpos = q[self._rw_idx] = pos + 8
-        _acquire()
-        _release()
+        _fence()
         if q[_CTL_SLEEP] or q[_CTL_ASYNC]:
             os.eventfd_write(self._ctl_efd, 1)
 
