@@ -309,6 +309,32 @@ def test_spin_stops_when_ready_or_when_its_budget_is_spent(calm: None) -> None:
     assert not pacing.spin(lambda: True, 0.0)  # no budget: not even one look
 
 
+def test_a_busy_spin_checks_without_yielding_first_within_its_budget(
+    calm: None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where every process has a core, a wait first checks without yielding (pacing.BUSY):
+    found within that time, no yield at all; not found, it yields as before; never past
+    the wait's own budget."""
+    yields: list[int] = []
+    monkeypatch.setattr(pacing, "_yield", lambda: yields.append(1))
+    calls = iter(range(100))
+    assert pacing.spin(lambda: next(calls) == 3, 60.0, busy=60.0)
+    assert next(calls) == 4 and not yields
+    assert pacing.spin(lambda: bool(yields), 60.0, busy=1e-4)  # busy spent: it yields
+    assert yields
+    start = time.perf_counter()
+    assert not pacing.spin(lambda: False, 0.0, busy=60.0)  # a poll: no budget, no spin
+    assert time.perf_counter() - start < 1.0
+
+
+def test_only_a_session_whose_processes_each_have_a_core_spins_busy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(pacing, "cores", lambda: 4)
+    assert pacing.busy_budget(4) == pacing.BUSY > 0
+    assert pacing.busy_budget(5) == 0.0  # a peer would wait for the core we keep
+
+
 def test_frequent_long_yields_make_waits_sleep_at_once_for_a_while(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

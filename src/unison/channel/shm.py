@@ -81,7 +81,7 @@ from unison._native import fence as _fence
 from unison.channel import Channel, Reply, WorkerChannel
 from unison.channel.arena import Arena, ArenaReader, Malformed, create_file, sealed_memfd
 from unison.channel.ring import Ring
-from unison.pacing import LONG_YIELD, Pacer, crowd, spin
+from unison.pacing import LONG_YIELD, Pacer, busy_budget, crowd, spin
 
 _ring = _native.load("_ring")  # the C fast paths (unison/_ring.c), or None
 NATIVE = _ring is not None
@@ -176,6 +176,7 @@ class ShmChannel(Channel):
         self._also: list[int] = []
         self._sleep_fds = [self._ctl_efd]  # what a waiting recv sleeps on: + the watch fds
         self._all_mask = (1 << num_workers) - 1
+        self._busy = busy_budget(num_workers + 1)  # waits check without yielding first
         self._closed = False
         # hot-path index tables
         self._sleep_idx = [o // 8 for o in lay.sleeping]
@@ -357,7 +358,7 @@ class ShmChannel(Channel):
         done = self._done
         if done(ranks, mark):
             return not self._death_seen()
-        if not spin(lambda: done(ranks, mark), min(SPIN, timeout)):
+        if not spin(lambda: done(ranks, mark), min(SPIN, timeout), self._busy):
             self._sleep_done(ranks, mark, timeout)
             return done(ranks, mark)
         return True
@@ -424,7 +425,7 @@ class ShmChannel(Channel):
         if timeout == 0:  # a poll: no spin, no select
             return []
         now = time.perf_counter()
-        if spin(has_reply, SPIN if timeout is None else min(SPIN, timeout)):
+        if spin(has_reply, SPIN if timeout is None else min(SPIN, timeout), self._busy):
             return self._take()
         q = self._q
         q[_CTL_SLEEP] = 1  # we are going to sleep
@@ -598,6 +599,7 @@ class ShmWorkerChannel(WorkerChannel):
         self._replies = Arena("", 1, fd=spec["reply_arena"], keep=REPLY_KEEP)
         self._efd, self._ctl_efd, self._done_efd = spec["efd"], spec["ctl_efd"], spec["done_efd"]
         self._bit = 1 << r
+        self._busy = busy_budget(n + 1)  # waits check without yielding first
         self._pos = self._q[lay.cmd_read[r] // 8]
         self._read_idx = lay.cmd_read[r] // 8
         self._sleep_idx = lay.sleeping[r] // 8
@@ -714,6 +716,13 @@ class ShmWorkerChannel(WorkerChannel):
             crowd.look(now)
         if now >= crowd.until:
             end = now + SPIN
+            if self._busy:  # every process has a core: check without leaving it first
+                until = now + self._busy
+                while now < until:
+                    if q[0] != pos:
+                        crowd.calm()
+                        return
+                    now = _clock()
             while True:
                 _yield()
                 if q[0] != pos:

@@ -47,7 +47,7 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 from typing import Any
 
 from unison.channel import Channel, PartialSendError, Reply, WorkerChannel, write_frame
-from unison.pacing import crowd, spin
+from unison.pacing import cores, crowd, spin
 
 SPIN = 200e-6
 """How long a wait yields the core, looking for data, before it sleeps (as the shm channel)."""
@@ -134,7 +134,7 @@ class TcpChannel(Channel):
         self.n = num_workers
         self._secret = secret
         self._host = socket.gethostname()
-        self._crowded = num_workers + 1 > len(os.sched_getaffinity(0))
+        self._crowded = num_workers + 1 > cores()
         """Whether this host has fewer CPUs than the session's processes, were all its
         workers here: then the workers that join from here sleep at once when they wait."""
         self._local = local

@@ -86,7 +86,7 @@ from unison.collective.checks import (
     member,
 )
 from unison.errors import CollectiveError
-from unison.pacing import LONG_YIELD, Pacer, crowd
+from unison.pacing import LONG_YIELD, Pacer, cores, crowd
 
 SLOT = 32 << 20  # bytes per worker slot and per result area; larger data goes in rounds
 SMALL = 64 << 10  # reductions up to this size (any size between 2 workers): every worker
@@ -119,7 +119,7 @@ _TAG_NAMES = ("send", "scatter", "gather")
 _C_MEET, _C_MISMATCH, _C_DEPART, _C_LONG = 1, 2, 3, 16  # and 0: done
 _C_PAUSES = 128
 _C_SPIN_NS = 100_000
-_CORES = len(os.sched_getaffinity(0))
+_CORES = cores()
 _C_LONG_NS = int(LONG_YIELD * 1e9)
 _C_TYPES = tuple(np.dtype(t).str for t in ("f4", "f8", "i4", "i8", "u4", "u8"))  # native
 # byte order; as _coll.c's T_F32 .. T_U64

@@ -41,6 +41,7 @@ import unison
 from unison import _proctree
 from unison.debug import logs as _logs
 from unison.launch import DeathReport, Launcher
+from unison.pacing import cores
 from unison.spec import WorkerSpec
 
 # python -c puts the current directory first on sys.path (unless safe_path is set): drop it
@@ -166,7 +167,7 @@ class LocalLauncher(Launcher):
         # N workers each running a BLAS or OpenMP pool as wide as the machine would fight
         # over the cores (and their spinning threads over our waits): share them out, as
         # loky and torchrun do, unless the user chose already.
-        share = str(max(1, _cpu_count() // max(1, len(specs))))
+        share = str(max(1, cores() // max(1, len(specs))))
         for var in _THREAD_VARS:
             base_env.setdefault(var, share)
         base_env[_logs.ENV] = _logs.levels()  # workers' logging records come to ours
@@ -342,8 +343,3 @@ def _relay_records(rank: int, lines: list[str]) -> tuple[list[str], list[str]]:
     return plain, tail
 
 
-def _cpu_count() -> int:
-    """The CPUs this process may run on (where the platform says), else all of them."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
