@@ -341,5 +341,3 @@ def _relay_records(rank: int, lines: list[str]) -> tuple[list[str], list[str]]:
         plain.append(line)
         tail.append(line)
     return plain, tail
-
-
