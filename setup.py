@@ -3,9 +3,27 @@ small allreduce's steps (src/unison/_coll.c). Everything else is in pyproject.to
 ``optional=True``: where they cannot build (no compiler), the install goes on and unison
 uses pure Python instead (channel/shm.py and collective/shm.py pick it automatically)."""
 
-from setuptools import Extension, setup
+import compileall
 
-setup(ext_modules=[
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class BuildExt(build_ext):
+    """The extensions; then, for an editable install (built in place), the package's bytecode
+    too. pip compiles a regular install's bytecode, never an editable one's; and where Python
+    may not write its cache (PYTHONDONTWRITEBYTECODE, a read-only tree) every process then
+    compiles unison's sources again, each worker of every session included: start at N=4 on
+    2 vCPUs took 373-440 ms with the sources alone, 233-238 with their bytecode (issue 9;
+    docs/benchmarks.md). A stale file is never used: Python checks each against its source."""
+
+    def run(self) -> None:
+        super().run()
+        if self.inplace:
+            compileall.compile_dir("src/unison", quiet=1)
+
+
+setup(cmdclass={"build_ext": BuildExt}, ext_modules=[
     Extension("unison._ring", ["src/unison/_ring.c"], optional=True,
               extra_compile_args=["-O2"]),
     # no fused multiply-add: every rank's reduction must give numpy's bits
