@@ -4,6 +4,7 @@ small allreduce's steps (src/unison/_coll.c). Everything else is in pyproject.to
 uses pure Python instead (channel/shm.py and collective/shm.py pick it automatically)."""
 
 import compileall
+from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -14,13 +15,15 @@ class BuildExt(build_ext):
     too. pip compiles a regular install's bytecode, never an editable one's; and where Python
     may not write its cache (PYTHONDONTWRITEBYTECODE, a read-only tree) every process then
     compiles unison's sources again, each worker of every session included: start at N=4 on
-    2 vCPUs took 373-440 ms with the sources alone, 233-238 with their bytecode (issue 9;
-    docs/benchmarks.md). A stale file is never used: Python checks each against its source."""
+    2 vCPUs took 350-368 ms from the sources, 264-275 from their bytecode (docs/benchmarks.md,
+    issue 9's twelfth pass, with its command). A stale file is never used: Python checks each
+    against its source."""
 
     def run(self) -> None:
         super().run()
         if self.inplace:
-            compileall.compile_dir("src/unison", quiet=1)
+            compileall.compile_dir(str(Path(__file__).resolve().parent / "src" / "unison"),
+                                   quiet=1)
 
 
 setup(cmdclass={"build_ext": BuildExt}, ext_modules=[

@@ -62,7 +62,7 @@ def test_the_modules_a_worker_imports_have_their_bytecode():
     """An editable install compiles unison's bytecode (setup.py's build_ext, as pip does for a
     regular install): where Python may not write its cache (PYTHONDONTWRITEBYTECODE), every
     worker of every session would otherwise compile the sources again at its start (issue 9:
-    start at N=4, 373-440 against 233-238 ms on 2 vCPUs)."""
+    start at N=4 on 2 vCPUs, 350-368 ms against 264-275; docs/benchmarks.md, twelfth pass)."""
     import importlib.util
 
     import unison.channel.shm

@@ -67,8 +67,9 @@ BUSY = 20e-6
 """How long a wait first checks without yielding, where every process of the session has a
 core of its own (``busy_budget``): there a yield leaves the core to nobody, and each one is
 a syscall whose return delays the check that sees the other side's word (issue 9: at N=1 on
-2 CPUs, dispatch 5.8 -> 4.4 us and gather_small 8.0 -> 6.6). Never with more processes
-than cores: a check that keeps the core there keeps it from the peer it waits for."""
+2 CPUs, dispatch 0.80x and gather_small 0.70x of the yield-only waits, by ``python
+benchmarks/compare_revs.py --base f6ad359 --workers 1,2``). Never with more processes than
+cores: a check that keeps the core there keeps it from the peer it waits for."""
 
 FIRST_NAP = 20e-6
 """The first nap of a Pacer once its spin budget is spent (s); each next nap doubles."""
