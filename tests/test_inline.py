@@ -220,7 +220,7 @@ def test_a_cancel_never_signals_the_controller() -> None:
     signal's default action would end the controller. It reports it as still inside."""
     board = Board(2)
     try:
-        board.enter(0, 7)
+        board.mark(0).enter(7)
         assert board.stop(7, [0], [os.getpid()], timeout=0.05) == [0]
     finally:
         board.close()

@@ -81,3 +81,33 @@ def test_a_large_message_and_small_ones_interleave(sess: unison.Session) -> None
         big = sess.put(arr if i % 2 else arr[: i + 1])
         assert sess.run(lambda a: float(a[-1]), big) == [float((arr if i % 2 else
                                                                  arr[: i + 1])[-1])] * 2
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_a_workers_mark_on_the_board(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Board.mark(rank): the word a worker writes around every call (in C where _ring was
+    built). Both kinds write the same words and see the same posts; closing the board lets
+    go of its memory even while a mark is held."""
+    from unison import cancel
+
+    if native and cancel._ring is None:
+        pytest.skip("_ring is not built here")
+    if not native:
+        monkeypatch.setattr(cancel, "_ring", None)
+    board = cancel.Board(3)
+    try:
+        mark = board.mark(2)
+        assert board.mark(2) is mark  # one per rank: the inline worker 0 asks on every call
+        assert isinstance(mark, cancel._Mark) is not native
+        assert mark.enter(5) is False and board.running(2) == 5 and board.running(1) == 0
+        mark.leave()
+        assert board.running(2) == 0
+        board.post(7)
+        board.post(7 + cancel.TABLE)  # the same slot, a later id: 7 is not cancelled now
+        assert mark.enter(7 + cancel.TABLE) is True and board.running(2) == 7 + cancel.TABLE
+        assert mark.enter(7) is False
+    finally:
+        board.close()
+    if native:
+        with pytest.raises(ValueError, match="closed"):
+            mark.enter(1)

@@ -378,6 +378,92 @@ static PyTypeObject TakerType = {
     .tp_methods = Taker_methods,
 };
 
+/* ---- the cancellation board's word of one worker (cancel.py) ------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    uint64_t *q;
+    Py_ssize_t running;  /* word index of this worker's "running" word */
+    uint64_t table;      /* words in the table of cancelled ids (a power of two) */
+} Mark;
+
+static void Mark_dealloc(Mark *self) {
+    if (self->view.obj) PyBuffer_Release(&self->view);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Mark_init(Mark *self, PyObject *args, PyObject *kw) {
+    PyObject *buf;
+    Py_ssize_t running;
+    unsigned long long table;
+    if (!PyArg_ParseTuple(args, "OnK", &buf, &running, &table)) return -1;
+    if (table == 0 || (table & (table - 1)) || running < (Py_ssize_t)table) {
+        PyErr_SetString(PyExc_ValueError, "Mark: table must be a power of two below running");
+        return -1;
+    }
+    if (self->view.obj) PyBuffer_Release(&self->view);
+    self->q = NULL;
+    if (PyObject_GetBuffer(buf, &self->view, PyBUF_WRITABLE) < 0) return -1;
+    if ((running + 1) * 8 > self->view.len) {
+        PyBuffer_Release(&self->view);
+        PyErr_SetString(PyExc_ValueError, "Mark: the running word lies past the buffer");
+        return -1;
+    }
+    self->q = (uint64_t *)self->view.buf;
+    self->running = running;
+    self->table = table;
+    return 0;
+}
+
+/* enter(call_id) -> whether it is cancelled: running = call_id; full fence; then the table
+ * (the store must not pass the load, or a post made meanwhile goes unseen by both sides). */
+static PyObject *Mark_enter(Mark *self, PyObject *arg) {
+    if (!self->q) { PyErr_SetString(PyExc_ValueError, "the board is closed"); return NULL; }
+    uint64_t id = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    __atomic_store_n(&self->q[self->running], id, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    uint64_t posted = __atomic_load_n(&self->q[id & (self->table - 1)], __ATOMIC_RELAXED);
+    return PyBool_FromLong(posted == id);
+}
+
+/* leave(): running = 0 (no call). */
+static PyObject *Mark_leave(Mark *self, PyObject *unused) {
+    (void)unused;
+    if (!self->q) { PyErr_SetString(PyExc_ValueError, "the board is closed"); return NULL; }
+    __atomic_store_n(&self->q[self->running], 0, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
+/* close(): let go of the board's memory (its owner unmaps it next). */
+static PyObject *Mark_close(Mark *self, PyObject *unused) {
+    (void)unused;
+    self->q = NULL;
+    if (self->view.obj) PyBuffer_Release(&self->view);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Mark_methods[] = {
+    {"enter", (PyCFunction)Mark_enter, METH_O,
+     "enter(call_id) -> bool: say this worker runs call_id; whether it is cancelled"},
+    {"leave", (PyCFunction)Mark_leave, METH_NOARGS, "leave(): this worker runs no call"},
+    {"close", (PyCFunction)Mark_close, METH_NOARGS, "close(): let go of the board's memory"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject MarkType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "unison._ring.Mark",
+    .tp_basicsize = sizeof(Mark),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Mark(buffer, running_index, table_size)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Mark_init,
+    .tp_dealloc = (destructor)Mark_dealloc,
+    .tp_methods = Mark_methods,
+};
+
 /* fence(): a full memory barrier, for the Python sides' "store a word, then load another"
  * handshakes (channel/shm.py, cancel.py). One call: no signal's exception can land inside
  * it, as one can between a Python lock's acquire and release. */
@@ -400,13 +486,17 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__ring(void) {
-    if (PyType_Ready(&SenderType) < 0 || PyType_Ready(&TakerType) < 0) return NULL;
+    if (PyType_Ready(&SenderType) < 0 || PyType_Ready(&TakerType) < 0 ||
+        PyType_Ready(&MarkType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&SenderType);
     Py_INCREF(&TakerType);
+    Py_INCREF(&MarkType);
     if (PyModule_AddObject(m, "Sender", (PyObject *)&SenderType) < 0 ||
-        PyModule_AddObject(m, "Taker", (PyObject *)&TakerType) < 0) {
+        PyModule_AddObject(m, "Taker", (PyObject *)&TakerType) < 0 ||
+        PyModule_AddObject(m, "Mark", (PyObject *)&MarkType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

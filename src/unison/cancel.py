@@ -40,11 +40,15 @@ import os
 import signal
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
+from unison import _native
 from unison._native import fence as _fence
 from unison.channel.arena import sealed_memfd
 
-__all__ = ["SIGNAL", "Board", "Cancelled"]
+_ring = _native.load("_ring")  # Mark in C (unison/_ring.c), or None: _Mark below
+
+__all__ = ["SIGNAL", "Board", "Cancelled", "Mark"]
 
 TABLE = 1 << 20
 _LINE = 8  # words per cache line
@@ -94,6 +98,7 @@ class Board:
         self.fd = fd
         self._mm = mmap.mmap(fd, size)
         self._q = memoryview(self._mm).cast("Q")
+        self._marks: dict[int, Mark] = {}
 
     # -- controller --------------------------------------------------------------------------
 
@@ -139,17 +144,21 @@ class Board:
     def is_cancelled(self, call_id: int) -> bool:
         return self._q[call_id % TABLE] == call_id
 
-    def enter(self, rank: int, call_id: int) -> bool:
-        """About to run ``call_id``: say so, then whether it is cancelled (skip it then)."""
-        q = self._q
-        q[_RUNNING + _LINE * rank] = call_id
-        _fence()  # else the load below may pass the store (x86 allows it), and a post the
-        return q[call_id % TABLE] == call_id  # controller made meanwhile goes unseen by both
-
-    def leave(self, rank: int) -> None:
-        self._q[_RUNNING + _LINE * rank] = 0
+    def mark(self, rank: int) -> Mark:
+        """Worker ``rank``'s word: ``enter(call_id)`` before each call, ``leave()`` after it
+        (in C where _ring was built: a worker pays them on every call)."""
+        mark = self._marks.get(rank)
+        if mark is None:
+            running = _RUNNING + _LINE * rank
+            mark = (_Mark(self._q, running) if _ring is None
+                    else _ring.Mark(self._mm, running, TABLE))
+            self._marks[rank] = mark
+        return mark
 
     def close(self) -> None:
+        for mark in self._marks.values():
+            mark.close()
+        self._marks.clear()
         self._q.release()
         try:
             self._mm.close()
@@ -157,3 +166,35 @@ class Board:
             pass
         if self.owner:
             os.close(self.fd)
+
+
+class Mark(Protocol):
+    """A worker's word on the board: which call it runs (0: none)."""
+
+    def enter(self, call_id: int, /) -> bool:
+        """About to run ``call_id``: say so, then whether it is cancelled (skip it then)."""
+
+    def leave(self) -> None:
+        """Done with the call."""
+
+    def close(self) -> None:
+        """Let go of the board's memory."""
+
+
+class _Mark:
+    """Mark in pure Python (no _ring): the same stores, the fence a lock."""
+
+    def __init__(self, q: memoryview, running: int) -> None:
+        self._q, self._running = q, running
+
+    def enter(self, call_id: int, /) -> bool:
+        q = self._q
+        q[self._running] = call_id
+        _fence()  # else the load below may pass the store (x86 allows it), and a post the
+        return q[call_id % TABLE] == call_id  # controller made meanwhile goes unseen by both
+
+    def leave(self) -> None:
+        self._q[self._running] = 0
+
+    def close(self) -> None:
+        pass

@@ -216,6 +216,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
     fns, unreported = loop.fns, loop.unreported
     loads, dumps = protocol.loads, protocol.dumps
     recv = recv or chan.recv
+    mark = None if board is None else board.mark(me)
     while True:
         got = recv()
         if got is None:
@@ -241,7 +242,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                     # before enter() says we run it: the controller signals a call it sees
                     # running once, and a signal that found no current call would be lost
                     _current[0] = ref_id
-                    if board is not None and board.enter(me, ref_id):
+                    if mark is not None and mark.enter(ref_id):
                         raise Cancelled(f"call #{ref_id} was cancelled before it started")
                     if isinstance(fn, Failed):
                         raise RuntimeError(
@@ -261,8 +262,8 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                     if _forked[0]:  # a child the call forked came back here: not ours
                         _end_fork()
                     _current[0] = 0  # a signal in here still lands in the except below
-                    if board is not None:
-                        board.leave(me)
+                    if mark is not None:
+                        mark.leave()
                     if traced is not None:  # returned or raised (its name is read at collect)
                         traced.append(("call", ref_id, req_id, fn, started, _trace._clock()))
             except BaseException as exc:  # SystemExit and friends from user code are errors too

@@ -205,6 +205,7 @@ class ShmCollectives(CallScope, Collectives):
         self._w = [o // 8 for o in lay.worker]
         me = self._w[rank]
         self._q[me + _PID] = os.getpid()
+        self._left = me + _LEFT  # our "left" word: the last call we finished
         self._index = [0, 0]  # collectives so far in this call: world, group
         # per scope, what peers may still read of ours: (call, the generation they must
         # reach, ranks, whether the collective failed here); see _next
@@ -234,7 +235,7 @@ class ShmCollectives(CallScope, Collectives):
             self._reclaim_all()
 
     def end(self, call_id: int) -> None:
-        self._q[self._w[self.rank] + _LEFT] = call_id  # "left": peers waiting for us give up
+        self._q[self._left] = call_id  # peers waiting for us in this call give up
         if self._spills:
             self._reclaim_all()
         if self._pidfds:  # opened by this call's long waits (watch_peers): none outlives it
