@@ -2,6 +2,7 @@
 
     python benchmarks/python_cost.py [--rounds 20000]                 # µs per round
     python benchmarks/python_cost.py --instructions [--rounds 20000]  # under valgrind
+    python benchmarks/python_cost.py --instructions --parts   # + a worker's loop in parts
 
 On a 2-core host the controller's Python before the send and after the last reply, and a
 worker's between taking a command and publishing its reply, add straight to every round
@@ -54,6 +55,10 @@ from unison import protocol
 
 WORKLOADS = ("controller dispatch", "controller run", "worker dispatch", "worker run",
              "floor dispatch", "floor run")
+PARTS = ("worker dispatch, no board", "worker dispatch, no collectives",
+         "worker dispatch, neither", "floor worker dispatch")
+"""``--parts``: a worker's loop without the cancellation board's or the collectives' steps
+around each call, or without both; and the floor's worker doing the same command."""
 
 
 def _reply(req_id: int, value: int) -> bytes:
@@ -119,19 +124,22 @@ class _Replies:
         pass
 
 
-def worker_rounds(work: str, count: int) -> Iterator[object]:
+def worker_rounds(work: str, count: int, board_on: bool = True,
+                  coll_on: bool = True) -> Iterator[object]:
     """``count`` commands of ``work`` through ``worker.serve`` in this process, as a
-    ``map`` of one call."""
+    ``map`` of one call; with the board and the collectives a Session gives it, unless
+    told otherwise."""
     from unison import worker
     from unison.cancel import Board
     from unison.collective.shm import Layout, ShmCollectives
 
-    board = Board(2)  # what a worker's loop calls around each call, as in a Session
-    size = Layout(2, 1).size
-    fd = os.memfd_create("unison-python-cost", os.MFD_CLOEXEC)
-    os.ftruncate(fd, size)
-    coll = ShmCollectives(fd, 0, 2, 1)
-    os.close(fd)  # mapped now
+    board = Board(2) if board_on else None  # what a worker's loop calls around each call
+    coll = None
+    if coll_on:
+        fd = os.memfd_create("unison-python-cost", os.MFD_CLOEXEC)
+        os.ftruncate(fd, Layout(2, 1).size)
+        coll = ShmCollectives(fd, 0, 2, 1)
+        os.close(fd)  # mapped now
     loop = worker.Loop()
     loop.fns[1] = small_value if work == "run" else noop
     made: list[tuple[bytes, list[Any]]] = []
@@ -148,6 +156,41 @@ def worker_rounds(work: str, count: int) -> Iterator[object]:
         worker.serve(chan, coll, board, loop, recv=lambda: next(cmds, None))  # type: ignore[arg-type]
         if work == "run" and len(chan.got) != count:
             raise RuntimeError(f"{len(chan.got)} replies to {count} runs")
+    return map(serve, range(1))
+
+
+def floor_worker_rounds(count: int) -> Iterator[object]:
+    """``count`` dispatch commands through the floor worker's steps (harness/systems/floor.py,
+    ``_worker``'s loop after its wait: read the command, unpickle it, run it, write the
+    reply and the ack, look at the controller's flag), in this process, as a ``map``."""
+    import mmap
+
+    from harness.systems import floor
+    from harness.systems.base import CALL, execute
+
+    mm = mmap.mmap(-1, floor._size(2))
+    buf = memoryview(mm)
+    q = buf.cast("Q")
+    start, ack = floor._payload(2), floor.ACK
+    cmd = pickle.dumps((CALL, 1, None, ()), protocol=5)
+    buf[start:start + len(cmd)] = cmd
+    q[floor.LEN] = len(cmd)
+    fns: dict[int, Any] = {1: noop}
+
+    def serve(_: int) -> None:
+        for seq in range(1, count + 1):
+            q[floor.SEQ] = seq  # the controller's part
+            last = q[floor.SEQ]
+            op, fid, fn, args = pickle.loads(buf[start:start + q[floor.LEN]])
+            if fn is None:
+                fn = fns.get(fid)
+            else:
+                fns[fid] = fn
+            reply = execute(op, fn, args)
+            q[ack + 1] = floor.NONE if reply is None else reply
+            q[ack] = last
+            if q[floor.CTRL]:
+                raise RuntimeError("nobody sleeps here")
     return map(serve, range(1))
 
 
@@ -181,6 +224,11 @@ def floor_rounds(work: str, count: int) -> Iterator[Iterator[object]]:
 
 @contextlib.contextmanager
 def rounds(workload: str, count: int, sess: unison.Session) -> Iterator[Iterator[object]]:
+    if workload in PARTS:
+        yield (floor_worker_rounds(count) if workload.startswith("floor") else worker_rounds(
+            "dispatch", count, board_on=workload.endswith("collectives"),
+            coll_on=workload.endswith("board")))
+        return
     side, work = workload.split()
     if side == "floor":
         with floor_rounds(work, count) as it:
@@ -233,7 +281,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20000)
     parser.add_argument("--instructions", action="store_true",
                         help="count instructions under valgrind (callgrind) instead of timing")
-    parser.add_argument("--child", choices=WORKLOADS, help=argparse.SUPPRESS)
+    parser.add_argument("--parts", action="store_true", help="also " + ", ".join(PARTS))
+    parser.add_argument("--child", choices=WORKLOADS + PARTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         _child(args.child, args.rounds)
@@ -242,14 +291,16 @@ def main() -> None:
         sys.exit("python_cost.py --instructions needs valgrind on PATH")
     print(f"CPU: {cpu_model()}; {source_revision()}, from {Path(unison.__file__).parent}; "
           f"command: python benchmarks/python_cost.py"
-          f"{' --instructions' if args.instructions else ''} --rounds {args.rounds}\n")
+          f"{' --instructions' if args.instructions else ''}{' --parts' if args.parts else ''}"
+          f" --rounds {args.rounds}\n")
+    workloads = WORKLOADS + PARTS if args.parts else WORKLOADS
     if args.instructions:
         print("| workload | instructions per round |\n|---|--:|")
-        for w in WORKLOADS:
+        for w in workloads:
             print(f"| {w} | {counted(w, args.rounds)} |", flush=True)
     else:
         print("| workload | best µs | median µs |\n|---|--:|--:|")
-        for w in WORKLOADS:
+        for w in workloads:
             best, median = timed(w, args.rounds)
             print(f"| {w} | {best:.2f} | {median:.2f} |", flush=True)
 

@@ -10,8 +10,11 @@
  *   take:    done = pos; full fence; read the controller's "waiting on progress" flag and
  *            write its eventfd if up; acquire-load cmd_write; parse the entry at pos.
  *
- * A pure-Python fallback (shm.py) is chosen automatically when this does not build or
- * UNISON_PURE=1 is set. Word indices and offsets come from Python (shm._Layout).
+ * Besides the ring: fence(), a full memory barrier for the Python sides' handshakes, and
+ * Mark, a worker's word on the cancellation board (cancel.py), written around every call.
+ *
+ * A pure-Python fallback (shm.py, cancel._Mark) is chosen automatically when this does not
+ * build or UNISON_PURE=1 is set. Word indices and offsets come from Python (shm._Layout).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
