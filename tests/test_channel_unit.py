@@ -386,7 +386,7 @@ def test_a_stranger_holding_our_core_is_seen_without_any_yield(
         os.sched_setaffinity(0, {cpu})
         pacing.crowd.look(pacing._clock())  # the baseline
         before = pacing.run_delay()
-        end = time.perf_counter() + 0.2
+        end = time.perf_counter() + 0.75 * pacing.STALE_LOOK  # a look that still judges
         while time.perf_counter() < end:  # busy beside the hog
             pass
         after = pacing.run_delay()
@@ -419,6 +419,7 @@ def test_a_look_sees_a_stranger_in_long_spells_that_fill_a_share_of_the_time(
     monkeypatch.setattr(pacing.crowd, "until", 0.0)
     monkeypatch.setattr(pacing.crowd, "rate", 0.0)
     monkeypatch.setattr(pacing.crowd, "_seen", None)
+    monkeypatch.setattr(pacing.crowd, "ours", 0)  # no count of runnable tasks (next test)
     ms = 1_000_000
     stats = iter([(0, 0), (2 * ms, 2), (2 * ms + 50 * ms, 2 + 40),
                   (52 * ms + 45 * ms, 42 + 12)])
@@ -431,6 +432,83 @@ def test_a_look_sees_a_stranger_in_long_spells_that_fill_a_share_of_the_time(
     assert pacing.crowd.until == pytest.approx(100.206 + pacing.CROWDED)
     pacing.crowd.forget()
     assert (pacing.crowd.until, pacing.crowd.rate) == (0.0, 0.0)
+
+
+def test_a_look_sees_strangers_runnable_beside_short_spells(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Beside two CPU hogs, Linux 6.18 kept our waits off the core 30-56% of the time in
+    spells of tens of µs, which no spell length tells from peers. Then more runnable tasks
+    than the CPUs and than our session's processes, at two looks in a row, are a crowd. Not:
+    one such look, as many runnable tasks as our processes (peers), a quiet share, or a
+    process that said nothing of its sessions (``expect``)."""
+    monkeypatch.setattr(pacing.crowd, "until", 0.0)
+    monkeypatch.setattr(pacing.crowd, "rate", 0.0)
+    monkeypatch.setattr(pacing.crowd, "_seen", None)
+    monkeypatch.setattr(pacing.crowd, "_stranger_looks", 0)
+    monkeypatch.setattr(pacing.crowd, "ours", 0)
+    monkeypatch.setattr(pacing, "_CPUS", 2)
+    ms = 1_000_000
+    off = [20 * ms]  # off the core between two looks, 50 ms apart
+    total = [0, 0]
+
+    def stats() -> tuple[int, int]:  # in 1000 spells: of 20 µs, or of 1 µs
+        total[0] += off[0]
+        total[1] += 1000
+        return total[0], total[1]
+
+    monkeypatch.setattr(pacing, "run_delay", stats)
+    tasks = iter([5, 3, 5, 3, 5, 4])
+    monkeypatch.setattr(pacing, "runnable", lambda: next(tasks))
+    pacing.crowd.look(100.0)  # the baseline
+    pacing.crowd.look(100.05)  # ours unknown: runnable tasks are not counted
+    pacing.crowd.look(100.10)
+    assert pacing.crowd.until == 0.0
+    pacing.crowd.expect(3)  # a session of a controller and two workers
+    pacing.crowd.expect(2)  # a smaller one changes nothing
+    assert pacing.crowd.ours == 3
+    for now in (100.15, 100.20, 100.25, 100.30):  # 5, 3, 5, 3 runnable: never two in a row
+        pacing.crowd.look(now)
+    assert pacing.crowd.until == 0.0
+    pacing.crowd.look(100.35)  # 5
+    assert pacing.crowd.until == 0.0
+    pacing.crowd.look(100.40)  # 4: two looks in a row
+    assert pacing.crowd.until == pytest.approx(100.40 + pacing.CROWDED)
+    assert pacing.crowd._stranger_looks == 2
+    off[0] = ms  # 2% of the time off the core: the streak ends there
+    pacing.crowd.look(100.45)
+    pacing.crowd.look(100.50)
+    assert pacing.crowd._stranger_looks == 0
+
+
+def test_a_look_after_a_long_gap_judges_nothing_and_keeps_the_streak(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Between two waits we may sleep for long: the time off the core since a look half a
+    second ago is diluted by that sleep, so such a look only starts afresh, and the streak
+    of looks that found strangers goes on from where it was."""
+    monkeypatch.setattr(pacing.crowd, "until", 0.0)
+    monkeypatch.setattr(pacing.crowd, "rate", 0.0)
+    monkeypatch.setattr(pacing.crowd, "_seen", None)
+    monkeypatch.setattr(pacing.crowd, "_stranger_looks", 0)
+    monkeypatch.setattr(pacing.crowd, "ours", 2)
+    monkeypatch.setattr(pacing, "_CPUS", 2)
+    total = [0, 0]
+
+    def stats() -> tuple[int, int]:  # 20 ms more off the core at every look
+        total[0] += 20_000_000
+        total[1] += 1000
+        return total[0], total[1]
+
+    monkeypatch.setattr(pacing, "run_delay", stats)
+    monkeypatch.setattr(pacing, "runnable", lambda: 4)
+    pacing.crowd.look(100.0)
+    pacing.crowd.look(100.05)
+    assert pacing.crowd._stranger_looks == 1
+    pacing.crowd.look(100.05 + pacing.STALE_LOOK + 0.3)
+    assert (pacing.crowd._stranger_looks, pacing.crowd.until) == (1, 0.0)
+    pacing.crowd.look(100.05 + pacing.STALE_LOOK + 0.35)
+    assert pacing.crowd.until > 100.0
 
 
 def test_the_wait_for_the_first_command_forgets_the_workers_start(

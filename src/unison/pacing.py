@@ -36,7 +36,11 @@ scheduler statistics (/proc/thread-self/schedstat): if, since the last look, it 
 CROWD_SHARE of the time runnable but off the core, in spells averaging over STRANGER_SPELL,
 the machine is crowded now. Peers hand the core back within tens of microseconds, or at
 worst within the scheduler's slice, so they do not count; nor does the peers' own start,
-which each side forgets (``crowd.forget``) once the first command is in.
+which each side forgets (``crowd.forget``) once the first command is in. Strangers may also
+take the core in short spells (Linux 6.18 beside two hogs: 17-77 µs), which the spells'
+length cannot tell from peers'; so where the time off the core is over CROWD_SHARE, a look
+also counts the machine's runnable tasks (/proc/loadavg): more than the CPUs and than the
+processes of our sessions (``crowd.expect``), at STRANGER_LOOKS looks in a row, is a crowd.
 
 The waits and their parameters:
 
@@ -60,7 +64,8 @@ from collections.abc import Callable
 
 __all__ = [
     "BUSY", "CROWDED", "CROWD_SHARE", "FIRST_NAP", "LONG_YIELD", "RATE_HALF_LIFE",
-    "STRANGER_SPELL", "Pacer", "busy_budget", "cores", "crowd", "run_delay", "spin",
+    "STRANGER_LOOKS", "STRANGER_SPELL", "Pacer", "busy_budget", "cores", "crowd", "run_delay",
+    "runnable", "spin",
 ]
 
 BUSY = 20e-6
@@ -113,7 +118,23 @@ not always under LONG_YIELD: four workers and the controller on two cores averag
 1.1-1.25 ms (the scheduler's own slices), and at 0.5 ms that made the machine crowded for
 half a second at a time (issue 9, ninth pass). Where the tick is faster (HZ=1000), a hog's
 slices are shorter and fall to the long yields instead."""
+STRANGER_LOOKS = 2
+"""Looks in a row that must find strangers runnable (``runnable``) while this thread spent
+over CROWD_SHARE of the time off the core, in spells of any length, before the machine
+counts as crowded. Beside two CPU hogs at N=1 on 2 CPUs, Linux 6.18 kept the waits off the
+core 30-56% of the time in spells of only 17-77 µs: no spell reached STRANGER_SPELL and no
+yield LONG_YIELD, and yield-spinning rounds took 55-63 µs where sleeping at once took 22-33
+(and the pipe 33-44): issue 9, thirteenth pass. A look found strangers runnable at 100% of
+the looks beside the hogs, and at 0-3% without them (N = 1, 2, 4, 8), hence two in a row."""
+STALE_LOOK = 4 * LOOK
+"""A look further than this (s) from the last one judges nothing, and only starts afresh:
+the time between holds our sleeps, which dilute the share off the core, and the streak of
+looks that found strangers carries over it (they rarely leave while we sleep; beside two
+hogs, each return from a pause of half a second otherwise spun some 100 ms at 55-63 µs a
+round before two looks in a row found the crowd again)."""
 _SCHEDSTAT = "/proc/thread-self/schedstat"  # ns on the CPU, ns runnable but off it, spells
+_LOADAVG = "/proc/loadavg"  # its 4th field: runnable tasks / all tasks, machine-wide
+_CPUS = os.cpu_count() or 1
 
 _yield = os.sched_yield
 _clock = time.perf_counter
@@ -134,11 +155,26 @@ def run_delay() -> tuple[int, int] | None:
         return None
 
 
+def runnable() -> int | None:
+    """How many tasks (threads) are runnable on the whole machine now, this one included,
+    from /proc/loadavg; None where it cannot be read."""
+    try:
+        fd = os.open(_LOADAVG, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fields = os.read(fd, 128).split()
+        finally:
+            os.close(fd)
+        return int(fields[3].split(b"/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class _Crowd:
     """This process's view of the machine: ``until`` is the time (perf_counter) before which
     waits skip the spin. One per process: every wait of ours meets the same strangers."""
 
-    __slots__ = ("_last_long", "_seen", "next_look", "rate", "until")
+    __slots__ = ("_last_long", "_seen", "_stranger_looks", "next_look", "ours", "rate",
+                 "until")
 
     def __init__(self) -> None:
         self.until = 0.0
@@ -147,11 +183,21 @@ class _Crowd:
         self.next_look = 0.0
         """When (perf_counter) a wait should ``look`` next."""
         self._seen: tuple[int, float, int, int] | None = None  # thread, when, delay, spells
+        self.ours = 0
+        """The processes of our sessions on this host (``expect``): more runnable tasks than
+        these and the CPUs mean strangers. 0: unknown, and looks do not count tasks."""
+        self._stranger_looks = 0  # looks in a row that found strangers (STRANGER_LOOKS)
+
+    def expect(self, processes: int) -> None:
+        """A session of ``processes`` on this host (controller and local workers) waits here:
+        that many runnable tasks are peers, not strangers (the largest session counts)."""
+        self.ours = max(self.ours, processes)
 
     def look(self, now: float) -> None:
         """Read this thread's run delay; a stranger held the core if, since the last look,
-        the thread spent over CROWD_SHARE of the time off the core in spells averaging over
-        STRANGER_SPELL."""
+        the thread spent over CROWD_SHARE of the time off the core, in spells averaging over
+        STRANGER_SPELL, or in any spells while strangers were runnable at STRANGER_LOOKS
+        looks in a row."""
         self.next_look = now + LOOK
         got = run_delay()
         if got is None:  # not kept by this kernel: never again
@@ -162,11 +208,24 @@ class _Crowd:
         self._seen = (thread, now, delay, spells)
         if seen is None or seen[0] != thread or spells <= seen[3]:
             return
+        if now - seen[1] > STALE_LOOK:  # we slept, or did not wait: judge from the next look
+            return
         off = delay - seen[2]
-        if off > (now - seen[1]) * 1e9 * CROWD_SHARE and (
-                off / (spells - seen[3]) > STRANGER_SPELL * 1e9):
+        if off <= (now - seen[1]) * 1e9 * CROWD_SHARE:
+            self._stranger_looks = 0
+            return
+        if off / (spells - seen[3]) > STRANGER_SPELL * 1e9:
             self.met_long_yield(now)
             self.until = now + CROWDED  # an average over many spells: no need for a second
+            return
+        tasks = runnable() if self.ours else None
+        if tasks is None or tasks <= max(self.ours, _CPUS):
+            self._stranger_looks = 0
+            return
+        self._stranger_looks += 1
+        if self._stranger_looks >= STRANGER_LOOKS:
+            self.met_long_yield(now)
+            self.until = now + CROWDED
 
     def forget(self) -> None:
         """Start afresh: the peers' start is over. While workers start, each spends seconds
@@ -175,6 +234,7 @@ class _Crowd:
         slept on every round."""
         self.until = self.rate = 0.0
         self._seen = None
+        self._stranger_looks = 0
 
     def met_long_yield(self, now: float) -> None:
         """A wait met a stranger's time slice."""

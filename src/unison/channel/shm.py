@@ -177,6 +177,7 @@ class ShmChannel(Channel):
         self._sleep_fds = [self._ctl_efd]  # what a waiting recv sleeps on: + the watch fds
         self._all_mask = (1 << num_workers) - 1
         self._busy = busy_budget(num_workers + 1)  # waits check without yielding first
+        crowd.expect(num_workers + 1)  # so many runnable tasks are peers (pacing.crowd.look)
         self._closed = False
         # hot-path index tables
         self._sleep_idx = [o // 8 for o in lay.sleeping]
@@ -600,6 +601,7 @@ class ShmWorkerChannel(WorkerChannel):
         self._efd, self._ctl_efd, self._done_efd = spec["efd"], spec["ctl_efd"], spec["done_efd"]
         self._bit = 1 << r
         self._busy = busy_budget(n + 1)  # waits check without yielding first
+        crowd.expect(n + 1)  # so many runnable tasks are peers (pacing.crowd.look)
         self._pos = self._q[lay.cmd_read[r] // 8]
         self._read_idx = lay.cmd_read[r] // 8
         self._sleep_idx = lay.sleeping[r] // 8
