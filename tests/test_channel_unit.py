@@ -434,6 +434,14 @@ def test_a_look_sees_a_stranger_in_long_spells_that_fill_a_share_of_the_time(
     assert (pacing.crowd.until, pacing.crowd.rate) == (0.0, 0.0)
 
 
+def fresh_crowd(monkeypatch: pytest.MonkeyPatch, ours: int) -> None:
+    """pacing.crowd as a process starts it, on a machine of 2 CPUs, ``ours`` expected."""
+    for name, value in (("until", 0.0), ("rate", 0.0), ("_seen", None),
+                        ("_stranger_looks", 0), ("ours", ours)):
+        monkeypatch.setattr(pacing.crowd, name, value)
+    monkeypatch.setattr(pacing, "_CPUS", 2)
+
+
 def test_a_look_sees_strangers_runnable_beside_short_spells(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -442,12 +450,7 @@ def test_a_look_sees_strangers_runnable_beside_short_spells(
     than the CPUs and than our session's processes, at two looks in a row, are a crowd. Not:
     one such look, as many runnable tasks as our processes (peers), a quiet share, or a
     process that said nothing of its sessions (``expect``)."""
-    monkeypatch.setattr(pacing.crowd, "until", 0.0)
-    monkeypatch.setattr(pacing.crowd, "rate", 0.0)
-    monkeypatch.setattr(pacing.crowd, "_seen", None)
-    monkeypatch.setattr(pacing.crowd, "_stranger_looks", 0)
-    monkeypatch.setattr(pacing.crowd, "ours", 0)
-    monkeypatch.setattr(pacing, "_CPUS", 2)
+    fresh_crowd(monkeypatch, ours=0)
     ms = 1_000_000
     off = [20 * ms]  # off the core between two looks, 50 ms apart
     total = [0, 0]
@@ -487,12 +490,7 @@ def test_a_look_after_a_long_gap_judges_nothing_and_keeps_the_streak(
     """Between two waits we may sleep for long: the time off the core since a look half a
     second ago is diluted by that sleep, so such a look only starts afresh, and the streak
     of looks that found strangers goes on from where it was."""
-    monkeypatch.setattr(pacing.crowd, "until", 0.0)
-    monkeypatch.setattr(pacing.crowd, "rate", 0.0)
-    monkeypatch.setattr(pacing.crowd, "_seen", None)
-    monkeypatch.setattr(pacing.crowd, "_stranger_looks", 0)
-    monkeypatch.setattr(pacing.crowd, "ours", 2)
-    monkeypatch.setattr(pacing, "_CPUS", 2)
+    fresh_crowd(monkeypatch, ours=2)
     total = [0, 0]
 
     def stats() -> tuple[int, int]:  # 20 ms more off the core at every look

@@ -145,26 +145,26 @@ def run_delay() -> tuple[int, int] | None:
     /proc/thread-self/schedstat; None where the kernel does not keep them. An open, a read
     and a close, so no descriptor outlives the call."""
     try:
-        fd = os.open(_SCHEDSTAT, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            fields = os.read(fd, 64).split()
-        finally:
-            os.close(fd)
+        fields = _read(_SCHEDSTAT).split()
         return int(fields[1]), int(fields[2])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _read(path: str) -> bytes:
+    """The first line or so of a /proc file: an open, a read and a close."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 128)
+    finally:
+        os.close(fd)
 
 
 def runnable() -> int | None:
     """How many tasks (threads) are runnable on the whole machine now, this one included,
     from /proc/loadavg; None where it cannot be read."""
     try:
-        fd = os.open(_LOADAVG, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            fields = os.read(fd, 128).split()
-        finally:
-            os.close(fd)
-        return int(fields[3].split(b"/")[0])
+        return int(_read(_LOADAVG).split()[3].split(b"/")[0])
     except (OSError, ValueError, IndexError):
         return None
 
