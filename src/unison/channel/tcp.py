@@ -135,9 +135,9 @@ class TcpChannel(Channel):
         self._secret = secret
         self._host = socket.gethostname()
         self._crowded = num_workers + 1 > cores()
-        crowd.expect(num_workers + 1)  # at most so many runnable tasks here are peers
         """Whether this host has fewer CPUs than the session's processes, were all its
         workers here: then the workers that join from here sleep at once when they wait."""
+        crowd.expect(num_workers + 1)  # at most so many runnable tasks here are peers
         self._local = local
         self._on_local = on_local
         self._fds: dict[int, list[int]] = {}
