@@ -13,35 +13,24 @@ median of the blocks' medians. ``PYTHONPATH=<tree>/src`` picks the revision of u
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness.measure import _HOG
+from harness.measure import _HOG, Loop, time_loop
 from harness.report import cpu_model, source_revision
 from harness.systems import make_system
 
 
 def block(round_trip: Callable[[], object], seconds: float) -> float:
-    """The median µs of the round trips made in ``seconds``."""
-    times = []
-    gc.disable()
-    try:
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            start = time.perf_counter_ns()
-            round_trip()
-            times.append(time.perf_counter_ns() - start)
-    finally:
-        gc.enable()
-    return statistics.median(times) / 1000
+    """The median µs of the round trips made in ``seconds`` (harness.measure's timed loop)."""
+    loop = Loop(warmup=20, min_iters=1, max_iters=10**7, budget_s=seconds)
+    return statistics.median(time_loop(round_trip, loop)) / 1000
 
 
 def main() -> None:

@@ -124,8 +124,9 @@ over CROWD_SHARE of the time off the core, in spells of any length, before the m
 counts as crowded. Beside two CPU hogs at N=1 on 2 CPUs, Linux 6.18 kept the waits off the
 core 30-56% of the time in spells of only 17-77 µs: no spell reached STRANGER_SPELL and no
 yield LONG_YIELD, and yield-spinning rounds took 55-63 µs where sleeping at once took 22-33
-(and the pipe 33-44): issue 9, thirteenth pass. A look found strangers runnable at 100% of
-the looks beside the hogs, and at 0-3% without them (N = 1, 2, 4, 8), hence two in a row."""
+(and the pipe 33-44: ``python benchmarks/hogs_timeline.py --workers 1``). A look found
+strangers runnable at 100% of the looks beside the hogs, and at 0-3% without them (N = 1, 2,
+4, 8; scratch scripts, docs/benchmarks.md "Issue 9, thirteenth pass"), hence two in a row."""
 STALE_LOOK = 4 * LOOK
 """A look further than this (s) from the last one judges nothing, and only starts afresh:
 the time between holds our sleeps, which dilute the share off the core, and the streak of
@@ -134,7 +135,7 @@ hogs, each return from a pause of half a second otherwise spun some 100 ms at 55
 round before two looks in a row found the crowd again)."""
 _SCHEDSTAT = "/proc/thread-self/schedstat"  # ns on the CPU, ns runnable but off it, spells
 _LOADAVG = "/proc/loadavg"  # its 4th field: runnable tasks / all tasks, machine-wide
-_CPUS = os.cpu_count() or 1
+_CPUS = os.cpu_count() or 1  # the machine's, not cores(): /proc/loadavg counts machine-wide
 
 _yield = os.sched_yield
 _clock = time.perf_counter
