@@ -317,6 +317,25 @@ def test_hogs_timeline_prints_points_per_tenth_of_a_second() -> None:
         assert all(float(f[0]) > 0 and int(f[1]) > 0 for f in fields), points
 
 
+def test_blocks_alternates_systems_and_gives_unisons_ratios() -> None:
+    """benchmarks/blocks.py: each system's block medians per workload and N, and unison's
+    ratio to each other system from the medians it printed."""
+    out = _tool("blocks.py", "--systems", "unison,floor,pipe", "--workers", "1", "--blocks",
+                "3", "--seconds", "0.05")
+    mid = {}
+    for workload in ("dispatch", "gather_small"):
+        for name in ("unison", "floor", "pipe"):
+            line = next(x for x in out.splitlines()
+                        if x.startswith(f"{workload} N=1 {name} ") and "median" in x)
+            blocks, _, median = line.split(": ", 1)[1].partition(" | median ")
+            assert len(blocks.split()) == 3 and all(float(b) > 0 for b in blocks.split()), line
+            mid[name] = float(median.removesuffix(" µs"))
+        ratios = next(x for x in out.splitlines() if x.startswith(f"{workload} N=1 unison /"))
+        for name in ("floor", "pipe"):
+            got = float(ratios.split(f"unison / {name}: ")[1].split("x")[0])
+            assert got == pytest.approx(mid["unison"] / mid[name], rel=0.05, abs=0.01), ratios
+
+
 def test_added_work_prints_a_row_per_system_with_each_extra() -> None:
     """benchmarks/added_work.py: the round with D µs added on each side, floor and unison."""
     rows = _last_rows(_tool("added_work.py", "--workers", "1", "--extra", "5", "--reps", "1"), 2)

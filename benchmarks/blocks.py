@@ -1,0 +1,100 @@
+"""Two or more systems in alternating blocks of one workload, in one process (issue 9).
+
+    python benchmarks/blocks.py [--systems unison,floor] [--workloads dispatch gather_small]
+                                [--workers 2 4] [--hogs 0] [--blocks 12] [--seconds 0.5]
+
+The full run (benchmarks/run.py) measures one system after the other, a single median each.
+The machine drifts between them: unison / floor for dispatch at N=2 read 0.98x, 1.54x and
+1.68x in three full runs of one hour, and beside hogs both unison and the pipe swing by 2x
+from one second to the next (benchmarks/hogs_timeline.py). So one pair of cells can say
+either. This starts every system at once (and ``--hogs`` CPU hogs, harness.measure's), then
+runs blocks of ``seconds`` of the workload's round trips on each in turn, the order reversed
+every other block so that a trend hits both alike, and prints each block's median µs, the
+median of the blocks' medians, and unison's ratio to each other system (below 1: unison is
+faster). ``PYTHONPATH=<tree>/src`` picks the revision of unison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness.measure import _HOG, Loop, time_loop
+from harness.report import cpu_model, source_revision
+from harness.systems import make_system
+
+
+def block(round_trip: Callable[[], object], seconds: float) -> float:
+    """The median µs of the round trips made in ``seconds`` (harness.measure's timed loop)."""
+    loop = Loop(warmup=20, min_iters=1, max_iters=10**7, budget_s=seconds)
+    return statistics.median(time_loop(round_trip, loop)) / 1000
+
+
+def measure(names: list[str], workloads: list[str], n: int, blocks: int,
+            seconds: float) -> dict[tuple[str, str], list[float]]:
+    """Each (system, workload)'s block medians at ``n`` workers, the systems alternating."""
+    systems = {name: make_system(name) for name in names}
+    medians: dict[tuple[str, str], list[float]] = {
+        (name, w): [] for name in names for w in workloads}
+    try:
+        for system in systems.values():
+            system.start(n)
+            system.dispatch()
+        for workload in workloads:
+            for i in range(blocks):
+                turn = list(systems.items())
+                for name, system in turn if i % 2 == 0 else reversed(turn):
+                    medians[name, workload].append(block(getattr(system, workload), seconds))
+    finally:
+        for system in systems.values():
+            system.close()
+    return medians
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--systems", default="unison,floor",
+                        help="comma-separated, unison first (the ratios are unison's)")
+    parser.add_argument("--workloads", nargs="+", default=["dispatch", "gather_small"],
+                        choices=["dispatch", "gather_small"])
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--hogs", type=int, default=0)
+    parser.add_argument("--blocks", type=int, default=12)
+    parser.add_argument("--seconds", type=float, default=0.5)
+    args = parser.parse_args()
+    names = args.systems.split(",")
+    if names[0] != "unison" or len(names) < 2:
+        parser.error("--systems: unison first, then the systems it is read against")
+    print(f"CPU: {cpu_model()}; {source_revision()}; command: python benchmarks/blocks.py "
+          f"--systems {args.systems} --workloads {' '.join(args.workloads)} --workers "
+          f"{' '.join(map(str, args.workers))} --hogs {args.hogs} --blocks {args.blocks} "
+          f"--seconds {args.seconds}")
+    hogs = [subprocess.Popen([sys.executable, "-c", _HOG, str(os.getpid())])
+            for _ in range(args.hogs)]
+    try:
+        for n in args.workers:
+            medians = measure(names, args.workloads, n, args.blocks, args.seconds)
+            for workload in args.workloads:
+                mid = {name: statistics.median(medians[name, workload]) for name in names}
+                for name in names:
+                    print(f"{workload} N={n} {name:8s}: "
+                          + " ".join(f"{m:.1f}" for m in medians[name, workload])
+                          + f" | median {mid[name]:.1f} µs")
+                print(f"{workload} N={n} " + ", ".join(
+                    f"unison / {name}: {mid['unison'] / mid[name]:.2f}x" for name in names[1:])
+                    + " (below 1: unison is faster)", flush=True)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+if __name__ == "__main__":
+    main()
