@@ -1,7 +1,7 @@
 """How the processes of a round trip leave the core, per round (issue 9, ninth pass).
 
     python benchmarks/switches.py --workers 2 8 [--seconds 1] [--systems unison,floor] [--pin]
-                                  [--perf]
+                                  [--perf] [--syscalls]
 
 For each system and N, dispatch rounds for ``seconds``, then per round, from
 /proc/<pid>/status: the controller's and the workers' (their mean) voluntary context
@@ -26,6 +26,13 @@ from the controller in part of its turns.
 sched:sched_switch -e syscalls:sys_enter_sched_yield`` during 0.3 s of the rounds, then the
 share of the workers' turns on a core that ended at their first yield (the rest took 2 or
 more yields to hand the core over, or none).
+
+``--syscalls`` (root, and perf with the syscall tracepoints): ``perf stat`` counts, in the
+kernel and without waking perf, every system call of the controller and the workers during
+``seconds`` more of the rounds, and the sched_yields among them: per round, what each side
+asks of the kernel beyond its Python (a sleep is a select and an eventfd read and write; a
+wake-up an eventfd write). Tracepoints make each call slower, so the rounds' time there is
+not the table's.
 """
 
 from __future__ import annotations
@@ -97,7 +104,49 @@ def _first_yield_share(data: str, workers: set[int]) -> float:
     return turns[1] / total if total else float("nan")
 
 
-def measure(name: str, n: int, seconds: float, perf: bool, pin: bool) -> str:
+def _syscalls(system: object, pids: list[int], seconds: float) -> dict[int, tuple[int, int]]:
+    """{pid: (system calls, sched_yields)} of ``pids`` over ``seconds`` of dispatch rounds,
+    from ``perf stat``, and the rounds made meanwhile (under key 0, as (rounds, 0)). perf
+    attaches after its start: the rounds are the loop's rate times ``seconds``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "stat.csv")
+        cmd = ["perf", "stat", "-x", ",", "--per-thread", "-o", out, "-p",
+               ",".join(map(str, pids)), "-e", "raw_syscalls:sys_enter", "-e",
+               "syscalls:sys_enter_sched_yield", "--", "sleep", str(seconds)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        dispatch = system.dispatch  # type: ignore[attr-defined]
+        rounds, start = 0, time.perf_counter()
+        while proc.poll() is None:  # a wait4 every 256 rounds: under 0.004 a round
+            for _ in range(256):
+                dispatch()
+            rounds += 256
+        took = time.perf_counter() - start
+        if proc.returncode != 0:
+            raise RuntimeError(f"perf stat failed: {proc.stderr.read().decode()[-500:]}"
+                               if proc.stderr else "perf stat failed")
+        counts: dict[int, tuple[int, int]] = {pid: (0, 0) for pid in pids}
+        with open(out) as f:
+            for line in f:
+                fields = line.split(",")
+                tid = fields[0].rpartition("-")[2]
+                if len(fields) < 4 or not fields[1].isdigit() or not tid.isdigit():
+                    continue
+                pid = int(tid)  # each of ours is single-threaded in the rounds; others: skip
+                if pid in counts:
+                    calls, yields = counts[pid]
+                    if fields[3].endswith("sched_yield"):
+                        yields += int(fields[1])
+                    else:
+                        calls += int(fields[1])
+                    counts[pid] = (calls, yields)
+    counts[0] = (round(rounds * seconds / took), 0)
+    return counts
+
+
+def measure(name: str, n: int, seconds: float, perf: bool, pin: bool,
+            syscalls: bool = False) -> tuple[str, str | None]:
+    """The table's row for ``name`` at ``n`` workers, and with ``syscalls`` the row of the
+    system calls' table."""
     system = make_system(name)
     system.start(n)
     me = os.getpid()
@@ -137,6 +186,7 @@ def measure(name: str, n: int, seconds: float, perf: bool, pin: bool) -> str:
                     share = f" | {_first_yield_share(data, set(workers)):.0%}"
                 else:
                     share = " | (perf failed)"
+        calls = _syscalls(system, [me, *workers], seconds) if syscalls else None
     finally:
         os.sched_setaffinity(0, allowed)
         system.close()
@@ -146,9 +196,16 @@ def measure(name: str, n: int, seconds: float, perf: bool, pin: bool) -> str:
 
     group = "-" if shared is None else f"{shared}/{n}"
     shown = " ".join(f"{cpu[pid]:.1f}" for pid in workers[:4]) + (" ..." if n > 4 else "")
-    return (f"| {name} | {n} | {took / rounds * 1e6:.1f} | {per_round([me], 0):.3f} | "
-            f"{per_round(workers, 0):.3f} | {per_round([me], 1):.2f} | "
-            f"{per_round(workers, 1):.2f} | {cpu[me]:.1f} | {shown} | {group}{share} |")
+    row = (f"| {name} | {n} | {took / rounds * 1e6:.1f} | {per_round([me], 0):.3f} | "
+           f"{per_round(workers, 0):.3f} | {per_round([me], 1):.2f} | "
+           f"{per_round(workers, 1):.2f} | {cpu[me]:.1f} | {shown} | {group}{share} |")
+    if calls is None:
+        return row, None
+    made = calls[0][0] or 1
+    worker_calls = sum(calls[p][0] for p in workers) / n / made
+    worker_yields = sum(calls[p][1] for p in workers) / n / made
+    return row, (f"| {name} | {n} | {calls[me][0] / made:.2f} | {calls[me][1] / made:.2f} | "
+                 f"{worker_calls:.2f} | {worker_yields:.2f} |")
 
 
 def main() -> None:
@@ -160,10 +217,12 @@ def main() -> None:
                         help="worker r on CPU r (mod the CPUs), the controller on the first")
     parser.add_argument("--perf", action="store_true",
                         help="also the workers' turns that ended at their first yield")
+    parser.add_argument("--syscalls", action="store_true",
+                        help="also each side's system calls per round (perf stat)")
     args = parser.parse_args()
-    if args.perf and shutil.which("perf") is None:
-        parser.error("--perf needs the perf tool on PATH (and root for its tracepoints): "
-                     "install it, or run without --perf")
+    if (args.perf or args.syscalls) and shutil.which("perf") is None:
+        parser.error("--perf and --syscalls need the perf tool on PATH (and root for its "
+                     "tracepoints): install it, or run without them")
     print(f"CPU: {cpu_model()}; unison {source_revision()}; "
           f"command: python {' '.join(sys.argv)}\n")
     head = ("| system | N | µs per round | controller sleeps per round | worker sleeps per "
@@ -172,9 +231,18 @@ def main() -> None:
             "autogroup")
     print(head + (" | workers' turns ended at the first yield |" if args.perf else " |"))
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|" + ("--:|" if args.perf else ""))
+    calls = []
     for n in args.workers:
         for name in args.systems.split(","):
-            print(measure(name, n, args.seconds, args.perf, args.pin), flush=True)
+            row, call_row = measure(name, n, args.seconds, args.perf, args.pin, args.syscalls)
+            print(row, flush=True)
+            if call_row is not None:
+                calls.append(call_row)
+    if calls:
+        print("\nSystem calls per round (perf stat; the yields are among them):\n\n"
+              "| system | N | controller's | its sched_yields | each worker's | their "
+              "sched_yields |\n|---|--:|--:|--:|--:|--:|")
+        print("\n".join(calls))
 
 
 if __name__ == "__main__":
