@@ -3,6 +3,7 @@
     python benchmarks/python_cost.py [--rounds 20000]                 # µs per round
     python benchmarks/python_cost.py --instructions [--rounds 20000]  # under valgrind
     python benchmarks/python_cost.py --instructions --parts   # + a worker's loop in parts
+    python benchmarks/python_cost.py --cold [--rounds 300]    # each round after a sweep
 
 On a 2-core host the controller's Python before the send and after the last reply, and a
 worker's between taking a command and publishing its reply, add straight to every round
@@ -26,6 +27,11 @@ rounds (they run through ``map``, and only ``map_next`` is counted), and prints
 instructions per round: the same on every run of the same code, so two revisions compare
 to the percent on a noisy host (``PYTHONPATH=<tree>/src`` picks the revision). Without it,
 the best and the median µs per round of 7 timed fills.
+
+``--cold`` times the controllers' rounds one at a time, warm (back to back) and cold (each
+after copying 16 MiB, which leaves none of the round's code and data in the caches): the
+median µs of each. The cold time is what a round costs by the cache lines it touches, not
+by its instructions; in a real round trip a worker sharing the core evicts part of them.
 """
 
 from __future__ import annotations
@@ -268,6 +274,35 @@ def counted(workload: str, count: int) -> int:
     raise RuntimeError("callgrind wrote no totals")
 
 
+CONTROLLERS = tuple(w for w in WORKLOADS if not w.startswith("worker"))
+"""The workloads whose rounds can be timed one at a time (a worker's run as one call)."""
+SWEEP = 16 << 20
+"""Bytes copied before each cold round: past the L2 of one core and most of an L3's share."""
+
+
+def cold_timed(workload: str, count: int) -> tuple[float, float]:
+    """The median µs of a round of ``workload``: back to back, and after a sweep each."""
+    src, dst = bytearray(SWEEP // 2), bytearray(SWEEP // 2)
+    clock = time.perf_counter_ns
+    medians = []
+    with unison.Session(2) as sess, stubbed(sess):
+        for cold in (False, True):
+            with rounds(workload, count + 20, sess) as it:
+                for _ in range(20):
+                    next(it)
+                took = []
+                gc.disable()
+                for _ in range(count):
+                    if cold:
+                        dst[:] = src
+                    start = clock()
+                    next(it)
+                    took.append(clock() - start)
+                gc.enable()
+            medians.append(statistics.median(took) / 1000)
+    return medians[0], medians[1]
+
+
 def _child(workload: str, count: int) -> None:
     with unison.Session(2) as sess, stubbed(sess), rounds(workload, count, sess) as it:
         gc.disable()
@@ -282,6 +317,8 @@ def main() -> None:
     parser.add_argument("--instructions", action="store_true",
                         help="count instructions under valgrind (callgrind) instead of timing")
     parser.add_argument("--parts", action="store_true", help="also " + ", ".join(PARTS))
+    parser.add_argument("--cold", action="store_true",
+                        help="the controllers' rounds warm and each after a cache sweep")
     parser.add_argument("--child", choices=WORKLOADS + PARTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -292,9 +329,15 @@ def main() -> None:
     print(f"CPU: {cpu_model()}; {source_revision()}, from {Path(unison.__file__).parent}; "
           f"command: python benchmarks/python_cost.py"
           f"{' --instructions' if args.instructions else ''}{' --parts' if args.parts else ''}"
+          f"{' --cold' if args.cold else ''}"
           f" --rounds {args.rounds}\n")
     workloads = WORKLOADS + PARTS if args.parts else WORKLOADS
-    if args.instructions:
+    if args.cold:
+        print("| workload | warm µs | cold µs |\n|---|--:|--:|")
+        for w in CONTROLLERS:
+            warm, cold = cold_timed(w, args.rounds)
+            print(f"| {w} | {warm:.2f} | {cold:.2f} |", flush=True)
+    elif args.instructions:
         print("| workload | instructions per round |\n|---|--:|")
         for w in workloads:
             print(f"| {w} | {counted(w, args.rounds)} |", flush=True)
