@@ -74,7 +74,7 @@ import select
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 from unison import _native
 from unison._native import fence as _fence
@@ -472,7 +472,7 @@ class ShmChannel(Channel):
         in C, where it was built, unless a rank is in the middle of a chunked reply."""
         if self._fast is not None and not any(self._partial) and not self._broken:
             plain, more = self._fast.collect(self._reply_pos)
-            out = cast("list[tuple[int, bytes | Reply | None]]", plain)
+            out: list[tuple[int, bytes | Reply | None]] = plain
             if more:  # a rank stopped at a reply with buffers or chunks: read on below
                 out.extend(self._collect_py())
             return out
