@@ -419,6 +419,32 @@ def test_an_exception_whose_class_the_controller_cannot_import_is_a_remote_error
     assert "RemoteError" in unison.__all__
 
 
+def test_a_function_the_workers_cannot_load_fails_each_call_saying_why(
+    make_session, tmp_path, monkeypatch
+):
+    """A function of a module only the controller can import (its folder joined sys.path
+    after the workers started) fails to load on them: each call of it, by run or by call,
+    is a WorkerError that says why and what to do; the session stays usable."""
+    (tmp_path / "only_on_the_controller.py").write_text("def seven():\n    return 7\n")
+    sess = make_session(2)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seven = importlib.import_module("only_on_the_controller").seven
+    for _ in range(2):  # defined once, failing at every call
+        with pytest.raises(WorkerError) as info:
+            sess.run(seven)
+        text = str(info.value)
+        assert "could not be loaded on this worker" in text, text
+        assert "only_on_the_controller" in text and "importable" in text, text
+        assert "object at 0x" not in text, text  # it names what ran in words
+        assert type(info.value.__cause__) is RuntimeError
+    sess.call(seven)
+    with pytest.raises(WorkerError, match="could not be loaded on this worker") as info:
+        sess.sync()
+    assert sorted(info.value.errors) == [0, 1]  # each worker's error, reported once
+    sess.sync()
+    assert sess.run(use, 3) == [3, 3]
+
+
 def forge_the_reply() -> str:
     """Worker code that meddles with unison's own channel: the reply this call sends
     carries another request's id."""

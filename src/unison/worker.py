@@ -128,6 +128,26 @@ class Failed:
         self.error = error
 
 
+class _Unloaded:
+    """What a function id stands for when its function could not be loaded here: calling it
+    raises why, as that call's error (so the loop needs no test of its own per call)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: tuple[Any, ...]) -> None:
+        self.error = error
+
+    def __repr__(self) -> str:  # what the error says it ran
+        return "a function this worker could not load"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise RuntimeError(
+            f"the function could not be loaded on this worker: {self.error[2]}. Make its "
+            "module importable here (workers get the controller's sys.path and cwd), or "
+            "define it in the script that drives the session"
+        )
+
+
 def lookup(ref_id: int) -> Any:
     """A Ref argument, as it unpickles on a worker: that worker's own object."""
     try:
@@ -217,6 +237,9 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
     loads, dumps = protocol.loads, protocol.dumps
     recv = recv or chan.recv
     mark = None if board is None else board.mark(me)
+    # bound once: each call's steps (collectives, the board) without an attribute lookup
+    begin, end = (None, None) if coll is None else (coll.begin, coll.end)
+    enter, leave = (None, None) if mark is None else (mark.enter, mark.leave)
     while True:
         got = recv()
         if got is None:
@@ -232,8 +255,8 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
         if op == CALL:
             _, _, ref_id, fn_id, blob, ranks, req_id = msg  # as protocol.call_msg packs it
             fn = fns.get(fn_id)
-            if coll is not None:
-                coll.begin(ref_id, ranks)
+            if begin is not None:
+                begin(ref_id, ranks)
             traced = _trace.events  # None unless a trace runs (unison.trace)
             if traced is not None:
                 started = _trace._clock()
@@ -242,15 +265,8 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                     # before enter() says we run it: the controller signals a call it sees
                     # running once, and a signal that found no current call would be lost
                     _current[0] = ref_id
-                    if mark is not None and mark.enter(ref_id):
+                    if enter is not None and enter(ref_id):
                         raise Cancelled(f"call #{ref_id} was cancelled before it started")
-                    if isinstance(fn, Failed):
-                        raise RuntimeError(
-                            f"the function could not be loaded on this worker: {fn.error[2]}. "
-                            "Make its module importable here (workers get the controller's "
-                            "sys.path and cwd), or define it in the script that drives the "
-                            "session"
-                        )
                     if blob is None:
                         value = fn()  # type: ignore[misc]
                     elif type(blob) is tuple:  # plain positional values, inside the message
@@ -262,14 +278,14 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                     if _forked[0]:  # a child the call forked came back here: not ours
                         _end_fork()
                     _current[0] = 0  # a signal in here still lands in the except below
-                    if mark is not None:
-                        mark.leave()
+                    if leave is not None:
+                        leave()
                     if traced is not None:  # returned or raised (its name is read at collect)
                         traced.append(("call", ref_id, req_id, fn, started, _trace._clock()))
             except BaseException as exc:  # SystemExit and friends from user code are errors too
                 err = protocol.pack_error(exc, _name(fn))
-                if coll is not None:
-                    coll.end(ref_id)
+                if end is not None:
+                    end(ref_id)
                 if interrupts and isinstance(exc, KeyboardInterrupt):
                     raise
                 if req_id:  # run: the error goes straight back
@@ -280,8 +296,8 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                         unreported[ref_id] = err
                         chan.unreported(len(unreported))
                 continue
-            if coll is not None:
-                coll.end(ref_id)
+            if end is not None:
+                end(ref_id)
             if req_id:  # run: the result goes straight back, nothing is kept
                 if type(value) in _SCALARS:  # nothing out of band, nothing by value
                     chan.reply(dumps_plain((req_id, OK, value), PLAIN))
@@ -318,7 +334,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
             try:
                 fns[fn_id] = loads(fn_pickle)
             except BaseException as exc:
-                fns[fn_id] = Failed(protocol.pack_error(exc, "loading a function"))
+                fns[fn_id] = _Unloaded(protocol.pack_error(exc, "loading a function"))
         elif op == PUT:
             ref_id, value_pickle = read_put(msg)
             try:
