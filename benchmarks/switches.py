@@ -104,16 +104,18 @@ def _first_yield_share(data: str, workers: set[int]) -> float:
     return turns[1] / total if total else float("nan")
 
 
-def _syscalls(system: object, pids: list[int], seconds: float) -> dict[int, tuple[int, int]]:
+def _syscalls(system: object, pids: list[int],
+              seconds: float) -> tuple[dict[int, tuple[int, int]], int]:
     """{pid: (system calls, sched_yields)} of ``pids`` over ``seconds`` of dispatch rounds,
-    from ``perf stat``, and the rounds made meanwhile (under key 0, as (rounds, 0)). perf
-    attaches after its start: the rounds are the loop's rate times ``seconds``."""
+    from ``perf stat``, and how many rounds that was. perf attaches after its start, so the
+    rounds are the loop's rate times ``seconds``."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "stat.csv")
+        out, err = os.path.join(tmp, "stat.csv"), os.path.join(tmp, "stderr")
         cmd = ["perf", "stat", "-x", ",", "--per-thread", "-o", out, "-p",
                ",".join(map(str, pids)), "-e", "raw_syscalls:sys_enter", "-e",
                "syscalls:sys_enter_sched_yield", "--", "sleep", str(seconds)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        with open(err, "wb") as stderr:
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr)
         dispatch = system.dispatch  # type: ignore[attr-defined]
         rounds, start = 0, time.perf_counter()
         while proc.poll() is None:  # a wait4 every 256 rounds: under 0.004 a round
@@ -122,25 +124,23 @@ def _syscalls(system: object, pids: list[int], seconds: float) -> dict[int, tupl
             rounds += 256
         took = time.perf_counter() - start
         if proc.returncode != 0:
-            raise RuntimeError(f"perf stat failed: {proc.stderr.read().decode()[-500:]}"
-                               if proc.stderr else "perf stat failed")
-        counts: dict[int, tuple[int, int]] = {pid: (0, 0) for pid in pids}
+            with open(err, errors="replace") as f:
+                raise RuntimeError(f"perf stat failed: {f.read()[-500:]}")
+        counts = {pid: (0, 0) for pid in pids}
         with open(out) as f:
-            for line in f:
+            for line in f:  # "<comm>-<tid>,<count>,<unit>,<event>,...": one per thread
                 fields = line.split(",")
                 tid = fields[0].rpartition("-")[2]
                 if len(fields) < 4 or not fields[1].isdigit() or not tid.isdigit():
                     continue
-                pid = int(tid)  # each of ours is single-threaded in the rounds; others: skip
-                if pid in counts:
-                    calls, yields = counts[pid]
+                if int(tid) in counts:  # the main threads; the controller's idle others: not
+                    calls, yields = counts[int(tid)]
                     if fields[3].endswith("sched_yield"):
                         yields += int(fields[1])
                     else:
                         calls += int(fields[1])
-                    counts[pid] = (calls, yields)
-    counts[0] = (round(rounds * seconds / took), 0)
-    return counts
+                    counts[int(tid)] = (calls, yields)
+    return counts, round(rounds * seconds / took)
 
 
 def measure(name: str, n: int, seconds: float, perf: bool, pin: bool,
@@ -201,10 +201,10 @@ def measure(name: str, n: int, seconds: float, perf: bool, pin: bool,
            f"{per_round(workers, 1):.2f} | {cpu[me]:.1f} | {shown} | {group}{share} |")
     if calls is None:
         return row, None
-    made = calls[0][0] or 1
-    worker_calls = sum(calls[p][0] for p in workers) / n / made
-    worker_yields = sum(calls[p][1] for p in workers) / n / made
-    return row, (f"| {name} | {n} | {calls[me][0] / made:.2f} | {calls[me][1] / made:.2f} | "
+    counts, made = calls[0], max(calls[1], 1)
+    worker_calls = sum(counts[p][0] for p in workers) / n / made
+    worker_yields = sum(counts[p][1] for p in workers) / n / made
+    return row, (f"| {name} | {n} | {counts[me][0] / made:.2f} | {counts[me][1] / made:.2f} | "
                  f"{worker_calls:.2f} | {worker_yields:.2f} |")
 
 

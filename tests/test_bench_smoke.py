@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -368,6 +369,29 @@ def test_switches_prints_sleeps_and_the_workers_scheduling_group() -> None:
         assert all(float(cell) >= 0 for cell in row[3:8]), row
         assert len(row[8].split()) == 2 and all(float(c) > 0 for c in row[8].split()), row
         assert row[9] == ("2/2" if autogroup() else "-"), row
+
+
+def _perf_traces_syscalls() -> bool:
+    """Whether ``perf stat`` can count the syscall tracepoints here (root, and perf)."""
+    if shutil.which("perf") is None or os.geteuid() != 0:
+        return False
+    probe = subprocess.run(["perf", "stat", "-e", "syscalls:sys_enter_sched_yield", "true"],
+                           capture_output=True, timeout=30, check=False)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _perf_traces_syscalls(), reason="perf cannot count syscalls here")
+def test_switches_syscalls_counts_each_sides_calls_and_yields() -> None:
+    """switches.py --syscalls: a second table, each side's system calls per round and the
+    sched_yields among them (never more yields than calls)."""
+    out = _tool("switches.py", "--workers", "1", "--seconds", "0.3", "--syscalls")
+    assert "System calls per round" in out, out
+    rows = _last_rows(out, 2)
+    assert [r[:2] for r in rows] == [["unison", "1"], ["floor", "1"]], rows
+    for row in rows:
+        calls, yields, worker_calls, worker_yields = map(float, row[2:6])
+        assert calls >= yields >= 0 and worker_calls >= worker_yields >= 0, row
+    assert float(rows[1][5]) > 0.5, rows  # the floor's worker yields while it waits
 
 
 def test_allreduce_parts_splits_a_round_into_its_steps() -> None:
