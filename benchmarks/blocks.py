@@ -17,16 +17,14 @@ faster). ``PYTHONPATH=<tree>/src`` picks the revision of unison.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness.measure import _HOG, Loop, time_loop
+from harness.measure import Loop, hogs, time_loop
 from harness.report import cpu_model, source_revision
 from harness.systems import make_system
 
@@ -76,9 +74,7 @@ def main() -> None:
           f"--systems {args.systems} --workloads {' '.join(args.workloads)} --workers "
           f"{' '.join(map(str, args.workers))} --hogs {args.hogs} --blocks {args.blocks} "
           f"--seconds {args.seconds}")
-    hogs = [subprocess.Popen([sys.executable, "-c", _HOG, str(os.getpid())])
-            for _ in range(args.hogs)]
-    try:
+    with hogs(args.hogs):
         for n in args.workers:
             medians = measure(names, args.workloads, n, args.blocks, args.seconds)
             for workload in args.workloads:
@@ -90,10 +86,6 @@ def main() -> None:
                 print(f"{workload} N={n} " + ", ".join(
                     f"unison / {name}: {mid['unison'] / mid[name]:.2f}x" for name in names[1:])
                     + " (below 1: unison is faster)", flush=True)
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
 
 
 if __name__ == "__main__":

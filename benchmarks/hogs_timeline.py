@@ -14,18 +14,16 @@ waits sleeping at once: unison.pacing).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness.measure import _HOG, HOGS
+from harness.measure import HOGS, hogs
 from harness.report import cpu_model, source_revision
-from harness.systems import make_system
+from harness.systems import System, make_system
 from unison.pacing import crowd, run_delay
 
 BLOCK = 0.1  # seconds per printed point
@@ -36,43 +34,41 @@ def _run_delay_ns() -> int:
     return 0 if got is None else got[0]
 
 
-def timeline(name: str, n: int, seconds: float, hogs: int) -> str:
+def timeline(name: str, n: int, seconds: float, count: int) -> str:
     system = make_system(name)
     system.start(n)
-    procs: list[subprocess.Popen[bytes]] = []
     try:
         for _ in range(200):
             system.dispatch()
-        procs = [subprocess.Popen([sys.executable, "-c", _HOG, str(os.getpid())],
-                                  stdin=subprocess.DEVNULL) for _ in range(hogs)]
-        time.sleep(0.1)  # as with_hogs does
-        clock = time.perf_counter
-        points: list[str] = []
-        start = block_start = clock()
-        delay = _run_delay_ns()
-        rounds: list[float] = []
-        crowded = 0
-        while clock() - start < seconds:
-            t0 = clock()
-            system.dispatch()
-            t1 = clock()
-            rounds.append(t1 - t0)
-            crowded += crowd.until > t1
-            if t1 - block_start >= BLOCK:
-                now = _run_delay_ns()
-                point = f"{statistics.median(rounds) * 1e6:.0f}/{len(rounds)}"
-                if name.startswith("unison"):
-                    point += f"/{(now - delay) / len(rounds) / 1e3:.0f}"
-                    point += "C" if 2 * crowded > len(rounds) else ""
-                points.append(point)
-                delay, rounds, crowded, block_start = now, [], 0, t1
-        return f"{name} N={n}: " + " ".join(points)
+        with hogs(count):
+            return f"{name} N={n}: " + " ".join(_points(name, system, seconds))
     finally:
-        for proc in procs:
-            proc.kill()
-        for proc in procs:
-            proc.wait()
         system.close()
+
+
+def _points(name: str, system: System, seconds: float) -> list[str]:
+    """Dispatch rounds for ``seconds``: one point per BLOCK (see the module's docstring)."""
+    clock = time.perf_counter
+    points: list[str] = []
+    start = block_start = clock()
+    delay = _run_delay_ns()
+    rounds: list[float] = []
+    crowded = 0
+    while clock() - start < seconds:
+        t0 = clock()
+        system.dispatch()
+        t1 = clock()
+        rounds.append(t1 - t0)
+        crowded += crowd.until > t1
+        if t1 - block_start >= BLOCK:
+            now = _run_delay_ns()
+            point = f"{statistics.median(rounds) * 1e6:.0f}/{len(rounds)}"
+            if name.startswith("unison"):
+                point += f"/{(now - delay) / len(rounds) / 1e3:.0f}"
+                point += "C" if 2 * crowded > len(rounds) else ""
+            points.append(point)
+            delay, rounds, crowded, block_start = now, [], 0, t1
+    return points
 
 
 def main() -> None:

@@ -53,6 +53,7 @@ p99 is the nearest-rank percentile (``percentile``), the one definition every ta
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import importlib
@@ -63,7 +64,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -295,20 +296,29 @@ _HOG = ("import ctypes, os, signal, sys\n"
 """A hog: ``while True: pass``, which also dies with the benchmark should that be killed."""
 
 
-def with_hogs(op: Callable[[], list[int]], count: int = HOGS) -> list[int]:
-    """``op()`` with ``count`` CPU-bound processes running; they are killed after it, always."""
-    hogs: list[subprocess.Popen[bytes]] = []
+@contextlib.contextmanager
+def hogs(count: int = HOGS) -> Iterator[None]:
+    """``count`` CPU-bound processes running for the block (started, then 0.1 s to reach
+    their loop); they are killed after it, always."""
+    procs: list[subprocess.Popen[bytes]] = []
     try:
         for _ in range(count):
-            hogs.append(subprocess.Popen([sys.executable, "-c", _HOG, str(os.getpid())],
-                                         stdin=subprocess.DEVNULL))
-        time.sleep(0.1)  # let them start and reach their loop
-        return op()
+            procs.append(subprocess.Popen([sys.executable, "-c", _HOG, str(os.getpid())],
+                                          stdin=subprocess.DEVNULL))
+        if procs:
+            time.sleep(0.1)  # let them start and reach their loop
+        yield
     finally:
-        for hog in hogs:
-            hog.kill()
-        for hog in hogs:
-            hog.wait()
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+
+
+def with_hogs(op: Callable[[], list[int]], count: int = HOGS) -> list[int]:
+    """``op()`` with ``count`` CPU-bound processes running (``hogs``)."""
+    with hogs(count):
+        return op()
 
 
 def _status_bytes(field_name: str) -> int:
