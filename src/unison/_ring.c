@@ -48,6 +48,8 @@ typedef struct {
     /* the workers' reply rings (set by replies()) */
     uint64_t rring;
     Py_ssize_t rbase[MAX_WORKERS], rw_idx[MAX_WORKERS], rr_idx[MAX_WORKERS];
+    /* how far each worker has run, and whether it holds unreported errors (progress()) */
+    Py_ssize_t done_idx[MAX_WORKERS], unrep_idx[MAX_WORKERS];
 } Sender;
 
 static void Sender_dealloc(Sender *self) {
@@ -148,6 +150,43 @@ static PyObject *Sender_pending(Sender *self, PyObject *positions) {
     Py_RETURN_FALSE;
 }
 
+/* progress(done_indices, unreported_indices): where each worker publishes how far it has
+ * run and whether it holds errors nobody fetched */
+static PyObject *Sender_progress(Sender *self, PyObject *args) {
+    PyObject *done, *unrep;
+    if (!PyArg_ParseTuple(args, "OO", &done, &unrep)) return NULL;
+    if (PySequence_Size(done) != self->n || PySequence_Size(unrep) != self->n) {
+        PyErr_SetString(PyExc_ValueError, "progress takes one index of each kind per worker");
+        return NULL;
+    }
+    for (int i = 0; i < self->n; i++) {
+        PyObject *d = PySequence_GetItem(done, i), *u = PySequence_GetItem(unrep, i);
+        if (!d || !u) { Py_XDECREF(d); Py_XDECREF(u); return NULL; }
+        self->done_idx[i] = PyLong_AsSsize_t(d);
+        self->unrep_idx[i] = PyLong_AsSsize_t(u);
+        Py_DECREF(d); Py_DECREF(u);
+        if (PyErr_Occurred()) return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* settled(rankmask, mark) -> 0 while a worker in rankmask has not run everything before
+ * mark; else 1, or 2 where one of them holds errors nobody fetched (sync's check: one call
+ * where Python took a loop and a function each) */
+static PyObject *Sender_settled(Sender *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "settled takes 2 arguments"); return NULL; }
+    uint64_t mask = PyLong_AsUnsignedLongLong(args[0]);
+    uint64_t mark = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    for (int r = 0; r < self->n; r++)
+        if ((mask >> r) & 1 && __atomic_load_n(&self->q[self->done_idx[r]], __ATOMIC_ACQUIRE) < mark)
+            return PyLong_FromLong(0);
+    for (int r = 0; r < self->n; r++)  /* published before the done position: seen now */
+        if ((mask >> r) & 1 && __atomic_load_n(&self->q[self->unrep_idx[r]], __ATOMIC_RELAXED))
+            return PyLong_FromLong(2);
+    return PyLong_FromLong(1);
+}
+
 /* collect(positions) -> (replies, more): every plain reply now in the rings, as (rank,
  * bytes) in each rank's order, positions[r] advanced and the space handed back (reply_read).
  * A rank stops at its first entry with flags (buffers, indirect, chunks): ``more`` is then
@@ -205,6 +244,10 @@ static PyMethodDef Sender_methods[] = {
     {"replies", (PyCFunction)Sender_replies, METH_VARARGS,
      "replies(rbases, rw_indices, rr_indices, ring_size)"},
     {"pending", (PyCFunction)Sender_pending, METH_O, "pending(positions) -> bool"},
+    {"progress", (PyCFunction)Sender_progress, METH_VARARGS,
+     "progress(done_indices, unreported_indices)"},
+    {"settled", (PyCFunction)(void (*)(void))Sender_settled, METH_FASTCALL,
+     "settled(rankmask, mark) -> 0 not done, 1 done, 2 done with unreported errors"},
     {"collect", (PyCFunction)Sender_collect, METH_O,
      "collect(positions) -> ([(rank, bytes)], more)"},
     {"publish", (PyCFunction)(void (*)(void))Sender_publish, METH_FASTCALL,

@@ -86,6 +86,13 @@ class Channel(ABC):
         ``wait_done``: it covers everything up to the mark)."""
         raise NotImplementedError
 
+    def settled(self, ranks: Sequence[int], timeout: float) -> bool:
+        """``wait_done`` for everything sent so far, then ``not unreported``: True when the
+        workers in ``ranks`` ran it all within ``timeout`` and hold no error nobody fetched.
+        False tells nothing more: the caller goes the long way (a channel may take these
+        steps in one, for sync's usual case)."""
+        return self.wait_done(ranks, self.mark(), timeout) and not self.unreported(ranks)
+
     @abstractmethod
     def endpoint(self, rank: int) -> tuple[dict[str, Any], list[int]]:
         """What worker ``rank`` needs to connect: a picklable spec and fds it must inherit."""

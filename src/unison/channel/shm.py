@@ -193,6 +193,7 @@ class ShmChannel(Channel):
             self._mm, lay.cmd_ring, CMD_RING, self._efd, self._sleep_idx)
         if self._fast is not None:
             self._fast.replies(lay.reply_ring, self._rw_idx, self._rr_idx, REPLY_RING)
+            self._fast.progress(self._done_idx, self._unrep_idx)
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -363,6 +364,48 @@ class ShmChannel(Channel):
             self._sleep_done(ranks, mark, timeout)
             return done(ranks, mark)
         return True
+
+    def settled(self, ranks: Sequence[int], timeout: float) -> bool:
+        """Channel.settled, with wait_done's and pacing.spin's steps inlined and each look at
+        the workers' words one C call: sync's hot path, where each function a round runs
+        costs (issue 9: 12 functions down to 2 took dispatch at N=2 from 12.4 to 11.2 µs)."""
+        fast = self._fast
+        if fast is None:
+            return super().settled(ranks, timeout)
+        mark, mask = self._wpos, self._masks.get(tuple(ranks))
+        if mask is None:
+            mask = _mask(ranks)
+        got: int = fast.settled(mask, mark)
+        if got:  # done before we looked: look for a death (see wait_done)
+            return got == 1 and not self._death_seen()
+        now = _clock()
+        if now >= crowd.next_look:
+            crowd.look(now)
+        if now >= crowd.until:
+            end = now + min(SPIN, timeout)
+            if self._busy:  # every process has a core: check without leaving it first
+                until = min(now + self._busy, end)
+                while now < until:
+                    got = fast.settled(mask, mark)
+                    if got:
+                        crowd.calm()
+                        return got == 1
+                    now = _clock()
+            while now < end:
+                _yield()
+                got = fast.settled(mask, mark)
+                if got:
+                    crowd.calm()
+                    return got == 1
+                then, now = now, _clock()
+                if now - then > LONG_YIELD:
+                    crowd.met_long_yield(now)
+                    break
+            else:
+                crowd.calm()
+        self._sleep_done(ranks, mark, timeout)
+        got = fast.settled(mask, mark)
+        return got == 1
 
     def _death_seen(self) -> bool:
         """Whether a watched fd is readable: one epoll_wait on a set made once (a select

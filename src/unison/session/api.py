@@ -693,15 +693,15 @@ class Session(View):
         chan, router = self._chan, self._router
         deadline = None if timeout is None else _deadline(timeout)
         if chan.tracks_progress and router.idle(ranks):
-            try:  # the usual case, done within one slice: waited for from here (see _send_quick)
-                done = (deadline is None and not self._closed
-                        and chan.wait_done(ranks, chan.mark(), router.slice))
+            try:  # the usual case, done within one slice and no error: one call (see _send_quick)
+                ask = not (deadline is None and not self._closed
+                           and chan.settled(ranks, router.slice))
             except KeyboardInterrupt:
                 self.interrupted()
                 raise
-            if not done:
+            if ask:  # the long way
                 self._wait_done(ranks, deadline)
-            ask = chan.unreported(ranks)
+                ask = chan.unreported(ranks)
         else:
             ask = True
         if ask:
