@@ -587,3 +587,33 @@ def test_a_long_yield_inside_a_pacer_counts_too(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(pacing, "_yield", lambda: time.sleep(2 * pacing.LONG_YIELD))
     pacing.Pacer(spin=60.0).pause()
     assert pacing.crowd.until > pacing._clock()
+
+
+@pytest.mark.parametrize("ring", ["C", "pure"])
+def test_settled_is_true_only_once_every_worker_ran_all_and_holds_no_unreported_error(
+    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]], ring: str,
+) -> None:
+    """sync's usual case in one call (Channel.settled): the C one, and the base class's
+    steps where the ring is pure Python."""
+    chan, workers = shm_pair
+    if ring == "C":
+        if chan._fast is None:
+            pytest.skip("the C ring is not built here")
+    else:
+        chan._fast = None
+    both = (0, 1)
+    assert chan.settled(both, 0.0)  # nothing sent yet
+    chan.send(b"first", both)
+    start = time.monotonic()
+    assert not chan.settled(both, 0.05)  # nobody has run it
+    assert time.monotonic() - start < 2.0
+    assert workers[0].recv() is not None and workers[0].poll() is None  # done: published
+    assert not chan.settled(both, 0.0) and chan.settled((0,), 0.0)
+    assert workers[1].recv() is not None and workers[1].poll() is None
+    assert chan.settled(both, 0.0)
+    workers[1].unreported(1)  # an error nobody fetched, published with the next progress
+    chan.send(b"second", both)
+    for w in workers:
+        assert w.recv() is not None and w.poll() is None
+    assert not chan.settled(both, 0.0) and not chan.settled((1,), 0.0)
+    assert chan.settled((0,), 0.0)

@@ -29,6 +29,14 @@ with unison.Session(3, env={ENV}) as sess:
     big = sess.put(np.arange(100_000, dtype=np.int64))  # buffers: the Python path
     assert sess.run(lambda a: int(a.sum()), big) == [int(np.arange(100_000).sum())] * 3
     assert sess.run(unison.rank) == [0, 1, 2]
+    sess.call(lambda: 1 / (unison.rank() - 1))  # sync reads the workers' unreported errors
+    try:
+        sess.sync()
+    except unison.WorkerError as exc:
+        assert list(exc.errors) == [1], exc
+    else:
+        raise AssertionError("sync lost worker 1's error")
+    sess.sync()  # reported once
     print("native", shm.NATIVE, "ok")
 """
 
