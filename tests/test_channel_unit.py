@@ -307,6 +307,9 @@ def test_spin_stops_when_ready_or_when_its_budget_is_spent(calm: None) -> None:
     assert not pacing.spin(lambda: False, 0.005)
     assert time.perf_counter() - start >= 0.005
     assert not pacing.spin(lambda: True, 0.0)  # no budget: not even one look
+    # a C check takes its arguments from spin (no lambda's frame), and its value comes back
+    codes = iter([0, 0, 2])
+    assert pacing.spin(lambda a, b: (a, b) == (7, 9) and next(codes), 60.0, 0.0, 7, 9) == 2
 
 
 def test_a_busy_spin_checks_without_yielding_first_within_its_budget(

@@ -61,12 +61,15 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 __all__ = [
     "BUSY", "CROWDED", "CROWD_SHARE", "FIRST_NAP", "LONG_YIELD", "RATE_HALF_LIFE",
     "STRANGER_LOOKS", "STRANGER_SPELL", "Pacer", "busy_budget", "cores", "crowd", "run_delay",
     "runnable", "spin",
 ]
+
+_T = TypeVar("_T")
 
 BUSY = 20e-6
 """How long a wait first checks without yielding, where every process of the session has a
@@ -266,13 +269,14 @@ def busy_budget(processes: int) -> float:
     return BUSY if processes <= cores() else 0.0
 
 
-def spin(ready: Callable[[], bool], budget: float, busy: float = 0.0) -> bool:
-    """Check ``ready()``, first without leaving the core for ``busy`` seconds (see BUSY),
-    then yielding it between checks, until it is true or ``budget`` seconds passed.
+def spin(ready: Callable[..., _T], budget: float, busy: float = 0.0, *args: Any) -> _T | bool:
+    """Check ``ready(*args)``, first without leaving the core for ``busy`` seconds (see
+    BUSY), then yielding it between checks, until it is true or ``budget`` seconds passed.
 
-    Returns whether ``ready()`` became true: when not, the caller sleeps on a kernel object
-    (and must check again after announcing that it sleeps). On a crowded machine (see the
-    module's docstring) it returns False at once, or after the first long yield."""
+    Returns ``ready``'s first true value, else False: then the caller sleeps on a kernel
+    object (and must check again after announcing that it sleeps). On a crowded machine (see
+    the module's docstring) it returns False at once, or after the first long yield. A C
+    ``ready`` with its ``args`` (not a lambda around it) adds no Python frame per check."""
     now = _clock()
     if now >= crowd.next_look:
         crowd.look(now)
@@ -282,15 +286,17 @@ def spin(ready: Callable[[], bool], budget: float, busy: float = 0.0) -> bool:
     if busy:
         until = now + min(busy, budget)
         while now < until:
-            if ready():
+            got = ready(*args)
+            if got:
                 crowd.calm()
-                return True
+                return got
             now = _clock()
     while now < end:
         _yield()
-        if ready():
+        got = ready(*args)
+        if got:
             crowd.calm()
-            return True
+            return got
         then, now = now, _clock()
         if now - then > LONG_YIELD:
             crowd.met_long_yield(now)
