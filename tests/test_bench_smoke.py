@@ -281,6 +281,20 @@ def test_ab_worker_times_both_loops_and_the_lean_one_against_the_floor() -> None
         assert (head - hh) / (base + hb) - hr <= ratio <= (head + hh) / (base - hb) + hr, row
 
 
+def test_ab_controller_swaps_a_base_revisions_function_in_turns() -> None:
+    """benchmarks/ab_controller.py: a base revision's controller function and this tree's,
+    swapped on one live Session; both kinds timed for dispatch and gather_small."""
+    out = _tool("ab_controller.py", "--base", "HEAD", "--swap", "unison.session.api:Session._sync",
+                "--swap", "unison.channel.shm:ShmChannel.recv", "--workers", "1", "--turns", "2",
+                "--per-turn", "50")
+    rows = _last_rows(out, 2)
+    assert [r[1] for r in rows] == ["dispatch", "gather_small"]
+    for row in rows:
+        base, head, ratio = float(row[2]), float(row[3]), row[4]
+        assert base > 0 and head > 0
+        assert abs(float(ratio) - head / base) <= _half_unit(ratio) + 0.01
+
+
 def test_python_cost_times_each_side_and_the_floor() -> None:
     """benchmarks/python_cost.py: each side's Python per round, the channel stubbed; the
     worker's rounds really ran their commands (the tool checks run's replies itself)."""
