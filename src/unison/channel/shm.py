@@ -350,39 +350,48 @@ class ShmChannel(Channel):
                 return False
         return True
 
+    def _look(self, ranks: Sequence[int], mark: int) -> int:
+        """Python's ``_ring.Sender.settled``: 0 while a worker in ``ranks`` has not run
+        everything before ``mark``; else 1, or 2 where one holds errors nobody fetched."""
+        if not self._done(ranks, mark):
+            return 0
+        return 2 if self.unreported(ranks) else 1
+
     def wait_done(self, ranks: Sequence[int], mark: int, timeout: float) -> bool:
-        """See Channel.wait_done: spin 200 us, then sleep on the done eventfd and the watch
-        fds; a worker that moves its done position wakes us only while our flag is up.
-        Workers done before we look: a readable watch fd makes it False (the caller looks
-        for a death, so a sync with nothing left to wait for still notices one). Workers
-        that finish while we wait were alive to do it: no look then (a syscall on
-        dispatch's hot path, about 2.5 us a round: docs/benchmarks.md)."""
-        done = self._done
-        if done(ranks, mark):
-            return not self._death_seen()
-        if not spin(lambda: done(ranks, mark), min(SPIN, timeout), self._busy):
-            self._sleep_done(ranks, mark, timeout)
-            return done(ranks, mark)
-        return True
+        return self._wait_progress(ranks, mark, timeout) != 0
 
     def settled(self, ranks: Sequence[int], timeout: float) -> bool:
-        """Channel.settled: wait_done's steps, each look at the workers' words (done, and
-        errors nobody fetched) one C call. sync's hot path: after the last worker finishes,
-        each function the round still runs costs (issue 9: in place, 0.93x the time at N=2)."""
+        """Channel.settled, the unreported errors read with the done positions: sync's hot
+        path, where each function the round runs after the last worker finishes costs."""
+        return self._wait_progress(ranks, self._wpos, timeout) == 1
+
+    def _wait_progress(self, ranks: Sequence[int], mark: int, timeout: float) -> int:
+        """See Channel.wait_done: spin 200 us, then sleep on the done eventfd and the watch
+        fds; a worker that moves its done position wakes us only while our flag is up. Each
+        look at the workers' words is one C call where _ring was built (issue 9: a sync in
+        place took 0.93x the time at N=2). 0: not done within ``timeout``; else 1, or 2
+        where a worker holds errors nobody fetched.
+
+        Workers done before we look: 0 if a watch fd is readable (the caller looks for a
+        death, so a sync with nothing left to wait for still notices one). Workers that
+        finish while we wait were alive to do it: no look then (a syscall on dispatch's hot
+        path, about 2.5 us a round: docs/benchmarks.md)."""
         fast = self._fast
-        if fast is None:
-            return super().settled(ranks, timeout)
-        mark, mask = self._wpos, self._masks.get(tuple(ranks))
-        if mask is None:
-            mask = _mask(ranks)
-        got: int = fast.settled(mask, mark)
-        if got:  # done before we looked: look for a death (see wait_done)
-            return got == 1 and not self._death_seen()
-        got = spin(fast.settled, min(SPIN, timeout), self._busy, mask, mark)
+        look: Callable[[Any, int], int]
+        key: Any  # a rank mask for C, the ranks for Python
+        if fast is not None:
+            mask = self._masks.get(tuple(ranks))
+            look, key = fast.settled, (_mask(ranks) if mask is None else mask)
+        else:
+            look, key = self._look, ranks
+        got = look(key, mark)
+        if got:
+            return 0 if self._death_seen() else got
+        got = spin(look, min(SPIN, timeout), self._busy, key, mark)
         if not got:
             self._sleep_done(ranks, mark, timeout)
-            got = fast.settled(mask, mark)
-        return got == 1
+            got = look(key, mark)
+        return got
 
     def _death_seen(self) -> bool:
         """Whether a watched fd is readable: one epoll_wait on a set made once (a select
