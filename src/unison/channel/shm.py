@@ -456,15 +456,6 @@ class ShmChannel(Channel):
             now = time.perf_counter()
             if not spin(has_reply, SPIN if timeout is None else min(SPIN, timeout), self._busy):
                 return self._sleep(timeout, now)
-        fast = self._fast
-        if fast is not None:  # _take and _collect, inlined: after the last reply, run's
-            with self._rx_lock:  # path is the round's (about 0.5 µs at N=2)
-                if not (self._backlog or self._broken or any(self._partial)):
-                    out: list[tuple[int, bytes | Reply | None]]
-                    out, more = fast.collect(self._reply_pos)
-                    if more:  # a rank stopped at a reply with buffers or chunks
-                        out.extend(self._collect_py())
-                    return out
         return self._take()
 
     def _sleep(self, timeout: float | None, since: float) -> list[tuple[int, bytes | Reply | None]]:
