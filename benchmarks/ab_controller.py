@@ -24,7 +24,6 @@ import argparse
 import gc
 import importlib
 import statistics
-import subprocess
 import sys
 import time
 import types
@@ -34,18 +33,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import unison
-from harness.report import cpu_model, source_revision
+from harness.report import cpu_model, source_at, source_revision
 from harness.tasks import noop, small_value
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("dispatch", "gather_small")
 
 
 def _base_module(rev: str, name: str) -> types.ModuleType:
     """Module ``name`` (e.g. unison.session.api) as it was at ``rev``, loaded apart."""
     path = "src/" + name.replace(".", "/") + ".py"
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], check=True,
-                            capture_output=True, text=True).stdout
+    source = source_at(rev, path)
     mod = types.ModuleType(f"base_{name.replace('.', '_')}")
     mod.__file__ = f"base:{path}"
     exec(compile(source, mod.__file__, "exec"), mod.__dict__)

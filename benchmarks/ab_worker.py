@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import subprocess
 import sys
 import time
 import types
@@ -37,19 +36,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import unison
-from harness.report import cpu_model, source_revision
+from harness.report import cpu_model, source_at, source_revision
 from harness.systems import make_system
 from harness.tasks import noop
 from unison.protocol import call_msg
 
-ROOT = Path(__file__).resolve().parent.parent
 STOP = call_msg(None, 0, -1, None, None, 0)
 """The entry that ends a nested loop (function id -1: never a real one)."""
-
-
-def _source(rev: str, path: str) -> str:
-    return subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], check=True,
-                          capture_output=True, text=True).stdout
 
 
 def nest(which: str, sources: dict[str, str] | None = None) -> int:
@@ -180,8 +173,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=40)
     parser.add_argument("--per-turn", type=int, default=400)
     args = parser.parse_args()
-    sources = {"worker": _source(args.base, "src/unison/worker.py"),
-               "protocol": _source(args.base, "src/unison/protocol.py")}
+    sources = {"worker": source_at(args.base, "src/unison/worker.py"),
+               "protocol": source_at(args.base, "src/unison/protocol.py")}
     if "dumps_plain" not in sources["protocol"]:
         sys.exit(f"ab_worker.py: {args.base} predates the marshalled CALL this tree sends, so its "
                  "worker loop cannot read it; compare it with compare_revs.py instead")

@@ -275,6 +275,14 @@ def source_revision() -> str:
     return f"unison {unison.__version__}, git {out.stdout.strip()}"
 
 
+def source_at(rev: str, path: str) -> str:
+    """File ``path`` of this checkout as it was at git revision ``rev`` (ab_worker.py and
+    ab_controller.py load a base revision's code from it)."""
+    repo = Path(__file__).resolve().parents[2]
+    return subprocess.run(["git", "-C", str(repo), "show", f"{rev}:{path}"], check=True,
+                          capture_output=True, text=True).stdout
+
+
 def command_line(argv: Sequence[str]) -> str:
     """How this run was started, as a shell command someone can copy."""
     script = sys.argv[0] if sys.argv else ""
