@@ -117,21 +117,31 @@ static PyObject *Sender_publish(Sender *self, PyObject *const *args, Py_ssize_t 
     return PyLong_FromUnsignedLongLong(end);
 }
 
+/* Each worker's entry of the sequence ``seq`` (word indices, offsets), into ``out`` */
+static int indices(PyObject *seq, int n, Py_ssize_t *out) {
+    if (PySequence_Size(seq) != n) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "one index per worker expected");
+        return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        PyObject *item = PySequence_GetItem(seq, i);
+        if (!item) return -1;
+        out[i] = PyLong_AsSsize_t(item);
+        Py_DECREF(item);
+        if (PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
 /* replies(rbases, rw_indices, rr_indices, ring_size): where each worker's reply ring is */
 static PyObject *Sender_replies(Sender *self, PyObject *args) {
     PyObject *rb, *rw, *rr;
     unsigned long long ring;
     if (!PyArg_ParseTuple(args, "OOOK", &rb, &rw, &rr, &ring)) return NULL;
-    for (int i = 0; i < self->n; i++) {
-        PyObject *a = PySequence_GetItem(rb, i), *b = PySequence_GetItem(rw, i),
-                 *c = PySequence_GetItem(rr, i);
-        if (!a || !b || !c) { Py_XDECREF(a); Py_XDECREF(b); Py_XDECREF(c); return NULL; }
-        self->rbase[i] = PyLong_AsSsize_t(a);
-        self->rw_idx[i] = PyLong_AsSsize_t(b);
-        self->rr_idx[i] = PyLong_AsSsize_t(c);
-        Py_DECREF(a); Py_DECREF(b); Py_DECREF(c);
-        if (PyErr_Occurred()) return NULL;
-    }
+    if (indices(rb, self->n, self->rbase) < 0 || indices(rw, self->n, self->rw_idx) < 0 ||
+        indices(rr, self->n, self->rr_idx) < 0)
+        return NULL;
     self->rring = ring;
     Py_RETURN_NONE;
 }
@@ -155,18 +165,8 @@ static PyObject *Sender_pending(Sender *self, PyObject *positions) {
 static PyObject *Sender_progress(Sender *self, PyObject *args) {
     PyObject *done, *unrep;
     if (!PyArg_ParseTuple(args, "OO", &done, &unrep)) return NULL;
-    if (PySequence_Size(done) != self->n || PySequence_Size(unrep) != self->n) {
-        PyErr_SetString(PyExc_ValueError, "progress takes one index of each kind per worker");
+    if (indices(done, self->n, self->done_idx) < 0 || indices(unrep, self->n, self->unrep_idx) < 0)
         return NULL;
-    }
-    for (int i = 0; i < self->n; i++) {
-        PyObject *d = PySequence_GetItem(done, i), *u = PySequence_GetItem(unrep, i);
-        if (!d || !u) { Py_XDECREF(d); Py_XDECREF(u); return NULL; }
-        self->done_idx[i] = PyLong_AsSsize_t(d);
-        self->unrep_idx[i] = PyLong_AsSsize_t(u);
-        Py_DECREF(d); Py_DECREF(u);
-        if (PyErr_Occurred()) return NULL;
-    }
     Py_RETURN_NONE;
 }
 
