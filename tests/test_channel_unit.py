@@ -596,8 +596,8 @@ def test_a_long_yield_inside_a_pacer_counts_too(monkeypatch: pytest.MonkeyPatch)
 def test_settled_is_true_only_once_every_worker_ran_all_and_holds_no_unreported_error(
     shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]], ring: str,
 ) -> None:
-    """sync's usual case in one call (Channel.settled): the C one, and the base class's
-    steps where the ring is pure Python."""
+    """sync's usual case in one call (Channel.settled): each look C's Sender.settled, or
+    Python's _look where the ring is pure Python."""
     chan, workers = shm_pair
     if ring == "C":
         if chan._fast is None:

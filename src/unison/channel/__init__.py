@@ -87,11 +87,11 @@ class Channel(ABC):
         raise NotImplementedError
 
     def settled(self, ranks: Sequence[int], timeout: float) -> bool:
-        """``wait_done`` for everything sent so far, then ``not unreported``: True when the
-        workers in ``ranks`` ran it all within ``timeout`` and hold no error nobody fetched.
-        False tells nothing more: the caller goes the long way (a channel may take these
-        steps in one, for sync's usual case)."""
-        return self.wait_done(ranks, self.mark(), timeout) and not self.unreported(ranks)
+        """``wait_done`` for everything sent so far, then ``not unreported``, in one call
+        (sync's usual case): True when the workers in ``ranks`` ran it all within
+        ``timeout`` and hold no error nobody fetched. False tells nothing more: the caller
+        goes the long way (where ``tracks_progress``)."""
+        raise NotImplementedError
 
     @abstractmethod
     def endpoint(self, rank: int) -> tuple[dict[str, Any], list[int]]:
