@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from unison import pacing
+from unison import pacing, protocol
 from unison.channel import Channel
 from unison.channel import shm as shm_channel
 from unison.channel.arena import MIN_BLOCK, Arena, ArenaReader, create_file
@@ -620,3 +620,96 @@ def test_settled_is_true_only_once_every_worker_ran_all_and_holds_no_unreported_
         assert w.recv() is not None and w.poll() is None
     assert not chan.settled(both, 0.0) and not chan.settled((1,), 0.0)
     assert chan.settled((0,), 0.0)
+
+
+def _run_reply(req_id: int, value: object, status: int = protocol.OK) -> bytes:
+    return protocol.dumps_plain((req_id, status, value), protocol.PLAIN)
+
+
+def test_plain_values_reads_a_runs_replies_only_once_all_are_in_each_plain_and_its_own(
+    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]],
+) -> None:
+    """run's quick path (Channel.plain_values): one C look reads and decodes every rank's
+    reply, or none of them. Anything but a plain OK reply to this request (another id, an
+    error, a pickle, an ack) is left in the ring for recv, which the router then judges:
+    never a value taken for the wrong call."""
+    chan, workers = shm_pair
+    if chan._fast is None:
+        pytest.skip("the C ring is not built here")
+    both = (0, 1)
+    assert chan.plain_values(both, 7, 0.0) is None  # nothing in
+    workers[0].reply(_run_reply(7, 5))
+    assert chan.plain_values(both, 7, 0.0) is None  # worker 1's is not in yet
+    workers[1].reply(_run_reply(7, "six"))
+    assert chan.plain_values(both, 7, 0.0) == [5, "six"]
+    assert chan.recv(0.0) == []  # read, once
+    for r in both:  # and the space handed back
+        assert chan._q[chan._rr_idx[r]] == chan._reply_pos[r] > 0
+
+    workers[0].reply(_run_reply(8, 0))
+    workers[1].reply(_run_reply(8, 1))
+    assert chan.plain_values((1, 0), 8, 0.0) == [1, 0]  # in the order of the ranks asked
+    workers[1].reply(_run_reply(9, None))
+    assert chan.plain_values((1,), 9, 0.0) == [None]  # a view's rank alone
+
+    wrong = [
+        [_run_reply(11, 1), _run_reply(10, 1)],  # worker 1 answers another request
+        [_run_reply(10, 1), _run_reply(10, "boom", protocol.ERR)],  # an error
+        [protocol.dumps((10, protocol.OK, 1)), _run_reply(10, 1)],  # a pickle
+        [_run_reply(10, 1), b""],  # an acknowledgement
+        [_run_reply(10, 1), b"\xff\x00garbage"],  # bytes marshal refuses
+    ]
+    for pair in wrong:
+        for w, data in zip(workers, pair):
+            w.reply(data)
+        assert chan.plain_values(both, 10, 0.0) is None, pair
+        got = chan.recv(0.0)  # nothing was read: recv hands both over, as they were
+        assert sorted((r, bytes(d)) for r, d in got) == list(enumerate(pair)), pair
+
+
+def test_plain_values_reads_on_across_the_reply_rings_wraps(
+    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]],
+) -> None:
+    """Laps of both reply rings, the entries' sizes chosen so that wrap markers fall at
+    many offsets: each round's values come back whole, and recv finds nothing left."""
+    chan, workers = shm_pair
+    if chan._fast is None:
+        pytest.skip("the C ring is not built here")
+    rng = random.Random(5)
+    req = 0
+    while chan._reply_pos[1] < 3 * shm_channel.REPLY_RING:
+        req += 1
+        values = [rng.randbytes(rng.randrange(1, 5000)) for _ in workers]
+        for w, v in zip(workers, values):
+            w.reply(_run_reply(req, v))
+        assert chan.plain_values((0, 1), req, 0.0) == values
+    assert chan.recv(0.0) == []
+
+
+def test_plain_values_is_none_without_the_c_ring_and_recv_reads_instead(
+    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]],
+) -> None:
+    chan, workers = shm_pair
+    chan._fast = None
+    workers[0].reply(_run_reply(3, 1))
+    assert chan.plain_values((0,), 3, 0.0) is None
+    assert [(r, bytes(d)) for r, d in chan.recv(0.0)] == [(0, _run_reply(3, 1))]
+    assert Channel.plain_values(chan, (0,), 3, 0.0) is None  # the base: no quick path
+
+
+def test_plain_values_waits_for_a_reply_that_comes_after_its_spin(
+    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]],
+) -> None:
+    """A call longer than the spin: the quick path sleeps as recv does, and a reply wakes
+    it (the worker sees the controller's sleeping flag)."""
+    chan, workers = shm_pair
+    if chan._fast is None:
+        pytest.skip("the C ring is not built here")
+    timer = threading.Timer(0.05, workers[0].reply, (_run_reply(4, 42),))
+    start = time.monotonic()
+    timer.start()
+    try:
+        assert chan.plain_values((0,), 4, 2.0) == [42]
+    finally:
+        timer.join()
+    assert 0.04 < time.monotonic() - start < 1.5

@@ -4,9 +4,9 @@ oversized input, in both rings (the C fast paths, unison/_ring.c, and the pure-P
 ones, UNISON_PURE=1).
 
     decoder                                        what a rogue writer controls
-    controller: reply rings (C collect, then       reply_write, each entry's header word
-      _collect_py, _unpack_reply, _unpack_descs)   (size, chunk/indirect flags, descriptor
-                                                   count), the body, wrap markers
+    controller: reply rings (C values and          reply_write, each entry's header word
+      collect, then _collect_py, _unpack_reply,    (size, chunk/indirect flags, descriptor
+      _unpack_descs)                               count), the body, wrap markers
     controller: ArenaReader.view / map_block       descriptors (offset, length, slot|flags)
     worker: command ring (C take, then _recv)      cmd_write, header (size, buffer count,
                                                    flags), rank mask, payload, descriptors
@@ -358,16 +358,28 @@ def _corrupt_reply(chan: ShmChannel, w: ShmWorkerChannel, bad: tuple[Any, ...]) 
         q[chan._lay.reply_write[0] // 8] = (pos + bad[1]) & U64
 
 
+_NOBODY = 0x5EED_5EED_5EED
+"""A request id no reply here carries: run's quick path (C values) must read nothing."""
+
+
+def _no_quick_values(chan: ShmChannel) -> None:
+    """run's quick path over whatever the rings hold: no crash, no hang, nothing read (the
+    recv that follows checks that)."""
+    for ranks in ((0,), (0, 1)):
+        assert _timed(lambda ranks=ranks: chan.plain_values(ranks, _NOBODY, 0.0)) is None
+
+
 def reply_ring(start: int, ops: list[tuple[Any, ...]], bad: tuple[Any, ...]) -> None:
     """The controller reads worker 0's ring: valid replies exactly, then whatever a rogue
     writer put there without a crash or a hang, ending its stream at most once; worker 1's
-    ring is not disturbed."""
+    ring is not disturbed. Run's quick path looks at each state first, reading nothing."""
     with _pair(reply_start=start) as (chan, (w0, w1)):
         parts: list[bytes] = []
         ended = False
         for op in ops:
             _apply_reply_op(chan, w0, op)
             want = _expect_reply(op, parts)
+            _no_quick_values(chan)
             got = _drain(chan)
             if want is None:
                 assert got == [(0, None)], (op, got)
@@ -377,6 +389,7 @@ def reply_ring(start: int, ops: list[tuple[Any, ...]], bad: tuple[Any, ...]) -> 
         if not ended:
             _corrupt_reply(chan, w0, bad)
         w1.ack()
+        _no_quick_values(chan)
         got = _drain(chan)
         assert [(r, d) for r, d in got if r == 1] == [(1, b"")], "worker 1's ring was disturbed"
         mine = [d for r, d in got if r == 0]

@@ -32,6 +32,16 @@ class MemoryChannel:
     def end(self, rank: int) -> None:
         self._q.put((rank, None))
 
+    quick: list[object] | BaseException | None = None
+    """What plain_values gives (the router's quick path), or raises; None: no quick path."""
+
+    def plain_values(self, ranks: tuple[int, ...], req_id: int,
+                     timeout: float) -> list[object] | None:
+        self.quick_asked = (ranks, req_id)
+        if isinstance(self.quick, BaseException):
+            raise self.quick
+        return self.quick
+
     def recv(self, timeout: float | None) -> list[tuple[int, bytes | None]]:
         self.reads += 1
         try:
@@ -64,7 +74,7 @@ class Owner:
         self.alive_checks += 1
 
     def interrupted(self) -> None:
-        pass
+        self.interrupts = getattr(self, "interrupts", 0) + 1
 
     def out_of_step(self, rank: int) -> BaseException:
         self.closed = True
@@ -327,3 +337,59 @@ def test_a_worker_that_answers_twice_never_gives_a_wrong_value(make_session):
         sess.run(_send_an_extra_ack, timeout=30)
     with pytest.raises(unison.SessionClosed):
         sess.run(int, timeout=30)
+
+
+def test_the_quick_path_asks_the_channel_only_for_a_request_at_the_head_of_each_fifo():
+    """run's quick path (Router.quick) hands the channel a request only where each of its
+    ranks' next reply must be its own; it then takes the request off those FIFOs, so the
+    replies after it go to the requests after it."""
+    router, chan, _, _ = make(2)
+    first, second, third = Request(1, 2), Request(2, 2), Request(3, 1)
+    for req in (first, second):
+        router.expect(req, (0, 1))
+    chan.quick = ["x", "y"]
+    assert router.quick(second, (0, 1)) is None  # first's replies come before second's
+    assert not hasattr(chan, "quick_asked")
+    assert router.quick(first, (0, 1)) == ["x", "y"]
+    assert chan.quick_asked == ((0, 1), 1) and first.remaining == 0
+    router.expect(third, (1,))
+    chan.quick = None  # the channel cannot: nothing is taken off, wait reads as ever
+    assert router.quick(second, (0, 1)) is None and second.remaining == 2
+    chan.reply(0, 2, OK, "b0")
+    chan.reply(1, 2, OK, "b1")
+    chan.reply(1, 3, OK, "c1")
+    router.wait(third, None, "testing")
+    assert router.decode(second, (0, 1)) == [(OK, "b0"), (OK, "b1")]
+    assert router.decode(third, (1,)) == [(OK, "c1")]
+    assert router.idle((0, 1))
+
+
+def test_the_quick_path_stands_aside_for_a_reading_thread_a_trace_and_a_closed_session():
+    router, chan, _, _ = make(1)
+    req = Request(1, 1)
+    router.expect(req, (0,))
+    chan.quick = [1]
+    holder = threading.Thread(target=router.recv_lock.acquire)  # another thread reads
+    holder.start()
+    holder.join()
+    assert router.quick(req, (0,)) is None
+    router._recv_lock = threading.RLock()  # that thread is gone with the lock: a fresh one
+    router.tracer = object()  # type: ignore[assignment]
+    assert router.quick(req, (0,)) is None
+    router.tracer = None
+    router.closed = True
+    assert router.quick(req, (0,)) is None
+    assert not hasattr(chan, "quick_asked") and req.remaining == 1
+
+
+def test_ctrl_c_in_the_quick_path_stops_the_workers():
+    """A reply may have been read and not yet delivered: as in wait, the owner stops the
+    workers (the session closes), never going on out of step."""
+    router, chan, _, owner = make(1)
+    req = Request(1, 1)
+    router.expect(req, (0,))
+    chan.quick = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        router.quick(req, (0,))
+    assert owner.interrupts == 1
+    assert router.recv_lock.acquire(False)  # released

@@ -9,6 +9,9 @@
  *            targets' sleeping flags; write the eventfd of each one that sleeps.
  *   take:    done = pos; full fence; read the controller's "waiting on progress" flag and
  *            write its eventfd if up; acquire-load cmd_write; parse the entry at pos.
+ *   values:  run's replies, all or none: acquire-load each rank's reply position; once
+ *            every rank has one, decode each (marshal), check it is (req_id, OK, value),
+ *            then release-store each rank's read position (the space back to the worker).
  *
  * Besides the ring: fence(), a full memory barrier for the Python sides' handshakes, and
  * Mark, a worker's word on the cancellation board (cancel.py), written around every call.
@@ -18,6 +21,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <marshal.h>
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
@@ -240,6 +244,85 @@ fail:
     return NULL;
 }
 
+/* values(positions, ranks, req_id) -> run's usual replies in one step (the router's quick
+ * path): None while a rank of the tuple ranks has no reply past positions[r]; True when a
+ * rank's next reply is anything but a plain marshal of (req_id, OK, value), or breaks the
+ * format: then nothing is read, and the slow path (collect, the router) reads and judges
+ * it. Else the list of the values in ranks' order, each positions[r] advanced past its
+ * reply and the space handed back. */
+static PyObject *Sender_values(Sender *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "values takes 3 arguments"); return NULL; }
+    if (!self->rring) { PyErr_SetString(PyExc_RuntimeError, "replies() was not called"); return NULL; }
+    PyObject *positions = args[0], *ranks = args[1];
+    if (!PyList_Check(positions) || PyList_GET_SIZE(positions) != self->n || !PyTuple_Check(ranks)) {
+        PyErr_SetString(PyExc_TypeError, "values takes the list of reply positions and a tuple of ranks");
+        return NULL;
+    }
+    long long want = PyLong_AsLongLong(args[2]);
+    if (want == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t k = PyTuple_GET_SIZE(ranks);
+    if (k < 1 || k > self->n) Py_RETURN_TRUE;
+    int rank[MAX_WORKERS];
+    uint64_t at[MAX_WORKERS], seen = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {  /* every rank's reply in? (no decoding while not) */
+        long r = PyLong_AsLong(PyTuple_GET_ITEM(ranks, i));
+        if (r == -1 && PyErr_Occurred()) return NULL;
+        if (r < 0 || r >= self->n || (seen >> r) & 1) Py_RETURN_TRUE;
+        seen |= (uint64_t)1 << r;
+        rank[i] = (int)r;
+        uint64_t pos = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(positions, r));
+        if (PyErr_Occurred()) return NULL;
+        uint64_t end = __atomic_load_n(&self->q[self->rw_idx[r]], __ATOMIC_ACQUIRE);
+        if (end - pos > self->rring) Py_RETURN_TRUE;  /* malformed: the slow path says so */
+        uint64_t off = pos & (self->rring - 1);
+        if (pos != end && *(uint64_t *)(self->base + self->rbase[r] + off) == WRAP) {
+            if (self->rring - off > end - pos) Py_RETURN_TRUE;
+            pos += self->rring - off;
+        }
+        if (pos == end) Py_RETURN_NONE;
+        at[i] = pos;
+    }
+    PyObject *out = PyList_New(k);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int r = rank[i];
+        uint64_t pos = at[i], end = __atomic_load_n(&self->q[self->rw_idx[r]], __ATOMIC_ACQUIRE);
+        uint64_t off = pos & (self->rring - 1);
+        char *entry = self->base + self->rbase[r] + off;
+        uint64_t head = *(uint64_t *)entry, n = head & 0xFFFFFFFFu, size = (8 + n + 7) & ~(uint64_t)7;
+        if (head >> 32 || off + size > self->rring || size > end - pos || n == 0 ||
+            (unsigned char)entry[8] == 0x80)  /* flags, out of bounds, an ack, a pickle */
+            goto slow;
+        PyObject *reply = PyMarshal_ReadObjectFromString(entry + 8, (Py_ssize_t)n);
+        if (!reply) { PyErr_Clear(); goto slow; }  /* the slow path raises what is wrong */
+        int overflow;
+        if (!PyTuple_CheckExact(reply) || PyTuple_GET_SIZE(reply) != 3 ||
+            !PyLong_CheckExact(PyTuple_GET_ITEM(reply, 0)) ||
+            PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(reply, 0), &overflow) != want ||
+            overflow || !PyLong_CheckExact(PyTuple_GET_ITEM(reply, 1)) ||
+            PyLong_AsLong(PyTuple_GET_ITEM(reply, 1)) != 0 /* OK */) {
+            PyErr_Clear();
+            Py_DECREF(reply);
+            goto slow;
+        }
+        PyObject *value = PyTuple_GET_ITEM(reply, 2);
+        Py_INCREF(value);
+        PyList_SET_ITEM(out, i, value);
+        Py_DECREF(reply);
+        at[i] = pos + size;
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {  /* all read: consume them */
+        PyObject *p = PyLong_FromUnsignedLongLong(at[i]);
+        if (!p) { Py_DECREF(out); return NULL; }
+        PyList_SetItem(positions, rank[i], p);  /* steals p */
+        __atomic_store_n(&self->q[self->rr_idx[rank[i]]], at[i], __ATOMIC_RELEASE);
+    }
+    return out;
+slow:
+    Py_DECREF(out);
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef Sender_methods[] = {
     {"replies", (PyCFunction)Sender_replies, METH_VARARGS,
      "replies(rbases, rw_indices, rr_indices, ring_size)"},
@@ -250,6 +333,8 @@ static PyMethodDef Sender_methods[] = {
      "settled(rankmask, mark) -> 0 not done, 1 done, 2 done with unreported errors"},
     {"collect", (PyCFunction)Sender_collect, METH_O,
      "collect(positions) -> ([(rank, bytes)], more)"},
+    {"values", (PyCFunction)(void (*)(void))Sender_values, METH_FASTCALL,
+     "values(positions, ranks, req_id) -> None not all in, True slow path, else [value]"},
     {"publish", (PyCFunction)(void (*)(void))Sender_publish, METH_FASTCALL,
      "publish(payload, rankmask, pos, limit) -> new position, or -1 (no room: slow path)"},
     {NULL, NULL, 0, NULL},

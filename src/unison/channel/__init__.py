@@ -128,6 +128,16 @@ class Channel(ABC):
         for one transition only, so that callers written against the old signature work.
         """
 
+    def plain_values(self, ranks: tuple[int, ...], req_id: int,
+                     timeout: float) -> list[Any] | None:
+        """run's usual replies in one step, where the channel can (the router's quick path;
+        its caller holds the recv lock, and knows the next reply of each rank is
+        ``req_id``'s). Once every rank's next reply is in, within a short wait of at most
+        ``timeout``, and each is a plain OK one for ``req_id``: their values in ``ranks``
+        order, read. Else None, with nothing read: ``recv`` then delivers them. Here:
+        always None."""
+        return None
+
     linger = 0.0
     """At close, how long to wait for the workers to hang up first (set by the session from
     close()'s grace; only a channel whose workers hold a connection of their own uses it)."""

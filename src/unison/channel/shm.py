@@ -455,12 +455,30 @@ class ShmChannel(Channel):
                 return []
             now = time.perf_counter()
             if not spin(has_reply, SPIN if timeout is None else min(SPIN, timeout), self._busy):
-                return self._sleep(timeout, now)
+                self._doze(timeout, now)
         return self._take()
 
-    def _sleep(self, timeout: float | None, since: float) -> list[tuple[int, bytes | Reply | None]]:
-        """recv's sleep, once its spin found nothing: on our eventfd and the watch fds, until
-        ``timeout`` seconds after ``since``."""
+    def plain_values(self, ranks: tuple[int, ...], req_id: int,
+                     timeout: float) -> list[Any] | None:
+        """See Channel.plain_values: each look one C call (which reads each rank's ring, and
+        decodes once all are in); a spin as recv's, then, if need be, recv's sleep until
+        any reply is in (so a long call pays one spin, not this one and recv's), a look."""
+        fast = self._fast
+        if fast is None or self._backlog or self._broken:
+            return None
+        pos = self._reply_pos
+        got = fast.values(pos, ranks, req_id)
+        if got is None:
+            now = time.perf_counter()
+            got = spin(fast.values, min(SPIN, timeout), self._busy, pos, ranks, req_id)
+            if got is False:  # a long call: sleep as recv would, so that its spin is not paid twice
+                self._doze(timeout, now)
+                got = fast.values(pos, ranks, req_id)
+        return got if type(got) is list else None
+
+    def _doze(self, timeout: float | None, since: float) -> None:
+        """Sleep on our eventfd and the watch fds until a reply is in, a watched fd is
+        readable, or ``timeout`` seconds after ``since``."""
         q = self._q
         q[_CTL_SLEEP] = 1  # we are going to sleep
         _fence()
@@ -472,7 +490,6 @@ class ShmChannel(Channel):
                     _drain_eventfd(self._ctl_efd)
         finally:
             q[_CTL_SLEEP] = 0
-        return self._take()
 
     def absorb(self) -> None:
         """Read every reply now in the rings into the backlog, for the next recv: the room
