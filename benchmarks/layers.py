@@ -10,6 +10,9 @@ times), so that a slow minute of the host falls on all of them alike:
     channel run       a real Session's own channel and workers driven without the session
                       layer: one CALL that asks for a reply, ``chan.send``, then ``chan.recv``
                       until each worker's reply is in, its request id checked
+    channel quick     the same, its replies read as run's usual case reads them: one
+                      ``chan.plain_values`` (each look one C call that reads and decodes
+                      every worker's reply once all are in)
     run               ``sess.run(noop)`` on that same Session: the session layer on top
                       (Request, router, locks, function cache, decoding)
     channel dispatch  one CALL that keeps its result (freeing the one before, as the session
@@ -22,9 +25,9 @@ times), so that a slow minute of the host falls on all of them alike:
 
 With ``--phases``, each N also splits ``run`` and ``dispatch`` of the same Session in
 time: from the call to the channel's send, the send, from there to the channel's last
-``recv`` (or, for dispatch, until sync returns), and what the controller does after it.
-The channel's send and recv are wrapped for that (a few hundred ns each), so these rounds
-are a little slower than the table's; what matters is where the round's time goes.
+``recv`` or ``plain_values`` (or, for dispatch, until sync returns), and what the controller
+does after it. The channel's send and reads are wrapped for that (a few hundred ns each),
+so these rounds are a little slower than the table's; what matters is where the time goes.
 
 The channel round trips use the session's private channel, between the session's own calls,
 with ids drawn from the session's counter, so the session stays in step. Each turn is
@@ -55,7 +58,7 @@ from harness.systems import make_system
 from unison.channel import shm
 from unison.protocol import OK, call_msg, read_reply
 
-KINDS = ("floor", "channel run", "run", "channel dispatch", "dispatch")
+KINDS = ("floor", "channel run", "channel quick", "run", "channel dispatch", "dispatch")
 
 
 def noop() -> None:
@@ -71,14 +74,17 @@ def _below(sess: unison.Session) -> tuple[Any, tuple[int, ...], int, Any]:
     return sess._chan, sess.workers, fn_id, sess._ids
 
 
-def channel_run(sess: unison.Session) -> Callable[[], None]:
-    """``run(noop)`` with the session layer taken out: send, then read the replies."""
+def channel_run(sess: unison.Session, quick: bool = False) -> Callable[[], None]:
+    """``run(noop)`` with the session layer taken out: send, then read the replies (with
+    ``quick``, in one step where the channel can, as the router's quick path does)."""
     chan, ranks, fn_id, ids = _below(sess)
 
     def once() -> None:
         req = next(ids)
         chan.send(call_msg(None, req, fn_id, None, None, req), ranks)
-        left = len(ranks)
+        if quick and chan.plain_values(ranks, req, 1.0) is not None:
+            return
+        left = len(ranks)  # plain_values read nothing: a long wait, or no C ring
         while left:
             for rank, data in chan.recv(None):
                 if data is None:
@@ -133,6 +139,7 @@ def measure(n: int, seconds: float, rounds: int, kinds: tuple[str, ...] = KINDS
             ops: dict[str, Callable[[], object]] = {
                 "floor": floor.dispatch,
                 "channel run": channel_run(sess),
+                "channel quick": channel_run(sess, quick=True),
                 "run": lambda: sess.run(noop),
                 "channel dispatch": channel_dispatch(sess),
                 "dispatch": lambda: dispatch(sess),
@@ -156,7 +163,7 @@ def phases(n: int, rounds: int = 20000) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     with unison.Session(n) as sess:
         chan = sess._chan
-        send, recv = chan.send, chan.recv
+        send, recv, quick = chan.send, chan.recv, chan.plain_values
 
         def timed_send(*args: Any, **kwargs: Any) -> None:
             marks["send"] = clock()
@@ -168,7 +175,13 @@ def phases(n: int, rounds: int = 20000) -> dict[str, dict[str, float]]:
             marks["got"] = clock()
             return got
 
+        def timed_quick(*args: Any, **kwargs: Any) -> Any:
+            got = quick(*args, **kwargs)
+            marks["got"] = clock()
+            return got
+
         chan.send, chan.recv = timed_send, timed_recv  # type: ignore[method-assign]
+        chan.plain_values = timed_quick  # type: ignore[method-assign]
         for name, op in (("run", lambda: sess.run(noop)), ("dispatch", lambda: dispatch(sess))):
             for _ in range(1000):
                 op()
@@ -222,7 +235,7 @@ def main() -> None:
         ratios = [f"{got[k] / got['floor']:.2f}x" for k in over]
         print(f"| {n} | " + " | ".join(cells + ratios) + " |", flush=True)
     if args.phases:
-        print("\nPhases of one round, median µs (the channel's send and recv timed):\n")
+        print("\nPhases of one round, median µs (the channel's send and reads timed):\n")
         print("| N | op | " + " | ".join(PHASES) + " |")
         print("|--:|---|" + "--:|" * len(PHASES))
         for n in args.workers:
