@@ -631,8 +631,8 @@ def test_plain_values_reads_a_runs_replies_only_once_all_are_in_each_plain_and_i
 ) -> None:
     """run's quick path (Channel.plain_values): one C look reads and decodes every rank's
     reply, or none of them. Anything but a plain OK reply to this request (another id, an
-    error, a pickle, an ack) is left in the ring for recv, which the router then judges:
-    never a value taken for the wrong call."""
+    error, a pickle, an ack, the last chunk of a chunked reply) is left in the ring for
+    recv, which the router then judges: never a value taken for the wrong call."""
     chan, workers = shm_pair
     if chan._fast is None:
         pytest.skip("the C ring is not built here")
@@ -651,6 +651,13 @@ def test_plain_values_reads_a_runs_replies_only_once_all_are_in_each_plain_and_i
     assert chan.plain_values((1, 0), 8, 0.0) == [1, 0]  # in the order of the ranks asked
     workers[1].reply(_run_reply(9, None))
     assert chan.plain_values((1,), 9, 0.0) == [None]  # a view's rank alone
+
+    chan._partial[1].append(b"the first part of a chunked reply")
+    workers[0].reply(_run_reply(10, 1))
+    workers[1].reply(_run_reply(10, 1))  # as if it were that reply's last chunk
+    assert chan.plain_values(both, 10, 0.0) is None  # a chunk is never a reply of its own
+    chan._partial[1].clear()
+    assert chan.plain_values(both, 10, 0.0) == [1, 1]
 
     wrong = [
         [_run_reply(11, 1), _run_reply(10, 1)],  # worker 1 answers another request
@@ -713,3 +720,23 @@ def test_plain_values_waits_for_a_reply_that_comes_after_its_spin(
     finally:
         timer.join()
     assert 0.04 < time.monotonic() - start < 1.5
+
+
+def test_plain_values_never_sleeps_while_an_event_loop_waits_on_the_eventfd(
+    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]],
+) -> None:
+    """Its sleep would empty the eventfd an event loop waits on, and it reads only its own
+    replies: with an await asleep it spins, then hands over to recv (which delivers all)."""
+    chan, _ = shm_pair
+    if chan._fast is None:
+        pytest.skip("the C ring is not built here")
+    chan.async_waiting(True)
+    try:
+        start = time.monotonic()
+        assert chan.plain_values((0,), 4, 0.5) is None
+        assert time.monotonic() - start < 0.25  # the spin only (200 us), not the 0.5 s sleep
+    finally:
+        chan.async_waiting(False)
+    start = time.monotonic()
+    assert chan.plain_values((0,), 4, 0.3) is None
+    assert time.monotonic() - start >= 0.25  # without one: recv's sleep, to its timeout

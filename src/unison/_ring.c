@@ -244,18 +244,22 @@ fail:
     return NULL;
 }
 
-/* values(positions, ranks, req_id) -> run's usual replies in one step (the router's quick
- * path): None while a rank of the tuple ranks has no reply past positions[r]; True when a
- * rank's next reply is anything but a plain marshal of (req_id, OK, value), or breaks the
- * format: then nothing is read, and the slow path (collect, the router) reads and judges
- * it. Else the list of the values in ranks' order, each positions[r] advanced past its
- * reply and the space handed back. */
+/* values(positions, ranks, req_id, partial) -> run's usual replies in one step (the
+ * router's quick path): None while a rank of the tuple ranks has no reply past
+ * positions[r]; True when a rank's next reply is anything but a plain marshal of (req_id,
+ * OK, value), or breaks the format, or when partial[r] (the parts of a chunked reply read
+ * so far) is not empty, as the next entry is then a chunk, not a reply: then nothing is
+ * read, and the slow path (collect, the router) reads and judges it. Else the list of the
+ * values in ranks' order, each positions[r] advanced past its reply and the space handed
+ * back. */
 static PyObject *Sender_values(Sender *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "values takes 3 arguments"); return NULL; }
+    if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "values takes 4 arguments"); return NULL; }
     if (!self->rring) { PyErr_SetString(PyExc_RuntimeError, "replies() was not called"); return NULL; }
-    PyObject *positions = args[0], *ranks = args[1];
-    if (!PyList_Check(positions) || PyList_GET_SIZE(positions) != self->n || !PyTuple_Check(ranks)) {
-        PyErr_SetString(PyExc_TypeError, "values takes the list of reply positions and a tuple of ranks");
+    PyObject *positions = args[0], *ranks = args[1], *partial = args[3];
+    if (!PyList_Check(positions) || PyList_GET_SIZE(positions) != self->n || !PyTuple_Check(ranks) ||
+        !PyList_Check(partial) || PyList_GET_SIZE(partial) != self->n) {
+        PyErr_SetString(PyExc_TypeError, "values takes the lists of reply positions, a tuple "
+                        "of ranks, a request id and the lists of chunks read");
         return NULL;
     }
     long long want = PyLong_AsLongLong(args[2]);
@@ -270,6 +274,10 @@ static PyObject *Sender_values(Sender *self, PyObject *const *args, Py_ssize_t n
         if (r < 0 || r >= self->n || (seen >> r) & 1) Py_RETURN_TRUE;
         seen |= (uint64_t)1 << r;
         rank[i] = (int)r;
+        if (PyObject_Length(PyList_GET_ITEM(partial, r)) != 0) {  /* mid-chunks (or not a list) */
+            PyErr_Clear();
+            Py_RETURN_TRUE;
+        }
         uint64_t pos = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(positions, r));
         if (PyErr_Occurred()) return NULL;
         uint64_t end = __atomic_load_n(&self->q[self->rw_idx[r]], __ATOMIC_ACQUIRE);
@@ -311,10 +319,17 @@ static PyObject *Sender_values(Sender *self, PyObject *const *args, Py_ssize_t n
         Py_DECREF(reply);
         at[i] = pos + size;
     }
+    PyObject *moved[MAX_WORKERS];  /* the new positions, all made before any is stored */
+    for (Py_ssize_t i = 0; i < k; i++) {
+        moved[i] = PyLong_FromUnsignedLongLong(at[i]);
+        if (!moved[i]) {  /* nothing consumed: the caller's error leaves the rings in step */
+            while (i--) Py_DECREF(moved[i]);
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
     for (Py_ssize_t i = 0; i < k; i++) {  /* all read: consume them */
-        PyObject *p = PyLong_FromUnsignedLongLong(at[i]);
-        if (!p) { Py_DECREF(out); return NULL; }
-        PyList_SetItem(positions, rank[i], p);  /* steals p */
+        PyList_SetItem(positions, rank[i], moved[i]);  /* steals it */
         __atomic_store_n(&self->q[self->rr_idx[rank[i]]], at[i], __ATOMIC_RELEASE);
     }
     return out;
@@ -334,7 +349,7 @@ static PyMethodDef Sender_methods[] = {
     {"collect", (PyCFunction)Sender_collect, METH_O,
      "collect(positions) -> ([(rank, bytes)], more)"},
     {"values", (PyCFunction)(void (*)(void))Sender_values, METH_FASTCALL,
-     "values(positions, ranks, req_id) -> None not all in, True slow path, else [value]"},
+     "values(positions, ranks, req_id, partial) -> None not all in, True slow path, else [value]"},
     {"publish", (PyCFunction)(void (*)(void))Sender_publish, METH_FASTCALL,
      "publish(payload, rankmask, pos, limit) -> new position, or -1 (no room: slow path)"},
     {NULL, NULL, 0, NULL},

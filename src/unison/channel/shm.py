@@ -462,18 +462,23 @@ class ShmChannel(Channel):
                      timeout: float) -> list[Any] | None:
         """See Channel.plain_values: each look one C call (which reads each rank's ring, and
         decodes once all are in); a spin as recv's, then, if need be, recv's sleep until
-        any reply is in (so a long call pays one spin, not this one and recv's), a look."""
+        any reply is in, and a look."""
         fast = self._fast
         if fast is None or self._backlog or self._broken:
             return None
-        pos = self._reply_pos
-        got = fast.values(pos, ranks, req_id)
+        # partial: worker 0 inline may read chunks in another thread meanwhile (absorb);
+        # each look sees them within its one C call
+        pos, partial = self._reply_pos, self._partial
+        got = fast.values(pos, ranks, req_id, partial)
         if got is None:
             now = time.perf_counter()
-            got = spin(fast.values, min(SPIN, timeout), self._busy, pos, ranks, req_id)
-            if got is False:  # a long call: sleep as recv would, so that its spin is not paid twice
+            got = spin(fast.values, min(SPIN, timeout), self._busy, pos, ranks, req_id, partial)
+            # a long call: sleep as recv would, so that its spin is not paid twice; but not
+            # while an event loop waits on our eventfd: the sleep empties it, and only recv
+            # then delivers the loop's replies as well
+            if got is False and not self._q[_CTL_ASYNC]:
                 self._doze(timeout, now)
-                got = fast.values(pos, ranks, req_id)
+                got = fast.values(pos, ranks, req_id, partial)
         return got if type(got) is list else None
 
     def _doze(self, timeout: float | None, since: float) -> None:
