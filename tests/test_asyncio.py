@@ -147,17 +147,15 @@ def test_close_from_another_thread_ends_pending_waits(sess):
     asyncio.run(main())
 
 
-def test_blocking_waits_in_a_thread_and_awaits_in_the_loop_mix(sess):
+def _beside_blocking_runs(sess, main, *args) -> None:
+    """Run the coroutine ``main()`` while another thread calls ``sess.run(*args)`` over and
+    over; every blocking run must give each worker's rank."""
     stop = threading.Event()
     seen: list[list[int]] = []
 
     def blocking() -> None:
         while not stop.is_set():
-            seen.append(sess.run(unison.rank))
-
-    async def main() -> None:
-        for _ in range(200):
-            assert await sess.run_async(unison.rank) == [0, 1]
+            seen.append(sess.run(*args))
 
     t = threading.Thread(target=blocking)
     t.start()
@@ -167,6 +165,14 @@ def test_blocking_waits_in_a_thread_and_awaits_in_the_loop_mix(sess):
         stop.set()
         t.join()
     assert seen and all(s == [0, 1] for s in seen)
+
+
+def test_blocking_waits_in_a_thread_and_awaits_in_the_loop_mix(sess):
+    async def main() -> None:
+        for _ in range(200):
+            assert await sess.run_async(unison.rank) == [0, 1]
+
+    _beside_blocking_runs(sess, main, unison.rank)
 
 
 def _nap_then_rank(seconds: float) -> int:
@@ -179,27 +185,13 @@ def test_blocking_runs_longer_than_their_spin_beside_awaits_lose_no_wake_up(sess
     the event loop waits on; each await still gets its replies. (run's quick path never
     sleeps while an await does, as it reads only its own replies: the channel unit tests
     check that rule; this one, that the two kinds of wait mix.)"""
-    stop = threading.Event()
-    seen: list[list[int]] = []
-
-    def blocking() -> None:
-        while not stop.is_set():
-            seen.append(sess.run(_nap_then_rank, 0.0005))
-
     async def main() -> None:
         for i in range(300):
             got = await (sess.run_async(_nap_then_rank, 0.0003) if i % 2
                          else sess.run_async(unison.rank))
             assert got == [0, 1]
 
-    t = threading.Thread(target=blocking)
-    t.start()
-    try:
-        asyncio.run(asyncio.wait_for(main(), 60))
-    finally:
-        stop.set()
-        t.join()
-    assert seen and all(s == [0, 1] for s in seen)
+    _beside_blocking_runs(sess, main, _nap_then_rank, 0.0005)
 
 
 def test_a_second_event_loop_after_the_first_is_done(sess):
