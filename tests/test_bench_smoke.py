@@ -223,11 +223,12 @@ def test_layers_measures_every_layer_against_the_floor() -> None:
     """benchmarks/layers.py: the floor, the channel alone and the session, one row per N."""
     out = _tool("layers.py", "--workers", "1", "--seconds", "0.3", "--rounds", "1")
     row = _last_rows(out.strip(), 1)[0]
-    assert row[0] == "1" and len(row) == 10, row
-    times = [float(v) for v in row[1:6]]  # floor, channel run, run, channel dispatch, dispatch
+    assert row[0] == "1" and len(row) == 12, row
+    # floor, channel run, channel quick, run, channel dispatch, dispatch; then each / floor
+    times = [float(v) for v in row[1:7]]
     assert all(t > 0 for t in times), row
     floor, half_floor = times[0], _half_unit(row[1])
-    for printed_time, printed_ratio in zip(row[2:6], row[6:]):  # of the unrounded times
+    for printed_time, printed_ratio in zip(row[2:7], row[7:]):  # of the unrounded times
         t, ht = float(printed_time), _half_unit(printed_time)
         ratio, hr = float(printed_ratio.rstrip("x")), _half_unit(printed_ratio.rstrip("x"))
         assert (t - ht) / (floor + half_floor) - hr <= ratio <= (

@@ -109,3 +109,44 @@ def test_ctrl_c_during_close_still_stops_the_workers_and_lets_go(make_session):
         timer.cancel()
     assert wait_gone(pids, 2.0) == []
     assert len(os.listdir("/proc/self/fd")) < fds_before  # pidfds and pipes let go
+
+
+def _held(name: str) -> list[str]:
+    """This process's fds that name session ``name``, and its mapping of the session's
+    control segment (the workers' reply arenas stay mapped while the Session object lives:
+    a fetched array may be a view of them)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if name in target:
+            out.append(f"fd {fd} -> {target}")
+    with open("/proc/self/maps") as maps:
+        out += [line.strip() for line in maps if f"{name}-ctl" in line]
+    return out
+
+
+@pytest.mark.parametrize("wait", ["run", "sync"])
+def test_ctrl_c_in_a_wait_lets_go_of_the_sessions_memory_while_its_traceback_lives(
+    make_session, wait
+):
+    """The traceback of a KeyboardInterrupt keeps the frames of the wait alive (a REPL keeps
+    it as sys.last_traceback), and with them the channel's C helper: the session it closed
+    must still let go of its shared memory and fds."""
+    sess = make_session(2)
+    sess.run(unison.rank)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught:
+            if wait == "run":
+                sess.run(time.sleep, 30)
+            else:
+                sess.call(time.sleep, 30)
+                sess.sync()
+    finally:
+        timer.cancel()
+    assert caught.value.__traceback__ is not None  # held here, as a REPL would
+    assert _held(sess.name) == []

@@ -61,6 +61,23 @@ static void Sender_dealloc(Sender *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* Every look at the mapping checks this first: after release() it raises, never reads. */
+static int released(Sender *self) {
+    if (self->q) return 0;
+    PyErr_SetString(PyExc_ValueError, "the channel is closed");
+    return 1;
+}
+
+/* release(): let go of the mapping now, so the channel can unmap it whoever still holds
+ * this object (a frame of a traceback, after a Ctrl-C in a wait); any use then raises */
+static PyObject *Sender_release(Sender *self, PyObject *unused) {
+    (void)unused;
+    if (self->view.obj) PyBuffer_Release(&self->view);
+    self->q = NULL;
+    self->base = NULL;
+    Py_RETURN_NONE;
+}
+
 static int Sender_init(Sender *self, PyObject *args, PyObject *kw) {
     PyObject *buf, *efds, *sleeps;
     Py_ssize_t cmd_base;
@@ -91,6 +108,7 @@ static int Sender_init(Sender *self, PyObject *args, PyObject *kw) {
 /* publish(payload, rankmask, pos, limit) -> the new write position, or -1 when the entry
  * does not fit between pos and the ring's end or the limit (the caller makes room). */
 static PyObject *Sender_publish(Sender *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (released(self)) return NULL;
     if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "publish takes 4 arguments"); return NULL; }
     Py_buffer p;
     if (PyObject_GetBuffer(args[0], &p, PyBUF_SIMPLE) < 0) return NULL;
@@ -152,6 +170,7 @@ static PyObject *Sender_replies(Sender *self, PyObject *args) {
 
 /* pending(positions) -> whether a worker's reply ring holds anything past positions[r] */
 static PyObject *Sender_pending(Sender *self, PyObject *positions) {
+    if (released(self)) return NULL;
     if (!PyList_Check(positions) || PyList_GET_SIZE(positions) != self->n) {
         PyErr_SetString(PyExc_TypeError, "pending takes the list of reply positions");
         return NULL;
@@ -178,6 +197,7 @@ static PyObject *Sender_progress(Sender *self, PyObject *args) {
  * mark; else 1, or 2 where one of them holds errors nobody fetched (sync's check: one call
  * where Python took a loop and a function each) */
 static PyObject *Sender_settled(Sender *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (released(self)) return NULL;
     if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "settled takes 2 arguments"); return NULL; }
     uint64_t mask = PyLong_AsUnsignedLongLong(args[0]);
     uint64_t mark = PyLong_AsUnsignedLongLong(args[1]);
@@ -199,6 +219,7 @@ static PyObject *Sender_settled(Sender *self, PyObject *const *args, Py_ssize_t 
  * its ring, past its published position), which the slow path then reports; nothing is
  * read outside the ring, and each step moves toward the published position. */
 static PyObject *Sender_collect(Sender *self, PyObject *positions) {
+    if (released(self)) return NULL;
     if (!self->rring) { PyErr_SetString(PyExc_RuntimeError, "replies() was not called"); return NULL; }
     if (!PyList_Check(positions) || PyList_GET_SIZE(positions) != self->n) {
         PyErr_SetString(PyExc_TypeError, "collect takes the list of reply positions");
@@ -253,6 +274,7 @@ fail:
  * values in ranks' order, each positions[r] advanced past its reply and the space handed
  * back. */
 static PyObject *Sender_values(Sender *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (released(self)) return NULL;
     if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "values takes 4 arguments"); return NULL; }
     if (!self->rring) { PyErr_SetString(PyExc_RuntimeError, "replies() was not called"); return NULL; }
     PyObject *positions = args[0], *ranks = args[1], *partial = args[3];
@@ -348,6 +370,8 @@ static PyMethodDef Sender_methods[] = {
      "settled(rankmask, mark) -> 0 not done, 1 done, 2 done with unreported errors"},
     {"collect", (PyCFunction)Sender_collect, METH_O,
      "collect(positions) -> ([(rank, bytes)], more)"},
+    {"release", (PyCFunction)Sender_release, METH_NOARGS,
+     "release(): let go of the mapping; any use after raises ValueError"},
     {"values", (PyCFunction)(void (*)(void))Sender_values, METH_FASTCALL,
      "values(positions, ranks, req_id, partial) -> None not all in, True slow path, else [value]"},
     {"publish", (PyCFunction)(void (*)(void))Sender_publish, METH_FASTCALL,

@@ -620,7 +620,9 @@ class ShmChannel(Channel):
         if self._closed:
             return
         self._closed = True
-        self._fast = None  # it holds a view of the mapping
+        fast, self._fast = self._fast, None
+        if fast is not None:  # it holds a view of the mapping, as may a traceback's frames
+            fast.release()
         for fd in (*self._efd, self._ctl_efd, self._done_efd):
             os.close(fd)
         if self._watch_ep is not None:
