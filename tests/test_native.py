@@ -49,6 +49,17 @@ def test_the_extension_is_built_and_chosen() -> None:
     assert shm.NATIVE
 
 
+def test_the_c_ring_tells_an_ok_reply_by_the_protocols_code() -> None:
+    """run's quick path (_ring.Sender.values) tells an OK reply from an error by
+    protocol.OK, compiled into _ring.c: they must agree."""
+    if not shm.NATIVE:
+        pytest.skip("the C ring is not built here")
+    import unison._ring
+    from unison import protocol
+
+    assert unison._ring.OK == protocol.OK
+
+
 def test_the_fence_is_one_c_call_where_built_and_a_fresh_lock_otherwise() -> None:
     """The store-load fences of the channel and the cancellation board: the C one where
     _ring was built. The pure fallback takes a fresh lock each time, so a signal's

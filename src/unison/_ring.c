@@ -30,6 +30,7 @@
 #define ENTRY 16
 #define DESC 24
 #define MAX_WORKERS 64
+#define STATUS_OK 0  /* protocol.OK, as the module's OK: a test checks that they agree */
 
 static inline void wake(int fd) {
     uint64_t one = 1;
@@ -64,7 +65,8 @@ static void Sender_dealloc(Sender *self) {
 /* Every look at the mapping checks this first: after release() it raises, never reads. */
 static int released(Sender *self) {
     if (self->q) return 0;
-    PyErr_SetString(PyExc_ValueError, "the channel is closed");
+    PyErr_SetString(PyExc_ValueError, "the channel is closed (its session was closed): "
+                    "open a new Session to go on");
     return 1;
 }
 
@@ -211,6 +213,36 @@ static PyObject *Sender_settled(Sender *self, PyObject *const *args, Py_ssize_t 
     return PyLong_FromLong(1);
 }
 
+/* What next_reply found at a rank's read position. */
+enum { REPLY_NONE, REPLY_OTHER, REPLY_PLAIN };
+
+/* The entry of rank r's reply ring at *pos, up to the published position end, a wrap marker
+ * skipped (*pos then moves past it): REPLY_NONE when nothing is published there yet;
+ * REPLY_OTHER when the entry has flags (buffers, indirect, chunks) or it, or the position,
+ * breaks the format (the slow path reads and judges it); else REPLY_PLAIN, with its bytes
+ * at *data, *n of them, and *size its length in the ring. The worker wrote these bytes:
+ * nothing outside the ring is read, and each step moves toward end. */
+static int next_reply(Sender *self, int r, uint64_t *pos, uint64_t end, const char **data,
+                      uint64_t *n, uint64_t *size) {
+    if (end - *pos > self->rring) return REPLY_OTHER;
+    if (*pos == end) return REPLY_NONE;
+    uint64_t off = *pos & (self->rring - 1);
+    const char *entry = self->base + self->rbase[r] + off;
+    if (*(const uint64_t *)entry == WRAP) {
+        if (self->rring - off > end - *pos) return REPLY_OTHER;
+        *pos += self->rring - off;
+        if (*pos == end) return REPLY_NONE;
+        off = 0;
+        entry = self->base + self->rbase[r];
+    }
+    uint64_t head = *(const uint64_t *)entry;
+    *n = head & 0xFFFFFFFFu;
+    *size = (8 + *n + 7) & ~(uint64_t)7;
+    if (head >> 32 || off + *size > self->rring || *size > end - *pos) return REPLY_OTHER;
+    *data = entry + 8;
+    return REPLY_PLAIN;
+}
+
 /* collect(positions) -> (replies, more): every plain reply now in the rings, as (rank,
  * bytes) in each rank's order, positions[r] advanced and the space handed back (reply_read).
  * A rank stops at its first entry with flags (buffers, indirect, chunks): ``more`` is then
@@ -230,30 +262,22 @@ static PyObject *Sender_collect(Sender *self, PyObject *positions) {
     int more = 0;
     uint64_t *q = self->q;
     for (int r = 0; r < self->n; r++) {
-        uint64_t pos = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(positions, r));
+        uint64_t start = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(positions, r)), pos = start;
         if (PyErr_Occurred()) goto fail;
         uint64_t end = __atomic_load_n(&q[self->rw_idx[r]], __ATOMIC_ACQUIRE);
-        if (pos == end) continue;
-        if (end - pos > self->rring) { more = 1; continue; }  /* malformed: the slow path */
-        while (pos != end) {
-            uint64_t off = pos & (self->rring - 1);
-            uint64_t head = *(uint64_t *)(self->base + self->rbase[r] + off);
-            if (head == WRAP) {
-                if (self->rring - off > end - pos) { more = 1; break; }
-                pos += self->rring - off;
-                continue;
-            }
-            if (head >> 32) { more = 1; break; }
-            uint64_t n = head & 0xFFFFFFFFu, size = (8 + n + 7) & ~(uint64_t)7;
-            if (off + size > self->rring || size > end - pos) { more = 1; break; }
-            PyObject *data = PyBytes_FromStringAndSize(self->base + self->rbase[r] + off + 8,
-                                                       (Py_ssize_t)n);
+        const char *bytes;
+        uint64_t n, size;
+        int kind;
+        while ((kind = next_reply(self, r, &pos, end, &bytes, &n, &size)) == REPLY_PLAIN) {
+            PyObject *data = PyBytes_FromStringAndSize(bytes, (Py_ssize_t)n);
             if (!data) goto fail;
             PyObject *item = Py_BuildValue("(iN)", r, data);
             if (!item || PyList_Append(out, item) < 0) { Py_XDECREF(item); goto fail; }
             Py_DECREF(item);
             pos += size;
         }
+        if (kind == REPLY_OTHER) more = 1;  /* the slow path reads on from pos */
+        if (pos == start) continue;
         PyObject *p = PyLong_FromUnsignedLongLong(pos);
         if (!p) goto fail;
         PyList_SetItem(positions, r, p);  /* steals p */
@@ -289,7 +313,8 @@ static PyObject *Sender_values(Sender *self, PyObject *const *args, Py_ssize_t n
     Py_ssize_t k = PyTuple_GET_SIZE(ranks);
     if (k < 1 || k > self->n) Py_RETURN_TRUE;
     int rank[MAX_WORKERS];
-    uint64_t at[MAX_WORKERS], seen = 0;
+    uint64_t at[MAX_WORKERS], len[MAX_WORKERS], seen = 0;
+    const char *body[MAX_WORKERS];
     for (Py_ssize_t i = 0; i < k; i++) {  /* every rank's reply in? (no decoding while not) */
         long r = PyLong_AsLong(PyTuple_GET_ITEM(ranks, i));
         if (r == -1 && PyErr_Occurred()) return NULL;
@@ -300,37 +325,26 @@ static PyObject *Sender_values(Sender *self, PyObject *const *args, Py_ssize_t n
             PyErr_Clear();
             Py_RETURN_TRUE;
         }
-        uint64_t pos = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(positions, r));
+        uint64_t pos = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(positions, r)), size;
         if (PyErr_Occurred()) return NULL;
         uint64_t end = __atomic_load_n(&self->q[self->rw_idx[r]], __ATOMIC_ACQUIRE);
-        if (end - pos > self->rring) Py_RETURN_TRUE;  /* malformed: the slow path says so */
-        uint64_t off = pos & (self->rring - 1);
-        if (pos != end && *(uint64_t *)(self->base + self->rbase[r] + off) == WRAP) {
-            if (self->rring - off > end - pos) Py_RETURN_TRUE;
-            pos += self->rring - off;
-        }
-        if (pos == end) Py_RETURN_NONE;
-        at[i] = pos;
+        int kind = next_reply(self, (int)r, &pos, end, &body[i], &len[i], &size);
+        if (kind == REPLY_NONE) Py_RETURN_NONE;
+        if (kind == REPLY_OTHER || len[i] == 0)
+            Py_RETURN_TRUE;  /* flags or bad bytes, an acknowledgement */
+        at[i] = pos + size;
     }
     PyObject *out = PyList_New(k);
     if (!out) return NULL;
     for (Py_ssize_t i = 0; i < k; i++) {
-        int r = rank[i];
-        uint64_t pos = at[i], end = __atomic_load_n(&self->q[self->rw_idx[r]], __ATOMIC_ACQUIRE);
-        uint64_t off = pos & (self->rring - 1);
-        char *entry = self->base + self->rbase[r] + off;
-        uint64_t head = *(uint64_t *)entry, n = head & 0xFFFFFFFFu, size = (8 + n + 7) & ~(uint64_t)7;
-        if (head >> 32 || off + size > self->rring || size > end - pos || n == 0 ||
-            (unsigned char)entry[8] == 0x80)  /* flags, out of bounds, an ack, a pickle */
-            goto slow;
-        PyObject *reply = PyMarshal_ReadObjectFromString(entry + 8, (Py_ssize_t)n);
-        if (!reply) { PyErr_Clear(); goto slow; }  /* the slow path raises what is wrong */
+        PyObject *reply = PyMarshal_ReadObjectFromString(body[i], (Py_ssize_t)len[i]);
+        if (!reply) { PyErr_Clear(); goto slow; }  /* a pickle, or bytes the slow path judges */
         int overflow;
         if (!PyTuple_CheckExact(reply) || PyTuple_GET_SIZE(reply) != 3 ||
             !PyLong_CheckExact(PyTuple_GET_ITEM(reply, 0)) ||
             PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(reply, 0), &overflow) != want ||
             overflow || !PyLong_CheckExact(PyTuple_GET_ITEM(reply, 1)) ||
-            PyLong_AsLong(PyTuple_GET_ITEM(reply, 1)) != 0 /* OK */) {
+            PyLong_AsLong(PyTuple_GET_ITEM(reply, 1)) != STATUS_OK) {
             PyErr_Clear();
             Py_DECREF(reply);
             goto slow;
@@ -339,7 +353,6 @@ static PyObject *Sender_values(Sender *self, PyObject *const *args, Py_ssize_t n
         Py_INCREF(value);
         PyList_SET_ITEM(out, i, value);
         Py_DECREF(reply);
-        at[i] = pos + size;
     }
     PyObject *moved[MAX_WORKERS];  /* the new positions, all made before any is stored */
     for (Py_ssize_t i = 0; i < k; i++) {
@@ -664,7 +677,8 @@ PyMODINIT_FUNC PyInit__ring(void) {
     Py_INCREF(&SenderType);
     Py_INCREF(&TakerType);
     Py_INCREF(&MarkType);
-    if (PyModule_AddObject(m, "Sender", (PyObject *)&SenderType) < 0 ||
+    if (PyModule_AddIntConstant(m, "OK", STATUS_OK) < 0 ||
+        PyModule_AddObject(m, "Sender", (PyObject *)&SenderType) < 0 ||
         PyModule_AddObject(m, "Taker", (PyObject *)&TakerType) < 0 ||
         PyModule_AddObject(m, "Mark", (PyObject *)&MarkType) < 0) {
         Py_DECREF(m);

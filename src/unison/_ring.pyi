@@ -3,6 +3,8 @@
 from collections.abc import Sequence
 from typing import Any
 
+OK: int  # protocol.OK
+
 class Sender:
     def __init__(self, buffer: Any, cmd_base: int, ring_size: int, efds: Sequence[int],
                  sleeping_indices: Sequence[int]) -> None: ...

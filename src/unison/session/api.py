@@ -569,8 +569,8 @@ class Session(View):
         except TimeoutError as exc:  # name the function (here: no cost unless it times out)
             exc.args = (f"run({_fn_name(fn)}): {exc.args[0]}", *exc.args[1:])
             raise
-        values = router.values(req, ranks)  # the usual case: one frame less than _values
-        return self._values(req, ranks) if values is None else values
+        values = router.values(req, ranks)  # _values, one frame less (no quick path here)
+        return self._decoded_values(req, ranks) if values is None else values
 
     def _results(self, req: Request, ranks: tuple[int, ...], deadline: float | None,
                  during: str) -> list[Any]:
@@ -582,8 +582,10 @@ class Session(View):
         """A completed GET's or run's values in rank order, or the WorkerError (or
         CancelledError) their errors make."""
         values = self._router.values(req, ranks)
-        if values is not None:
-            return values
+        return self._decoded_values(req, ranks) if values is None else values
+
+    def _decoded_values(self, req: Request, ranks: tuple[int, ...]) -> list[Any]:
+        """``_values`` where a reply is not a plain OK value: each one decoded and judged."""
         decoded = self._decode(req, ranks, True)
         values = []
         for status, payload in decoded:
