@@ -12,11 +12,19 @@ runs blocks of ``seconds`` of the workload's round trips on each in turn, the or
 every other block so that a trend hits both alike, and prints each block's median µs, the
 median of the blocks' medians, and unison's ratio to each other system (below 1: unison is
 faster). ``PYTHONPATH=<tree>/src`` picks the revision of unison.
+
+With that ratio comes a 90% interval for it: the blocks resampled in their pairs (block i
+of unison with block i of the other system, measured next to each other), 2000 times, the
+ratio of the medians taken each time. A ratio whose whole interval is under a target meets
+it on this run; one whose interval straddles it is at the line, and another run may read
+either way.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import random
 import statistics
 import sys
 from collections.abc import Callable
@@ -25,22 +33,49 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness.measure import Loop, hogs, time_loop
-from harness.report import cpu_model, source_revision
+from harness.report import cpu_model, cpu_ticks, source_revision, steal
 from harness.systems import make_system
 
 
-def block(round_trip: Callable[[], object], seconds: float) -> float:
-    """The median µs of the round trips made in ``seconds`` (harness.measure's timed loop)."""
+def block(round_trip: Callable[[], object], seconds: float) -> list[int]:
+    """The ns of each round trip made in ``seconds`` (harness.measure's timed loop)."""
     loop = Loop(warmup=20, min_iters=1, max_iters=10**7, budget_s=seconds)
-    return statistics.median(time_loop(round_trip, loop)) / 1000
+    return time_loop(round_trip, loop)
 
 
-def measure(names: list[str], workloads: list[str], n: int, blocks: int,
-            seconds: float) -> dict[tuple[str, str], list[float]]:
-    """Each (system, workload)'s block medians at ``n`` workers, the systems alternating."""
+def tail(rounds: list[int]) -> str:
+    """p99 over the median, and the share of rounds at 3x the median or slower."""
+    rounds = sorted(rounds)
+    mid = rounds[len(rounds) // 2]
+    p99 = rounds[min(len(rounds) - 1, int(0.99 * len(rounds)))]
+    slow = len(rounds) - bisect.bisect_left(rounds, 3 * mid)
+    return f"p99/median {p99 / mid:.2f}, {100 * slow / len(rounds):.2f}% of rounds at 3x+"
+
+
+def interval(mine: list[float], theirs: list[float], draws: int = 2000,
+             level: float = 0.9) -> tuple[float, float]:
+    """A percentile bootstrap interval of median(mine) / median(theirs), the blocks drawn
+    in their pairs (a fixed seed: the same blocks give the same interval)."""
+    pick = random.Random(0).choices
+    pairs = range(len(mine))
+    ratios = []
+    for _ in range(draws):
+        drawn = pick(pairs, k=len(mine))
+        ratios.append(statistics.median([mine[i] for i in drawn])
+                      / statistics.median([theirs[i] for i in drawn]))
+    ratios.sort()
+    cut = int(draws * (1 - level) / 2)
+    return ratios[cut], ratios[draws - 1 - cut]
+
+
+def measure(names: list[str], workloads: list[str], n: int, blocks: int, seconds: float
+            ) -> tuple[dict[tuple[str, str], list[float]], dict[tuple[str, str], list[int]]]:
+    """Each (system, workload)'s block medians (µs) and all its rounds (ns) at ``n``
+    workers, the systems alternating."""
     systems = {name: make_system(name) for name in names}
     medians: dict[tuple[str, str], list[float]] = {
         (name, w): [] for name in names for w in workloads}
+    rounds: dict[tuple[str, str], list[int]] = {key: [] for key in medians}
     try:
         for system in systems.values():
             system.start(n)
@@ -49,11 +84,13 @@ def measure(names: list[str], workloads: list[str], n: int, blocks: int,
             for i in range(blocks):
                 turn = list(systems.items())
                 for name, system in turn if i % 2 == 0 else reversed(turn):
-                    medians[name, workload].append(block(getattr(system, workload), seconds))
+                    got = block(getattr(system, workload), seconds)
+                    medians[name, workload].append(statistics.median(got) / 1000)
+                    rounds[name, workload] += got
     finally:
         for system in systems.values():
             system.close()
-    return medians
+    return medians, rounds
 
 
 def main() -> None:
@@ -76,16 +113,24 @@ def main() -> None:
           f"--seconds {args.seconds}")
     with hogs(args.hogs):
         for n in args.workers:
-            medians = measure(names, args.workloads, n, args.blocks, args.seconds)
+            ticks = cpu_ticks()
+            medians, rounds = measure(names, args.workloads, n, args.blocks, args.seconds)
             for workload in args.workloads:
                 mid = {name: statistics.median(medians[name, workload]) for name in names}
                 for name in names:
                     print(f"{workload} N={n} {name:8s}: "
                           + " ".join(f"{m:.1f}" for m in medians[name, workload])
                           + f" | median {mid[name]:.1f} µs")
-                print(f"{workload} N={n} " + ", ".join(
-                    f"unison / {name}: {mid['unison'] / mid[name]:.2f}x" for name in names[1:])
-                    + " (below 1: unison is faster)", flush=True)
+                ratios = []
+                for name in names[1:]:
+                    low, high = interval(medians["unison", workload], medians[name, workload])
+                    ratios.append(f"unison / {name}: {mid['unison'] / mid[name]:.2f}x "
+                                  f"(90%: {low:.2f}-{high:.2f})")
+                print(f"{workload} N={n} " + ", ".join(ratios) + " (below 1: unison is faster)")
+                for name in names:
+                    print(f"{workload} N={n} {name}: {tail(rounds[name, workload])}")
+            print(f"N={n}: CPU time stolen by the hypervisor meanwhile: "
+                  f"{steal(ticks, cpu_ticks())}", flush=True)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ def test_quick_run_produces_numbers(tmp_path: Path) -> None:
     text = out_md.read_text()
     assert START_MARK in text and END_MARK in text
     assert "| dispatch (µs, median / p99) | 2 |" in text
+    assert "- CPU time stolen by the hypervisor during the run: " in text
     assert "| fetch 1 MiB (GB/s per worker) | 2 |" in text
     assert "Speed-up over the pipe baseline" in text
     assert "dispatch_script_fn / dispatch" in text
@@ -360,6 +361,24 @@ def test_blocks_alternates_systems_and_gives_unisons_ratios() -> None:
         for name in ("floor", "pipe"):
             got = float(ratios.split(f"unison / {name}: ")[1].split("x")[0])
             assert got == pytest.approx(mid["unison"] / mid[name], rel=0.05, abs=0.01), ratios
+            low, high = map(float, ratios.split(f"unison / {name}: ")[1].split("(90%: ")[1]
+                            .split(")")[0].split("-"))
+            assert low <= got <= high, ratios  # the blocks' own ratio lies in its interval
+            line = next(x for x in out.splitlines() if x.startswith(f"{workload} N=1 {name}: "))
+            assert "p99/median" in line and "% of rounds at 3x+" in line, line
+    assert "N=1: CPU time stolen by the hypervisor meanwhile: " in out
+
+
+def test_steal_is_the_hypervisors_share_of_the_cpu_time_between_two_readings() -> None:
+    from harness import report
+
+    # user nice system idle iowait irq softirq steal guest guest_nice: guest lies in user
+    before = [100, 0, 50, 800, 0, 0, 0, 50, 30, 0]
+    after = [160, 0, 80, 900, 0, 0, 0, 60, 60, 0]
+    assert report.steal(before, after) == "5.0%"  # 10 of 200
+    assert report.steal(None, after) == "unknown"
+    assert report.steal(before, before) == "unknown"
+    assert report.cpu_ticks() is None or len(report.cpu_ticks() or []) >= 8
 
 
 def test_added_work_prints_a_row_per_system_with_each_extra() -> None:

@@ -104,6 +104,7 @@ def main(argv: Sequence[str] | None = None, script: ScriptCall | None = None) ->
         _log(f"[bench] warning: the host's CPUs are {busy} busy before the run; "
              "the numbers will be noisy")
     t0 = time.perf_counter()
+    ticks = report.cpu_ticks()
     try:
         cells = run_benchmark(systems, workers, per_system, plan, _log, script,
                               args.fetch_mib << 20) if per_system else []
@@ -118,7 +119,9 @@ def main(argv: Sequence[str] | None = None, script: ScriptCall | None = None) ->
     except KeyboardInterrupt:
         _log("[bench] interrupted; everything started was stopped")
         return 130
-    _log(f"[bench] done in {time.perf_counter() - t0:.1f} s")
+    machine["steal"] = report.steal(ticks, report.cpu_ticks())
+    _log(f"[bench] done in {time.perf_counter() - t0:.1f} s; CPU time stolen by the "
+         f"hypervisor meanwhile: {machine['steal']}")
 
     command = report.command_line(argv)
     date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")

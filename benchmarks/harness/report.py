@@ -232,6 +232,28 @@ def host_busy(seconds: float = 0.5) -> float | None:
     return 100 * (total - (idle1 - idle0)) / total if total > 0 else None
 
 
+def cpu_ticks() -> list[int] | None:
+    """The host's CPU time so far, by kind (/proc/stat's first line), or None where that is
+    unavailable: two readings make ``steal``."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def steal(before: list[int] | None, after: list[int] | None) -> str:
+    """The share of CPU time between two ``cpu_ticks`` that the hypervisor gave to other
+    guests ("steal"), as text. On a shared VM it comes and goes by the minute (0.5% to 21%
+    on the same host within an hour, issue 9's seventeenth pass), and every figure of the
+    run swings with it, the floor's included."""
+    if before is None or after is None or len(before) < 8 or len(after) < 8:
+        return "unknown"
+    spent = [b - a for a, b in zip(before, after)]
+    total = sum(spent[:8])  # guest time is counted inside user time already
+    return f"{100 * spent[7] / total:.1f}%" if total > 0 else "unknown"
+
+
 def cpu_model() -> str:
     """The CPU's model name, as /proc/cpuinfo says ("unknown" elsewhere)."""
     try:
@@ -309,6 +331,7 @@ def render_section(
         f"{machine['os']}",
         f"- Host before the run: CPUs {machine['busy_before']} busy (0.5 s sample), "
         f"load average {machine['load_before']} (1, 5, 15 min)",
+        f"- CPU time stolen by the hypervisor during the run: {machine.get('steal', 'unknown')}",
         f"- Code: {machine['revision']}",
     ]
     out += [f"- `{s}`: {describe(s)}" for s in systems]
