@@ -138,3 +138,34 @@ def test_a_mismatch_raises_on_every_rank(kind: str) -> None:
         assert all(isinstance(e, unison.CollectiveError) for e in errors.values()), errors
         assert sess.run(lambda: unison.allreduce(np.ones(2, np.float32)).tolist(),
                         timeout=30) == [[3.0, 3.0]] * N  # still usable
+
+
+@pytest.mark.skipif(shm._coll is None, reason="the C steps did not build")
+def test_end_in_c_says_the_call_is_left_and_tidies_only_what_is_held() -> None:
+    """Reducer.end, the worker loop's end after every call: the left word peers read, and
+    the Python ``_tidy`` only while spills or pidfds are held (the same as shm.py's end)."""
+    fd, _ = shm.create("unison-test-end", 2, 1)
+    try:
+        coll = shm.ShmCollectives(fd, 1, 2, 1)
+    finally:
+        os.close(fd)
+    tidied: list[int] = []
+    coll._tidy = lambda: tidied.append(1)  # type: ignore[method-assign]
+    assert coll.end == coll._c.end  # the loop's end is the C one
+    coll.end(41)
+    assert coll._q[coll._left] == 41 and not tidied
+    coll._spills[0] = None  # type: ignore[assignment]  # held: any entry
+    coll.end(42)
+    assert coll._q[coll._left] == 42 and tidied == [1]
+    coll._spills.clear()
+    coll._pidfds[0] = (0, -1)
+    coll.end(43)
+    assert coll._q[coll._left] == 43 and tidied == [1, 1]
+    coll._pidfds.clear()
+    with pytest.raises(OverflowError):
+        coll.end(-1)
+    reducer, q, left, held = coll._c, coll._q, coll._left, coll._spills
+    held[0] = None  # type: ignore[assignment]
+    del coll  # the owner gone: its end still says so, and tidies nothing
+    reducer.end(44)
+    assert q[left] == 44 and tidied == [1, 1]

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -180,7 +182,42 @@ def check_session_goes_on(sess: unison.Session) -> None:
     assert sess.run(join, "barrier", timeout=LIMIT) == [None] * n
 
 
+def leave_a_barrier_behind(path: str) -> None:
+    """Start a thread that joins a barrier once this call has returned, and writes what came
+    of it to ``path``."""
+
+    def later() -> None:
+        time.sleep(DELAY)
+        try:
+            unison.barrier()
+            got = "joined"
+        except BaseException as exc:
+            got = f"{type(exc).__name__}: {exc}"
+        Path(path + ".part").write_text(got)
+        os.replace(path + ".part", path)  # whole, or not there
+
+    threading.Thread(target=later, daemon=True).start()
+
+
 # -- a worker raises ---------------------------------------------------------------------------
+
+
+def test_a_collective_from_a_thread_that_outlived_its_call_raises_at_once(make_session,
+                                                                          tmp_path):
+    """No call runs, so the collective has none to belong to: it raises, where it once took
+    the last call's id and waited for peers that had left it."""
+    sess = make_session(2)
+    check_session_goes_on(sess)  # the workers' collectives have begun a call before
+    out = tmp_path / "got"
+    sess[0].run(leave_a_barrier_behind, str(out), timeout=LIMIT)
+    deadline = time.monotonic() + LIMIT
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert out.read_text().startswith("RuntimeError: unison collectives only work inside a "
+                                      "function"), out.read_text()
+    assert "while it runs" in out.read_text()
+    check_session_goes_on(sess)
+
 
 
 @pytest.mark.parametrize("kind", ["allreduce", "allreduce-large", "reduce_scatter", "barrier",

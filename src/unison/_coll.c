@@ -22,6 +22,11 @@
  *   DEPART 3      out holds the result; some peer has not passed generation | 1 yet
  *   | LONG 16     a yield took longer than long_ns (the machine may be crowded)
  *
+ * And end(call_id), which the worker loop calls after every call (most run no collective):
+ * our "left" word, then the owner's _tidy() only where it holds spills or pidfds. As a
+ * Python method it cost a tenth of a worker's instructions per call (issue 9, seventeenth
+ * pass).
+ *
  * Reductions run element by element in rank order, (x0 op x1) op x2 ..., as collective/
  * shm.py's numpy path does, so every rank computes the same bits whichever path it takes
  * (integers wrap as numpy's do; no float min or max: numpy's NaN rules stay numpy's).
@@ -53,6 +58,8 @@ typedef struct {
     Py_ssize_t rec[MAX_RANKS];  /* word index of each rank's record */
     Py_ssize_t slot[MAX_RANKS]; /* byte offset of each rank's slot */
     Py_ssize_t slot_size;
+    PyObject *owner;          /* a weak reference to the ShmCollectives, or NULL */
+    PyObject *spills, *pidfds; /* the owner's dicts: end() calls its _tidy() while either holds */
 } Reducer;
 
 static inline uint64_t load(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
@@ -72,15 +79,32 @@ static inline int64_t now_ns(void) {
 
 static void Reducer_dealloc(Reducer *self) {
     if (self->view.obj) PyBuffer_Release(&self->view);
+    Py_CLEAR(self->owner);
+    Py_CLEAR(self->spills);
+    Py_CLEAR(self->pidfds);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static int Reducer_init(Reducer *self, PyObject *args, PyObject *kw) {
     (void)kw;
-    PyObject *buf, *recs, *slots;
+    PyObject *buf, *recs, *slots, *owner = NULL;
     Py_ssize_t slot_size;
     int rank;
-    if (!PyArg_ParseTuple(args, "OiOOn", &buf, &rank, &recs, &slots, &slot_size)) return -1;
+    if (!PyArg_ParseTuple(args, "OiOOn|O", &buf, &rank, &recs, &slots, &slot_size, &owner))
+        return -1;
+    Py_CLEAR(self->owner);
+    Py_CLEAR(self->spills);
+    Py_CLEAR(self->pidfds);
+    if (owner) {  /* no strong reference: the owner holds this object */
+        self->owner = PyWeakref_NewRef(owner, NULL);
+        self->spills = self->owner ? PyObject_GetAttrString(owner, "_spills") : NULL;
+        self->pidfds = self->spills ? PyObject_GetAttrString(owner, "_pidfds") : NULL;
+        if (!self->pidfds) return -1;
+        if (!PyDict_CheckExact(self->spills) || !PyDict_CheckExact(self->pidfds)) {
+            PyErr_SetString(PyExc_TypeError, "owner: its _spills and _pidfds must be dicts");
+            return -1;
+        }
+    }
     Py_ssize_t n = PySequence_Size(recs);
     if (n < 1 || n > MAX_RANKS || PySequence_Size(slots) != n) {
         PyErr_SetString(PyExc_ValueError, "records and slots: one per rank, at most 256");
@@ -303,7 +327,33 @@ finally:
     return result;
 }
 
+/* The worker finished call ``call``: peers waiting for us in it give up (the release store
+ * of our "left" word, as shm.py's end); then the owner tidies where it holds something. */
+static PyObject *Reducer_end(Reducer *self, PyObject *arg) {
+    unsigned long long call = PyLong_AsUnsignedLongLong(arg);
+    if (call == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    store(&self->q[self->rec[self->rank] + LEFT], (uint64_t)call);
+    if (self->owner && (PyDict_GET_SIZE(self->spills) || PyDict_GET_SIZE(self->pidfds))) {
+        PyObject *owner;
+#if PY_VERSION_HEX >= 0x030D0000
+        if (PyWeakref_GetRef(self->owner, &owner) < 0) return NULL;
+#else
+        owner = PyWeakref_GetObject(self->owner); /* borrowed */
+        if (!owner) return NULL;
+        owner = owner == Py_None ? NULL : Py_NewRef(owner);
+#endif
+        if (owner) {  /* else it is gone, and its dicts go with this object */
+            PyObject *got = PyObject_CallMethod(owner, "_tidy", NULL);
+            Py_DECREF(owner);
+            return got;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Reducer_methods[] = {
+    {"end", (PyCFunction)Reducer_end, METH_O,
+     "end(call_id): our left word; then owner._tidy() where it holds spills or pidfds"},
     {"allreduce", (PyCFunction)(void (*)(void))Reducer_allreduce, METH_FASTCALL,
      "allreduce(a, out, code, which, gen, desc, sig, ranks, stage, pauses, budget_ns, "
      "long_ns) -> status"},
@@ -315,7 +365,7 @@ static PyTypeObject ReducerType = {
     .tp_name = "unison._coll.Reducer",
     .tp_basicsize = sizeof(Reducer),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Reducer(buffer, rank, records, slots, slot_size)",
+    .tp_doc = "Reducer(buffer, rank, records, slots, slot_size, owner=None)",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Reducer_init,
     .tp_dealloc = (destructor)Reducer_dealloc,

@@ -165,8 +165,9 @@ def lookup(ref_id: int) -> Any:
 # -- the loop ----------------------------------------------------------------------------------
 
 
-_current = [0]
-"""The call running now (0: none), for the cancellation signal's handler."""
+_current: list[Any] = [0, None]
+"""The call running now (0: none) and its ranks (None: every worker), for the cancellation
+signal's handler and for the collectives (a call's first one tells the backends of it)."""
 _board: Board | None = None
 
 
@@ -224,8 +225,9 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
           interrupts: bool = False) -> None:
     """Run messages until SHUTDOWN, or until ``recv`` (``chan.recv``) gives None: the
     controller is gone (or, for worker 0 inline in the controller, nothing more is there
-    now; its ``loop`` then carries on at the next call). ``coll`` learns which call runs,
-    so that collectives can tell a peer that left the call from a slow one; ``board`` says
+    now; its ``loop`` then carries on at the next call). ``coll`` learns where each call
+    ends (``_current`` says which one runs), so that collectives can tell a peer that left
+    the call from a slow one; ``board`` says
     which calls are cancelled (unison.cancel). ``interrupts``: a KeyboardInterrupt in a
     call is recorded as its error and raised on (worker 0 inline: Ctrl-C is the
     controller's, which closes the session)."""
@@ -238,7 +240,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
     recv = recv or chan.recv
     mark = None if board is None else board.mark(me)
     # bound once: each call's steps (collectives, the board) without an attribute lookup
-    begin, end = (None, None) if coll is None else (coll.begin, coll.end)
+    begin, end, held = (None, None, ()) if coll is None else (coll.begin, coll.end, coll.held)
     enter, leave = (None, None) if mark is None else (mark.enter, mark.leave)
     while True:
         got = recv()
@@ -255,8 +257,8 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
         if op == CALL:
             _, _, ref_id, fn_id, blob, ranks, req_id = msg  # as protocol.call_msg packs it
             fn = fns.get(fn_id)
-            if begin is not None:
-                begin(ref_id, ranks)
+            if held:  # most calls tell the collectives nothing until their first collective
+                begin(ref_id, ranks)  # type: ignore[misc]  # (collective._begin)
             traced = _trace.events  # None unless a trace runs (unison.trace)
             if traced is not None:
                 started = _trace._clock()
@@ -264,6 +266,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                 try:
                     # before enter() says we run it: the controller signals a call it sees
                     # running once, and a signal that found no current call would be lost
+                    _current[1] = ranks  # a collective's (collective._begin)
                     _current[0] = ref_id
                     if enter is not None and enter(ref_id):
                         raise Cancelled(f"call #{ref_id} was cancelled before it started")
@@ -666,7 +669,8 @@ def run(spec: WorkerSpec, chan: WorkerChannel | None = None) -> None:
                      group_rank=spec.group_rank, group_size=spec.group_size)
     _debug_stacks.install(spec.rank)  # sess.stacks(): faulthandler on a signal (issue 13)
     _debug_logs.install()  # logging records to the controller, where the launcher relays
-    coll = collective.setup(spec.collective, spec.rank, spec.world_size, spec.num_groups)
+    coll = collective.setup(spec.collective, spec.rank, spec.world_size, spec.num_groups,
+                            _current)
     global _board
     if spec.cancel >= 0:
         _board = Board(spec.world_size, fd=spec.cancel)

@@ -52,6 +52,9 @@ __all__ = [
     "recv", "recv_from_prev_group", "reduce_scatter", "scatter", "send", "send_to_next_group",
 ]
 
+_running: list[Any] = [0, None]  # the call this worker runs now (0: none) and its ranks
+_begun = [0]  # the call the backends were last told of (``_begin``)
+_top: Collectives | None = None  # what ``setup`` returned: the backend to tell
 _shm: ShmCollectives | None = None  # shared memory, where this worker has a segment
 _torch: Collectives | None = None  # torch.distributed, where the session set it up
 _on_shm = (False, False)  # (world, group): which scopes run on shared memory
@@ -60,14 +63,17 @@ _NO_MEMFD = ("this session has no shared-memory collectives: the platform lacks 
              "(see README, Platforms); move data through the controller with put/scatter/gather")
 
 
-def setup(spec: dict[str, Any] | None, rank: int, n: int, groups: int, *,
-          watch_peers: bool = False) -> Collectives | None:
+def setup(spec: dict[str, Any] | None, rank: int, n: int, groups: int, running: list[Any],
+          *, watch_peers: bool = False) -> Collectives | None:
     """Called once by the worker at start with the session's collective spec. Returns the
-    backend the worker loop tells where each call begins and ends (the torch backends pass
-    that on to the shared-memory one, which relies on it). ``watch_peers``: waits look at
-    the peers' pids themselves (inline worker 0: the controller that would set the abort
-    flag is the thread waiting)."""
-    global _shm, _torch, _on_shm, _why
+    backend the worker loop tells where each call ends (the torch backends pass that on to
+    the shared-memory one, which relies on it). ``running``: the worker's ``[call id, ranks]``
+    of the call it runs now (0: none), which the loop keeps; a call's first collective tells
+    the backends of it (``_begin``). ``watch_peers``: waits look at the peers' pids
+    themselves (inline worker 0: the controller that would set the abort flag is the thread
+    waiting)."""
+    global _shm, _torch, _on_shm, _why, _running, _top
+    _running, _begun[0] = running, 0
     if spec is None:
         _why = (_NO_MEMFD, _NO_MEMFD)
         return None
@@ -76,7 +82,8 @@ def setup(spec: dict[str, Any] | None, rank: int, n: int, groups: int, *,
 
         _shm, _torch, _on_shm = cluster.setup(spec, rank, n, groups)
         _why = cluster.missing(spec.get("shared"))
-        return _torch or _shm
+        _top = _torch or _shm
+        return _top
     _shm = ShmCollectives(spec["fd"], rank, n, groups, watch_peers=watch_peers)
     if spec.get("torch_address"):
         from unison.collective.torch import TorchCollectives
@@ -84,16 +91,34 @@ def setup(spec: dict[str, Any] | None, rank: int, n: int, groups: int, *,
         _torch = TorchCollectives(_shm, spec["torch_address"], spec.get("timeout", 300.0))
     on = spec.get("backend") != "torch"
     _on_shm = (on, on)
+    _top = _shm
     return _shm
 
 
 def teardown() -> None:
     """Forget the backends ``setup`` made (worker 0 inline in the controller, whose process
     outlives its session)."""
-    global _shm, _torch, _on_shm, _why
+    global _shm, _torch, _on_shm, _why, _running, _top
     if _shm is not None:
         _shm.close()
     _shm, _torch, _on_shm, _why = None, None, (False, False), ("", "")
+    _running, _top, _begun[0] = [0, None], None, 0
+
+
+def _begin() -> None:
+    """The first collective of the call this worker runs now: the backends learn of the
+    call here, not from the worker loop before every call, most of which run none (two
+    method calls there were a fifth of a worker's Python per call: issue 9, seventeenth
+    pass). Outside a call (a thread that outlived its call, say), none may run."""
+    call = _running[0]
+    if not call:
+        raise RuntimeError(
+            "unison collectives only work inside a function that a unison worker runs, "
+            "while it runs (not from a thread it left behind)"
+        )
+    if _top is not None:
+        _top.begin(call, _running[1])
+    _begun[0] = call
 
 
 def _backend(group: bool, *values: Any) -> Collectives:
@@ -122,6 +147,8 @@ class _Timed:
 
 
 def _choose(group: bool, *values: Any) -> Collectives:
+    if _running[0] != _begun[0]:
+        _begin()
     cuda = False
     for v in values:  # not any(...): a generator costs a collective's hot path 0.2 us
         if getattr(v, "is_cuda", False):
@@ -145,7 +172,8 @@ def _choose(group: bool, *values: Any) -> Collectives:
 
 def allreduce(x: Any, op: str = "sum", *, group: bool = False) -> Any:
     """x0 op x1 op ... over the workers (sum, prod, min, max or mean), on every worker."""
-    if type(x) is np.ndarray and _on_shm[group] and _trace.events is None:
+    if (type(x) is np.ndarray and _on_shm[group] and _trace.events is None
+            and _running[0] == _begun[0]):
         return _shm.allreduce(x, op, group)  # type: ignore[union-attr]  # _backend's choice
     return _backend(group, x).allreduce(x, op, group)
 

@@ -1,21 +1,24 @@
 """The interface every collectives backend implements: one worker's end of the collectives.
 
-    worker loop (worker.serve)        begin(call id, ranks) ... user function ... end(call id)
+    worker loop (worker.serve)        ... user function ........................ end(call id)
         |                                   |
-    unison.allreduce(x) ...  ------->  Collectives.allreduce(x, op, group)   (collective/__init__)
+    unison.allreduce(x) ...  ------->  [begin(call id, ranks), at the call's first collective]
+                                       Collectives.allreduce(x, op, group)   (collective/__init__)
                                             |
                    ShmCollectives (shm.py)  or  TorchCollectives (torch.py)
 
-``begin``/``end`` bracket every call a worker runs, so a backend can tell a peer that left
-the call from a slow one. Arguments reach a backend as the public functions take them
-(``src``/``dst`` are group-local with ``group=True``); the checks every backend shares
-live in collective/checks.py.
+``end`` follows every call a worker runs, so a backend can tell a peer that left the call
+from a slow one; ``begin`` comes with a call's first collective (most calls run none, and
+a method call before each cost the worker's loop a tenth of its time), or at the call's start
+where the backend ``held`` something of an ended call. Arguments
+reach a backend as the public functions take them (``src``/``dst`` are group-local with
+``group=True``); the checks every backend shares live in collective/checks.py.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from typing import Any
 
 
@@ -31,10 +34,15 @@ class Collectives(ABC):
     n: int
     groups: int
     gsize: int
+    held: Sized
+    """What the backend still holds for peers from calls that ended (the shared-memory
+    backend's message spills): while it is not empty, the worker loop begins each call at
+    its start, so that what peers took since is let go of at once."""
 
     @abstractmethod
     def begin(self, call_id: int, ranks: tuple[int, ...] | None) -> None:
-        """The worker starts call ``call_id``, run by ``ranks`` (None: every worker)."""
+        """The worker runs call ``call_id`` (run by ``ranks``, None: every worker), and
+        this is its first collective."""
 
     @abstractmethod
     def end(self, call_id: int) -> None:

@@ -34,6 +34,7 @@ controller, the one host every worker reaches.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sized
 from typing import Any
 
 from unison.collective import rendezvous
@@ -55,6 +56,7 @@ class DistLocal(CallScope):
                  on_shm: tuple[bool, bool] = (False, False)) -> None:
         super().__init__(rank, n, groups)
         self.shm = shm
+        self.held: Sized = () if shm is None else shm.held
         self.on_shm = on_shm
         self.owner: ClusterCollectives | None = None
 

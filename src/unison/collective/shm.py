@@ -211,11 +211,14 @@ class ShmCollectives(CallScope, Collectives):
         # reach, ranks, whether the collective failed here); see _next
         self._owe: list[tuple[int, int, tuple[int, ...], bool] | None] = [None, None]
         self._spills: dict[int, deque[tuple[int, int, int]]] = {}  # dst -> (index, call, fd)
+        self.held = self._spills  # what begin (and end) let go of once peers took it
         self._views: dict[tuple[int, str, int], np.ndarray] = {}
         self._watch = watch_peers
         self._pidfds: dict[int, tuple[int, int]] = {}  # rank -> (pid, its pidfd)
         self._next_look = 0.0
-        self._c = _coll.Reducer(self._mm, rank, self._w, lay.slot, SLOT) if _coll else None
+        self._c = _coll.Reducer(self._mm, rank, self._w, lay.slot, SLOT, self) if _coll else None
+        if self._c is not None:  # the worker loop's end after every call: one C call
+            self.end = self._c.end  # type: ignore[method-assign]
         self._small: dict[tuple[str, np.dtype[Any], tuple[int, ...]],
                           tuple[int, int, int] | tuple[()]] = {}
 
@@ -235,10 +238,17 @@ class ShmCollectives(CallScope, Collectives):
             self._reclaim_all()
 
     def end(self, call_id: int) -> None:
+        """(_coll.c's Reducer.end in its place where that built: the same steps.)"""
         self._q[self._left] = call_id  # peers waiting for us in this call give up
+        if self._spills or self._pidfds:
+            self._tidy()
+
+    def _tidy(self) -> None:
+        """At a call's end: close the spills peers took, and the pidfds of the call's long
+        waits (watch_peers): none outlives it."""
         if self._spills:
             self._reclaim_all()
-        if self._pidfds:  # opened by this call's long waits (watch_peers): none outlives it
+        if self._pidfds:
             self.close()
 
     def _reclaim_all(self) -> None:

@@ -43,6 +43,7 @@ class TorchCollectives(Collectives):
 
     def __init__(self, local: ShmCollectives, address: str, timeout_s: float) -> None:
         self.local = local
+        self.held = local.held
         self.rank, self.n = local.rank, local.n
         self.groups, self.gsize = local.groups, local.gsize
         self.address = address

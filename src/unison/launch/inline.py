@@ -127,7 +127,7 @@ class _InlineWorker:
             # its collectives run in the controller's thread, so no controller wait sees a
             # peer die and sets the abort flag: they watch the peers' pids themselves
             self._coll = collective.setup(spec.collective, spec.rank, spec.world_size,
-                                          spec.num_groups, watch_peers=True)
+                                          spec.num_groups, worker._current, watch_peers=True)
             self._board = Board(spec.world_size, fd=spec.cancel) if spec.cancel >= 0 else None
             self._chan = ShmWorkerChannel(spec.channel)
             self._own_reply_fd = spec.channel["reply_arena"]  # its Arena closes that one
