@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import random
 import statistics
 import sys
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness.measure import Loop, hogs, time_loop
+from harness.measure import Loop, hogs, interval, time_loop
 from harness.report import cpu_model, cpu_ticks, source_revision, steal
 from harness.systems import make_system
 
@@ -50,22 +49,6 @@ def tail(rounds: list[int]) -> str:
     p99 = rounds[min(len(rounds) - 1, int(0.99 * len(rounds)))]
     slow = len(rounds) - bisect.bisect_left(rounds, 3 * mid)
     return f"p99/median {p99 / mid:.2f}, {100 * slow / len(rounds):.2f}% of rounds at 3x+"
-
-
-def interval(mine: list[float], theirs: list[float], draws: int = 2000,
-             level: float = 0.9) -> tuple[float, float]:
-    """A percentile bootstrap interval of median(mine) / median(theirs), the blocks drawn
-    in their pairs (a fixed seed: the same blocks give the same interval)."""
-    pick = random.Random(0).choices
-    pairs = range(len(mine))
-    ratios = []
-    for _ in range(draws):
-        drawn = pick(pairs, k=len(mine))
-        ratios.append(statistics.median([mine[i] for i in drawn])
-                      / statistics.median([theirs[i] for i in drawn]))
-    ratios.sort()
-    cut = int(draws * (1 - level) / 2)
-    return ratios[cut], ratios[draws - 1 - cut]
 
 
 def measure(names: list[str], workloads: list[str], n: int, blocks: int, seconds: float

@@ -18,6 +18,15 @@ torch.distributed's gloo (and mpi4py where installed), side by side in one run.
 Each worker times every round with perf_counter_ns after warm-up rounds; a round's time is
 the slowest worker's (the rounds are in lockstep), and the table shows the median and p99
 (nearest rank, ``harness.measure.percentile``, as in every other table).
+
+    python benchmarks/collectives.py --turns 8 --workers 2,4     # 4 KiB: unison vs MPI
+
+A single 4 KiB measurement lasts some tens of milliseconds, and unison / mpi read 0.87x to
+2.24x at N=2 on one host in one day (issue 9, sixteenth pass). ``--turns K`` measures the
+4 KiB allreduce of unison and of MPI K times each, in turns (one Session throughout; an
+mpiexec job per turn: its ranks busy-poll, so none may wait beside unison's turns), and
+prints each turn's median, the ratio of the medians of the turns' medians, and its 90%
+interval with the turns drawn in their pairs (``harness.measure.interval``).
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from typing import Any
 import numpy as np
 
 import unison
-from harness.measure import percentile
+from harness.measure import interval, percentile
 
 SIZES = {"4KiB": 4 << 10, "16MiB": 16 << 20}
 
@@ -155,6 +164,28 @@ def measure(workers: list[int], quick: bool = False) -> list[dict[str, Any]]:
     return rows
 
 
+def turns(workers: list[int], count: int) -> None:
+    """``--turns``: unison's and MPI's 4 KiB allreduce in ``count`` turns per N, printed."""
+    nbytes = SIZES["4KiB"]
+    warm, rounds = _rounds(nbytes, False)
+    for n in workers:
+        mine: list[float] = []
+        theirs: list[float] = []
+        with unison.Session(n) as sess:
+            for _ in range(count):
+                got = _lockstep(sess.run(_time_unison, nbytes, warm, rounds))
+                mine.append(statistics.median(got) / 1e3)
+                theirs.append(statistics.median(_time_mpi(n, nbytes, warm, rounds)) / 1e3)
+        low, high = interval(mine, theirs)
+        ratio = statistics.median(mine) / statistics.median(theirs)
+        print(f"allreduce 4KiB N={n} unison: " + " ".join(f"{m:.1f}" for m in mine)
+              + f" | median {statistics.median(mine):.1f} µs")
+        print(f"allreduce 4KiB N={n} mpi   : " + " ".join(f"{m:.1f}" for m in theirs)
+              + f" | median {statistics.median(theirs):.1f} µs")
+        print(f"allreduce 4KiB N={n} unison / mpi: {ratio:.2f}x (90%: {low:.2f}-{high:.2f})",
+              flush=True)
+
+
 def render(rows: list[dict[str, Any]]) -> str:
     systems = [s for s in ("unison", "gloo", "unison-torch", "mpi")
                if any(s in r or f"{s}_error" in r for r in rows)]
@@ -198,7 +229,12 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", default="2,4")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--turns", type=int, default=0,
+                   help="instead: the 4 KiB allreduce of unison and MPI in this many turns")
     args = p.parse_args(argv)
+    if args.turns:
+        turns([int(w) for w in args.workers.split(",")], args.turns)
+        return 0
     rows = measure([int(w) for w in args.workers.split(",")], args.quick)
     print(render(rows))
     return 0

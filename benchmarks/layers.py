@@ -23,6 +23,10 @@ times), so that a slow minute of the host falls on all of them alike:
                       made after its workers finished until issue 9's fourth pass (one
                       epoll_wait on the pidfds): what dropping that look saved
 
+With ``--tails``, each N also gives each kind's p99 over its median and the share of its
+rounds at 3x the median or slower (issue 9's p99 target is 3x at N=2): the floor's own
+share says how much of that tail the host makes, and the layers above it what each adds.
+
 With ``--phases``, each N also splits ``run`` and ``dispatch`` of the same Session in
 time: from the call to the channel's send, the send, from there to the channel's last
 ``recv`` or ``plain_values`` (or, for dispatch, until sync returns), and what the controller
@@ -131,7 +135,8 @@ def dispatch_looked(sess: unison.Session) -> Callable[[], None]:
 
 
 def measure(n: int, seconds: float, rounds: int, kinds: tuple[str, ...] = KINDS
-            ) -> dict[str, float]:
+            ) -> dict[str, list[int]]:
+    """Each kind's round trips (ns), the kinds in turns."""
     floor = make_system("floor")
     floor.start(n)
     try:
@@ -152,7 +157,15 @@ def measure(n: int, seconds: float, rounds: int, kinds: tuple[str, ...] = KINDS
                     samples[kind] += time_loop(ops[kind], turn)
     finally:
         floor.close()
-    return {k: statistics.median(v) / 1e3 for k, v in samples.items()}
+    return samples
+
+
+def tail(rounds: list[int]) -> tuple[float, float]:
+    """p99 over the median, and the % of rounds at 3x the median or slower."""
+    rounds = sorted(rounds)
+    mid = rounds[len(rounds) // 2]
+    slow = sum(1 for r in rounds if r >= 3 * mid)
+    return rounds[min(len(rounds) - 1, int(0.99 * len(rounds)))] / mid, 100 * slow / len(rounds)
 
 
 def phases(n: int, rounds: int = 20000) -> dict[str, dict[str, float]]:
@@ -218,6 +231,8 @@ def main() -> None:
                         help="also dispatch with the death look sync no longer makes")
     parser.add_argument("--phases", action="store_true",
                         help="also split run and dispatch into their phases")
+    parser.add_argument("--tails", action="store_true",
+                        help="also each kind's p99 / median and share of rounds at 3x+")
     args = parser.parse_args()
     kinds = (*KINDS, "dispatch + look") if args.death_look else KINDS
     ring = "C" if shm.NATIVE else "pure-Python (UNISON_PURE=1 or no C build)"
@@ -225,15 +240,25 @@ def main() -> None:
           "command: python benchmarks/layers.py "
           f"--workers {' '.join(map(str, args.workers))} --seconds {args.seconds} "
           f"--rounds {args.rounds}{' --death-look' if args.death_look else ''}"
-          f"{' --phases' if args.phases else ''}\n")
+          f"{' --phases' if args.phases else ''}{' --tails' if args.tails else ''}\n")
     over = kinds[1:]
     print("| N | " + " | ".join(kinds) + " | " + " | ".join(f"{k} / floor" for k in over) + " |")
     print("|--:|" + "--:|" * (len(kinds) + len(over)))
+    tails = {}
     for n in args.workers:
-        got = measure(n, args.seconds, args.rounds, kinds)
+        samples = measure(n, args.seconds, args.rounds, kinds)
+        got = {k: statistics.median(v) / 1e3 for k, v in samples.items()}
+        tails[n] = {k: tail(v) for k, v in samples.items()}
         cells = [f"{got[k]:.1f}" for k in kinds]
         ratios = [f"{got[k] / got['floor']:.2f}x" for k in over]
         print(f"| {n} | " + " | ".join(cells + ratios) + " |", flush=True)
+    if args.tails:
+        print("\nTails: p99 / median, and the % of rounds at 3x the median or slower:\n")
+        print("| N | " + " | ".join(kinds) + " |")
+        print("|--:|" + "--:|" * len(kinds))
+        for n, row in tails.items():
+            print(f"| {n} | " + " | ".join(f"{row[k][0]:.2f}x, {row[k][1]:.2f}%"
+                                         for k in kinds) + " |")
     if args.phases:
         print("\nPhases of one round, median µs (the channel's send and reads timed):\n")
         print("| N | op | " + " | ".join(PHASES) + " |")

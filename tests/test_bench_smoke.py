@@ -221,9 +221,16 @@ def _half_unit(printed: str) -> float:
 
 
 def test_layers_measures_every_layer_against_the_floor() -> None:
-    """benchmarks/layers.py: the floor, the channel alone and the session, one row per N."""
-    out = _tool("layers.py", "--workers", "1", "--seconds", "0.3", "--rounds", "1")
-    row = _last_rows(out.strip(), 1)[0]
+    """benchmarks/layers.py: the floor, the channel alone and the session, one row per N;
+    with --tails, each one's p99 / median and share of rounds at 3x+."""
+    out = _tool("layers.py", "--workers", "1", "--seconds", "0.3", "--rounds", "1", "--tails")
+    main, _, tails = out.strip().partition("\nTails:")
+    tail_row = _last_rows(tails, 1)[0]
+    assert tail_row[0] == "1" and len(tail_row) == 7, tail_row
+    for cell in tail_row[1:]:
+        ratio, share = cell.split(", ")
+        assert float(ratio.rstrip("x")) >= 1.0 and 0 <= float(share.rstrip("%")) <= 100, cell
+    row = _last_rows(main, 1)[0]
     assert row[0] == "1" and len(row) == 12, row
     # floor, channel run, channel quick, run, channel dispatch, dispatch; then each / floor
     times = [float(v) for v in row[1:7]]
@@ -367,6 +374,16 @@ def test_blocks_alternates_systems_and_gives_unisons_ratios() -> None:
             line = next(x for x in out.splitlines() if x.startswith(f"{workload} N=1 {name}: "))
             assert "p99/median" in line and "% of rounds at 3x+" in line, line
     assert "N=1: CPU time stolen by the hypervisor meanwhile: " in out
+
+
+def test_interval_brackets_the_ratio_of_medians_and_reads_pairs_together() -> None:
+    from harness.measure import interval
+
+    base = [10.0, 12.0, 11.0, 30.0, 10.5, 11.5]
+    assert interval([2 * b for b in base], base) == (2.0, 2.0)  # a pair moves as one
+    low, high = interval([10.0, 20.0, 10.0, 20.0], [10.0, 10.0, 10.0, 10.0])
+    assert 1.0 <= low < high <= 2.0
+    assert interval(base, base, draws=50) == (1.0, 1.0)
 
 
 def test_steal_is_the_hypervisors_share_of_the_cpu_time_between_two_readings() -> None:

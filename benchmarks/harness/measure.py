@@ -59,6 +59,7 @@ import gc
 import importlib
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -173,6 +174,23 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
         raise ValueError("no values")
     k = max(1, math.ceil(q / 100 * len(sorted_values)))
     return sorted_values[min(k, len(sorted_values)) - 1]
+
+
+def interval(mine: list[float], theirs: list[float], draws: int = 2000,
+             level: float = 0.9) -> tuple[float, float]:
+    """A percentile bootstrap interval of median(mine) / median(theirs), the two lists'
+    entries drawn in their pairs (block i of each, measured next to each other; a fixed
+    seed: the same entries give the same interval)."""
+    pick = random.Random(0).choices
+    pairs = range(len(mine))
+    ratios = []
+    for _ in range(draws):
+        drawn = pick(pairs, k=len(mine))
+        ratios.append(statistics.median([mine[i] for i in drawn])
+                      / statistics.median([theirs[i] for i in drawn]))
+    ratios.sort()
+    cut = int(draws * (1 - level) / 2)
+    return ratios[cut], ratios[draws - 1 - cut]
 
 
 def latency_cell(system: str, metric: str, n: int, samples_ns: list[int]) -> Cell:
