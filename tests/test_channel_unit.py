@@ -338,6 +338,38 @@ def test_only_a_session_whose_processes_each_have_a_core_spins_busy(
     assert pacing.busy_budget(5) == 0.0  # a peer would wait for the core we keep
 
 
+def test_a_send_hands_the_core_over_once_where_the_session_has_more_processes_than_cores(
+    calm: None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """pacing.hand_over after a send: one yield where a worker may wait for our core, none
+    where each process has its own (busy) or on a crowded machine, whose strangers would
+    keep it for a time slice; a yield that kept us off the core that long counts as one."""
+    yields: list[int] = []
+    monkeypatch.setattr(pacing, "_yield", lambda: yields.append(1))
+    pacing.hand_over()
+    assert yields == [1]
+    monkeypatch.setattr(pacing.crowd, "until", pacing._clock() + 60.0)
+    pacing.hand_over()
+    assert yields == [1]  # crowded: keep the core
+    monkeypatch.setattr(pacing.crowd, "until", 0.0)
+    monkeypatch.setattr(pacing, "LONG_YIELD", 1e-3)
+    monkeypatch.setattr(pacing.crowd, "rate", 0.0)
+    monkeypatch.setattr(pacing.crowd, "_last_long", pacing.crowd._last_long)
+    monkeypatch.setattr(pacing, "_yield", lambda: time.sleep(2e-3))
+    pacing.hand_over()
+    assert pacing.crowd.rate > 0.0  # counted as a long yield
+    for busy, handed in ((0.0, 1), (pacing.BUSY, 0)):
+        chan = ShmChannel(1, _NAME)
+        try:
+            chan._busy = busy
+            monkeypatch.setattr(shm_channel, "hand_over", lambda: yields.append(2))
+            yields.clear()
+            chan.send(b"hello", [0])
+            assert yields.count(2) == handed, busy
+        finally:
+            chan.close()
+
+
 def test_frequent_long_yields_make_waits_sleep_at_once_for_a_while(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -81,7 +81,7 @@ from unison._native import fence as _fence
 from unison.channel import Channel, Reply, WorkerChannel
 from unison.channel.arena import Arena, ArenaReader, Malformed, create_file, sealed_memfd
 from unison.channel.ring import Ring
-from unison.pacing import LONG_YIELD, Pacer, busy_budget, crowd, spin
+from unison.pacing import LONG_YIELD, Pacer, busy_budget, crowd, hand_over, spin
 
 _ring = _native.load("_ring")  # the C fast paths (unison/_ring.c), or None
 NATIVE = _ring is not None
@@ -249,6 +249,8 @@ class ShmChannel(Channel):
                                      self._limit)
             if end >= 0:
                 self._wpos = end
+                if not self._busy:  # more processes than cores: a worker may wait for ours
+                    hand_over()
                 return
         self._publish(data, b"", 0, ranks, deadline)
 
