@@ -42,8 +42,8 @@ length cannot tell from peers'; so where the time off the core is over CROWD_SHA
 also counts the machine's runnable tasks (/proc/loadavg): more than the CPUs and than the
 processes of our sessions (``crowd.expect``), at STRANGER_LOOKS looks in a row, is a crowd.
 
-A send hands the core over once (``hand_over``) where the session has more processes than
-cores, as the start of the wait that follows it.
+Run's wait for replies starts by handing the core over once (``hand_over``) where the
+session has more processes than cores.
 
 The waits and their parameters:
 
@@ -309,15 +309,15 @@ def spin(ready: Callable[..., _T], budget: float, busy: float = 0.0, *args: Any)
 
 
 def hand_over() -> None:
-    """Yield the core once, right after a send, where the session has more processes than
-    cores (``busy_budget`` 0): a worker that waits for a core to read the command takes
-    ours now, not after the Python that follows the send (a Ref, sync's checks, the wait's
-    set-up) and then the wait's first yield. The floor's controller yields at once after
-    its send. At N=2 on 2 CPUs, run took 0.88-0.95x the time it took without (docs/
-    benchmarks.md, "Issue 9, seventeenth pass"). Not on a crowded machine. Not timed: the
-    worker that takes the core may run its call for long (a first call, say, that imports
-    its module), and several sends in a row would then make a crowd of our own workers;
-    the wait that follows judges the yields it makes."""
+    """Yield the core once, at the start of run's wait for replies (the shm channel's
+    plain_values), where the session has more processes than cores (``busy_budget`` 0):
+    the command was just sent, so no reply is in yet, and a worker waiting for a core to
+    read it takes ours now rather than after the wait's set-up and first look. At N=2 on 2
+    CPUs, run took 0.88-0.97x the time it took without (docs/benchmarks.md, "Issue 9,
+    seventeenth pass"); call and sync gained nothing from a yield right after the send.
+    Not on a crowded machine. Not timed: the worker that takes the core may run its call
+    for long (a first call, say, that imports its module), and a few such yields would
+    make a crowd of our own workers; the spin that follows judges its own yields."""
     if _clock() >= crowd.until:
         _yield()
 

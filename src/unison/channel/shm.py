@@ -249,8 +249,6 @@ class ShmChannel(Channel):
                                      self._limit)
             if end >= 0:
                 self._wpos = end
-                if not self._busy:  # more processes than cores: a worker may wait for ours
-                    hand_over()
                 return
         self._publish(data, b"", 0, ranks, deadline)
 
@@ -471,6 +469,8 @@ class ShmChannel(Channel):
         # partial: worker 0 inline may read chunks in another thread meanwhile (absorb);
         # each look sees them within its one C call
         pos, partial = self._reply_pos, self._partial
+        if not self._busy:  # more processes than cores: a worker may wait for ours
+            hand_over()
         got = fast.values(pos, ranks, req_id, partial)
         if got is None:
             now = time.perf_counter()
