@@ -258,7 +258,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
             _, _, ref_id, fn_id, blob, ranks, req_id = msg  # as protocol.call_msg packs it
             fn = fns.get(fn_id)
             if held:  # most calls tell the collectives nothing until their first collective
-                begin(ref_id, ranks)  # type: ignore[misc]  # (collective._begin)
+                begin(ref_id, ranks)  # type: ignore[misc]  # held: there is a backend
             traced = _trace.events  # None unless a trace runs (unison.trace)
             if traced is not None:
                 started = _trace._clock()

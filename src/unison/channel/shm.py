@@ -462,7 +462,8 @@ class ShmChannel(Channel):
                      timeout: float) -> list[Any] | None:
         """See Channel.plain_values: each look one C call (which reads each rank's ring, and
         decodes once all are in); a spin as recv's, then, if need be, recv's sleep until
-        any reply is in, and a look."""
+        any reply is in, and a look. Where the session has more processes than cores, the
+        core is first handed over once (pacing.hand_over)."""
         fast = self._fast
         if fast is None or self._backlog or self._broken:
             return None

@@ -9,7 +9,7 @@
 
 ``end`` follows every call a worker runs, so a backend can tell a peer that left the call
 from a slow one; ``begin`` comes with a call's first collective (most calls run none, and
-a method call before each cost the worker's loop a tenth of its time), or at the call's start
+a method call before each was 8% of the worker loop's instructions), or at the call's start
 where the backend ``held`` something of an ended call. Arguments
 reach a backend as the public functions take them (``src``/``dst`` are group-local with
 ``group=True``); the checks every backend shares live in collective/checks.py.
