@@ -23,7 +23,6 @@ either way.
 from __future__ import annotations
 
 import argparse
-import bisect
 import statistics
 import sys
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness.measure import Loop, hogs, interval, time_loop
+from harness.measure import Loop, hogs, interval, tail, time_loop
 from harness.report import cpu_model, cpu_ticks, source_revision, steal
 from harness.systems import make_system
 
@@ -40,15 +39,6 @@ def block(round_trip: Callable[[], object], seconds: float) -> list[int]:
     """The ns of each round trip made in ``seconds`` (harness.measure's timed loop)."""
     loop = Loop(warmup=20, min_iters=1, max_iters=10**7, budget_s=seconds)
     return time_loop(round_trip, loop)
-
-
-def tail(rounds: list[int]) -> str:
-    """p99 over the median, and the share of rounds at 3x the median or slower."""
-    rounds = sorted(rounds)
-    mid = rounds[len(rounds) // 2]
-    p99 = rounds[min(len(rounds) - 1, int(0.99 * len(rounds)))]
-    slow = len(rounds) - bisect.bisect_left(rounds, 3 * mid)
-    return f"p99/median {p99 / mid:.2f}, {100 * slow / len(rounds):.2f}% of rounds at 3x+"
 
 
 def measure(names: list[str], workloads: list[str], n: int, blocks: int, seconds: float
@@ -111,7 +101,9 @@ def main() -> None:
                                   f"(90%: {low:.2f}-{high:.2f})")
                 print(f"{workload} N={n} " + ", ".join(ratios) + " (below 1: unison is faster)")
                 for name in names:
-                    print(f"{workload} N={n} {name}: {tail(rounds[name, workload])}")
+                    ratio, share = tail(rounds[name, workload])
+                    print(f"{workload} N={n} {name}: p99/median {ratio:.2f}, {share:.2f}% "
+                          "of rounds at 3x+")
             print(f"N={n}: CPU time stolen by the hypervisor meanwhile: "
                   f"{steal(ticks, cpu_ticks())}", flush=True)
 

@@ -56,7 +56,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import unison
-from harness.measure import Loop, time_loop
+from harness.measure import Loop, tail, time_loop
 from harness.report import cpu_model, source_revision
 from harness.systems import make_system
 from unison.channel import shm
@@ -158,14 +158,6 @@ def measure(n: int, seconds: float, rounds: int, kinds: tuple[str, ...] = KINDS
     finally:
         floor.close()
     return samples
-
-
-def tail(rounds: list[int]) -> tuple[float, float]:
-    """p99 over the median, and the % of rounds at 3x the median or slower."""
-    rounds = sorted(rounds)
-    mid = rounds[len(rounds) // 2]
-    slow = sum(1 for r in rounds if r >= 3 * mid)
-    return rounds[min(len(rounds) - 1, int(0.99 * len(rounds)))] / mid, 100 * slow / len(rounds)
 
 
 def phases(n: int, rounds: int = 20000) -> dict[str, dict[str, float]]:

@@ -53,6 +53,7 @@ p99 is the nearest-rank percentile (``percentile``), the one definition every ta
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import gc
@@ -191,6 +192,15 @@ def interval(mine: list[float], theirs: list[float], draws: int = 2000,
     ratios.sort()
     cut = int(draws * (1 - level) / 2)
     return ratios[cut], ratios[draws - 1 - cut]
+
+
+def tail(rounds: list[int]) -> tuple[float, float]:
+    """p99 over the median, and the % of rounds at 3x the median or slower (issue 9's p99
+    target is 3x at N=2; the floor's own share says how much of that the host makes)."""
+    rounds = sorted(rounds)
+    mid = rounds[len(rounds) // 2]
+    slow = len(rounds) - bisect.bisect_left(rounds, 3 * mid)
+    return percentile(rounds, 99) / mid, 100 * slow / len(rounds)
 
 
 def latency_cell(system: str, metric: str, n: int, samples_ns: list[int]) -> Cell:

@@ -114,7 +114,8 @@ def _begin() -> None:
     if not call:
         raise RuntimeError(
             "unison collectives only work inside a function that a unison worker runs, "
-            "while it runs (not from a thread it left behind)"
+            "while it runs (not from a thread it left behind): call them from the function "
+            "itself, or join its threads before it returns"
         )
     if _top is not None:
         _top.begin(call, _running[1])

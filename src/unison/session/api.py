@@ -569,8 +569,7 @@ class Session(View):
         except TimeoutError as exc:  # name the function (here: no cost unless it times out)
             exc.args = (f"run({_fn_name(fn)}): {exc.args[0]}", *exc.args[1:])
             raise
-        values = router.values(req, ranks)  # _values, one frame less (no quick path here)
-        return self._decoded_values(req, ranks) if values is None else values
+        return self._values(req, ranks)
 
     def _results(self, req: Request, ranks: tuple[int, ...], deadline: float | None,
                  during: str) -> list[Any]:
