@@ -92,10 +92,19 @@ class FunctionCache:
             collections.OrderedDict()
         )
         self._warned: set[Any] = set()
+        self.last: Callable[..., Any] | None = None
+        """The function the last lookup found, where its copy is current for as long as it
+        is cached (sent by reference: a module-level function), else None; ``last_id`` its
+        id. The session's send tests ``fn is last`` before it calls ``lookup``: a round
+        that calls the same function again then touches no entry, no LRU order and no
+        frame of this class (in a round trip at N=2, ``lookup`` cost 0.8 µs:
+        docs/benchmarks.md, "Issue 9, eighteenth pass"). It stays last in the LRU order."""
+        self.last_id = 0
 
     def lookup(self, fn: Callable[..., Any]) -> tuple[int, bytes | None]:
         """``(fn_id, None)`` if the workers' copy is current; else ``(0, pickle or None)``,
         with the pickle when it was already made to compare (so it is made once)."""
+        self.last = None
         entry = self._entries.get(fn) if isinstance(fn, _CACHEABLE) else None
         if entry is None:
             return 0, None
@@ -107,6 +116,8 @@ class FunctionCache:
             blob = pickle_function(fn)
             if blob != entry.blob:
                 return 0, blob
+        else:
+            self.last, self.last_id = fn, entry.fn_id
         self._entries.move_to_end(fn)
         return entry.fn_id, None
 
@@ -114,6 +125,7 @@ class FunctionCache:
         """Remember that the workers now hold ``fn`` as ``fn_id`` (from ``blob``). Returns the
         ids the workers may drop: the replaced definition, and the least recently used one
         past the cache's size. A function that cannot be cached keeps nothing."""
+        self.last = None  # this entry goes last now, and one may go
         if not isinstance(fn, _CACHEABLE):
             return []
         old = self._entries.pop(fn, None)
