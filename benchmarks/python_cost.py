@@ -83,14 +83,19 @@ def stubbed(sess: unison.Session) -> Iterator[None]:
     sess.run(noop)
     sess.run(small_value)
     chan: Any = sess._chan  # its methods replaced on the instance: Any for mypy
+    own = dict(chan.__dict__)  # send_plain may be the C ring's, set on the instance
     chan.send = lambda data, ranks, buffers=(), *, deadline=None: None
+    chan.send_plain = lambda data, ranks: True
     chan.wait_done = lambda ranks, mark, timeout: True
     chan.unreported = lambda ranks: False
     try:
         yield
     finally:
-        for name in ("send", "wait_done", "unreported", "recv", "plain_values"):
-            chan.__dict__.pop(name, None)
+        for name in ("send", "send_plain", "wait_done", "unreported", "recv", "plain_values"):
+            if name in own:
+                chan.__dict__[name] = own[name]
+            else:
+                chan.__dict__.pop(name, None)
 
 
 def controller_rounds(sess: unison.Session, work: str, count: int) -> Iterator[object]:

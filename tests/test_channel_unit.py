@@ -629,6 +629,15 @@ def test_a_long_yield_inside_a_pacer_counts_too(monkeypatch: pytest.MonkeyPatch)
     assert pacing.crowd.until > pacing._clock()
 
 
+def _pure(chan: ShmChannel) -> None:
+    """Make ``chan`` run its pure-Python ring from here on, as where _ring did not build: the
+    head moves to Python, and nothing keeps the C Sender (and its view of the mapping)."""
+    head = shm_channel._Head()
+    head.wpos, head.limit = chan._head.wpos, chan._head.limit
+    chan._fast, chan._head = None, head
+    chan.__dict__.pop("send_plain", None)
+
+
 @pytest.mark.parametrize("ring", ["C", "pure"])
 def test_settled_is_true_only_once_every_worker_ran_all_and_holds_no_unreported_error(
     shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]], ring: str,
@@ -640,7 +649,7 @@ def test_settled_is_true_only_once_every_worker_ran_all_and_holds_no_unreported_
         if chan._fast is None:
             pytest.skip("the C ring is not built here")
     else:
-        chan._fast = None
+        _pure(chan)
     both = (0, 1)
     assert chan.settled(both, 0.0)  # nothing sent yet
     chan.send(b"first", both)
@@ -734,7 +743,7 @@ def test_plain_values_is_none_without_the_c_ring_and_recv_reads_instead(
     shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]],
 ) -> None:
     chan, workers = shm_pair
-    chan._fast = None
+    _pure(chan)
     workers[0].reply(_run_reply(3, 1))
     assert chan.plain_values((0,), 3, 0.0) is None
     assert [(r, bytes(d)) for r, d in chan.recv(0.0)] == [(0, _run_reply(3, 1))]
@@ -777,3 +786,53 @@ def test_plain_values_never_sleeps_while_an_event_loop_waits_on_the_eventfd(
     start = time.monotonic()
     assert chan.plain_values((0,), 4, 0.3) is None
     assert time.monotonic() - start >= 0.25  # without one: recv's sleep, to its timeout
+
+
+def _got(worker: ShmWorkerChannel) -> bytes:
+    msg = worker.recv()
+    assert msg is not None
+    return bytes(msg[0])
+
+
+def test_send_plain_in_c_publishes_a_plain_entry_or_writes_nothing_and_says_so(
+    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]],
+) -> None:
+    """The session's quick send (Channel.send_plain) is the C ring's own send: True once
+    the entry is out; False, with the head and the ring untouched, wherever send's slow
+    path must decide (the arena's sizes, a rank it does not know, no room before the limit),
+    and then send delivers it."""
+    chan, workers = shm_pair
+    if chan._fast is None:
+        pytest.skip("the C ring is not built here")
+    assert chan.send_plain(b"both", (0, 1)) is True
+    assert chan.send_plain(b"one", (1,)) is True
+    assert _got(workers[0]) == b"both"
+    assert [_got(workers[1]) for _ in range(2)] == [b"both", b"one"]
+    big = b"x" * (shm_channel._INLINE_MAX + 1)
+    head = chan._head.wpos
+    for data, ranks in ((big, (0, 1)), (b"z", (0, 2)), (b"z", (-1,)), (b"z", [0, 1])):
+        assert chan.send_plain(data, ranks) is False  # type: ignore[arg-type]
+        assert chan._head.wpos == head
+    assert workers[0].poll() is None and workers[1].poll() is None
+    chan.send(big, (0, 1))  # send's slow path takes what send_plain left
+    assert _got(workers[0]) == big
+    assert _got(workers[1]) == big
+    limit = chan._head.limit
+    chan._head.limit = chan._head.wpos + 8  # as if the workers had read nothing since
+    assert chan.send_plain(b"late", (0,)) is False
+    chan._head.limit = limit
+    assert chan.send_plain(b"late", (0,)) is True
+    assert _got(workers[0]) == b"late"
+    fast = chan._fast
+    chan.close()
+    with pytest.raises(ValueError, match="closed"):
+        fast.send(b"after", (0,))
+
+
+def test_send_plain_of_a_channel_without_its_own_is_send(
+    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]],
+) -> None:
+    chan, workers = shm_pair
+    _pure(chan)
+    assert chan.send_plain(b"plain", (0,)) is True
+    assert _got(workers[0]) == b"plain"

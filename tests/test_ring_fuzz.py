@@ -125,8 +125,8 @@ def _pair(cmd_start: int = 0, reply_start: int = 0
     workers: list[ShmWorkerChannel] = []
     try:
         q, lay = chan._q, chan._lay
-        q[0] = chan._wpos = cmd_start
-        chan._limit = cmd_start + CMD_RING
+        q[0] = chan._head.wpos = cmd_start
+        chan._head.limit = cmd_start + CMD_RING
         for r in range(2):
             q[lay.cmd_read[r] // 8] = q[lay.done[r] // 8] = cmd_start
             q[lay.reply_write[r] // 8] = q[lay.reply_read[r] // 8] = reply_start
@@ -417,7 +417,7 @@ def reply_ring(start: int, ops: list[tuple[Any, ...]], bad: tuple[Any, ...]) -> 
 
 def _corrupt_command(chan: ShmChannel, bad: tuple[Any, ...]) -> None:
     q, buf = chan._q, chan._buf
-    pos = chan._wpos
+    pos = chan._head.wpos
     off = pos & (CMD_RING - 1)
     start = chan._lay.cmd_ring + off
     room = CMD_RING - off - _ENTRY
@@ -628,7 +628,7 @@ def _command_case(setup: Callable[[ShmChannel, int, int], None]) -> None:
         chan.send(b"before", (0, 1))
         for w in workers:
             assert _take(w) == ([(b"before", [])], None)
-        pos = chan._wpos
+        pos = chan._head.wpos
         setup(chan, chan._lay.cmd_ring + (pos & (CMD_RING - 1)), pos)
         got, err = _take(workers[0])
         assert got == [] and isinstance(err, Malformed), (got, err)

@@ -5,8 +5,11 @@
  * worker's take of the next one (its progress published first, entries for others and
  * wrap markers skipped), and the worker's put of a plain reply. Same layout, same protocol, with real fences:
  *
- *   publish: header, rank mask, payload; release-store cmd_write; full fence; read the
- *            targets' sleeping flags; write the eventfd of each one that sleeps.
+ *   send:    (a plain entry that fits before the ring's end and the limit; else False,
+ *            and shm.py's send makes room or places buffers) header, rank mask, payload;
+ *            release-store cmd_write; full fence; read the targets' sleeping flags; write
+ *            the eventfd of each one that sleeps. The write position and the limit live
+ *            here (wpos, limit), so that the session's send is this one call.
  *   take:    done = pos; full fence; read the controller's "waiting on progress" flag and
  *            write its eventfd if up; acquire-load cmd_write; parse the entry at pos.
  *   values:  run's replies, all or none: acquire-load each rank's reply position; once
@@ -22,6 +25,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <marshal.h>
+#include <stddef.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
@@ -55,6 +60,9 @@ typedef struct {
     Py_ssize_t rbase[MAX_WORKERS], rw_idx[MAX_WORKERS], rr_idx[MAX_WORKERS];
     /* how far each worker has run, and whether it holds unreported errors (progress()) */
     Py_ssize_t done_idx[MAX_WORKERS], unrep_idx[MAX_WORKERS];
+    /* the ring's head: where the next entry goes, and how far it may grow without a look
+     * at the workers' read positions (shm.py's slow paths read and move both) */
+    unsigned long long wpos, limit;
 } Sender;
 
 static void Sender_dealloc(Sender *self) {
@@ -90,6 +98,8 @@ static int Sender_init(Sender *self, PyObject *args, PyObject *kw) {
     self->base = (char *)self->view.buf;
     self->cmd_base = cmd_base;
     self->ring = ring;
+    self->wpos = 0;
+    self->limit = ring;
     Py_ssize_t n = PySequence_Size(efds);
     if (n < 0 || n > MAX_WORKERS || PySequence_Size(sleeps) != n) {
         PyErr_SetString(PyExc_ValueError, "efds and sleeping indices: one per worker, <= 64");
@@ -107,23 +117,30 @@ static int Sender_init(Sender *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
-/* publish(payload, rankmask, pos, limit) -> the new write position, or -1 when the entry
- * does not fit between pos and the ring's end or the limit (the caller makes room). */
-static PyObject *Sender_publish(Sender *self, PyObject *const *args, Py_ssize_t nargs) {
+/* send(payload, ranks) -> True once the entry is published to ``ranks`` (a tuple of ranks);
+ * False, with nothing written, where the payload is over a quarter of the ring (the arena
+ * takes it: shm._INLINE_MAX), a rank is out of range, or the entry does not fit between
+ * the head and the ring's end or the limit: shm.py's send then makes room. */
+static PyObject *Sender_send(Sender *self, PyObject *const *args, Py_ssize_t nargs) {
     if (released(self)) return NULL;
-    if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "publish takes 4 arguments"); return NULL; }
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "send takes 2 arguments"); return NULL; }
+    PyObject *ranks = args[1];
+    if (!PyTuple_Check(ranks)) Py_RETURN_FALSE;
+    uint64_t mask = 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(ranks); i++) {
+        long r = PyLong_AsLong(PyTuple_GET_ITEM(ranks, i));
+        if (r == -1 && PyErr_Occurred()) return NULL;
+        if (r < 0 || r >= self->n) Py_RETURN_FALSE;
+        mask |= (uint64_t)1 << r;
+    }
     Py_buffer p;
     if (PyObject_GetBuffer(args[0], &p, PyBUF_SIMPLE) < 0) return NULL;
-    uint64_t mask = PyLong_AsUnsignedLongLong(args[1]);
-    uint64_t pos = PyLong_AsUnsignedLongLong(args[2]);
-    uint64_t limit = PyLong_AsUnsignedLongLong(args[3]);
-    if (PyErr_Occurred()) { PyBuffer_Release(&p); return NULL; }
-    uint64_t n = (uint64_t)p.len;
+    uint64_t n = (uint64_t)p.len, pos = self->wpos;
     uint64_t size = (ENTRY + 7 + n) & ~(uint64_t)7;
     uint64_t off = pos & (self->ring - 1);
-    if (off + size > self->ring || pos + size > limit) {
+    if (n > self->ring / 4 || off + size > self->ring || pos + size > self->limit) {
         PyBuffer_Release(&p);
-        return PyLong_FromLong(-1);
+        Py_RETURN_FALSE;
     }
     char *entry = self->base + self->cmd_base + off;
     uint64_t *head = (uint64_t *)entry;
@@ -131,14 +148,14 @@ static PyObject *Sender_publish(Sender *self, PyObject *const *args, Py_ssize_t 
     head[1] = mask;
     memcpy(entry + ENTRY, p.buf, n);
     PyBuffer_Release(&p);
-    uint64_t end = pos + size;
-    __atomic_store_n(&self->q[0], end, __ATOMIC_RELEASE);  /* the entry before its position */
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);               /* then read the sleeping flags */
+    self->wpos = pos + size;
+    __atomic_store_n(&self->q[0], pos + size, __ATOMIC_RELEASE);  /* the entry, then its position */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);                      /* then read the sleeping flags */
     for (int r = 0; r < self->n; r++) {
         if ((mask >> r) & 1 && __atomic_load_n(&self->q[self->sleep_idx[r]], __ATOMIC_RELAXED))
             wake(self->efd[r]);
     }
-    return PyLong_FromUnsignedLongLong(end);
+    Py_RETURN_TRUE;
 }
 
 /* Each worker's entry of the sequence ``seq`` (word indices, offsets), into ``out`` */
@@ -387,9 +404,16 @@ static PyMethodDef Sender_methods[] = {
      "release(): let go of the mapping; any use after raises ValueError"},
     {"values", (PyCFunction)(void (*)(void))Sender_values, METH_FASTCALL,
      "values(positions, ranks, req_id, partial) -> None not all in, True slow path, else [value]"},
-    {"publish", (PyCFunction)(void (*)(void))Sender_publish, METH_FASTCALL,
-     "publish(payload, rankmask, pos, limit) -> new position, or -1 (no room: slow path)"},
+    {"send", (PyCFunction)(void (*)(void))Sender_send, METH_FASTCALL,
+     "send(payload, ranks) -> True once published; False: nothing written (slow path)"},
     {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef Sender_members[] = {
+    {"wpos", T_ULONGLONG, offsetof(Sender, wpos), 0, "where the next entry goes"},
+    {"limit", T_ULONGLONG, offsetof(Sender, limit), 0,
+     "how far the head may grow before the workers' read positions are looked at again"},
+    {NULL, 0, 0, 0, NULL},
 };
 
 static PyTypeObject SenderType = {
@@ -402,6 +426,7 @@ static PyTypeObject SenderType = {
     .tp_init = (initproc)Sender_init,
     .tp_dealloc = (destructor)Sender_dealloc,
     .tp_methods = Sender_methods,
+    .tp_members = Sender_members,
 };
 
 /* ---- a worker's end ---------------------------------------------------------------------- */

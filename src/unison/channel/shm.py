@@ -74,7 +74,7 @@ import select
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from unison import _native
 from unison._native import fence as _fence
@@ -163,8 +163,6 @@ class ShmChannel(Channel):
         self._ctl_efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._done_efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._done_lock = threading.Lock()  # one thread sleeps on the done eventfd at a time
-        self._wpos = 0
-        self._limit = CMD_RING  # cmd_write may grow up to here without re-reading cmd_read
         self._reply_pos = [0] * num_workers
         self._partial: list[list[bytes]] = [[] for _ in range(num_workers)]
         self._broken: dict[int, str] = {}  # rank -> what was malformed in its reply ring
@@ -191,9 +189,13 @@ class ShmChannel(Channel):
         self._masks.update({(r,): 1 << r for r in range(num_workers)})
         self._fast = None if _ring is None else _ring.Sender(
             self._mm, lay.cmd_ring, CMD_RING, self._efd, self._sleep_idx)
+        # the ring's head: wpos, where the next entry goes, and limit, how far wpos may grow
+        # without a look at the workers' read positions; the C ring's own where it is built
+        self._head = _Head() if self._fast is None else cast(_Head, self._fast)  # same fields
         if self._fast is not None:
             self._fast.replies(lay.reply_ring, self._rw_idx, self._rr_idx, REPLY_RING)
             self._fast.progress(self._done_idx, self._unrep_idx)
+            self.send_plain = self._fast.send  # type: ignore[method-assign]
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -241,15 +243,10 @@ class ShmChannel(Channel):
         if buffers or len(data) > _INLINE_MAX:
             self._send_large(data, ranks, buffers, deadline)
             return
-        if self._fast is not None:  # a plain entry that fits: in C (the same steps as _publish)
-            # (no local reference to it: a send that waits below for room must not keep the
-            # mapping alive past close())
-            mask = self._masks.get(ranks)
-            end = self._fast.publish(data, _mask(ranks) if mask is None else mask, self._wpos,
-                                     self._limit)
-            if end >= 0:
-                self._wpos = end
-                return
+        # a plain entry that fits: in C (the same steps as _publish). No local reference to
+        # it: a send that waits below for room must not keep the mapping alive past close()
+        if self._fast is not None and self._fast.send(data, ranks):
+            return
         self._publish(data, b"", 0, ranks, deadline)
 
     def _send_large(self, data: bytes, ranks: tuple[int, ...], buffers: Sequence[Any],
@@ -267,9 +264,9 @@ class ShmChannel(Channel):
 
     def _room(self, size: int, deadline: float | None) -> None:
         """Wait until an entry of ``size`` bytes fits at the ring's head."""
-        pos = self._wpos
+        pos = self._head.wpos
         off = pos & _CMD_MASK
-        if off + size > CMD_RING or pos + size > self._limit:
+        if off + size > CMD_RING or pos + size > self._head.limit:
             self._make_room(pos, off, size, deadline)
 
     def _publish(self, payload: bytes, descs: bytes, meta: int, ranks: tuple[int, ...],
@@ -277,9 +274,9 @@ class ShmChannel(Channel):
         """Write one entry at the ring's head and make it visible; wake sleeping targets."""
         n = len(payload)
         size = _entry_size(n, len(descs) // _DESC)
-        pos = self._wpos
+        pos = self._head.wpos
         off = pos & _CMD_MASK
-        if off + size > CMD_RING or pos + size > self._limit:
+        if off + size > CMD_RING or pos + size > self._head.limit:
             pos, off = self._make_room(pos, off, size, deadline)
         q = self._q
         start = self._cmd_base + off
@@ -290,7 +287,7 @@ class ShmChannel(Channel):
         self._buf[body : body + n] = payload
         if descs:
             self._buf[body + n : body + n + len(descs)] = descs
-        self._wpos = pos = pos + size
+        self._head.wpos = pos = pos + size
         q[0] = pos  # publish: the entry is complete before its position is seen
         _fence()  # between publishing and reading the sleeping flags
         sleep_idx = self._sleep_idx
@@ -303,11 +300,11 @@ class ShmChannel(Channel):
         """Skip to the ring's start if the entry would cross its end, and wait for space."""
         wrap = _CMD.skip(pos, size)
         end = pos + wrap + size
-        if end > self._limit:
-            self._limit = self._slowest() + CMD_RING
-            if end > self._limit:
+        if end > self._head.limit:
+            self._head.limit = self._slowest() + CMD_RING
+            if end > self._head.limit:
                 self._wait_space(end, deadline)
-                self._limit = self._slowest() + CMD_RING
+                self._head.limit = self._slowest() + CMD_RING
         if wrap:
             self._q[(self._cmd_base + off) >> 3] = _WRAP  # past the published head: unseen
             return pos + wrap, 0
@@ -341,7 +338,7 @@ class ShmChannel(Channel):
     tracks_progress = True
 
     def mark(self) -> int:
-        return self._wpos
+        return self._head.wpos
 
     def _done(self, ranks: Sequence[int], mark: int) -> bool:
         q, idx = self._q, self._done_idx
@@ -363,7 +360,7 @@ class ShmChannel(Channel):
     def settled(self, ranks: Sequence[int], timeout: float) -> bool:
         """Channel.settled, the unreported errors read with the done positions: sync's hot
         path, where each function the round runs after the last worker finishes costs."""
-        return self._wait_progress(ranks, self._wpos, timeout) == 1
+        return self._wait_progress(ranks, self._head.wpos, timeout) == 1
 
     def _wait_progress(self, ranks: Sequence[int], mark: int, timeout: float) -> int:
         """See Channel.wait_done: spin 200 us, then sleep on the done eventfd and the watch
@@ -912,6 +909,16 @@ class ShmWorkerChannel(WorkerChannel):
 def _entry_size(payload: int, ndescs: int) -> int:
     """Bytes a command entry takes in the ring."""
     return (_ENTRY + 7 + payload + _DESC * ndescs) & ~7
+
+
+class _Head:
+    """The ring's head where the C ring is not built (its Sender holds these otherwise)."""
+
+    __slots__ = ("limit", "wpos")
+
+    def __init__(self) -> None:
+        self.wpos = 0
+        self.limit = CMD_RING
 
 
 def _mask(ranks: Sequence[int]) -> int:

@@ -475,9 +475,11 @@ class Session(View):
                     if req is not None:
                         self._router.expect(req, ranks)
                     try:
-                        self._chan.send(call_msg(frees, ref_id, fn_id, args or None,
-                                                 None if everyone else ranks,
-                                                 0 if req is None else req.req_id), ranks)
+                        msg = call_msg(frees, ref_id, fn_id, args or None,
+                                       None if everyone else ranks,
+                                       0 if req is None else req.req_id)
+                        if not self._chan.send_plain(msg, ranks):
+                            self._chan.send(msg, ranks)
                     except BaseException as exc:
                         if req is not None:
                             self._router.forget(req, ranks)
