@@ -243,6 +243,27 @@ def test_layers_measures_every_layer_against_the_floor() -> None:
             t + ht) / (floor - half_floor) + hr, row
 
 
+def test_session_parts_rebuilds_each_round_and_puts_each_piece_back() -> None:
+    """benchmarks/session_parts.py: per N, dispatch's and run's kinds (the floor, the
+    product, the lean round, each piece put back), each over the floor and the lean."""
+    import session_parts
+
+    if not session_parts.shm.NATIVE:
+        pytest.skip("session_parts.py needs the shm channel's C ring")
+    out = _tool("session_parts.py", "--workers", "1", "--seconds", "0.02", "--rounds", "2")
+    kinds = {"dispatch": ("floor", "dispatch", "lean dispatch",
+                          *(f"+ {p}" for p in session_parts.DISPATCH_PIECES)),
+             "run": ("floor", "run", "lean run", *(f"+ {p}" for p in session_parts.RUN_PIECES))}
+    count = sum(len(k) for k in kinds.values())
+    rows = _last_rows(out, count)
+    assert [(r[1], r[2]) for r in rows] == [(f, k) for f, ks in kinds.items() for k in ks]
+    for row in rows:
+        assert row[0] == "1" and float(row[3]) > 0, row
+        assert row[4].endswith("x") and row[5].endswith("x"), row
+    assert {r[4] for r in rows if r[2] == "floor"} == {"1.00x"}
+    assert {r[5] for r in rows if r[2].startswith("lean")} == {"1.00x"}
+
+
 def test_compare_revs_builds_a_checked_out_revision_like_this_checkout(tmp_path: Path) -> None:
     """A revision compare_revs checks out runs the same ring as this checkout: its C fast
     paths are built in place (a bare git worktree would run the pure-Python ring)."""
