@@ -8,8 +8,9 @@ times), so that a slow minute of the host falls on all of them alike:
     floor             the floor system (harness/systems/floor.py): the smallest pure-Python
                       ring doing the round trip
     channel run       a real Session's own channel and workers driven without the session
-                      layer: one CALL that asks for a reply, ``chan.send``, then ``chan.recv``
-                      until each worker's reply is in, its request id checked
+                      layer: one CALL that asks for a reply, sent as the session sends it
+                      (``chan.send_plain``, else ``chan.send``), then ``chan.recv`` until
+                      each worker's reply is in, its request id checked
     channel quick     the same, its replies read as run's usual case reads them: one
                       ``chan.plain_values`` (each look one C call that reads and decodes
                       every worker's reply once all are in)

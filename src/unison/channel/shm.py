@@ -243,8 +243,8 @@ class ShmChannel(Channel):
         if buffers or len(data) > _INLINE_MAX:
             self._send_large(data, ranks, buffers, deadline)
             return
-        # a plain entry that fits: in C (the same steps as _publish). No local reference to
-        # it: a send that waits below for room must not keep the mapping alive past close()
+        # a plain entry that fits: in C (the same steps as _publish); close() releases the
+        # Sender, whoever still holds it, so no send keeps the mapping alive past close
         if self._fast is not None and self._fast.send(data, ranks):
             return
         self._publish(data, b"", 0, ranks, deadline)

@@ -466,8 +466,8 @@ class Session(View):
                     # frees must reach every worker: a call to some leaves any that came in
                     # since the test above to the next send (the slow way: a NOP to all)
                     frees = None
-                    if everyone and self._frees:  # _take_frees, inlined: dispatch's rounds
-                        # each free the Ref before (its frame cost 0.5 µs a round at N=2)
+                    if everyone and self._frees:  # _take_frees, inlined: each dispatch round
+                        # frees the Ref before (benchmarks/session_parts.py: "+ take_frees")
                         pop, waiting, taken = self._frees.popleft, self._frees, []
                         while waiting:
                             taken.append(pop())
