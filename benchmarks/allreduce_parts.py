@@ -2,7 +2,9 @@
 
     python benchmarks/allreduce_parts.py --workers 1 2 4 [--kib 4] [--rounds 5000]
 
-Each worker times ``unison.allreduce(x)`` of a float32 array (``whole``), then the call that
+Each worker times ``unison.allreduce(x)`` of a float32 array (``whole``), the same into an
+array made once (``into``: ``unison.allreduce(x, out=out)``, as MPI's ``Allreduce(x, out)``
+is timed in benchmarks/collectives.py), then the call that
 runs its steps in C where they were built (``c_steps``: unison/_coll.c, with the generation's
 bookkeeping around it); ``python`` is what is left: choosing the backend, checking the input,
 the result array. Then it runs the steps of the numpy path (dtypes and ops the C steps do not
@@ -39,7 +41,7 @@ import unison
 from harness.report import cpu_model
 
 STEPS = ("copy", "meet", "reduce", "depart")  # the numpy path's
-PARTS = ("whole", "c_steps", *STEPS)
+PARTS = ("whole", "into", "c_steps", *STEPS)
 
 
 def timed_parts(kib: int, rounds: int) -> dict[str, float]:
@@ -59,6 +61,13 @@ def timed_parts(kib: int, rounds: int) -> dict[str, float]:
     for _ in range(rounds):
         unison.allreduce(x)
     whole = (clock() - start) / rounds
+    into = np.empty_like(x)
+    for _ in range(warm):
+        unison.allreduce(x, out=into)
+    start = clock()
+    for _ in range(rounds):
+        unison.allreduce(x, out=into)
+    whole_into = (clock() - start) / rounds
 
     which, ranks = coll.scope(False)
     desc = descriptor("allreduce", "sum")
@@ -94,7 +103,7 @@ def timed_parts(kib: int, rounds: int) -> dict[str, float]:
             spent["meet"] += t2 - t1
             spent["reduce"] += t3 - t2
             spent["depart"] += t4 - t3
-    return {"whole": whole / 1e3, "c_steps": c_steps / 1e3,
+    return {"whole": whole / 1e3, "into": whole_into / 1e3, "c_steps": c_steps / 1e3,
             **{k: v / rounds / 1e3 for k, v in spent.items()}}
 
 
@@ -112,7 +121,7 @@ def measure(workers: list[int], kib: int, rounds: int) -> list[dict[str, Any]]:
 
 
 def render(rows: list[dict[str, Any]], kib: int) -> str:
-    cols = ["whole", "c_steps", "python", *STEPS]
+    cols = ["whole", "into", "c_steps", "python", *STEPS]
     lines = [f"allreduce of {kib} KiB float32, µs per round (median over the workers); "
              "copy to depart: the numpy path's steps", "",
              "| N | " + " | ".join(cols) + " |", "|--:|" + "--:|" * len(cols)]

@@ -5,6 +5,8 @@ torch.distributed's gloo (and mpi4py where installed), side by side in one run.
     python benchmarks/run.py --only allreduce       # the same, as part of the benchmark
 
     unison      unison.allreduce(x) on numpy float32, Session(N) (shared-memory backend)
+    unison-out  the same into an array made once, unison.allreduce(x, out=out), as the mpi
+                column's Allreduce(x, out) writes into one
     gloo        torch.distributed.all_reduce(t) on a float32 tensor, in a Session(N,
                 collectives="torch") whose workers made the gloo group; raw gloo, nothing else
     unison-torch  unison.allreduce(t) through the torch backend (a shared-memory arrival
@@ -23,10 +25,10 @@ the slowest worker's (the rounds are in lockstep), and the table shows the media
 
 A single 4 KiB measurement lasts some tens of milliseconds, and unison / mpi read 0.87x to
 2.24x at N=2 on one host in one day (issue 9, sixteenth pass). ``--turns K`` measures the
-4 KiB allreduce of unison and of MPI K times each, in turns (one Session throughout; an
-mpiexec job per turn: its ranks busy-poll, so none may wait beside unison's turns), and
-prints each turn's median, the ratio of the medians of the turns' medians, and its 90%
-interval with the turns drawn in their pairs (``harness.measure.interval``).
+4 KiB allreduce of unison (both ways) and of MPI K times each, in turns (one Session
+throughout; an mpiexec job per turn: its ranks busy-poll, so none may wait beside unison's
+turns), and prints each turn's median, the ratio of the medians of the turns' medians, and
+its 90% interval with the turns drawn in their pairs (``harness.measure.interval``).
 """
 
 from __future__ import annotations
@@ -51,15 +53,18 @@ def _rounds(nbytes: int, quick: bool) -> tuple[int, int]:
     return (2, 5) if quick else (5, 40)
 
 
-def _time_unison(nbytes: int, warm: int, rounds: int) -> list[int]:
+def _time_unison(nbytes: int, warm: int, rounds: int, into: bool = False) -> list[int]:
+    """``into``: each round writes into one array (``out=``), as MPI's is timed."""
     x = np.ones(nbytes // 4, np.float32)
+    buf = np.empty_like(x) if into else None
     for _ in range(warm):
-        unison.allreduce(x)
+        unison.allreduce(x, out=buf)
     out = []
     for _ in range(rounds):
         t = time.perf_counter_ns()
-        unison.allreduce(x)
+        unison.allreduce(x, out=buf)
         out.append(time.perf_counter_ns() - t)
+    assert buf is None or buf[0] == unison.world_size()
     return out
 
 
@@ -147,6 +152,8 @@ def measure(workers: list[int], quick: bool = False) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"n": n, "size": label}
             with unison.Session(n) as sess:
                 row["unison"] = _lockstep(sess.run(_time_unison, nbytes, warm, rounds))
+                row["unison-out"] = _lockstep(sess.run(_time_unison, nbytes, warm, rounds,
+                                                       True))
             if have_torch:
                 with unison.Session(n, collectives="torch") as sess:
                     row["gloo"] = _lockstep(sess.run(_time_torch, nbytes, warm, rounds, True))
@@ -169,30 +176,32 @@ def turns(workers: list[int], count: int) -> None:
     nbytes = SIZES["4KiB"]
     warm, rounds = _rounds(nbytes, False)
     for n in workers:
-        mine: list[float] = []
-        theirs: list[float] = []
+        series: dict[str, list[float]] = {"unison": [], "unison-out": [], "mpi": []}
         with unison.Session(n) as sess:
             for _ in range(count):
-                got = _lockstep(sess.run(_time_unison, nbytes, warm, rounds))
-                mine.append(statistics.median(got) / 1e3)
-                theirs.append(statistics.median(_time_mpi(n, nbytes, warm, rounds)) / 1e3)
-        low, high = interval(mine, theirs)
-        ratio = statistics.median(mine) / statistics.median(theirs)
-        print(f"allreduce 4KiB N={n} unison: " + " ".join(f"{m:.1f}" for m in mine)
-              + f" | median {statistics.median(mine):.1f} µs")
-        print(f"allreduce 4KiB N={n} mpi   : " + " ".join(f"{m:.1f}" for m in theirs)
-              + f" | median {statistics.median(theirs):.1f} µs")
-        print(f"allreduce 4KiB N={n} unison / mpi: {ratio:.2f}x (90%: {low:.2f}-{high:.2f})",
-              flush=True)
+                for name, into in (("unison", False), ("unison-out", True)):
+                    got = _lockstep(sess.run(_time_unison, nbytes, warm, rounds, into))
+                    series[name].append(statistics.median(got) / 1e3)
+                series["mpi"].append(
+                    statistics.median(_time_mpi(n, nbytes, warm, rounds)) / 1e3)
+        for name, times in series.items():
+            print(f"allreduce 4KiB N={n} {name:10}: " + " ".join(f"{m:.1f}" for m in times)
+                  + f" | median {statistics.median(times):.1f} µs")
+        theirs = series["mpi"]
+        for name in ("unison", "unison-out"):
+            low, high = interval(series[name], theirs)
+            ratio = statistics.median(series[name]) / statistics.median(theirs)
+            print(f"allreduce 4KiB N={n} {name} / mpi: {ratio:.2f}x (90%: {low:.2f}-"
+                  f"{high:.2f})", flush=True)
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    systems = [s for s in ("unison", "gloo", "unison-torch", "mpi")
+    systems = [s for s in ("unison", "unison-out", "gloo", "unison-torch", "mpi")
                if any(s in r or f"{s}_error" in r for r in rows)]
     mpi = "mpi" in systems
     lines = ["| allreduce float32 | N | " + " | ".join(systems) + " | gloo / unison |"
-             + (" unison / mpi |" if mpi else ""),
-             "|---|--:|" + "--:|" * len(systems) + "--:|" + ("--:|" if mpi else "")]
+             + (" unison / mpi | unison-out / mpi |" if mpi else ""),
+             "|---|--:|" + "--:|" * len(systems) + "--:|" + ("--:|--:|" if mpi else "")]
     for r in rows:
         cells = []
         for s in systems:
@@ -209,9 +218,9 @@ def render(rows: list[dict[str, Any]]) -> str:
         shown = f"{ratio:.1f}x" if ratio else "-"
         line = (f"| {r['size']} (µs, median / p99) | {r['n']} | " + " | ".join(cells)
                 + f" | {shown} |")
-        if mpi:
-            vs = (statistics.median(r["unison"]) / statistics.median(r["mpi"])
-                  if r.get("mpi") and r.get("unison") else None)
+        for mine in ("unison", "unison-out") if mpi else ():
+            vs = (statistics.median(r[mine]) / statistics.median(r["mpi"])
+                  if r.get("mpi") and r.get(mine) else None)
             line += f" {vs:.2f}x |" if vs else " - |"
         lines.append(line)
     return "\n".join(lines)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -236,6 +237,61 @@ def typed_allreduce(dtypes: list[str], op: str) -> np.ndarray:
     return unison.allreduce(np.arange(1, 4).astype(dtypes[unison.rank()]), op)
 
 
+def allreduce_into(x: np.ndarray, op: str, how: str) -> tuple[np.ndarray, bool, np.ndarray]:
+    """allreduce(x, op, out=...) into an out made ``how``: the result, whether it is that out
+    (for "slice": the slice's base holds it), and the result of the same call without out."""
+    want_dtype = unison.allreduce(x[:0] if x.ndim else x, op).dtype
+    if how == "same":
+        out = x.copy()  # into its own input: reduced from a copy, so the next call still has x
+        got = unison.allreduce(out, op, out=out)
+    elif how == "slice":  # a non-contiguous out: the result lands in every other element
+        base = np.zeros((*x.shape, 2), want_dtype)
+        out = base[..., 0]
+        assert not out.flags.c_contiguous
+        got = unison.allreduce(x, op, out=out)
+        return got, got is out and np.shares_memory(got, base), unison.allreduce(x, op)
+    else:
+        out = np.full(x.shape, 7, want_dtype)
+        got = unison.allreduce(x, op, out=out)
+    return got, got is out, unison.allreduce(x, op)
+
+
+def allreduce_into_wrong(x: np.ndarray, bad: dict[int, str], first: bool) -> Any:
+    """Ranks in ``bad`` pass a wrong out (that kind), in the call's first collective or after
+    another (which takes the shortest path); every rank then reduces once more, to show the
+    peers stayed in step. Returns (error or None, the next result)."""
+    if not first:
+        unison.allreduce(x)
+    kind = bad.get(unison.rank())
+    out = {None: None, "shape": np.zeros(x.size + 1, x.dtype),
+           "dtype": np.zeros(x.shape, np.float16), "list": [0.0] * x.size,
+           "readonly": np.zeros(x.shape, x.dtype)}[kind]
+    if kind == "readonly":
+        out.flags.writeable = False
+    try:
+        unison.allreduce(x, out=out)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    return error, unison.allreduce(x)
+
+
+def allreduce_number_into(x: float) -> str:
+    try:
+        unison.allreduce(x, out=np.zeros(()))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def allreduce_tensor_into(t: Any) -> tuple[Any, bool]:
+    import torch
+
+    out = torch.zeros_like(t)
+    got = unison.allreduce(t, out=out)
+    return got, got is out
+
+
 def send_to(dst: int) -> None:
     unison.send("x", dst)
 
@@ -365,6 +421,54 @@ def test_allreduce_of_0d_torch_tensors(shared):
     for out in got:
         assert isinstance(out, torch.Tensor) and out.shape == (), out
         assert out.item() == -2.5
+
+
+@pytest.mark.parametrize("how", ["new", "same", "slice"])
+@pytest.mark.parametrize(("dtype", "op", "shape"), [
+    ("float32", "sum", (256,)),        # the C steps
+    ("float64", "mean", (3, 4)),       # the C steps, then / N
+    ("int64", "max", (5,)),
+    ("uint8", "sum", (9,)),            # numpy's path
+    ("complex128", "prod", (2, 2)),
+    ("float64", "sum", (300, 300)),    # past the small path
+])
+def test_allreduce_into_out_writes_it_and_returns_it(shared, how, dtype, op, shape):
+    sess = shared(3)
+    xs = inputs(3, shape, dtype, seed=11)
+    for got, is_out, plain in sess.run(allreduce_into, sess.scatter(xs), op, how,
+                                       timeout=QUICK):
+        assert is_out, "allreduce(out=...) did not return (or write into) that out"
+        assert_same(got, expected_reduce(xs, op))
+        assert got.tobytes() == plain.tobytes(), "out= gave other bits than a new result"
+
+
+@pytest.mark.parametrize("kind", ["shape", "dtype", "list", "readonly"])
+def test_allreduce_with_a_wrong_out_raises_and_peers_stay_in_step(shared, kind):
+    sess = shared(2)
+    x = sess.scatter([np.arange(4, dtype=np.float32) + r for r in range(2)])
+    want = np.arange(4, dtype=np.float32) * 2 + 1
+    for bad, first in itertools.product(({0: kind}, {0: kind, 1: kind}), (True, False)):
+        got = sess.run(allreduce_into_wrong, x, bad, first, timeout=QUICK)
+        for r, (error, after) in enumerate(got):
+            if r in bad:
+                assert error and ("out=" in error or "read-only" in error), error
+            else:
+                assert error is None
+            np.testing.assert_array_equal(after, want)
+
+
+def test_allreduce_of_a_number_into_an_array_says_to_leave_out_none(shared):
+    sess = shared(2)
+    for message in sess.run(allreduce_number_into, sess.scatter([1.5, 2.5]), timeout=QUICK):
+        assert "leave out=None" in message, message
+
+
+def test_allreduce_of_torch_tensors_into_out(shared):
+    torch = pytest.importorskip("torch")
+    sess = shared(2)
+    xs = [torch.arange(6, dtype=torch.float32) + r for r in range(2)]
+    for got, is_out in sess.run(allreduce_tensor_into, sess.scatter(xs), timeout=QUICK):
+        assert is_out and torch.equal(got, xs[0] + xs[1])
 
 
 @pytest.mark.parametrize(

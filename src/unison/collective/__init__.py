@@ -11,7 +11,8 @@
     unison.send_to_next_group(x); unison.recv_from_prev_group()   pipeline stages
 
 ``group=True`` keeps a collective inside the worker's group (src/dst are then ranks in the
-group). Every collective returns new objects and leaves its input unchanged.
+group). Every collective returns new objects and leaves its input unchanged, except that
+``allreduce(x, out=buf)`` writes its result into buf (which may be x).
 
 Backends: shared memory (numpy arrays of any dtype and shape, CPU torch tensors, numbers,
 and any picklable object for the moving collectives) and torch.distributed (tensors; gloo on
@@ -44,6 +45,7 @@ import numpy as np
 
 from unison import trace as _trace
 from unison.collective.base import Collectives
+from unison.collective.checks import into as _into
 from unison.collective.shm import ShmCollectives
 from unison.errors import CollectiveError
 
@@ -171,12 +173,19 @@ def _choose(group: bool, *values: Any) -> Collectives:
     )
 
 
-def allreduce(x: Any, op: str = "sum", *, group: bool = False) -> Any:
-    """x0 op x1 op ... over the workers (sum, prod, min, max or mean), on every worker."""
+def allreduce(x: Any, op: str = "sum", *, group: bool = False, out: Any = None) -> Any:
+    """x0 op x1 op ... over the workers (sum, prod, min, max or mean), on every worker.
+
+    ``out``: an array (a tensor, for a tensor x) of the result's shape and dtype to write
+    the result into and return, instead of a new one, as MPI's ``Allreduce(x, out)`` and
+    numpy's ``out=`` do: a loop of small allreduces then makes no array per call. It may be
+    x itself. A wrong one raises ValueError once the collective is done (its contents are
+    then unspecified, as they are after any error)."""
     if (type(x) is np.ndarray and _on_shm[group] and _trace.events is None
             and _running[0] == _begun[0]):
-        return _shm.allreduce(x, op, group)  # type: ignore[union-attr]  # _backend's choice
-    return _backend(group, x).allreduce(x, op, group)
+        return _shm.allreduce(x, op, group, out)  # type: ignore[union-attr]  # _backend's
+    result = _backend(group, x).allreduce(x, op, group)
+    return result if out is None else _into(out, result)
 
 
 def allgather(x: Any, *, group: bool = False) -> list[Any]:

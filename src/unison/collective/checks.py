@@ -51,6 +51,28 @@ def check_op(op: Any) -> str:
     raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
 
 
+def into(out: Any, result: Any) -> Any:
+    """Write a reduction's ``result`` into ``out`` (allreduce's ``out=``) and return ``out``.
+    ``out`` must be an array of the result's kind (numpy array, or torch tensor), shape and
+    dtype: a ValueError that says which differs otherwise. Checked after the collective, so
+    a wrong ``out`` on one worker never leaves its peers waiting."""
+    if not hasattr(result, "shape"):
+        raise ValueError(f"out= takes an array, and this reduction's result is a "
+                         f"{type(result).__name__}: leave out=None")
+    want = f"{type(result).__name__} of shape {tuple(result.shape)} and dtype {result.dtype}"
+    if not isinstance(out, type(result)) or not hasattr(out, "shape"):
+        raise ValueError(f"out= must be the result's kind, shape and dtype ({want}), not a "
+                         f"{type(out).__name__}; or leave it None for a new result")
+    if out.shape != result.shape or out.dtype != result.dtype:
+        raise ValueError(f"out= must be the result's kind, shape and dtype ({want}), not of "
+                         f"shape {tuple(out.shape)} and dtype {out.dtype}")
+    if isinstance(out, np.ndarray):
+        np.copyto(out, result)  # a read-only out raises numpy's ValueError
+    else:
+        out.copy_(result)
+    return out
+
+
 def member(ranks: tuple[int, ...], r: Any, group: bool, what: str) -> int:
     """``r`` is a rank in the scope (group-local with group=True): its global rank."""
     try:

@@ -83,6 +83,7 @@ from unison.collective.checks import (
     check_scatter_values,
     describe,
     descriptor,
+    into,
     member,
 )
 from unison.errors import CollectiveError
@@ -438,19 +439,29 @@ class ShmCollectives(CallScope, Collectives):
 
     # -- reductions ----------------------------------------------------------------------------
 
-    def allreduce(self, x: Any, op: str, group: bool) -> Any:
+    def allreduce(self, x: Any, op: str, group: bool, out: Any = None) -> Any:
+        """(``out``: as unison.allreduce's; a numpy array that fits takes the C steps'
+        result directly, with no array made per call.)"""
         if type(x) is np.ndarray and type(op) is str and self._c is not None:
-            how = self._small.get((op, x.dtype, x.shape))
+            shape, dtype = x.shape, x.dtype
+            how = self._small.get((op, dtype, shape))
             if how is None:
                 how = self._small_how(op, x)
             if how:  # the common case, kept short: in C (see _allreduce_c)
                 which, ranks = self.scope(group)
-                out = np.empty(x.shape, x.dtype)
-                self._allreduce_c(x if x.flags.c_contiguous else x.copy(), out, how, which,
+                res = out
+                if (res is None or op == "mean" or type(res) is not np.ndarray
+                        or res.shape != shape or res.dtype != dtype
+                        or not res.flags.carray):  # C-contiguous, aligned and writeable
+                    res = np.empty(shape, dtype)
+                self._allreduce_c(x if x.flags.c_contiguous else x.copy(), res, how, which,
                                   ranks)  # (_contiguous, inlined)
-                return _mean(out, len(ranks), x.dtype) if op == "mean" else out
+                if op == "mean":
+                    res = _mean(res, len(ranks), dtype)
+                return res if out is None or res is out else into(out, res)
         check_op(op)
-        return self._allreduce(x, op, group, descriptor("allreduce", op))
+        res = self._allreduce(x, op, group, descriptor("allreduce", op))
+        return res if out is None else into(out, res)
 
     def _small_how(self, op: str, x: np.ndarray) -> tuple[int, int, int] | tuple[()]:
         """How _allreduce_c reduces ``x`` by ``op``: (code, signature, descriptor), or () if
