@@ -3,6 +3,7 @@
 
     python benchmarks/ab_controller.py --base REV --swap unison.session.api:Session._sync
         [--swap MODULE:OWNER.NAME ...] [--workers 2 4] [--turns 24] [--per-turn 1500]
+        [--inline]
 
 The controller's side of ab_worker.py. A change to the session's or the channel's hot path
 moves a round by a few percent, less than this host drifts between two runs of
@@ -74,12 +75,12 @@ def swaps(rev: str, specs: list[str]) -> list[tuple[Any, str, Any, Any]]:
 
 
 def measure(n: int, swapped: list[tuple[Any, str, Any, Any]], turns: int,
-            per_turn: int) -> dict[tuple[str, str], float]:
-    """Median µs per (workload, "base" | "head")."""
+            per_turn: int, inline: bool = False) -> dict[tuple[str, str], float]:
+    """Median µs per (workload, "base" | "head"); ``inline``: worker 0 in the controller."""
     samples: dict[tuple[str, str], list[int]] = {
         (w, k): [] for w in WORKLOADS for k in ("base", "head")}
     clock = time.perf_counter_ns
-    with unison.Session(n) as sess:
+    with unison.Session(n, inline_worker0=inline) as sess:
         for _ in range(500):  # warm: functions defined, caches filled
             sess.call(noop)
             sess.sync()
@@ -116,6 +117,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--turns", type=int, default=24)
     ap.add_argument("--per-turn", type=int, default=1500)
+    ap.add_argument("--inline", action="store_true", help="Session(N, inline_worker0=True)")
     args = ap.parse_args()
     swapped = swaps(args.base, args.swap)
     print(f"CPU: {cpu_model()}; {source_revision()}; command: "
@@ -123,7 +125,7 @@ def main() -> None:
     print(f"| N | work | base ({args.base}), µs | head, µs | head / base |")
     print("|--:|---|--:|--:|--:|")
     for n in args.workers:
-        got = measure(n, swapped, args.turns, args.per_turn)
+        got = measure(n, swapped, args.turns, args.per_turn, args.inline)
         for work in WORKLOADS:
             base, head = got[(work, "base")], got[(work, "head")]
             print(f"| {n} | {work} | {base:.2f} | {head:.2f} | {head / base:.2f} |", flush=True)

@@ -254,16 +254,25 @@ def test_stacks_and_cancel_never_signal_the_controller(
     assert sess.run(unison.rank) == [0, 1]
 
 
+def sleep_for(*, seconds: float) -> None:
+    time.sleep(seconds)
+
+
+@pytest.mark.parametrize("path", ["quick", "general"])
 def test_ctrl_c_in_worker_0s_call_is_the_controllers(
-        inline: Callable[..., unison.Session]) -> None:
+        inline: Callable[..., unison.Session], path: str) -> None:
     """Worker 0's call runs in the controller's thread: Ctrl-C there is Ctrl-C during a
-    wait (KeyboardInterrupt, the session closed), never that call's error."""
+    wait (KeyboardInterrupt, the session closed), never that call's error. Both ways a
+    call is sent: plain arguments (Session._send_quick's own frame) and keywords."""
     sess = inline(2)
     timer = threading.Timer(0.1, signal.pthread_kill, (threading.get_ident(), signal.SIGINT))
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            sess.run(time.sleep, 30)
+            if path == "quick":
+                sess.run(time.sleep, 30)
+            else:
+                sess.run(sleep_for, seconds=30)
     finally:
         timer.join()
     assert sess.closed

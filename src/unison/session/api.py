@@ -445,13 +445,12 @@ class Session(View):
         kwargs: dict[str, Any], req: Request | None, send_by: float | None = None,
     ) -> int:
         """``_send_call``, by ``send_by`` (None: the session's send timeout, if any). The
-        usual case (a function the workers hold, a few plain arguments, no deadline, trace or
-        inline worker 0) is sent from this one frame: on a core shared with a worker the
-        steps a round touches cost more than their own time (docs/benchmarks.md, "Issue 9,
-        fourth pass", and the fifth on what a bare call costs)."""
+        usual case (a function the workers hold, a few plain arguments, no deadline or
+        trace) is sent from this one frame: on a core shared with a worker the steps a round
+        touches cost more than their own time (docs/benchmarks.md, "Issue 9, fourth pass",
+        and the fifth on what a bare call costs)."""
         if not (send_by is not None or kwargs or self._send_timeout is not None
-                or self._tracer is not None or self._pump is not None
-                or (args and not checks.plain_args(args))):
+                or self._tracer is not None or (args and not checks.plain_args(args))):
             lock = self._send_lock
             lock.acquire()
             try:
@@ -480,6 +479,8 @@ class Session(View):
                                        0 if req is None else req.req_id)
                         if not self._chan.send_plain(msg, ranks):
                             self._chan.send(msg, ranks)
+                        if self._pump is not None:
+                            self._run_inline()
                     except BaseException as exc:
                         if req is not None:
                             self._router.forget(req, ranks)
@@ -849,17 +850,23 @@ class Session(View):
                 frees = None
             msg = build(frees, *fields)
             self._chan.send(msg, ranks, buffers, deadline=deadline)
-            if self._pump is not None:  # worker 0 inline: it runs its share now, here
-                try:
-                    self._pump()
-                except KeyboardInterrupt:  # Ctrl-C in worker 0's call: as during a wait
-                    self.interrupted()
-                    raise
+            if self._pump is not None:
+                self._run_inline()
             if self._tracer is not None:
                 self._tracer.on_message(build, fields, ranks, len(msg) + sum(
                     memoryview(b).nbytes for b in buffers) if buffers else len(msg))
         except BaseException as exc:
             raise self._send_failed(exc, frees, ranks)  # noqa: B904 (its cause is set there)
+
+    def _run_inline(self) -> None:
+        """Worker 0 inline: it runs its share of what was just sent, now, here (the caller
+        holds the send lock)."""
+        assert self._pump is not None
+        try:
+            self._pump()
+        except KeyboardInterrupt:  # Ctrl-C in worker 0's call: as during a wait
+            self.interrupted()
+            raise
 
     def _send_failed(self, exc: BaseException, frees: tuple[int, ...] | None,
                      ranks: tuple[int, ...]) -> BaseException:
