@@ -442,6 +442,24 @@ def test_allreduce_into_out_writes_it_and_returns_it(shared, how, dtype, op, sha
         assert got.tobytes() == plain.tobytes(), "out= gave other bits than a new result"
 
 
+def allreduce_large_into(x: np.ndarray) -> tuple[bool, bool, np.ndarray]:
+    """Into a new out and into x itself, past the small path: (each is its out, result)."""
+    out = np.empty_like(x)
+    got = unison.allreduce(x, out=out)
+    same = x.copy()
+    again = unison.allreduce(same, out=same)
+    return got is out, again is same and np.array_equal(again, got), got
+
+
+def test_allreduce_into_out_between_two_workers_past_the_small_path(shared):
+    sess = shared(2)
+    xs = inputs(2, ((1 << 17) + 3,), "float64", seed=12)  # 1 MiB: C steps, not the small ones
+    for is_out, same_ok, got in sess.run(allreduce_large_into, sess.scatter(xs),
+                                         timeout=QUICK):
+        assert is_out and same_ok
+        assert_same(got, expected_reduce(xs, "sum"))
+
+
 @pytest.mark.parametrize("kind", ["shape", "dtype", "list", "readonly"])
 def test_allreduce_with_a_wrong_out_raises_and_peers_stay_in_step(shared, kind):
     sess = shared(2)

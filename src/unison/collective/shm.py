@@ -449,19 +449,16 @@ class ShmCollectives(CallScope, Collectives):
                 how = self._small_how(op, x)
             if how:  # the common case, kept short: in C (see _allreduce_c)
                 which, ranks = self.scope(group)
-                res = out
-                if (res is None or op == "mean" or type(res) is not np.ndarray
-                        or res.shape != shape or res.dtype != dtype
-                        or not res.flags.carray):  # C-contiguous, aligned and writeable
-                    res = np.empty(shape, dtype)
+                res = (out if out is not None and op != "mean" and _fits(out, shape, dtype)
+                       else np.empty(shape, dtype))
                 self._allreduce_c(x if x.flags.c_contiguous else x.copy(), res, how, which,
                                   ranks)  # (_contiguous, inlined)
                 if op == "mean":
                     res = _mean(res, len(ranks), dtype)
                 return res if out is None or res is out else into(out, res)
         check_op(op)
-        res = self._allreduce(x, op, group, descriptor("allreduce", op))
-        return res if out is None else into(out, res)
+        res = self._allreduce(x, op, group, descriptor("allreduce", op), out)
+        return res if out is None or res is out else into(out, res)
 
     def _small_how(self, op: str, x: np.ndarray) -> tuple[int, int, int] | tuple[()]:
         """How _allreduce_c reduces ``x`` by ``op``: (code, signature, descriptor), or () if
@@ -476,13 +473,16 @@ class ShmCollectives(CallScope, Collectives):
         self._small[op, x.dtype, x.shape] = how
         return how
 
-    def _allreduce(self, x: Any, op: str, group: bool, desc: int) -> Any:
+    def _allreduce(self, x: Any, op: str, group: bool, desc: int, dest: Any = None) -> Any:
+        """``dest``: allreduce's out=, written in place where it fits (else the caller
+        copies the result into it)."""
         arr, restore = _as_array(x)
         ufunc = _ufunc(op)
         which, ranks = self.scope(group)
         if op == "mean" and arr.dtype.kind in "biu":
             arr = arr.astype(np.float64)  # as numpy's mean does
-        out = np.empty_like(arr)
+        out = (dest if dest is not None and op != "mean" and _fits(dest, arr.shape, arr.dtype)
+               else np.empty_like(arr))
         sig = array_signature(arr)
         code = _C_CODES.get((op, arr.dtype.str)) if self._c is not None else None
         if code is not None and (arr.nbytes <= SMALL or (len(ranks) <= 2 and arr.nbytes <= SLOT)):
@@ -913,6 +913,13 @@ def _reduce_into(out: np.ndarray, parts: Sequence[np.ndarray], ufunc: Callable[.
     ufunc(parts[0], parts[1], out=out)
     for p in parts[2:]:
         ufunc(out, p, out=out)
+
+
+def _fits(out: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> bool:
+    """Whether a reduction can write straight into ``out``: a plain numpy array of that
+    shape and dtype, C-contiguous, aligned and writeable."""
+    return (type(out) is np.ndarray and out.shape == shape and out.dtype == dtype
+            and out.flags.carray)
 
 
 def _mean(total: np.ndarray, n: int, dtype: np.dtype[Any]) -> np.ndarray:
