@@ -44,20 +44,43 @@ def test_the_last_function_found_is_remembered_only_while_its_copy_is_current() 
     assert cache.last is first
 
 
-def test_a_function_sent_by_value_is_never_remembered_as_current() -> None:
+def test_a_function_sent_by_value_is_remembered_with_what_proves_its_copy_current() -> None:
     cache = FunctionCache()
     box, size = [1], 2
 
-    def mutable() -> int:  # compared by its pickle at each lookup
+    def mutable() -> int:  # compared by its pickle at each lookup: never remembered
         return box[0]
 
-    def planned() -> int:  # its captures checked by identity at each lookup
+    def planned() -> int:  # its captures checked by identity: remembered with its plan
         return size
 
-    for fn_id, fn in enumerate((mutable, planned), 1):
-        cache.store(fn, fn_id, pickle_function(fn))
-        assert cache.lookup(fn) == (fn_id, None)
-        assert cache.last is None
+    cache.store(mutable, 1, pickle_function(mutable))
+    assert cache.lookup(mutable) == (1, None)
+    assert cache.last is None
+    cache.store(planned, 2, pickle_function(planned))
+    assert cache.lookup(planned) == (2, None)
+    assert cache.last is planned and cache.last_plan is not None and cache.last_plan.holds()
+    size = 3  # the session's send tests the plan: it no longer holds, and a lookup misses
+    assert not cache.last_plan.holds()
+    assert cache.lookup(planned) == (0, None)
+    assert cache.last is None
+    assert planned() == 3
+
+
+def test_a_script_function_whose_capture_changed_is_sent_again(
+    make_session: Callable[..., unison.Session],
+) -> None:
+    sess = make_session(2)
+    scale = 2
+
+    def scaled(x: int) -> int:
+        return x * scale
+
+    for _ in range(3):  # the quick send finds it last, and its plan holding
+        assert sess.run(scaled, 5) == [10, 10]
+    scale = 7
+    assert sess.run(scaled, 5) == [35, 35]
+    assert scaled(1) == 7
 
 
 @pytest.fixture

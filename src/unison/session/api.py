@@ -454,9 +454,10 @@ class Session(View):
             lock = self._send_lock
             lock.acquire()
             try:
-                fns = self._fns
+                fns, plan = self._fns, self._fns.last_plan
                 fn_id = (0 if self._closed  # closed: under the lock
-                         else fns.last_id if fn is fns.last else fns.lookup(fn)[0])
+                         else fns.last_id if fn is fns.last and (plan is None or plan.holds())
+                         else fns.lookup(fn)[0])
                 everyone = ranks == self.workers
                 if fn_id and (everyone or not self._frees):
                     ref_id = next(self._ids)  # under the send lock: see _send_call

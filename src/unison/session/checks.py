@@ -96,8 +96,10 @@ def plain_args(args: tuple[Any, ...]) -> bool:
     """Arguments that pickle small and alike everywhere (numbers, short strings)."""
     if len(args) > 8:
         return False
-    for a in args:  # noqa: SIM110 (a plain loop: the hot path)
-        if type(a) not in _PLAIN or (type(a) is str and len(a) > 256):
+    plain = _PLAIN
+    for a in args:
+        t = type(a)
+        if t not in plain or (t is str and len(a) > 256):
             return False
     return True
 

@@ -55,19 +55,22 @@ class _Plan:
         self.names: list[tuple[dict[str, Any], str, Any]] = []
 
     def holds(self) -> bool:
-        """True while everything is what it was when the plan was made."""
+        """True while everything is what it was when the plan was made (each call of a
+        script's function: a plain loop per kind, and none where a kind is empty)."""
         for fn, code, defaults in self.funcs:
             if fn.__code__ is not code or fn.__defaults__ is not defaults or fn.__dict__:
                 return False
-        for cell, value in self.cells:
-            try:
-                if cell.cell_contents is not value:
-                    return False
-            except ValueError:  # an empty cell
-                if value is not _MISSING:
-                    return False
+        if self.cells:
+            for cell, value in self.cells:
+                try:
+                    if cell.cell_contents is not value:
+                        return False
+                except ValueError:  # an empty cell
+                    if value is not _MISSING:
+                        return False
+        missing = _MISSING
         for names, name, value in self.names:  # noqa: SIM110 (a plain loop: the hot path)
-            if names.get(name, _MISSING) is not value:
+            if names.get(name, missing) is not value:
                 return False
         return True
 
@@ -93,13 +96,15 @@ class FunctionCache:
         )
         self._warned: set[Any] = set()
         self.last: Callable[..., Any] | None = None
-        """The function the last lookup found, where its copy is current for as long as it
-        is cached (sent by reference: a module-level function), else None; ``last_id`` its
-        id. The session's send tests ``fn is last`` before it calls ``lookup``: a round
-        that calls the same function again then touches no entry, no LRU order and no
-        frame of this class (in a round trip at N=2, ``lookup`` cost 0.8 µs:
+        """The function the last lookup found current, else None; ``last_id`` its id and
+        ``last_plan`` what proves its copy current at each call (None: nothing, as for a
+        module-level function, sent by reference; else a script's function's plan). The
+        session's send tests ``fn is last`` and the plan before it calls ``lookup``: a
+        round that calls the same function again then touches no entry, no LRU order and
+        no frame of this class (in a round trip at N=2, ``lookup`` cost 0.8 µs:
         docs/benchmarks.md, "Issue 9, eighteenth pass"). It stays last in the LRU order."""
         self.last_id = 0
+        self.last_plan: _Plan | None = None
 
     def lookup(self, fn: Callable[..., Any]) -> tuple[int, bytes | None]:
         """``(fn_id, None)`` if the workers' copy is current; else ``(0, pickle or None)``,
@@ -109,15 +114,14 @@ class FunctionCache:
         if entry is None:
             return 0, None
         plan = entry.plan
-        if plan is not None:
-            if not plan.holds():
-                return 0, None
-        elif entry.blob is not None:  # something captured is mutable: compare the pickles
+        if entry.blob is not None:  # something captured is mutable: compare the pickles
             blob = pickle_function(fn)
             if blob != entry.blob:
                 return 0, blob
+        elif plan is None or plan.holds():
+            self.last, self.last_id, self.last_plan = fn, entry.fn_id, plan
         else:
-            self.last, self.last_id = fn, entry.fn_id
+            return 0, None
         self._entries.move_to_end(fn)
         return entry.fn_id, None
 
