@@ -55,7 +55,10 @@ def into(out: Any, result: Any) -> Any:
     """Write a reduction's ``result`` into ``out`` (allreduce's ``out=``) and return ``out``.
     ``out`` must be an array of the result's kind (numpy array, or torch tensor), shape and
     dtype: a ValueError that says which differs otherwise. Checked after the collective, so
-    a wrong ``out`` on one worker never leaves its peers waiting."""
+    a wrong ``out`` on one worker never leaves its peers waiting. Nothing to do where the
+    reduction wrote into ``out`` itself."""
+    if result is out:
+        return out
     if not hasattr(result, "shape"):
         raise ValueError(f"out= takes an array, and this reduction's result is a "
                          f"{type(result).__name__}: leave out=None")
@@ -67,7 +70,10 @@ def into(out: Any, result: Any) -> Any:
         raise ValueError(f"out= must be the result's kind, shape and dtype ({want}), not of "
                          f"shape {tuple(out.shape)} and dtype {out.dtype}")
     if isinstance(out, np.ndarray):
-        np.copyto(out, result)  # a read-only out raises numpy's ValueError
+        if not out.flags.writeable:
+            raise ValueError("out= is read-only: pass a writeable array (or a copy, "
+                             "out.copy()), or leave it None for a new result")
+        np.copyto(out, result)
     else:
         out.copy_(result)
     return out

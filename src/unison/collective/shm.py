@@ -449,16 +449,15 @@ class ShmCollectives(CallScope, Collectives):
                 how = self._small_how(op, x)
             if how:  # the common case, kept short: in C (see _allreduce_c)
                 which, ranks = self.scope(group)
-                res = (out if out is not None and op != "mean" and _fits(out, shape, dtype)
-                       else np.empty(shape, dtype))
+                res = np.empty(shape, dtype) if out is None else _result(out, op, shape, dtype)
                 self._allreduce_c(x if x.flags.c_contiguous else x.copy(), res, how, which,
                                   ranks)  # (_contiguous, inlined)
                 if op == "mean":
                     res = _mean(res, len(ranks), dtype)
-                return res if out is None or res is out else into(out, res)
+                return res if out is None or res is out else into(out, res)  # (no call: hot)
         check_op(op)
         res = self._allreduce(x, op, group, descriptor("allreduce", op), out)
-        return res if out is None or res is out else into(out, res)
+        return res if out is None else into(out, res)
 
     def _small_how(self, op: str, x: np.ndarray) -> tuple[int, int, int] | tuple[()]:
         """How _allreduce_c reduces ``x`` by ``op``: (code, signature, descriptor), or () if
@@ -481,8 +480,7 @@ class ShmCollectives(CallScope, Collectives):
         which, ranks = self.scope(group)
         if op == "mean" and arr.dtype.kind in "biu":
             arr = arr.astype(np.float64)  # as numpy's mean does
-        out = (dest if dest is not None and op != "mean" and _fits(dest, arr.shape, arr.dtype)
-               else np.empty_like(arr))
+        out = _result(dest, op, arr.shape, arr.dtype)
         sig = array_signature(arr)
         code = _C_CODES.get((op, arr.dtype.str)) if self._c is not None else None
         if code is not None and (arr.nbytes <= SMALL or (len(ranks) <= 2 and arr.nbytes <= SLOT)):
@@ -915,11 +913,15 @@ def _reduce_into(out: np.ndarray, parts: Sequence[np.ndarray], ufunc: Callable[.
         ufunc(out, p, out=out)
 
 
-def _fits(out: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> bool:
-    """Whether a reduction can write straight into ``out``: a plain numpy array of that
-    shape and dtype, C-contiguous, aligned and writeable."""
-    return (type(out) is np.ndarray and out.shape == shape and out.dtype == dtype
-            and out.flags.carray)
+def _result(out: Any, op: str, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+    """Where a reduction by ``op`` writes its result: allreduce's ``out`` where it can go
+    straight there (a plain numpy array of that shape and dtype, C-contiguous, aligned and
+    writeable; not for a mean, divided afterwards), else a new array (``into`` then copies
+    it to ``out``)."""
+    if (out is not None and op != "mean" and type(out) is np.ndarray and out.shape == shape
+            and out.dtype == dtype and out.flags.carray):
+        return out
+    return np.empty(shape, dtype)
 
 
 def _mean(total: np.ndarray, n: int, dtype: np.dtype[Any]) -> np.ndarray:

@@ -454,7 +454,8 @@ class Session(View):
             lock = self._send_lock
             lock.acquire()
             try:
-                fns, plan = self._fns, self._fns.last_plan
+                fns = self._fns
+                plan = fns.last_plan  # see FunctionCache.last
                 fn_id = (0 if self._closed  # closed: under the lock
                          else fns.last_id if fn is fns.last and (plan is None or plan.holds())
                          else fns.lookup(fn)[0])

@@ -55,22 +55,19 @@ class _Plan:
         self.names: list[tuple[dict[str, Any], str, Any]] = []
 
     def holds(self) -> bool:
-        """True while everything is what it was when the plan was made (each call of a
-        script's function: a plain loop per kind, and none where a kind is empty)."""
+        """True while everything is what it was when the plan was made."""
         for fn, code, defaults in self.funcs:
             if fn.__code__ is not code or fn.__defaults__ is not defaults or fn.__dict__:
                 return False
-        if self.cells:
-            for cell, value in self.cells:
-                try:
-                    if cell.cell_contents is not value:
-                        return False
-                except ValueError:  # an empty cell
-                    if value is not _MISSING:
-                        return False
-        missing = _MISSING
+        for cell, value in self.cells:
+            try:
+                if cell.cell_contents is not value:
+                    return False
+            except ValueError:  # an empty cell
+                if value is not _MISSING:
+                    return False
         for names, name, value in self.names:  # noqa: SIM110 (a plain loop: the hot path)
-            if names.get(name, missing) is not value:
+            if names.get(name, _MISSING) is not value:
                 return False
         return True
 
