@@ -74,13 +74,13 @@ def timed_parts(kib: int, rounds: int) -> dict[str, float]:
     sig = array_signature(x)
     out = np.empty_like(x)
     c_steps = float("nan")
-    how = coll._small_how("sum", x) if coll._c is not None else ()
-    if how:  # built, and small enough
+    plan = coll._small_plan("sum", x, False) if coll._c is not None else ()
+    if plan:  # built, and small enough
         for _ in range(warm):
-            coll._allreduce_c(x, out, how, which, ranks)
+            coll._allreduce_c(x, out, plan)
         start = clock()
         for _ in range(rounds):
-            coll._allreduce_c(x, out, how, which, ranks)
+            coll._allreduce_c(x, out, plan)
         c_steps = (clock() - start) / rounds
     me = coll._w[coll.rank]
     mine = coll._view(coll.lay.slot[coll.rank], x)

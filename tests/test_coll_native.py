@@ -169,3 +169,52 @@ def test_end_in_c_says_the_call_is_left_and_tidies_only_what_is_held() -> None:
     del coll  # the owner gone: its end still says so, and tidies nothing
     reducer.end(44)
     assert q[left] == 44 and tidied == [1, 1]
+
+
+def steps_of_a_worker(coll: shm.ShmCollectives) -> list[Any]:
+    """A lone worker's collectives over three calls, and its generation bookkeeping (what
+    _next keeps: ``_index`` and ``_owe``) after each."""
+    x, seen = np.arange(6.0), []
+
+    def note(result: Any) -> None:
+        seen.append((None if result is None else np.asarray(result).tolist(),
+                     list(coll._index), list(coll._owe)))
+
+    coll.begin(7, None)
+    note(coll.barrier())  # owed in this call: the C steps go on after it
+    note(coll.allreduce(x, "sum", False))
+    note(coll.allreduce(np.arange(12.0)[::2], "sum", False))  # not contiguous: copied
+    note(coll.allreduce(x, "mean", True))
+    note(coll.barrier(True))
+    coll.end(7)
+    coll.begin(8, None)
+    note(coll.allreduce(x, "prod", False))  # the last call's barrier settled first
+    note(coll.allreduce(x.astype(np.int32), "max", True, out=np.empty(6, np.int32)))
+    coll.end(8)
+    coll.begin(9, (0,))  # a call some workers run: no per-shape plan
+    note(coll.allreduce(x, "sum", False))
+    coll._owe[0] = (9, coll._owe[0] or 0, (0,), True)  # as a failed collective leaves it
+    with pytest.raises(unison.CollectiveError, match="an earlier collective of this call"):
+        coll.allreduce(x, "sum", False)
+    note(None)
+    return seen
+
+
+@pytest.mark.skipif(shm._coll is None, reason="the C steps did not build")
+def test_the_c_steps_take_each_generation_as_next_does() -> None:
+    """Reducer.small takes a small allreduce's generation itself: the same bookkeeping as
+    Python's _next, step by step, where something of this call or an earlier one is owed,
+    for an input it must copy, in either scope, and where an earlier collective failed."""
+    runs = []
+    for pure in (False, True):
+        fd, _ = shm.create("unison-test-small", 1, 1)
+        try:
+            coll = shm.ShmCollectives(fd, 0, 1, 1)
+        finally:
+            os.close(fd)
+        if pure:
+            coll._c = None
+        runs.append(steps_of_a_worker(coll))
+    assert runs[0] == runs[1]
+    assert runs[0][1] == ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [2, 0], [None, None])
+    assert runs[0][5][1:] == ([1, 0], [None, None])

@@ -316,9 +316,10 @@ def test_a_peer_that_fails_after_the_meeting_never_overwrites_what_others_read(m
     assert [v.tolist() for v in second.gather(timeout=LIMIT)] == [[1.0] * 4] * 2
 
 
-def catch_then_barrier(leaver: int) -> str:
+def catch_then_go_on(leaver: int, then: str) -> str:
     """Worker ``leaver`` returns at once; the others catch their failed allreduce and go on
-    to a barrier in the same call."""
+    to another collective in the same call (a barrier, or a small allreduce: the C steps
+    take its generation where they were built)."""
     if unison.rank() == leaver:
         return "left"
     try:
@@ -326,18 +327,22 @@ def catch_then_barrier(leaver: int) -> str:
     except CollectiveError:
         pass
     try:
-        unison.barrier()
+        if then == "barrier":
+            unison.barrier()
+        else:
+            unison.allreduce(np.ones(4))
     except CollectiveError as exc:
         return str(exc)
-    return "the barrier passed"
+    return f"the {then} passed"
 
 
-def test_after_a_failed_collective_the_rest_of_the_call_raises(make_session):
+@pytest.mark.parametrize("then", ["barrier", "allreduce"])
+def test_after_a_failed_collective_the_rest_of_the_call_raises(make_session, then):
     """Peers of a failed collective may be anywhere in it (one still reading our input),
     so a worker that catches the error and goes on is out of step: its next collective
     in that call raises at once, saying so; the next call is in step again."""
     sess = make_session(3)
-    got = sess.run(catch_then_barrier, 1, timeout=LIMIT)
+    got = sess.run(catch_then_go_on, 1, then, timeout=LIMIT)
     assert got[1] == "left"
     for r in (0, 2):
         assert "an earlier collective of this call failed" in got[r], got

@@ -3,6 +3,9 @@
  * collective/shm.py owns the segment's layout, the protocol and every slow path; this file
  * runs the steps a small allreduce pays each time, in one call and without the interpreter:
  *
+ *   small(): take the collective's generation as shm.py's _next does (its _index and _owe
+ *            lists), where nothing is owed that _next would wait for or raise on (else
+ *            PASS, with nothing done), then
  *   stage 0: nbytes and signature into our record, our input into our slot, what we call
  *            (descriptor, 0) at the parity's place; release-store our generation; wait a
  *            short while for every peer to reach it.
@@ -20,6 +23,7 @@
  *   MEET 1        published and arrived; some peer has not: wait for gen, then stage 1
  *   MISMATCH 2    some peer called something else or passed other data: the caller raises
  *   DEPART 3      out holds the result; some peer has not passed generation | 1 yet
+ *   PASS 4        (small) nothing done: the caller settles what is owed, or copies a, first
  *   | LONG 16     a yield took longer than long_ns (the machine may be crowded)
  *
  * And end(call_id), which the worker loop calls after every call (most run no collective):
@@ -35,6 +39,7 @@
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
@@ -42,7 +47,7 @@
 
 /* words of a worker's record, as collective/shm.py's _GEN_W .. _DESC (checked at import) */
 enum { GEN_W, GEN_G, LEFT, PID, NBYTES, SIG, DESC };
-enum { DONE = 0, MEET = 1, MISMATCH = 2, DEPART = 3, LONG = 16 };
+enum { DONE = 0, MEET = 1, MISMATCH = 2, DEPART = 3, PASS = 4, LONG = 16 };
 /* what reduces how: (op << 4) | type */
 enum { T_F32, T_F64, T_I32, T_I64, T_U32, T_U64 };
 enum { OP_SUM, OP_PROD, OP_MIN, OP_MAX };
@@ -60,6 +65,8 @@ typedef struct {
     Py_ssize_t slot_size;
     PyObject *owner;          /* a weak reference to the ShmCollectives, or NULL */
     PyObject *spills, *pidfds; /* the owner's dicts: end() calls its _tidy() while either holds */
+    PyObject *index, *owe;     /* the owner's lists: small() takes a generation as _next does */
+    uint64_t last_gen;         /* small()'s last generation, for the caller that finishes it */
 } Reducer;
 
 static inline uint64_t load(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
@@ -82,6 +89,8 @@ static void Reducer_dealloc(Reducer *self) {
     Py_CLEAR(self->owner);
     Py_CLEAR(self->spills);
     Py_CLEAR(self->pidfds);
+    Py_CLEAR(self->index);
+    Py_CLEAR(self->owe);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -95,13 +104,22 @@ static int Reducer_init(Reducer *self, PyObject *args, PyObject *kw) {
     Py_CLEAR(self->owner);
     Py_CLEAR(self->spills);
     Py_CLEAR(self->pidfds);
+    Py_CLEAR(self->index);
+    Py_CLEAR(self->owe);
     if (owner) {  /* no strong reference: the owner holds this object */
         self->owner = PyWeakref_NewRef(owner, NULL);
         self->spills = self->owner ? PyObject_GetAttrString(owner, "_spills") : NULL;
         self->pidfds = self->spills ? PyObject_GetAttrString(owner, "_pidfds") : NULL;
-        if (!self->pidfds) return -1;
+        self->index = self->pidfds ? PyObject_GetAttrString(owner, "_index") : NULL;
+        self->owe = self->index ? PyObject_GetAttrString(owner, "_owe") : NULL;
+        if (!self->owe) return -1;
         if (!PyDict_CheckExact(self->spills) || !PyDict_CheckExact(self->pidfds)) {
             PyErr_SetString(PyExc_TypeError, "owner: its _spills and _pidfds must be dicts");
+            return -1;
+        }
+        if (!PyList_CheckExact(self->index) || PyList_GET_SIZE(self->index) != 2 ||
+            !PyList_CheckExact(self->owe) || PyList_GET_SIZE(self->owe) != 2) {
+            PyErr_SetString(PyExc_TypeError, "owner: its _index and _owe must be lists of 2");
             return -1;
         }
     }
@@ -226,105 +244,203 @@ static int fold(int code, char *out, char *const *parts, int m, Py_ssize_t nbyte
     return 0;
 }
 
-/* allreduce(a, out, code, which, gen, desc, sig, ranks, stage, pauses, budget_ns, long_ns)
- * -> status (see the top of this file). a and out: C-contiguous buffers of the same size, at
- * most a slot; ranks: the participants' global ranks in order, this worker among them;
- * pauses, budget_ns and long_ns: how its waits spin (await_short). */
-static PyObject *Reducer_allreduce(Reducer *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 12) {
-        PyErr_SetString(PyExc_TypeError, "allreduce takes 12 arguments");
-        return NULL;
+/* What reduces what among whom: collective/shm.py's plan tuple, (code, sig, desc, which,
+ * ranks, pauses, long_ns), read into C. */
+typedef struct {
+    int code, which, m, ranks[MAX_RANKS];
+    uint64_t sig, desc;
+    Spin spin;
+} Plan;
+
+static int read_plan(Reducer *self, PyObject *obj, Plan *p) {
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 7) {
+        PyErr_SetString(PyExc_TypeError, "plan: (code, sig, desc, which, ranks, pauses, long_ns)");
+        return -1;
     }
-    int code = (int)PyLong_AsLong(args[2]);
-    int which = (int)PyLong_AsLong(args[3]);
-    uint64_t gen = PyLong_AsUnsignedLongLong(args[4]);
-    uint64_t desc = PyLong_AsUnsignedLongLong(args[5]);
-    uint64_t sig = PyLong_AsUnsignedLongLong(args[6]);
-    int stage = (int)PyLong_AsLong(args[8]);
-    Spin spin = {(int)PyLong_AsLong(args[9]), PyLong_AsLongLong(args[10]),
-                 PyLong_AsLongLong(args[11])};
-    if (PyErr_Occurred()) return NULL;
-    PyObject *ranks_obj = args[7];
-    if (!PyTuple_Check(ranks_obj) || (which != 0 && which != 1)) {
-        PyErr_SetString(PyExc_TypeError, "ranks must be a tuple, which 0 or 1");
-        return NULL;
+    p->code = (int)PyLong_AsLong(PyTuple_GET_ITEM(obj, 0));
+    p->sig = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(obj, 1));
+    p->desc = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(obj, 2));
+    p->which = (int)PyLong_AsLong(PyTuple_GET_ITEM(obj, 3));
+    p->spin.pauses = (int)PyLong_AsLong(PyTuple_GET_ITEM(obj, 5));
+    p->spin.long_ns = PyLong_AsLongLong(PyTuple_GET_ITEM(obj, 6));
+    p->spin.budget_ns = 0;
+    if (PyErr_Occurred()) return -1;
+    PyObject *ranks = PyTuple_GET_ITEM(obj, 4);
+    if (!PyTuple_Check(ranks) || (p->which != 0 && p->which != 1)) {
+        PyErr_SetString(PyExc_TypeError, "plan: ranks must be a tuple, which 0 or 1");
+        return -1;
     }
-    int m = (int)PyTuple_GET_SIZE(ranks_obj), ranks[MAX_RANKS];
-    if (m < 1 || m > self->n) {
+    p->m = (int)PyTuple_GET_SIZE(ranks);
+    if (p->m < 1 || p->m > self->n) {
         PyErr_SetString(PyExc_ValueError, "ranks: between 1 and the number of workers");
-        return NULL;
+        return -1;
     }
-    for (int k = 0; k < m; k++) {
-        long r = PyLong_AsLong(PyTuple_GET_ITEM(ranks_obj, k));
+    for (int k = 0; k < p->m; k++) {
+        long r = PyLong_AsLong(PyTuple_GET_ITEM(ranks, k));
         if (r < 0 || r >= self->n) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a rank out of range");
-            return NULL;
+            return -1;
         }
-        ranks[k] = (int)r;
+        p->ranks[k] = (int)r;
     }
-    Py_buffer a, out;
-    if (PyObject_GetBuffer(args[0], &a, PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (PyObject_GetBuffer(args[1], &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&a);
-        return NULL;
-    }
-    PyObject *result = NULL;
-    Py_ssize_t nbytes = a.len;
-    if (out.len != nbytes || nbytes > self->slot_size) {
+    return 0;
+}
+
+/* out, a writeable C-contiguous buffer of a's size (a: at most a slot) that p's code
+ * reduces; -1 with an error set, before anything is published, if not. */
+static int take_out(Reducer *self, Py_buffer *a, PyObject *obj, Py_buffer *out, const Plan *p) {
+    if (PyObject_GetBuffer(obj, out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) return -1;
+    int size = item_size(p->code);
+    if (out->len != a->len || a->len > self->slot_size) {
         PyErr_SetString(PyExc_ValueError, "a and out: the same size, at most a slot");
-        goto finally;
+    } else if (!size || a->len % size) {
+        PyErr_Format(PyExc_ValueError, "no reduction has code %d for %zd bytes", p->code,
+                     a->len);
+    } else {
+        return 0;
     }
-    int size = item_size(code);
-    if (!size || nbytes % size) { /* before anything is published */
-        PyErr_Format(PyExc_ValueError, "no reduction has code %d for %zd bytes", code, nbytes);
-        goto finally;
-    }
+    PyBuffer_Release(out);
+    return -1;
+}
+
+/* The steps from ``stage`` on (see the top of this file) -> status; -1 with an error set. */
+static int steps(Reducer *self, const Py_buffer *a, const Py_buffer *out, const Plan *p,
+                 uint64_t gen, int stage) {
     uint64_t *q = self->q;
-    Py_ssize_t me = self->rec[self->rank];
-    int parity = (int)((gen >> 2) & 1), long_seen = 0, status;
+    Py_ssize_t me = self->rec[self->rank], nbytes = a->len;
+    int parity = (int)((gen >> 2) & 1), which = p->which, m = p->m, long_seen = 0, status;
     if (stage == 0) {
         q[me + NBYTES] = (uint64_t)nbytes;
-        q[me + SIG] = sig;
+        q[me + SIG] = p->sig;
         PyThreadState *ts = nbytes >= UNLOCKED ? PyEval_SaveThread() : NULL;
-        memcpy(self->base + self->slot[self->rank], a.buf, (size_t)nbytes);
+        memcpy(self->base + self->slot[self->rank], a->buf, (size_t)nbytes);
         if (ts) PyEval_RestoreThread(ts);
-        q[me + DESC + 4 * which + 2 * parity] = desc;
+        q[me + DESC + 4 * which + 2 * parity] = p->desc;
         q[me + DESC + 4 * which + 2 * parity + 1] = 0;
         store(&q[me + which], gen);
         uint64_t top = ((gen >> 24) + 1) << 24; /* a meeting counts this call's arrivals only */
-        if (!await_short(self, ranks, m, which, gen, top, &spin, &long_seen)) {
-            status = MEET;
-            goto done;
-        }
+        if (!await_short(self, p->ranks, m, which, gen, top, &p->spin, &long_seen))
+            return MEET | (long_seen ? LONG : 0);
     }
     __atomic_thread_fence(__ATOMIC_ACQUIRE); /* stage 1: the caller saw them arrive */
     char *parts[MAX_RANKS];
     for (int k = 0; k < m; k++) {
-        Py_ssize_t r = self->rec[ranks[k]];
+        Py_ssize_t r = self->rec[p->ranks[k]];
         Py_ssize_t at = r + DESC + 4 * which + 2 * parity;
-        if (q[at] != desc || q[at + 1] != 0 || q[r + NBYTES] != (uint64_t)nbytes ||
-            q[r + SIG] != sig) {
-            status = MISMATCH;
-            goto done;
-        }
-        parts[k] = self->base + self->slot[ranks[k]];
+        if (q[at] != p->desc || q[at + 1] != 0 || q[r + NBYTES] != (uint64_t)nbytes ||
+            q[r + SIG] != p->sig)
+            return MISMATCH | (long_seen ? LONG : 0);
+        parts[k] = self->base + self->slot[p->ranks[k]];
     }
     PyThreadState *ts = nbytes >= UNLOCKED ? PyEval_SaveThread() : NULL;
-    int folded = fold(code, (char *)out.buf, parts, m, nbytes);
+    int folded = fold(p->code, (char *)out->buf, parts, m, nbytes);
     if (ts) PyEval_RestoreThread(ts);
-    if (!folded) { /* item_size() said it would */
-        PyErr_Format(PyExc_SystemError, "no reduction has code %d", code);
-        goto finally;
+    if (!folded) { /* take_out() checked that it would */
+        PyErr_Format(PyExc_SystemError, "no reduction has code %d", p->code);
+        return -1;
     }
     store(&q[me + which], gen | 1);
-    status = await_short(self, ranks, m, which, gen | 1, UINT64_MAX, &spin, &long_seen)
+    status = await_short(self, p->ranks, m, which, gen | 1, UINT64_MAX, &p->spin, &long_seen)
                  ? DONE : DEPART;
-done:
-    result = PyLong_FromLong(status | (long_seen ? LONG : 0));
+    return status | (long_seen ? LONG : 0);
+}
+
+/* Whether shm.py's _settle would do anything about what scope k owes (None, or a tuple
+ * (call, need, ranks, failed)): only not where nothing is owed, or where it is owed from a
+ * collective of this call that succeeded. */
+static int owes(PyObject *owe, Py_ssize_t k, uint64_t call) {
+    PyObject *o = PyList_GET_ITEM(owe, k);
+    if (o == Py_None) return 0;
+    if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != 4 || PyTuple_GET_ITEM(o, 3) != Py_False)
+        return 1;
+    uint64_t c = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(o, 0));
+    if (c == (uint64_t)-1 && PyErr_Occurred()) PyErr_Clear();
+    return c != call;
+}
+
+/* small(a, out, plan, call, budget_ns) -> status (see the top of this file), or PASS with
+ * nothing done: where a is not C-contiguous, or where something is owed that shm.py's
+ * _settle waits for or raises on. The caller then settles, copies and calls again.
+ *
+ * Otherwise it takes the collective's generation as shm.py's _next does (the owner's
+ * _index and _owe), in call ``call``, and runs the steps, its waits yield-spinning for at
+ * most budget_ns. DONE leaves nothing owed; any other status leaves _owe[which] as _next
+ * does (failed, until the caller finishes the collective), with the generation in
+ * last_gen. */
+static PyObject *Reducer_small(Reducer *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "small takes 5 arguments");
+        return NULL;
+    }
+    if (!self->index) {
+        PyErr_SetString(PyExc_TypeError, "small needs an owner (its _index and _owe)");
+        return NULL;
+    }
+    Plan p;
+    if (read_plan(self, args[2], &p) < 0) return NULL;
+    uint64_t call = PyLong_AsUnsignedLongLong(args[3]);
+    p.spin.budget_ns = PyLong_AsLongLong(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (owes(self->owe, 0, call) || owes(self->owe, 1, call)) return PyLong_FromLong(PASS);
+    Py_buffer a, out;
+    if (PyObject_GetBuffer(args[0], &a, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear(); /* not C-contiguous: the caller copies */
+        return PyLong_FromLong(PASS);
+    }
+    if (take_out(self, &a, args[1], &out, &p) < 0) {
+        PyBuffer_Release(&a);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    /* _next: take the generation */
+    Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(self->index, p.which));
+    PyObject *next = i < 0 ? NULL : PyLong_FromSsize_t(i + 1);
+    if (!next) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "_index: a negative count");
+        goto finally;
+    }
+    PyList_SetItem(self->index, p.which, next); /* steals next */
+    uint64_t gen = (call << 24) | ((uint64_t)i << 2);
+    self->last_gen = gen;
+    int status = steps(self, &a, &out, &p, gen, 0);
+    PyObject *owed = Py_None;
+    if (status != DONE) { /* as _next left it: failed until the caller finishes */
+        owed = Py_BuildValue("(KKOO)", (unsigned long long)call, (unsigned long long)(gen | 1),
+                             PyTuple_GET_ITEM(args[2], 4), Py_True);
+        if (!owed) goto finally;  /* (the steps' error, if any, stays the one raised) */
+    } else {
+        Py_INCREF(owed);
+    }
+    PyList_SetItem(self->owe, p.which, owed); /* steals owed */
+    if (status >= 0) result = PyLong_FromLong(status);
 finally:
     PyBuffer_Release(&a);
     PyBuffer_Release(&out);
     return result;
+}
+
+/* after_meet(a, out, plan, gen) -> status: stage 1 of small's collective at gen, once the
+ * caller saw every peer arrive; its departure does not wait (DEPART: the caller waits). */
+static PyObject *Reducer_after_meet(Reducer *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "after_meet takes 4 arguments");
+        return NULL;
+    }
+    Plan p;
+    if (read_plan(self, args[2], &p) < 0) return NULL;
+    p.spin.pauses = 0;
+    uint64_t gen = PyLong_AsUnsignedLongLong(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer a, out;
+    if (PyObject_GetBuffer(args[0], &a, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (take_out(self, &a, args[1], &out, &p) < 0) {
+        PyBuffer_Release(&a);
+        return NULL;
+    }
+    int status = steps(self, &a, &out, &p, gen, 1);
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&out);
+    return status < 0 ? NULL : PyLong_FromLong(status);
 }
 
 /* The worker finished call ``call``: peers waiting for us in it give up (the release store
@@ -354,10 +470,18 @@ static PyObject *Reducer_end(Reducer *self, PyObject *arg) {
 static PyMethodDef Reducer_methods[] = {
     {"end", (PyCFunction)Reducer_end, METH_O,
      "end(call_id): our left word; then owner._tidy() where it holds spills or pidfds"},
-    {"allreduce", (PyCFunction)(void (*)(void))Reducer_allreduce, METH_FASTCALL,
-     "allreduce(a, out, code, which, gen, desc, sig, ranks, stage, pauses, budget_ns, "
-     "long_ns) -> status"},
+    {"small", (PyCFunction)(void (*)(void))Reducer_small, METH_FASTCALL,
+     "small(a, out, plan, call, budget_ns) -> status: a small allreduce, its generation "
+     "taken as shm.py's _next does"},
+    {"after_meet", (PyCFunction)(void (*)(void))Reducer_after_meet, METH_FASTCALL,
+     "after_meet(a, out, plan, gen) -> status: small's steps after its meeting"},
     {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef Reducer_members[] = {
+    {"last_gen", T_ULONGLONG, offsetof(Reducer, last_gen), READONLY,
+     "the generation small() last took"},
+    {NULL, 0, 0, 0, NULL},
 };
 
 static PyTypeObject ReducerType = {
@@ -370,6 +494,7 @@ static PyTypeObject ReducerType = {
     .tp_init = (initproc)Reducer_init,
     .tp_dealloc = (destructor)Reducer_dealloc,
     .tp_methods = Reducer_methods,
+    .tp_members = Reducer_members,
 };
 
 static struct PyModuleDef module = {

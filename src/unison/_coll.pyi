@@ -5,10 +5,13 @@ from typing import Any
 
 RECORD: tuple[int, int, int, int, int, int, int]
 
+# (code, sig, desc, which, ranks, pauses, long_ns): collective/shm.py's _plan
+Plan = tuple[int, int, int, int, tuple[int, ...], int, int]
+
 class Reducer:
+    last_gen: int
     def __init__(self, buffer: Any, rank: int, records: Sequence[int], slots: Sequence[int],
                  slot_size: int, owner: Any = None) -> None: ...
     def end(self, call_id: int, /) -> None: ...
-    def allreduce(self, a: Any, out: Any, code: int, which: int, gen: int, desc: int, sig: int,
-                  ranks: tuple[int, ...], stage: int, pauses: int, budget_ns: int,
-                  long_ns: int) -> int: ...
+    def small(self, a: Any, out: Any, plan: Plan, call: int, budget_ns: int, /) -> int: ...
+    def after_meet(self, a: Any, out: Any, plan: Plan, gen: int, /) -> int: ...

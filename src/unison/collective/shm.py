@@ -117,7 +117,7 @@ _TAG_NAMES = ("send", "scatter", "gather")
 # module's Pacer takes over: checks a pause apart (only where every participant can hold a
 # core: at N=4 on 2 cores 256 of them doubled a 4 KiB allreduce's time, and at N=2 saved 1 us
 # of 7), then yields for at most _C_SPIN_NS; and which (op, dtype) it reduces, by code
-_C_MEET, _C_MISMATCH, _C_DEPART, _C_LONG = 1, 2, 3, 16  # and 0: done
+_C_MEET, _C_MISMATCH, _C_DEPART, _C_PASS, _C_LONG = 1, 2, 3, 4, 16  # and 0: done
 _C_PAUSES = 128
 _C_SPIN_NS = 100_000
 _CORES = cores()
@@ -130,6 +130,21 @@ _C_CODES = {  # no float min or max: numpy's NaN rules stay numpy's
     for i, t in enumerate(_C_TYPES) for op in _C_OPS if t[1] != "f" or op in ("sum", "prod")
 }
 _C_CODES.update({("mean", t): _C_CODES["sum", t] for t in _C_TYPES[:2]})  # then / N
+
+
+Plan = tuple[int, int, int, int, tuple[int, ...], int, int]
+"""What the C steps reduce how among whom: (code, signature, descriptor, which counter,
+ranks, pauses, long_ns), as _coll.c's Plan."""
+
+_BUG = ("this is a bug in unison: please report it with the collectives this call ran "
+        "(UNISON_PURE=1 runs them without the C steps meanwhile)")
+
+
+def _plan(code: int, sig: int, desc: int, which: int, ranks: tuple[int, ...]) -> Plan:
+    """A Plan for the C steps: their waits check a pause apart only where every
+    participant can hold a core (see _C_PAUSES)."""
+    return (code, sig, desc, which, ranks, _C_PAUSES if len(ranks) <= _CORES else 0,
+            _C_LONG_NS)
 
 
 def _steps_in_c() -> Any:
@@ -220,8 +235,8 @@ class ShmCollectives(CallScope, Collectives):
         self._c = _coll.Reducer(self._mm, rank, self._w, lay.slot, SLOT, self) if _coll else None
         if self._c is not None:  # the worker loop's end after every call: one C call
             self.end = self._c.end  # type: ignore[method-assign]
-        self._small: dict[tuple[str, np.dtype[Any], tuple[int, ...]],
-                          tuple[int, int, int] | tuple[()]] = {}
+        self._small: dict[tuple[str, np.dtype[Any], tuple[int, ...], bool],
+                          Plan | tuple[()]] = {}
 
     def close(self) -> None:
         """Let go of the peers' pidfds (``watch_peers``; each call's end does too); the
@@ -442,35 +457,39 @@ class ShmCollectives(CallScope, Collectives):
     def allreduce(self, x: Any, op: str, group: bool, out: Any = None) -> Any:
         """(``out``: as unison.allreduce's; a numpy array that fits takes the C steps'
         result directly, with no array made per call.)"""
-        if type(x) is np.ndarray and type(op) is str and self._c is not None:
+        if (type(x) is np.ndarray and type(op) is str and self._c is not None
+                and self._call_ranks is None):  # the common case, kept short: in C
             shape, dtype = x.shape, x.dtype
-            how = self._small.get((op, dtype, shape))
-            if how is None:
-                how = self._small_how(op, x)
-            if how:  # the common case, kept short: in C (see _allreduce_c)
-                which, ranks = self.scope(group)
+            plan = self._small.get((op, dtype, shape, group))
+            if plan is None:
+                plan = self._small_plan(op, x, group)
+            if plan:
                 res = np.empty(shape, dtype) if out is None else _result(out, op, shape, dtype)
-                self._allreduce_c(x if x.flags.c_contiguous else x.copy(), res, how, which,
-                                  ranks)  # (_contiguous, inlined)
+                status = self._c.small(x, res, plan, self._call,
+                                       0 if time.perf_counter() < crowd.until else _C_SPIN_NS)
+                if status:  # (_allreduce_c, inlined)
+                    self._c_rest(x, res, plan, status)
                 if op == "mean":
-                    res = _mean(res, len(ranks), dtype)
+                    res = _mean(res, len(plan[4]), dtype)
                 return res if out is None or res is out else into(out, res)  # (no call: hot)
         check_op(op)
         res = self._allreduce(x, op, group, descriptor("allreduce", op), out)
         return res if out is None else into(out, res)
 
-    def _small_how(self, op: str, x: np.ndarray) -> tuple[int, int, int] | tuple[()]:
-        """How _allreduce_c reduces ``x`` by ``op``: (code, signature, descriptor), or () if
-        it does not (another dtype or op, or larger than SMALL). Kept per (op, dtype, shape):
-        working it out costs more than the C steps."""
+    def _small_plan(self, op: str, x: np.ndarray, group: bool) -> Plan | tuple[()]:
+        """How the C steps reduce ``x`` by ``op`` in ``group``'s scope (see _plan), or ()
+        where they do not (another dtype or op, or larger than SMALL). Kept per (op, dtype,
+        shape, group), for calls that every worker runs: working it out costs more than
+        the C steps."""
         code = _C_CODES.get((op, x.dtype.str))
-        how: tuple[int, int, int] | tuple[()] = ()
+        plan: Plan | tuple[()] = ()
         if code is not None and x.nbytes <= SMALL:
-            how = (code, array_signature(x), descriptor("allreduce", op))
+            which, ranks = self.scope(group)
+            plan = _plan(code, array_signature(x), descriptor("allreduce", op), which, ranks)
         if len(self._small) >= 256:
             self._small.clear()
-        self._small[op, x.dtype, x.shape] = how
-        return how
+        self._small[op, x.dtype, x.shape, group] = plan
+        return plan
 
     def _allreduce(self, x: Any, op: str, group: bool, desc: int, dest: Any = None) -> Any:
         """``dest``: allreduce's out=, written in place where it fits (else the caller
@@ -484,7 +503,7 @@ class ShmCollectives(CallScope, Collectives):
         sig = array_signature(arr)
         code = _C_CODES.get((op, arr.dtype.str)) if self._c is not None else None
         if code is not None and (arr.nbytes <= SMALL or (len(ranks) <= 2 and arr.nbytes <= SLOT)):
-            self._allreduce_c(arr, out, (code, sig, desc), which, ranks)
+            self._allreduce_c(arr, out, _plan(code, sig, desc, which, ranks))
         elif arr.nbytes <= SLOT:
             flat = arr.ndim == 1
             self._allreduce_flat(arr if flat else arr.reshape(-1),
@@ -519,33 +538,50 @@ class ShmCollectives(CallScope, Collectives):
         np.copyto(out, result)
         self._finish(which, ranks, gen | 3, desc)
 
-    def _allreduce_c(self, a: np.ndarray, out: np.ndarray, how: tuple[int, int, int],
-                     which: int, ranks: tuple[int, ...]) -> None:
+    def _allreduce_c(self, a: np.ndarray, out: np.ndarray, plan: Plan) -> None:
         """_allreduce_flat's "whole" case in C, which every rank takes for this (op, dtype)
-        and size (``how``: see _small_how): publish, meet, check, reduce, depart (unison/
-        _coll.c). C waits only briefly; a wait it gives up continues here, with every check
-        that _await makes. Same bits as numpy's path, same errors."""
-        code, sig, desc = how
-        gen = self._next(which, ranks, 1, desc)
-        spin = 0 if time.perf_counter() < crowd.until else _C_SPIN_NS  # crowded: no spin
-        pauses = _C_PAUSES if len(ranks) <= _CORES else 0
+        and size (``plan``: see _plan): take the generation, publish, meet, check, reduce,
+        depart (unison/_coll.c). C waits only briefly; a wait it gives up continues in
+        _c_rest, with every check that _await makes. Same bits as numpy's path, same
+        errors."""
         c = self._c
         assert c is not None
-        status = c.allreduce(a, out, code, which, gen, desc, sig, ranks, 0, pauses, spin,
-                             _C_LONG_NS)
+        status = c.small(a, out, plan, self._call,
+                         0 if time.perf_counter() < crowd.until else _C_SPIN_NS)
+        if status:
+            self._c_rest(a, out, plan, status)
+
+    def _c_rest(self, a: np.ndarray, out: np.ndarray, plan: Plan, status: int) -> None:
+        """What the C steps left to Python: what _next settles, a copy of an input that is
+        not C-contiguous (PASS: C did nothing), a crowded machine, a wait it gave up, a
+        mismatch (raised here)."""
+        c = self._c
+        assert c is not None
+        _, sig, desc, which, ranks, _, _ = plan
+        if status == _C_PASS:
+            for scope in (0, 1):  # raises where one failed in this call
+                owe = self._owe[scope]
+                if owe is not None:
+                    self._settle(scope, owe, desc)
+            a = _contiguous(a)
+            status = c.small(a, out, plan, self._call,
+                             0 if time.perf_counter() < crowd.until else _C_SPIN_NS)
+            if status == _C_PASS:
+                raise CollectiveError(f"{describe(desc)} on worker {self.rank}: the C steps "
+                                      f"refused it twice; {_BUG}")
+        gen = c.last_gen
         if status & _C_LONG:
             crowd.met_long_yield(time.perf_counter())
             status &= ~_C_LONG
         if status == _C_MEET:
             self._await(which, ranks, gen, desc)
-            status = c.allreduce(a, out, code, which, gen, desc, sig, ranks, 1, 0, 0, 0)
+            status = c.after_meet(a, out, plan, gen)
         if status == _C_MISMATCH:
             self._check_records(which, ranks, gen, desc, 0)
             self._check_sizes(ranks, a.nbytes, sig, desc)
             raise CollectiveError(  # the checks above raise first: only a bug gets here
                 f"{describe(desc)} on worker {self.rank}: a peer's record changed under the "
-                "meeting; this is a bug in unison: please report it with the collectives "
-                "this call ran (UNISON_PURE=1 runs them without the C steps meanwhile)")
+                f"meeting; {_BUG}")
         if status == _C_DEPART:
             self._await(which, ranks, gen | 1, desc)
         self._owe[which] = None
