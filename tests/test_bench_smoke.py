@@ -475,3 +475,26 @@ def test_allreduce_parts_splits_a_round_into_its_steps() -> None:
         whole, into, c_steps, python, *steps = map(float, row[1:])
         assert whole > 0 and into > 0 and c_steps > 0 and all(s > 0 for s in steps), row
         assert python == pytest.approx(whole - c_steps, abs=0.05), row
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0),
+                    reason="needs CPUs 0 and 1")
+def test_placement_gives_a_row_per_placement() -> None:
+    """benchmarks/placement.py: a row per placement, in the order asked, each system's
+    median and unison's ratio to it."""
+    out = _tool("placement.py", "--workers", "2", "--places", "0|01,1|00,free", "--blocks",
+                "1", "--seconds", "0.05", "--workload", "dispatch")
+    rows = _last_rows(out, 3)
+    assert [r[0] for r in rows] == ["0|01", "1|00", "free"], out
+    for row in rows:
+        unison_us, floor_us, ratio = float(row[1]), float(row[2]), float(row[3].rstrip("x"))
+        assert unison_us > 0 and floor_us > 0, out
+        assert ratio == pytest.approx(unison_us / floor_us, rel=0.05, abs=0.01), out
+    assert "dispatch at N=2" in out
+
+
+def test_placement_refuses_a_placement_it_cannot_hold() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "placement.py"),
+                           "--workers", "2", "--places", "0|012"], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 2 and "one digit per worker (2)" in proc.stderr, proc.stderr
