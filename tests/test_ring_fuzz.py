@@ -235,6 +235,8 @@ cmd_desc = _descs(_CMD_ARENA, counters_size(2))
 
 reply_op = st.one_of(
     st.tuples(st.just("reply"), st.binary(max_size=200)),
+    st.tuples(st.just("plain"), st.integers(0, U64 >> 1),
+              st.one_of(st.none(), st.integers(), st.text(max_size=50), st.binary(max_size=200))),
     st.tuples(st.just("ack"), st.just(b"")),
     st.tuples(st.just("part"), st.binary(max_size=100)),
     st.tuples(st.just("buffers"), st.binary(max_size=50),
@@ -293,6 +295,10 @@ def _apply_reply_op(chan: ShmChannel, w: ShmWorkerChannel, op: tuple[Any, ...]) 
     kind = op[0]
     if kind == "reply":
         w.reply(op[1])
+    elif kind == "plain":  # as worker.serve sends run's plain value
+        msg = (op[1], protocol.OK, op[2])
+        if not w.reply_plain(msg, protocol.PLAIN):
+            w.reply(protocol.dumps_plain(msg, protocol.PLAIN))
     elif kind == "ack":
         w.ack()
     elif kind == "part":
@@ -322,7 +328,12 @@ def _expect_reply(op: tuple[Any, ...], parts: list[bytes]) -> list[Any] | None:
         return [("reply", op[1], list(op[2]))]
     if kind == "indirect":
         return [("reply", bytes([op[1]]) * (shm_mod._REPLY_INLINE + 1 + op[1]), [])]
-    data = op[1] if kind in ("reply", "ack") else bytes([op[1]]) * (REPLY_RING // 2 + op[1])
+    if kind == "plain":
+        data = protocol.dumps_plain((op[1], protocol.OK, op[2]), protocol.PLAIN)
+    elif kind in ("reply", "ack"):
+        data = op[1]
+    else:
+        data = bytes([op[1]]) * (REPLY_RING // 2 + op[1])
     joined = b"".join([*parts, data])
     parts.clear()
     return [joined]
@@ -331,7 +342,7 @@ def _expect_reply(op: tuple[Any, ...], parts: list[bytes]) -> list[Any] | None:
 def _corrupt_reply(chan: ShmChannel, w: ShmWorkerChannel, bad: tuple[Any, ...]) -> None:
     """Write what a rogue worker 0 would, at its ring's head, and publish a position."""
     q, buf = chan._q, chan._buf
-    pos = w._rpos
+    pos = w._q[w._rw_idx]  # the worker's reply position, written by it alone
     base = chan._lay.reply_ring[0]
     off = pos & (REPLY_RING - 1)
     room = REPLY_RING - off - 8  # body bytes up to the ring's end: never into rank 1's ring
@@ -564,7 +575,7 @@ def _reply_case(setup: Callable[[ShmChannel, ShmWorkerChannel, int], None],
         marker = os.path.join(tmp, "ran")
         w0.reply(b"before")
         assert _drain(chan) == [(0, b"before")]
-        base = chan._lay.reply_ring[0] + (w0._rpos & (REPLY_RING - 1))
+        base = chan._lay.reply_ring[0] + (w0._q[w0._rw_idx] & (REPLY_RING - 1))
         if evil:
             blob = pickle.dumps((1, 0, _Mkdir(marker)), protocol=5)
             chan._buf[base + 8 : base + 8 + len(blob)] = blob
@@ -588,7 +599,7 @@ def _bad_reply(head: int | None, end: int, desc: tuple[int, int, int] | None = N
             chan._q[base // 8] = 24 | 1 << _NDESC
         elif head is not None:
             chan._q[base // 8] = head
-        chan._q[chan._lay.reply_write[0] // 8] = (w._rpos + end) & U64
+        chan._q[chan._lay.reply_write[0] // 8] = (w._q[w._rw_idx] + end) & U64
 
     return setup
 
@@ -895,6 +906,56 @@ def test_a_message_that_does_not_fit_gives_its_blocks_back() -> None:
         arena.close()
 
 
+@pytest.mark.parametrize("pure", [False, True], ids=["c", "python"])
+def test_a_plain_reply_in_one_step_keeps_its_place_at_the_rings_end_and_when_full(
+        pure: bool) -> None:
+    """worker.serve's reply of a plain value (``reply_plain``, C where the ring is): where it
+    would cross the ring's end, or the ring is full, or the value is over a quarter of the
+    ring, it writes nothing and says so, and ``reply`` then sends it (a wrap marker, the
+    reply arena); every reply reads back in order either way."""
+    if not pure and not _native_built():
+        pytest.skip("the C ring did not build here")
+    with _pair(reply_start=REPLY_RING - 40) as (chan, (w0, _)):
+        if pure:
+            w0._taker = None
+            w0.__dict__.pop("reply_plain", None)
+
+        def send(req: int, value: Any) -> bool:
+            msg = (req, protocol.OK, value)
+            if w0.reply_plain(msg, protocol.PLAIN):
+                return True
+            w0.reply(protocol.dumps_plain(msg, protocol.PLAIN))
+            return False
+
+        def values() -> list[Any]:  # a reply over a quarter of the ring: from the arena
+            return [protocol.loads_plain(bytes(d.data) if isinstance(d, Reply) else d)[2]
+                    for _, d in _drain(chan)]
+
+        # 40 bytes to the ring's end: an entry of 24 fits, the next crosses it
+        assert [send(i, i) for i in range(3)] == [not pure, False, not pure]
+        assert values() == [0, 1, 2]
+        big = b"x" * (shm_mod._REPLY_INLINE + 1)
+        assert not send(3, big)
+        assert values() == [big]
+        fill = b"f" * 4000  # the ring filled, the controller reading nothing meanwhile
+        entry = (8 + len(protocol.dumps_plain((0, protocol.OK, fill), protocol.PLAIN)) + 7) & ~7
+        sent = 0
+        while True:
+            msg = (sent, protocol.OK, fill)
+            pos = w0._q[w0._rw_idx]
+            if w0.reply_plain(msg, protocol.PLAIN):
+                sent += 1
+                continue
+            assert w0._q[w0._rw_idx] == pos, "a refused reply moved the ring's position"
+            if pos + entry - w0._q[w0._rr_idx] > REPLY_RING:
+                break  # full: reply() would wait for the controller now
+            w0.reply(protocol.dumps_plain(msg, protocol.PLAIN))  # the ring's end: wraps
+            sent += 1
+        assert sent >= REPLY_RING // entry - 1
+        assert values() == [fill] * sent
+        assert send(sent, "after") != pure and values() == ["after"]
+
+
 def test_replies_and_commands_with_several_buffers_arrive_whole() -> None:
     """The fix seen through both rings: two buffers of one size, each way."""
     with _pair() as (chan, (w0, w1)):
@@ -914,9 +975,10 @@ from unison.channel import shm
 
 def corrupt():
     w = next(o for o in gc.get_objects() if isinstance(o, shm.ShmWorkerChannel))
-    base = w._rbase + (w._rpos & (shm.REPLY_RING - 1))
+    pos = w._q[w._rw_idx]
+    base = w._rbase + (pos & (shm.REPLY_RING - 1))
     w._q[base // 8] = 0xFFFFFFF0  # a reply of 4 GiB, published as 16 bytes
-    w._q[w._rw_idx] = w._rpos + 24
+    w._q[w._rw_idx] = pos + 24
     w._wake_controller()
     time.sleep(60)
 

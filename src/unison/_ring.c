@@ -3,7 +3,7 @@
  * channel/shm.py owns the layout and every slow path (room, wraps to make, buffers, waits);
  * this file does what every message pays: the controller's publish of a plain entry, the
  * worker's take of the next one (its progress published first, entries for others and
- * wrap markers skipped), and the worker's put of a plain reply. Same layout, same protocol, with real fences:
+ * wrap markers skipped), and the worker's put of a plain reply (put_plain: marshalled here). Same layout, same protocol, with real fences:
  *
  *   send:    (a plain entry that fits before the ring's end and the limit; else False,
  *            and shm.py's send makes room or places buffers) header, rank mask, payload;
@@ -533,34 +533,65 @@ static PyObject *Taker_replies(Taker *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* put(data, pos) -> the new reply position, or -1 when the entry would cross the ring's end
- * or the ring is full (the caller's slow path). A plain reply: header n, then the bytes;
- * release-store of the position, a full fence, then the controller's two wake flags. */
-static PyObject *Taker_put(Taker *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "put takes 2 arguments"); return NULL; }
-    if (!self->rring) { PyErr_SetString(PyExc_RuntimeError, "replies() was not called"); return NULL; }
-    Py_buffer p;
-    if (PyObject_GetBuffer(args[0], &p, PyBUF_SIMPLE) < 0) return NULL;
-    uint64_t pos = PyLong_AsUnsignedLongLong(args[1]);
-    if (PyErr_Occurred()) { PyBuffer_Release(&p); return NULL; }
+/* One plain reply entry of n bytes at this worker's reply position (its own word, written
+ * by nobody else): header n, then the bytes; release-store of the position, a full fence,
+ * then the controller's two wake flags. 0, or -1 with nothing written where the entry would
+ * cross the ring's end, the ring is full, or the body is over a quarter of the ring (it goes
+ * through the reply arena: shm._REPLY_INLINE): the caller's slow path. */
+static int put_entry(Taker *self, const char *data, uint64_t n) {
     uint64_t *q = self->q;
-    uint64_t n = (uint64_t)p.len, size = (8 + n + 7) & ~(uint64_t)7;
+    uint64_t pos = __atomic_load_n(&q[self->rw_idx], __ATOMIC_RELAXED);
+    uint64_t size = (8 + n + 7) & ~(uint64_t)7;
     uint64_t off = pos & (self->rring - 1);
-    if (off + size > self->rring ||
-        pos + size - __atomic_load_n(&q[self->rr_idx], __ATOMIC_ACQUIRE) > self->rring) {
-        PyBuffer_Release(&p);
-        return PyLong_FromLong(-1);
-    }
+    if (n > self->rring / 4 || off + size > self->rring ||
+        pos + size - __atomic_load_n(&q[self->rr_idx], __ATOMIC_ACQUIRE) > self->rring)
+        return -1;
     uint64_t *entry = (uint64_t *)(self->base + self->rbase + off);
     entry[0] = n;
-    memcpy(entry + 1, p.buf, n);
-    PyBuffer_Release(&p);
+    memcpy(entry + 1, data, n);
     __atomic_store_n(&q[self->rw_idx], pos + size, __ATOMIC_RELEASE);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     if (__atomic_load_n(&q[self->ctl_sleep_idx], __ATOMIC_RELAXED) ||
         __atomic_load_n(&q[self->ctl_async_idx], __ATOMIC_RELAXED))
         wake(self->ctl_efd);
-    return PyLong_FromUnsignedLongLong(pos + size);
+    return 0;
+}
+
+static int replies_set(Taker *self) {
+    if (self->rring) return 1;
+    PyErr_SetString(PyExc_RuntimeError, "replies() was not called");
+    return 0;
+}
+
+/* put(data) -> True, or False with nothing written (wrap or full: the caller's slow path). */
+static PyObject *Taker_put(Taker *self, PyObject *data) {
+    if (!replies_set(self)) return NULL;
+    Py_buffer p;
+    if (PyObject_GetBuffer(data, &p, PyBUF_SIMPLE) < 0) return NULL;
+    int r = put_entry(self, p.buf, (uint64_t)p.len);
+    PyBuffer_Release(&p);
+    return PyBool_FromLong(r == 0);
+}
+
+/* put_plain(msg, version) -> put(marshal.dumps(msg, version)): a worker's reply of plain
+ * values in one call. */
+static PyObject *Taker_put_plain(Taker *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "put_plain takes 2 arguments");
+        return NULL;
+    }
+    if (!replies_set(self)) return NULL;
+    long version = PyLong_AsLong(args[1]);
+    if (version == -1 && PyErr_Occurred()) return NULL;
+    if (version < 0 || version > 4) {
+        PyErr_SetString(PyExc_ValueError, "put_plain: marshal version out of range");
+        return NULL;
+    }
+    PyObject *data = PyMarshal_WriteObjectToString(args[0], (int)version);
+    if (!data) return NULL;
+    int r = put_entry(self, PyBytes_AS_STRING(data), (uint64_t)PyBytes_GET_SIZE(data));
+    Py_DECREF(data);
+    return PyBool_FromLong(r == 0);
 }
 
 static PyMethodDef Taker_methods[] = {
@@ -568,8 +599,10 @@ static PyMethodDef Taker_methods[] = {
      "take(pos) -> (payload, new_pos) | (None, pos) | (False, pos)"},
     {"replies", (PyCFunction)Taker_replies, METH_VARARGS,
      "replies(rbase, ring_size, rw_idx, rr_idx, ctl_sleep_idx, ctl_async_idx, ctl_efd)"},
-    {"put", (PyCFunction)(void (*)(void))Taker_put, METH_FASTCALL,
-     "put(data, pos) -> new reply position, or -1 (wrap or full: slow path)"},
+    {"put", (PyCFunction)Taker_put, METH_O,
+     "put(data) -> True, or False with nothing written (wrap or full: slow path)"},
+    {"put_plain", (PyCFunction)(void (*)(void))Taker_put_plain, METH_FASTCALL,
+     "put_plain(msg, version) -> put(marshal.dumps(msg, version))"},
     {NULL, NULL, 0, NULL},
 };
 

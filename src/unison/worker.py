@@ -238,6 +238,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
     fns, unreported = loop.fns, loop.unreported
     loads, dumps = protocol.loads, protocol.dumps
     recv = recv or chan.recv
+    reply_plain = chan.reply_plain
     mark = None if board is None else board.mark(me)
     # bound once: each call's steps (collectives, the board) without an attribute lookup
     begin, end, held = (None, None, ()) if coll is None else (coll.begin, coll.end, coll.held)
@@ -303,7 +304,9 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                 end(ref_id)
             if req_id:  # run: the result goes straight back, nothing is kept
                 if type(value) in _SCALARS:  # nothing out of band, nothing by value
-                    chan.reply(dumps_plain((req_id, OK, value), PLAIN))
+                    out = (req_id, OK, value)
+                    if not reply_plain(out, PLAIN):
+                        chan.reply(dumps_plain(out, PLAIN))
                 else:
                     _reply_value(chan, req_id, f"the result of {_name(fn)}", value)
             else:

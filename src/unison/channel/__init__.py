@@ -204,6 +204,12 @@ class WorkerChannel(ABC):
         """Reply "done, nothing to report": the controller reads it as an empty reply."""
         self.reply(b"")
 
+    def reply_plain(self, msg: tuple[Any, ...], version: int) -> bool:
+        """Send ``reply(marshal.dumps(msg, version))`` in one step where this channel can
+        (the shm channel's C ring: a worker's hot path); False, with nothing sent, where
+        it cannot: then the caller sends it with ``reply``."""
+        return False
+
     def unreported(self, count: int) -> None:
         """This worker now holds ``count`` errors nobody fetched (where the controller's end
         ``tracks_progress``, it reads this instead of asking). Others need not hear it."""

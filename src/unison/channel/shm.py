@@ -665,7 +665,6 @@ class ShmWorkerChannel(WorkerChannel):
         self._done_idx = lay.done[r] // 8
         self._unrep_idx = lay.unreported[r] // 8
         self._rbase = lay.reply_ring[r]
-        self._rpos = self._q[self._rw_idx]
         self._cmd_base = lay.cmd_ring
         self._taker = None if _ring is None else _ring.Taker(
             self._mm, lay.cmd_ring, CMD_RING, self._bit, self._read_idx, self._done_idx,
@@ -673,6 +672,7 @@ class ShmWorkerChannel(WorkerChannel):
         if self._taker is not None:
             self._taker.replies(self._rbase, REPLY_RING, self._rw_idx, self._rr_idx,
                                 _CTL_SLEEP, _CTL_ASYNC, self._ctl_efd)
+            self.reply_plain = self._taker.put_plain  # type: ignore[method-assign]
 
     def recv(self, block: bool = True) -> tuple[bytes | memoryview, list[Any]] | None:
         """The next entry for us; ``block=False``: None when there is none now (worker 0
@@ -835,15 +835,12 @@ class ShmWorkerChannel(WorkerChannel):
 
     def _put(self, chunk: bytes | memoryview, flags: int) -> None:
         taker = self._taker
-        if taker is not None and not flags:  # a plain reply that fits: in C
-            end = taker.put(chunk, self._rpos)
-            if end >= 0:
-                self._rpos = end
-                return
+        if taker is not None and not flags and taker.put(chunk):  # a plain one that fits
+            return
         q, buf = self._q, self._buf
         n = len(chunk)
         size = _align8(8 + n)
-        pos = self._rpos
+        pos = q[self._rw_idx]  # written by this worker alone
         off = pos & _REPLY_MASK
         wrap = REPLY_RING - off if off + size > REPLY_RING else 0  # Ring.skip, inlined
         if pos + wrap + size - q[self._rr_idx] > REPLY_RING:  # not Ring.fits: wait for room
@@ -861,23 +858,25 @@ class ShmWorkerChannel(WorkerChannel):
         start = self._rbase + off
         q[start // 8] = n | flags
         buf[start + 8 : start + 8 + n] = chunk
-        self._rpos = q[self._rw_idx] = pos + size  # publish
+        q[self._rw_idx] = pos + size  # publish
         _fence()  # _wake_controller, inlined: a fence, then the flags
         if q[_CTL_SLEEP] or q[_CTL_ASYNC]:
             os.eventfd_write(self._ctl_efd, 1)
 
     def ack(self) -> None:
-        if self._taker is not None:
-            self._put(b"", 0)
+        taker = self._taker
+        if taker is not None:
+            if not taker.put(b""):
+                self._put(b"", 0)
             return
         q = self._q
-        pos = self._rpos
+        pos = q[self._rw_idx]
         off = pos & _REPLY_MASK  # Ring.skip and Ring.fits, inlined: the hot path
         if off + 8 > REPLY_RING or pos + 8 - q[self._rr_idx] > REPLY_RING:
             self._put(b"", 0)
             return
         q[(self._rbase + off) >> 3] = 0  # an empty entry: the ack
-        self._rpos = q[self._rw_idx] = pos + 8
+        q[self._rw_idx] = pos + 8
         _fence()
         if q[_CTL_SLEEP] or q[_CTL_ASYNC]:
             os.eventfd_write(self._ctl_efd, 1)
@@ -896,7 +895,8 @@ class ShmWorkerChannel(WorkerChannel):
 
     def release(self) -> None:
         """Unmap everything now (worker 0 inline in the controller, whose process goes on)."""
-        self._taker = None  # it holds a view of the mapping
+        self._taker = None  # it holds a view of the mapping, as its put_plain does
+        self.__dict__.pop("reply_plain", None)
         self._replies.close()  # (the command arena's blocks unmap when garbage: no fd held)
         self._q.release()
         self._buf.release()
