@@ -3,7 +3,8 @@
  * channel/shm.py owns the layout and every slow path (room, wraps to make, buffers, waits);
  * this file does what every message pays: the controller's publish of a plain entry, the
  * worker's take of the next one (its progress published first, entries for others and
- * wrap markers skipped), and the worker's put of a plain reply (put_plain: marshalled here). Same layout, same protocol, with real fences:
+ * wrap markers skipped), and the worker's put of a plain reply (put_plain: marshalled
+ * here). Same layout, same protocol, with real fences:
  *
  *   send:    (a plain entry that fits before the ring's end and the limit; else False,
  *            and shm.py's send makes room or places buffers) header, rank mask, payload;
@@ -563,7 +564,7 @@ static int replies_set(Taker *self) {
     return 0;
 }
 
-/* put(data) -> True, or False with nothing written (wrap or full: the caller's slow path). */
+/* put(data) -> True, or False with nothing written (put_entry's -1: the slow path). */
 static PyObject *Taker_put(Taker *self, PyObject *data) {
     if (!replies_set(self)) return NULL;
     Py_buffer p;
@@ -600,7 +601,7 @@ static PyMethodDef Taker_methods[] = {
     {"replies", (PyCFunction)Taker_replies, METH_VARARGS,
      "replies(rbase, ring_size, rw_idx, rr_idx, ctl_sleep_idx, ctl_async_idx, ctl_efd)"},
     {"put", (PyCFunction)Taker_put, METH_O,
-     "put(data) -> True, or False with nothing written (wrap or full: slow path)"},
+     "put(data) -> True, or False with nothing written (wrap, full or large: slow path)"},
     {"put_plain", (PyCFunction)(void (*)(void))Taker_put_plain, METH_FASTCALL,
      "put_plain(msg, version) -> put(marshal.dumps(msg, version))"},
     {NULL, NULL, 0, NULL},
