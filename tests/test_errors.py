@@ -445,9 +445,10 @@ def test_a_function_the_workers_cannot_load_fails_each_call_saying_why(
     assert sess.run(use, 3) == [3, 3]
 
 
-def forge_the_reply() -> str:
+def forge_the_reply() -> list[str]:
     """Worker code that meddles with unison's own channel: the reply this call sends
-    carries another request's id."""
+    carries another request's id. Its value is not plain, so that the reply goes through
+    ``chan.reply`` (a plain one may take the channel's one-step ``reply_plain``)."""
     import gc
 
     from unison import protocol
@@ -461,13 +462,35 @@ def forge_the_reply() -> str:
         send(protocol.dumps((987654321, protocol.OK, "forged")))
 
     chan.reply = forged  # type: ignore[method-assign]
+    return ["real"]
+
+
+def forge_a_plain_reply() -> str:
+    """The same through the channel's one-step reply of a plain value, sent before the
+    call's own."""
+    import gc
+
+    from unison import protocol
+    from unison.channel import WorkerChannel
+
+    chan = next(o for o in gc.get_objects() if isinstance(o, WorkerChannel))
+    forged = (987654321, protocol.OK, "forged")
+    if not chan.reply_plain(forged, protocol.PLAIN):
+        chan.reply(protocol.dumps_plain(forged, protocol.PLAIN))
     return "real"
 
 
-def test_a_run_whose_reply_carries_another_id_closes_the_session(make_session):
+@pytest.mark.parametrize("forge,says", [
+    (forge_the_reply, "answered request 987654321 where"),
+    # two replies come, the forged one first: the session closes on it as an answer to
+    # another request or as a reply nobody waits for, as the timing falls (both seen)
+    (forge_a_plain_reply,
+     "answered request 987654321 where|sent a reply that no request was waiting for"),
+], ids=["reply", "plain"])
+def test_a_run_whose_reply_carries_another_id_closes_the_session(make_session, forge, says):
     """Taking the forged reply for the run's own would be a wrong result in silence."""
     sess = make_session(2)
     assert sess.run(unison.rank) == [0, 1]
-    with pytest.raises(unison.SessionClosed, match="answered request 987654321 where"):
-        sess.run(forge_the_reply)
+    with pytest.raises(unison.SessionClosed, match=says):
+        sess.run(forge)
     assert sess.closed
