@@ -30,8 +30,11 @@ the best and the median µs per round of 7 timed fills.
 
 ``--cold`` times the controllers' rounds one at a time, warm (back to back) and cold (each
 after copying 16 MiB, which leaves none of the round's code and data in the caches): the
-median µs of each. The cold time is what a round costs by the cache lines it touches, not
-by its instructions; in a real round trip a worker sharing the core evicts part of them.
+median µs of each; and a worker's loop the same way, from handing it a command to its
+asking for the next (unison's: its take from the ring and the ring's put not counted; the
+floor worker's: all its steps). The cold time is what a round costs by the cache lines it
+touches, not by its instructions; in a real round trip a process sharing the core evicts
+part of them.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -144,11 +147,11 @@ class _Replies:
         pass
 
 
-def worker_rounds(work: str, count: int, board_on: bool = True,
-                  coll_on: bool = True) -> Iterator[object]:
+def worker_rounds(work: str, count: int, board_on: bool = True, coll_on: bool = True,
+                  between: Callable[[], None] | None = None) -> Iterator[object]:
     """``count`` commands of ``work`` through ``worker.serve`` in this process, as a
     ``map`` of one call; with the board and the collectives a Session gives it, unless
-    told otherwise."""
+    told otherwise. ``between``: called before each command is handed over (``--cold``)."""
     from unison import worker
     from unison.cancel import Board
     from unison.collective.shm import Layout, ShmCollectives
@@ -171,18 +174,31 @@ def worker_rounds(work: str, count: int, board_on: bool = True,
     worker.serve(chan, coll, board, loop, recv=lambda: next(warm, None))  # type: ignore[arg-type]
     chan.got.clear()
     cmds = iter(made[10:])
+    if between is None:
+        recv = lambda: next(cmds, None)
+    else:
+        recv = lambda: (between(), next(cmds, None))[1]
 
     def serve(_: int) -> None:
-        worker.serve(chan, coll, board, loop, recv=lambda: next(cmds, None))  # type: ignore[arg-type]
+        worker.serve(chan, coll, board, loop, recv=recv)  # type: ignore[arg-type]
         if work == "run" and len(chan.got) != count:
             raise RuntimeError(f"{len(chan.got)} replies to {count} runs")
     return map(serve, range(1))
 
 
-def floor_worker_rounds(count: int) -> Iterator[object]:
+def _each(between: Callable[[], None], count: int) -> Iterator[int]:
+    """1 .. count, ``between()`` called before each."""
+    for seq in range(1, count + 1):
+        between()
+        yield seq
+
+
+def floor_worker_rounds(count: int, between: Callable[[], None] | None = None
+                        ) -> Iterator[object]:
     """``count`` dispatch commands through the floor worker's steps (harness/systems/floor.py,
     ``_worker``'s loop after its wait: read the command, unpickle it, run it, write the
-    reply and the ack, look at the controller's flag), in this process, as a ``map``."""
+    reply and the ack, look at the controller's flag), in this process, as a ``map``;
+    ``between`` as worker_rounds'."""
     import mmap
 
     from harness.systems import floor
@@ -197,8 +213,10 @@ def floor_worker_rounds(count: int) -> Iterator[object]:
     q[floor.LEN] = len(cmd)
     fns: dict[int, Any] = {1: noop}
 
+    seqs = range(1, count + 1) if between is None else _each(between, count)
+
     def serve(_: int) -> None:
-        for seq in range(1, count + 1):
+        for seq in seqs:
             q[floor.SEQ] = seq  # the controller's part
             last = q[floor.SEQ]
             op, fid, fn, args = pickle.loads(buf[start:start + q[floor.LEN]])
@@ -317,6 +335,39 @@ def cold_timed(workload: str, count: int) -> tuple[float, float]:
     return medians[0], medians[1]
 
 
+WORKERS_COLD = ("worker dispatch", "worker run", "floor worker dispatch")
+"""``--cold`` for a worker: each round from taking its command to asking for the next."""
+
+
+def worker_cold_timed(workload: str, count: int) -> tuple[float, float]:
+    """cold_timed for a worker's loop: the median µs from handing over a command to the
+    loop's asking for the next (the channel's take and the real ring's put not counted),
+    back to back and with a sweep before each command."""
+    src, dst = bytearray(SWEEP // 2), bytearray(SWEEP // 2)
+    clock = time.perf_counter_ns
+    medians = []
+    for cold in (False, True):
+        took: list[int] = []
+        began = [0]
+
+        def between(cold: bool = cold, took: list[int] = took, began: list[int] = began
+                    ) -> None:
+            now = clock()
+            if began[0]:
+                took.append(now - began[0])
+            if cold:
+                dst[:] = src
+            began[0] = clock()
+        it = (floor_worker_rounds(count + 20, between) if workload.startswith("floor")
+              else worker_rounds(workload.split()[1], count + 20, between=between))
+        gc.disable()
+        for _ in it:
+            pass
+        gc.enable()
+        medians.append(statistics.median(took[20:]) / 1000)
+    return medians[0], medians[1]
+
+
 def _child(workload: str, count: int) -> None:
     with unison.Session(2) as sess, stubbed(sess), rounds(workload, count, sess) as it:
         gc.disable()
@@ -350,6 +401,9 @@ def main() -> None:
         print("| workload | warm µs | cold µs |\n|---|--:|--:|")
         for w in CONTROLLERS:
             warm, cold = cold_timed(w, args.rounds)
+            print(f"| {w} | {warm:.2f} | {cold:.2f} |", flush=True)
+        for w in WORKERS_COLD:
+            warm, cold = worker_cold_timed(w, args.rounds)
             print(f"| {w} | {warm:.2f} | {cold:.2f} |", flush=True)
     elif args.instructions:
         print("| workload | instructions per round |\n|---|--:|")

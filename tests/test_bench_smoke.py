@@ -337,10 +337,12 @@ def test_python_cost_times_each_side_and_the_floor() -> None:
 
 def test_python_cost_cold_times_each_controller_warm_and_after_a_sweep() -> None:
     """python_cost.py --cold: the controllers' rounds one at a time, back to back and each
-    after a cache sweep; both times are there for each."""
-    rows = _last_rows(_tool("python_cost.py", "--cold", "--rounds", "30"), 4)
+    after a cache sweep, then the workers' loops the same way; both times are there for
+    each."""
+    rows = _last_rows(_tool("python_cost.py", "--cold", "--rounds", "30"), 7)
     assert [r[0] for r in rows] == ["controller dispatch", "controller run", "floor dispatch",
-                                    "floor run"], rows
+                                    "floor run", "worker dispatch", "worker run",
+                                    "floor worker dispatch"], rows
     for _, warm, cold in rows:
         assert float(warm) > 0 and float(cold) > 0, rows
 

@@ -291,14 +291,21 @@ values = st.recursive(_leaves | _arrays(), lambda kids: st.one_of(
 # -- the targets -------------------------------------------------------------------------------
 
 
+def _reply_plain(w: ShmWorkerChannel, msg: tuple[Any, ...]) -> bool:
+    """Send ``msg`` as worker.serve sends run's plain value: in one step where the channel
+    can (True), else through ``reply`` (False)."""
+    if w.reply_plain(msg, protocol.PLAIN):
+        return True
+    w.reply(protocol.dumps_plain(msg, protocol.PLAIN))
+    return False
+
+
 def _apply_reply_op(chan: ShmChannel, w: ShmWorkerChannel, op: tuple[Any, ...]) -> None:
     kind = op[0]
     if kind == "reply":
         w.reply(op[1])
-    elif kind == "plain":  # as worker.serve sends run's plain value
-        msg = (op[1], protocol.OK, op[2])
-        if not w.reply_plain(msg, protocol.PLAIN):
-            w.reply(protocol.dumps_plain(msg, protocol.PLAIN))
+    elif kind == "plain":
+        _reply_plain(w, (op[1], protocol.OK, op[2]))
     elif kind == "ack":
         w.ack()
     elif kind == "part":
@@ -921,11 +928,7 @@ def test_a_plain_reply_in_one_step_keeps_its_place_at_the_rings_end_and_when_ful
             w0.__dict__.pop("reply_plain", None)
 
         def send(req: int, value: Any) -> bool:
-            msg = (req, protocol.OK, value)
-            if w0.reply_plain(msg, protocol.PLAIN):
-                return True
-            w0.reply(protocol.dumps_plain(msg, protocol.PLAIN))
-            return False
+            return _reply_plain(w0, (req, protocol.OK, value))
 
         def values() -> list[Any]:  # a reply over a quarter of the ring: from the arena
             return [protocol.loads_plain(bytes(d.data) if isinstance(d, Reply) else d)[2]
@@ -949,7 +952,7 @@ def test_a_plain_reply_in_one_step_keeps_its_place_at_the_rings_end_and_when_ful
             assert w0._q[w0._rw_idx] == pos, "a refused reply moved the ring's position"
             if pos + entry - w0._q[w0._rr_idx] > REPLY_RING:
                 break  # full: reply() would wait for the controller now
-            w0.reply(protocol.dumps_plain(msg, protocol.PLAIN))  # the ring's end: wraps
+            assert not _reply_plain(w0, msg)  # the ring's end: reply() wraps
             sent += 1
         assert sent >= REPLY_RING // entry - 1
         assert values() == [fill] * sent

@@ -584,8 +584,9 @@ static PyObject *Taker_put_plain(Taker *self, PyObject *const *args, Py_ssize_t 
     if (!replies_set(self)) return NULL;
     long version = PyLong_AsLong(args[1]);
     if (version == -1 && PyErr_Occurred()) return NULL;
-    if (version < 0 || version > 4) {
-        PyErr_SetString(PyExc_ValueError, "put_plain: marshal version out of range");
+    if (version < 0 || version > Py_MARSHAL_VERSION) {
+        PyErr_Format(PyExc_ValueError, "put_plain: marshal version %ld is not one of 0..%d; "
+                     "pass protocol.PLAIN", version, Py_MARSHAL_VERSION);
         return NULL;
     }
     PyObject *data = PyMarshal_WriteObjectToString(args[0], (int)version);

@@ -864,10 +864,8 @@ class ShmWorkerChannel(WorkerChannel):
             os.eventfd_write(self._ctl_efd, 1)
 
     def ack(self) -> None:
-        taker = self._taker
-        if taker is not None:
-            if not taker.put(b""):
-                self._put(b"", 0)
+        if self._taker is not None:
+            self._put(b"", 0)
             return
         q = self._q
         pos = q[self._rw_idx]
