@@ -6,6 +6,7 @@ these run in milliseconds and fail close to the cause.
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import pickle
 import random
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 import pytest
 
 from unison import pacing, protocol
-from unison.channel import Channel
+from unison.channel import Channel, Reply
 from unison.channel import shm as shm_channel
 from unison.channel.arena import MIN_BLOCK, Arena, ArenaReader, create_file
 from unison.channel.pipe import PipeChannel
@@ -359,11 +360,13 @@ def test_runs_wait_hands_the_core_over_once_where_the_session_has_more_processes
     for _ in range(5):
         pacing.hand_over()
     assert pacing.crowd.rate == 0.0 and pacing.crowd.until == 0.0
-    if not shm_channel.NATIVE:
-        pytest.skip("plain_values needs the C ring (the hand-over itself passed above)")
-    for busy, handed in ((0.0, 1), (pacing.BUSY, 0)):
+    for (busy, handed), ring in itertools.product(((0.0, 1), (pacing.BUSY, 0)), ("C", "pure")):
+        if ring == "C" and not shm_channel.NATIVE:
+            continue
         chan = ShmChannel(1, _NAME)
         try:
+            if ring == "pure":
+                _pure(chan)
             chan._busy = busy
             monkeypatch.setattr(shm_channel, "hand_over", lambda: yields.append(2))
             yields.clear()
@@ -638,6 +641,14 @@ def _pure(chan: ShmChannel) -> None:
     chan.__dict__.pop("send_plain", None)
 
 
+def _ring(chan: ShmChannel, ring: str) -> None:
+    """Run ``chan``'s C ring (skipped where it is not built) or its pure-Python one."""
+    if ring == "pure":
+        _pure(chan)
+    elif chan._fast is None:
+        pytest.skip("the C ring is not built here")
+
+
 @pytest.mark.parametrize("ring", ["C", "pure"])
 def test_settled_is_true_only_once_every_worker_ran_all_and_holds_no_unreported_error(
     shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]], ring: str,
@@ -645,11 +656,7 @@ def test_settled_is_true_only_once_every_worker_ran_all_and_holds_no_unreported_
     """sync's usual case in one call (Channel.settled): each look C's Sender.settled, or
     Python's _look where the ring is pure Python."""
     chan, workers = shm_pair
-    if ring == "C":
-        if chan._fast is None:
-            pytest.skip("the C ring is not built here")
-    else:
-        _pure(chan)
+    _ring(chan, ring)
     both = (0, 1)
     assert chan.settled(both, 0.0)  # nothing sent yet
     chan.send(b"first", both)
@@ -672,16 +679,16 @@ def _run_reply(req_id: int, value: object, status: int = protocol.OK) -> bytes:
     return protocol.dumps_plain((req_id, status, value), protocol.PLAIN)
 
 
+@pytest.mark.parametrize("ring", ["C", "pure"])
 def test_plain_values_reads_a_runs_replies_only_once_all_are_in_each_plain_and_its_own(
-    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]],
+    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]], ring: str,
 ) -> None:
     """run's quick path (Channel.plain_values): one C look reads and decodes every rank's
     reply, or none of them. Anything but a plain OK reply to this request (another id, an
     error, a pickle, an ack, the last chunk of a chunked reply) is left in the ring for
     recv, which the router then judges: never a value taken for the wrong call."""
     chan, workers = shm_pair
-    if chan._fast is None:
-        pytest.skip("the C ring is not built here")
+    _ring(chan, ring)
     both = (0, 1)
     assert chan.plain_values(both, 7, 0.0) is None  # nothing in
     workers[0].reply(_run_reply(7, 5))
@@ -720,14 +727,14 @@ def test_plain_values_reads_a_runs_replies_only_once_all_are_in_each_plain_and_i
         assert sorted((r, bytes(d)) for r, d in got) == list(enumerate(pair)), pair
 
 
+@pytest.mark.parametrize("ring", ["C", "pure"])
 def test_plain_values_reads_on_across_the_reply_rings_wraps(
-    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]],
+    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]], ring: str,
 ) -> None:
     """Laps of both reply rings, the entries' sizes chosen so that wrap markers fall at
     many offsets: each round's values come back whole, and recv finds nothing left."""
     chan, workers = shm_pair
-    if chan._fast is None:
-        pytest.skip("the C ring is not built here")
+    _ring(chan, ring)
     rng = random.Random(5)
     req = 0
     while chan._reply_pos[1] < 3 * shm_channel.REPLY_RING:
@@ -739,25 +746,37 @@ def test_plain_values_reads_on_across_the_reply_rings_wraps(
     assert chan.recv(0.0) == []
 
 
-def test_plain_values_is_none_without_the_c_ring_and_recv_reads_instead(
+def test_plain_values_in_python_reads_the_same_entries_as_c_and_the_base_has_no_quick_path(
     shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]],
 ) -> None:
+    """The pure-Python look (``_values_py``) answers as C's Sender.values does, entry by
+    entry: a reply past a wrap marker, a position a ring ahead, a header with flags."""
     chan, workers = shm_pair
     _pure(chan)
     workers[0].reply(_run_reply(3, 1))
-    assert chan.plain_values((0,), 3, 0.0) is None
-    assert [(r, bytes(d)) for r, d in chan.recv(0.0)] == [(0, _run_reply(3, 1))]
+    assert chan.plain_values((0,), 3, 0.0) == [1]
+    assert chan.recv(0.0) == []
+    q, w = chan._q, workers[0]
+    w.reply(_run_reply(4, 2))
+    end = q[w._rw_idx]
+    q[w._rw_idx] = chan._reply_pos[0] + shm_channel.REPLY_RING + 8  # more than a ring ahead
+    assert chan._values_py(chan._reply_pos, (0,), 4, chan._partial) is True
+    q[w._rw_idx] = end
+    assert chan.plain_values((0,), 4, 0.0) == [2]
+    w.reply(_run_reply(4, 2), [memoryview(b"a buffer")])  # flags: buffers in the arena
+    assert chan.plain_values((0,), 4, 0.0) is None
+    assert [type(d) for _, d in chan.recv(0.0)] == [Reply]
     assert Channel.plain_values(chan, (0,), 3, 0.0) is None  # the base: no quick path
 
 
+@pytest.mark.parametrize("ring", ["C", "pure"])
 def test_plain_values_waits_for_a_reply_that_comes_after_its_spin(
-    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]],
+    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]], ring: str,
 ) -> None:
     """A call longer than the spin: the quick path sleeps as recv does, and a reply wakes
     it (the worker sees the controller's sleeping flag)."""
     chan, workers = shm_pair
-    if chan._fast is None:
-        pytest.skip("the C ring is not built here")
+    _ring(chan, ring)
     timer = threading.Timer(0.05, workers[0].reply, (_run_reply(4, 42),))
     start = time.monotonic()
     timer.start()
@@ -768,14 +787,14 @@ def test_plain_values_waits_for_a_reply_that_comes_after_its_spin(
     assert 0.04 < time.monotonic() - start < 1.5
 
 
+@pytest.mark.parametrize("ring", ["C", "pure"])
 def test_plain_values_never_sleeps_while_an_event_loop_waits_on_the_eventfd(
-    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]],
+    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]], ring: str,
 ) -> None:
     """Its sleep would empty the eventfd an event loop waits on, and it reads only its own
     replies: with an await asleep it spins, then hands over to recv (which delivers all)."""
     chan, _ = shm_pair
-    if chan._fast is None:
-        pytest.skip("the C ring is not built here")
+    _ring(chan, ring)
     chan.async_waiting(True)
     try:
         start = time.monotonic()

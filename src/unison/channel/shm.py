@@ -33,7 +33,9 @@ next entry on a worker (publish progress, skip others' entries and wrap markers,
 plain entry out), a worker's plain reply, and the controller's collection of plain replies
 run in unison/_ring.c where it was built at install, with real fences:
 4-5 us of interpreter steps each in Python, well under 1 us in C. The protocol is the
-same, so either side may run either; ``UNISON_PURE=1`` picks Python.
+same, so either side may run either; ``UNISON_PURE=1`` picks Python. The pure-Python ring
+keeps the same shapes, one frame each where it can: ``send_plain``, ``reply_plain`` and
+``_values_py`` (run's replies read and decoded in one look).
 
 Progress. Each worker publishes its *done* position (every command before it has run) when
 it comes back for the next one, and how many errors it holds that nobody fetched; the
@@ -82,6 +84,7 @@ from unison.channel import Channel, Reply, WorkerChannel
 from unison.channel.arena import Arena, ArenaReader, Malformed, create_file, sealed_memfd
 from unison.channel.ring import Ring
 from unison.pacing import LONG_YIELD, Pacer, busy_budget, crowd, hand_over, spin
+from unison.protocol import OK, dumps_plain, loads_plain
 
 _ring = _native.load("_ring")  # the C fast paths (unison/_ring.c), or None
 NATIVE = _ring is not None
@@ -243,11 +246,22 @@ class ShmChannel(Channel):
         if buffers or len(data) > _INLINE_MAX:
             self._send_large(data, ranks, buffers, deadline)
             return
-        # a plain entry that fits: in C (the same steps as _publish); close() releases the
-        # Sender, whoever still holds it, so no send keeps the mapping alive past close
-        if self._fast is not None and self._fast.send(data, ranks):
+        # a plain entry that fits at the head, in one call: C's Sender.send where built (close()
+        # releases it, whoever holds it, so no send keeps the mapping alive past close)
+        if self.send_plain(data, ranks):
             return
         self._publish(data, b"", 0, ranks, deadline)
+
+    def send_plain(self, data: bytes, ranks: tuple[int, ...]) -> bool:
+        """Channel.send_plain: C's ``_ring.Sender.send`` where built (bound over this in
+        ``__init__``), else these same steps in Python. False, with nothing written,
+        where the entry would cross the ring's end or wait for room; ``send`` then does."""
+        head, n = self._head, len(data)
+        pos, size = head.wpos, (_ENTRY + 7 + n) & ~7  # _entry_size, inlined
+        if (pos & _CMD_MASK) + size > CMD_RING or pos + size > head.limit or n > _INLINE_MAX:
+            return False
+        self._write(pos, size, data, b"", 0, ranks)
+        return True
 
     def _send_large(self, data: bytes, ranks: tuple[int, ...], buffers: Sequence[Any],
                     deadline: float | None) -> None:
@@ -271,15 +285,20 @@ class ShmChannel(Channel):
 
     def _publish(self, payload: bytes, descs: bytes, meta: int, ranks: tuple[int, ...],
                  deadline: float | None) -> None:
-        """Write one entry at the ring's head and make it visible; wake sleeping targets."""
-        n = len(payload)
-        size = _entry_size(n, len(descs) // _DESC)
+        """Write one entry at the ring's head, after making room, and make it visible."""
+        size = _entry_size(len(payload), len(descs) // _DESC)
         pos = self._head.wpos
         off = pos & _CMD_MASK
         if off + size > CMD_RING or pos + size > self._head.limit:
             pos, off = self._make_room(pos, off, size, deadline)
-        q = self._q
-        start = self._cmd_base + off
+        self._write(pos, size, payload, descs, meta, ranks)
+
+    def _write(self, pos: int, size: int, payload: bytes, descs: bytes, meta: int,
+               ranks: tuple[int, ...]) -> None:
+        """Write an entry of ``size`` bytes at ``pos`` (room there), publish it, and wake the
+        targets that sleep."""
+        q, n = self._q, len(payload)
+        start = self._cmd_base + (pos & _CMD_MASK)
         q[start >> 3] = n | (meta << 32)
         mask = self._masks.get(ranks)
         q[(start >> 3) + 1] = _mask(ranks) if mask is None else mask
@@ -349,10 +368,17 @@ class ShmChannel(Channel):
 
     def _look(self, ranks: Sequence[int], mark: int) -> int:
         """Python's ``_ring.Sender.settled``: 0 while a worker in ``ranks`` has not run
-        everything before ``mark``; else 1, or 2 where one holds errors nobody fetched."""
-        if not self._done(ranks, mark):
-            return 0
-        return 2 if self.unreported(ranks) else 1
+        everything before ``mark``; else 1, or 2 where one holds errors nobody fetched.
+        One frame (``_done`` and ``unreported`` inlined): a pure ring's spin calls it."""
+        q, idx = self._q, self._done_idx
+        for r in ranks:
+            if q[idx[r]] < mark:
+                return 0
+        idx = self._unrep_idx
+        for r in ranks:
+            if q[idx[r]]:
+                return 2
+        return 1
 
     def wait_done(self, ranks: Sequence[int], mark: int, timeout: float) -> bool:
         return self._wait_progress(ranks, mark, timeout) != 0
@@ -461,25 +487,66 @@ class ShmChannel(Channel):
         decodes once all are in); a spin as recv's, then, if need be, recv's sleep until
         any reply is in, and a look. Where the session has more processes than cores, the
         core is first handed over once (pacing.hand_over)."""
-        fast = self._fast
-        if fast is None or self._backlog or self._broken:
+        if self._backlog or self._broken:
             return None
+        look = self._values_py if self._fast is None else self._fast.values
         # partial: worker 0 inline may read chunks in another thread meanwhile (absorb);
-        # each look sees them within its one C call
+        # each look sees them within its one C call (in Python: under the rx lock)
         pos, partial = self._reply_pos, self._partial
         if not self._busy:  # more processes than cores: a worker may wait for ours
             hand_over()
-        got = fast.values(pos, ranks, req_id, partial)
+        got = look(pos, ranks, req_id, partial)
         if got is None:
             now = time.perf_counter()
-            got = spin(fast.values, min(SPIN, timeout), self._busy, pos, ranks, req_id, partial)
+            got = spin(look, min(SPIN, timeout), self._busy, pos, ranks, req_id, partial)
             # a long call: sleep as recv would, so that its spin is not paid twice; but not
             # while an event loop waits on our eventfd: the sleep empties it, and only recv
             # then delivers the loop's replies as well
             if got is False and not self._q[_CTL_ASYNC]:
                 self._doze(timeout, now)
-                got = fast.values(pos, ranks, req_id, partial)
+                got = look(pos, ranks, req_id, partial)
         return got if type(got) is list else None
+
+    def _values_py(self, positions: list[int], ranks: tuple[int, ...], req_id: int,
+                   partial: list[list[bytes]]) -> list[Any] | bool | None:
+        """Python's ``_ring.Sender.values``, the same answers: None while a rank's reply is
+        not in; True (nothing read) where one is anything but a plain reply of (req_id, OK,
+        value) in the ring, or breaks the format; else the values, all consumed."""
+        with self._rx_lock:  # absorb (worker 0 inline) reads the rings in another thread
+            q, buf, rw_idx, rings = self._q, self._buf, self._rw_idx, self._lay.reply_ring
+            found = []
+            for r in ranks:
+                if partial[r]:  # the next entry is a chunk, not a reply
+                    return True
+                pos, end = positions[r], q[rw_idx[r]]
+                if pos == end:
+                    return None
+                if not 0 < end - pos <= REPLY_RING:
+                    return True
+                off = pos & _REPLY_MASK
+                head = q[(rings[r] + off) >> 3]
+                if head == _WRAP and REPLY_RING - off <= end - pos:  # once a lap
+                    pos += REPLY_RING - off
+                    if pos == end:
+                        return None
+                    off, head = 0, q[rings[r] >> 3]
+                size = (15 + head) & ~7  # _align8(8 + n), inlined; head is n if no flags
+                if head >> 32 or not 8 < size <= end - pos or off + size > REPLY_RING:
+                    return True  # flags, an ack, bytes that break the format
+                found.append((r, rings[r] + off + 8, head, pos + size))
+            out = []
+            for _, start, n, _ in found:
+                try:
+                    got, status, value = loads_plain(buf[start : start + n])
+                except Exception:  # a pickle, not a marshal of three: the slow path judges
+                    return True
+                if got != req_id or status != OK:
+                    return True
+                out.append(value)
+            rr_idx = self._rr_idx
+            for r, _, _, at in found:  # all read: consume them
+                positions[r] = q[rr_idx[r]] = at
+            return out
 
     def _doze(self, timeout: float | None, since: float) -> None:
         """Sleep on our eventfd and the watch fds until a reply is in, a watched fd is
@@ -673,6 +740,8 @@ class ShmWorkerChannel(WorkerChannel):
             self._taker.replies(self._rbase, REPLY_RING, self._rw_idx, self._rr_idx,
                                 _CTL_SLEEP, _CTL_ASYNC, self._ctl_efd)
             self.reply_plain = self._taker.put_plain  # type: ignore[method-assign]
+        else:  # the pure-Python ring: no frame of recv's before _recv's
+            self.recv = self._recv  # type: ignore[method-assign]
 
     def recv(self, block: bool = True) -> tuple[bytes | memoryview, list[Any]] | None:
         """The next entry for us; ``block=False``: None when there is none now (worker 0
@@ -703,7 +772,10 @@ class ShmWorkerChannel(WorkerChannel):
         broken TCP stream) where the controller's bytes do."""
         q, base = self._q, self._cmd_base
         pos = self._pos
-        self._progress(pos)  # everything before pos has run
+        q[self._done_idx] = pos  # _progress, inlined: everything before pos has run
+        _fence()
+        if q[_CTL_DONE]:
+            os.eventfd_write(self._done_efd, 1)
         while True:
             end = q[0]
             if end == pos:
@@ -802,6 +874,15 @@ class ShmWorkerChannel(WorkerChannel):
             q[self._sleep_idx] = 0
 
     oob_replies = True
+
+    def reply_plain(self, msg: tuple[Any, ...], version: int) -> bool:
+        """WorkerChannel.reply_plain: C's ``Taker.put_plain`` where built (bound over this
+        in ``__init__``), else ``_put`` of its marshal, where no arena is needed."""
+        data = dumps_plain(msg, version)
+        if len(data) > _REPLY_INLINE:
+            return False
+        self._put(data, 0)
+        return True
 
     def reply(self, data: bytes, buffers: Sequence[Any] = ()) -> None:
         """Small replies go in the ring; buffers, and a body over a quarter of the ring, go

@@ -569,7 +569,7 @@ class Session(View):
         """call and gather in one message each way: the workers reply with the result and
         keep nothing, so no Ref is made or freed. Sent by ``deadline`` too (None: by the
         session's send timeout, if any). Without a deadline, the router's quick path first
-        (Router.quick: every reply read and decoded in one C step where the channel can)."""
+        (Router.quick: every reply read and decoded in one step where the channel can)."""
         req = Request(next(self._ids), len(ranks))  # its ref id: when sent
         self._send_quick(ranks, fn, args, kwargs, req, deadline)
         router = self._router
