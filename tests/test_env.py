@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections.abc import Iterator
 
 import pytest
+
+from unison.pacing import crowd
+from unison.session import checks
 
 VAR = "UNISON_TEST_ONLY_ON_ONE"
 
@@ -78,3 +84,99 @@ def test_a_thread_setting_of_the_user_wins(make_session, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     sess = make_session(2)
     assert [omp for omp, _ in sess.run(_threads_env)] == ["3", "3"]
+
+
+@pytest.fixture
+def two_cpus() -> Iterator[list[int]]:
+    """This process (the controller) held to two CPUs for the test: three processes of a
+    session of two then outnumber them."""
+    mine = os.sched_getaffinity(0)
+    two = sorted(mine)[:2]
+    os.sched_setaffinity(0, two)
+    try:
+        yield two
+    finally:
+        os.sched_setaffinity(0, mine)
+
+
+def _verdict_here() -> tuple[list[int], list[int], list[int]]:
+    """In a worker: its CPUs and a thread's, then the same after this process's verdict
+    that the machine is crowded (pacing.crowd), which lets go of spread pins."""
+    started = threading.Event()
+    stop = threading.Event()
+
+    def idle() -> None:
+        started.set()
+        stop.wait(10)
+
+    thread = threading.Thread(target=idle, daemon=True)
+    thread.start()
+    started.wait(10)
+    tid = thread.native_id
+    assert tid is not None
+    before = affinity()
+    assert sorted(os.sched_getaffinity(tid)) == before  # a thread inherits the pin
+    crowd._crowded(time.perf_counter())
+    crowd.forget()  # waits go on spinning: only the pins were the point
+    try:
+        return before, affinity(), sorted(os.sched_getaffinity(tid))
+    finally:
+        stop.set()
+
+
+@needs_two_cpus
+def test_workers_that_outnumber_the_cpus_are_spread_one_to_a_cpu_until_a_crowd(
+        make_session, two_cpus):
+    """cpu_affinity=None (the default): three processes on two CPUs, so each worker is held
+    to one, round robin, the controller to none; a crowded verdict in a worker lets every
+    thread of it use both again (unison.placement)."""
+    a, b = two_cpus
+    sess = make_session(2)
+    assert sess.run(affinity) == [[a], [b]]
+    assert affinity() == two_cpus  # the controller is not pinned
+    got = sess[1].run(_verdict_here)[0]
+    assert got == ([b], two_cpus, two_cpus)
+    assert sess.run(affinity) == [[a], two_cpus]  # worker 0 still held
+
+
+@needs_two_cpus
+def test_the_controllers_crowded_verdict_lets_go_of_every_spread_worker(
+        make_session, two_cpus):
+    sess = make_session(3)
+    a, b = two_cpus
+    assert sess.run(affinity) == [[a], [b], [a]]
+    crowd._crowded(time.perf_counter())
+    crowd.forget()
+    assert sess.run(affinity) == [two_cpus] * 3
+    sess.close()
+    assert sess._let_go is None
+
+
+@needs_two_cpus
+def test_a_closed_sessions_workers_are_no_longer_let_go(make_session, two_cpus):
+    sess = make_session(3)
+    let_go = sess._let_go
+    assert let_go is not None and let_go in crowd._on_crowd
+    sess.close()
+    assert let_go not in crowd._on_crowd  # its pids may be another process's by now
+
+
+@needs_two_cpus
+def test_no_spread_where_each_process_has_a_cpu_or_when_asked_not_to(make_session, two_cpus):
+    assert make_session(1).run(affinity) == [two_cpus]
+    assert make_session(3, cpu_affinity=False).run(affinity) == [two_cpus] * 3
+
+
+def test_the_spread_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Who is held where: local workers (``children``) only, only where the session's
+    processes (the controller too, unless it runs worker 0 inline) outnumber the CPUs."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 5})
+    plan = checks.cpu_plan
+    assert plan(3, None, children=True) == {0: [3], 1: [5], 2: [3]}
+    assert plan(2, None, children=True) == {0: [3], 1: [5]}
+    assert plan(1, None, children=True) == {}  # two processes, two CPUs
+    assert plan(2, None, children=True, inline=True) == {}
+    assert plan(3, None, children=True, inline=True) == {1: [5], 2: [3]}  # rank 0 is us
+    assert plan(3, None) == {}  # workers elsewhere (Ray, hand-started): not ours to place
+    assert plan(3, False, children=True) == {}
+    assert plan(3, True) == {0: [3], 1: [5], 2: [3]}

@@ -180,8 +180,8 @@ class _Crowd:
     """This process's view of the machine: ``until`` is the time (perf_counter) before which
     waits skip the spin. One per process: every wait of ours meets the same strangers."""
 
-    __slots__ = ("_last_long", "_seen", "_stranger_looks", "next_look", "ours", "rate",
-                 "until")
+    __slots__ = ("_last_long", "_on_crowd", "_seen", "_started", "_stranger_looks",
+                 "next_look", "ours", "rate", "until")
 
     def __init__(self) -> None:
         self.until = 0.0
@@ -194,6 +194,29 @@ class _Crowd:
         """The processes of our sessions on this host (``expect``): more runnable tasks than
         these and the CPUs mean strangers. 0: unknown, and looks do not count tasks."""
         self._stranger_looks = 0  # looks in a row that found strangers (STRANGER_LOOKS)
+        self._on_crowd: list[Callable[[], object]] = []
+        self._started = False  # a session's start is over here (``forget``)
+
+    def on_crowd(self, fn: Callable[[], object]) -> None:
+        """Call ``fn()`` once, at the first verdict that the machine is crowded once a
+        session's start is over (from the thread that waits then): unison.placement lets
+        go of the CPUs it held."""
+        self._on_crowd.append(fn)
+
+    def off_crowd(self, fn: Callable[[], object]) -> None:
+        """``fn`` is no longer to be called (its session closed)."""
+        if fn in self._on_crowd:
+            self._on_crowd.remove(fn)
+
+    def _crowded(self, now: float) -> None:
+        """The machine is crowded: waits sleep at once until CROWDED from now."""
+        self.until = now + CROWDED
+        while self._started and self._on_crowd:
+            try:
+                fn = self._on_crowd.pop()
+            except IndexError:  # another thread's verdict took it
+                break
+            fn()
 
     def expect(self, processes: int) -> None:
         """A session of ``processes`` on this host (controller and local workers) waits here:
@@ -223,7 +246,7 @@ class _Crowd:
             return
         if off / (spells - seen[3]) > STRANGER_SPELL * 1e9:
             self.met_long_yield(now)
-            self.until = now + CROWDED  # an average over many spells: no need for a second
+            self._crowded(now)  # an average over many spells: no need for a second
             return
         tasks = runnable() if self.ours else None
         if tasks is None or tasks <= max(self.ours, _CPUS):
@@ -232,7 +255,7 @@ class _Crowd:
         self._stranger_looks += 1
         if self._stranger_looks >= STRANGER_LOOKS:
             self.met_long_yield(now)
-            self.until = now + CROWDED
+            self._crowded(now)
 
     def forget(self) -> None:
         """Start afresh: the peers' start is over. While workers start, each spends seconds
@@ -242,6 +265,7 @@ class _Crowd:
         self.until = self.rate = 0.0
         self._seen = None
         self._stranger_looks = 0
+        self._started = True
 
     def met_long_yield(self, now: float) -> None:
         """A wait met a stranger's time slice."""
@@ -249,7 +273,7 @@ class _Crowd:
         self._last_long = now
         self.rate = rate = rate + _ALPHA * (1.0 - rate)
         if rate > CROWDED_RATE:
-            self.until = now + CROWDED
+            self._crowded(now)
 
     def calm(self) -> None:
         """A wait spun without meeting one."""

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from unison import _proctree, collective, protocol
+from unison import _proctree, collective, placement, protocol
 from unison import trace as _trace
 from unison.cancel import SIGNAL, Board, Cancelled
 from unison.channel import WorkerChannel, connect
@@ -666,7 +666,9 @@ def run(spec: WorkerSpec, chan: WorkerChannel | None = None) -> None:
     for path in reversed(spec.sys_path):
         if path not in sys.path:
             sys.path.insert(0, path)
-    if spec.cpus:
+    if spec.cpus and spec.spread:
+        placement.hold(spec.cpus)
+    elif spec.cpus:
         os.sched_setaffinity(0, spec.cpus)
     _identity.update(rank=spec.rank, world_size=spec.world_size, group=spec.group,
                      group_rank=spec.group_rank, group_size=spec.group_size)

@@ -85,6 +85,11 @@ class Launcher(ABC):
     connection closing.
     """
 
+    children = False
+    """Whether the workers are child processes on the controller's host, sharing its CPUs:
+    ``cpu_affinity=None`` then spreads them over the CPUs where they outnumber them
+    (session.checks.cpu_plan)."""
+
     def network(self) -> Network | None:
         """Where workers join over TCP, or None for workers that inherit the channel's fds
         (called once, before the channel is made; it may connect to a cluster)."""

@@ -139,6 +139,8 @@ class WorkerProcess:
 class LocalLauncher(Launcher):
     """Starts workers as fresh local interpreters and relays their output, prefixed by rank."""
 
+    children = True
+
     def __init__(self) -> None:
         self.workers: list[WorkerProcess] = []
         self.stopped = False

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from unison import channel as channels
-from unison import collective, protocol
+from unison import collective, placement, protocol
 from unison import trace as _trace
 from unison.cancel import Cancelled
 from unison.deadline import deadline as _deadline
@@ -196,14 +196,16 @@ class Session(View):
         _deadline(send_timeout, "send_timeout")
         if hang_timeout is not None and not _seconds(hang_timeout, "hang_timeout") > 0:
             raise ValueError(f"hang_timeout must be a number of seconds > 0, got {hang_timeout}")
-        cpus = checks.cpu_plan(num_workers, cpu_affinity)
-        envs = checks.check_env(num_workers, env)
         the_launcher = create_launcher(launcher)
+        cpus = checks.cpu_plan(num_workers, cpu_affinity, children=the_launcher.children,
+                               inline=inline_worker0)
+        envs = checks.check_env(num_workers, env)
         self.num_workers = num_workers
         self.num_groups = num_groups
         self.name = f"unison-{os.getpid()}-{next(_names)}-{secrets.token_hex(3)}"
         self.workers = tuple(range(num_workers))
         self._closed = True  # until the workers are up
+        self._let_go: Callable[[], None] | None = None  # unison.placement's, where it spread
         self._owner = os.getpid()
         self._stopping = False
         self._dead: BaseException | None = None
@@ -225,11 +227,14 @@ class Session(View):
             ready = Request(protocol.READY_REQ, num_workers)
             self._router.expect(ready, self.workers)
             self._closed = False
-            self._res.start(self._res.specs(num_workers, num_groups, cpus), envs)
+            self._res.start(self._res.specs(num_workers, num_groups, cpus,
+                                            spread=cpu_affinity is None), envs)
             self._router.set_watched(self._res.watched)
             self._router.wait(ready, start_deadline, "starting")
             crowd.forget()  # the workers' start was no crowd of strangers
             self._pids = [pid for _, pid in self._router.decode(ready, self.workers)]
+            if cpu_affinity is None and cpus:  # spread: held while the machine is calm
+                self._let_go = placement.let_go_when_crowded([self._pids[r] for r in cpus])
             if hang_timeout is not None and hang_timeout != math.inf:
                 self._router.hang = Watchdog(hang_timeout, self._pids)
             self._last_trace: Trace | None = None
@@ -376,6 +381,9 @@ class Session(View):
         router = getattr(self, "_router", None)
         if router is not None:
             router.closed = True
+        let_go, self._let_go = getattr(self, "_let_go", None), None
+        if let_go is not None:
+            crowd.off_crowd(let_go)
         if os.getpid() != self._owner:
             return  # a forked child's copy: the workers belong to the parent, leave them be
         res = getattr(self, "_res", None)

@@ -63,12 +63,26 @@ def check_env(n: int, env: Mapping[int, Mapping[str, str]] | None) -> dict[int, 
     return out
 
 
-def cpu_plan(n: int, plan: bool | Mapping[int, Iterable[int]] | None) -> dict[int, list[int]]:
-    if plan is None or plan is False:
+def cpu_plan(n: int, plan: bool | Mapping[int, Iterable[int]] | None, *,
+             children: bool = False, inline: bool = False) -> dict[int, list[int]]:
+    """Rank -> the CPUs it may use (a rank left out: all the controller may use). None, the
+    default, spreads workers that are ``children`` (local processes) one to a CPU, round
+    robin, only where the session's processes outnumber the CPUs: the kernel then often
+    stacks three or four waiting workers on one CPU after a sleep, each yield handing the
+    core along that stack, and dispatch at N=4 on 2 CPUs ran 1.3x slower than spread
+    (docs/benchmarks.md, "Issue 9, twenty-first pass"). With ``inline`` worker 0 is the
+    controller, which is never pinned."""
+    if plan is False or (plan is None and not children):
         return {}
     if not hasattr(os, "sched_getaffinity"):
+        if plan is None:
+            return {}
         raise ValueError("cpu_affinity needs os.sched_getaffinity, which this platform lacks")
     usable = sorted(os.sched_getaffinity(0))
+    if plan is None:
+        if n + (0 if inline else 1) <= len(usable):
+            return {}  # a core each: the kernel keeps them apart
+        return {r: [usable[r % len(usable)]] for r in range(1 if inline else 0, n)}
     if plan is True:
         return {r: [usable[r % len(usable)]] for r in range(n)}
     if not isinstance(plan, Mapping):

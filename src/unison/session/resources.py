@@ -130,9 +130,10 @@ class Resources:
         self.launcher = inline
         return inline.pump
 
-    def specs(self, num_workers: int, num_groups: int,
-              cpus: Mapping[int, list[int]]) -> list[WorkerSpec]:
-        """What each worker needs to start (what its launcher gets)."""
+    def specs(self, num_workers: int, num_groups: int, cpus: Mapping[int, list[int]],
+              spread: bool = False) -> list[WorkerSpec]:
+        """What each worker needs to start (what its launcher gets); ``spread``: ``cpus``
+        came from ``cpu_affinity=None`` (WorkerSpec.spread)."""
         out = []
         self._offers: list[WorkerSpec] = []
         launch_endpoint = getattr(self.chan, "launch_endpoint", None)
@@ -145,7 +146,7 @@ class Resources:
                 spec = WorkerSpec(
                     rank=rank, world_size=num_workers, num_groups=num_groups,
                     channel=chan_spec, sys_path=sys_path(), cpus=cpus.get(rank),
-                    collective=coll, fds=tuple(fds))
+                    spread=spread, collective=coll, fds=tuple(fds))
                 self._offers.append(spec)
                 out.append(dataclasses.replace(spec, channel=launch_endpoint(rank), fds=()))
                 continue
@@ -156,7 +157,7 @@ class Resources:
                 fds = [*fds, board]
             out.append(WorkerSpec(
                 rank=rank, world_size=num_workers, num_groups=num_groups, channel=chan_spec,
-                sys_path=sys_path(), cpus=cpus.get(rank), collective=coll,
+                sys_path=sys_path(), cpus=cpus.get(rank), spread=spread, collective=coll,
                 fds=tuple(fds), cancel=board,
             ))
         return out

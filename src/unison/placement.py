@@ -1,0 +1,59 @@
+"""Where a session's local workers run: one to a CPU while the machine is calm.
+
+Where a session's processes outnumber the CPUs (N=4 on 2), Linux places a worker where it
+wakes, and after a sleep it often stacks three or four of them on one CPU; each yield then
+hands that CPU along the stack. Dispatch at N=4 on 2 CPUs took 9 µs a round with the
+workers two and two, 12-17 with three or four on one CPU, and which one a session got
+changed with each pause (sched_switch traces, docs/benchmarks.md "Issue 9, twenty-first
+pass"). Pinned one to a CPU, round robin (session.checks.cpu_plan), it took 9-10 µs.
+
+A pinned worker cannot leave a CPU where a stranger runs, though: beside two CPU hogs, N=8
+pinned took 3.9 ms a round (a hog's whole time slice) in half the blocks, against 0.1 ms
+unpinned. So the pins hold only until the first verdict that the machine is crowded
+(pacing.crowd), the worker's own or the controller's. From then on every thread of the
+worker may use every CPU it could at start, for the rest of the session: the kernel's
+placement again, which handles strangers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+from unison.pacing import crowd
+
+
+def hold(cpus: Sequence[int]) -> None:
+    """In a worker, at start: keep this process on ``cpus`` until the first crowded
+    verdict."""
+    allowed = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cpus)
+    crowd.on_crowd(lambda: _set(os.getpid(), allowed))
+
+
+def let_go_when_crowded(pids: Sequence[int]) -> Callable[[], None]:
+    """In the controller, once the workers ``pids`` are up: at its first crowded verdict,
+    let each of them use every CPU this process may use. Returns the registration, for
+    ``crowd.off_crowd`` at close (a closed session's pids may be another's by then)."""
+    allowed = sorted(os.sched_getaffinity(0))
+
+    def let_go() -> None:
+        for pid in pids:
+            _set(pid, allowed)
+
+    crowd.on_crowd(let_go)
+    return let_go
+
+
+def _set(pid: int, cpus: Sequence[int]) -> None:
+    """Every thread of process ``pid`` (those there now) to ``cpus``; one that is gone, or
+    not ours to change, is left."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:
+            pass
