@@ -378,6 +378,22 @@ def test_runs_wait_hands_the_core_over_once_where_the_session_has_more_processes
             chan.close()
 
 
+def test_runs_hand_over_looks_at_the_machine_as_a_spin_would(
+    calm: None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run whose replies are in when the core comes back never spins: the hand-over's
+    own look (every LOOK) is what notices a hog that took the core for its whole slice."""
+    looks: list[float] = []
+    monkeypatch.setattr(pacing, "_yield", lambda: None)
+    monkeypatch.setattr(type(pacing.crowd), "look", lambda self, now: looks.append(now))
+    monkeypatch.setattr(pacing.crowd, "next_look", 0.0)
+    pacing.hand_over()
+    assert len(looks) == 1
+    monkeypatch.setattr(pacing.crowd, "next_look", pacing._clock() + 60.0)
+    pacing.hand_over()
+    assert len(looks) == 1  # not due yet
+
+
 def test_frequent_long_yields_make_waits_sleep_at_once_for_a_while(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

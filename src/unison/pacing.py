@@ -341,8 +341,15 @@ def hand_over() -> None:
     seventeenth pass"); call and sync gained nothing from a yield right after the send.
     Not on a crowded machine. Not timed: the worker that takes the core may run its call
     for long (a first call, say, that imports its module), and a few such yields would
-    make a crowd of our own workers; the spin that follows judges its own yields."""
-    if _clock() >= crowd.until:
+    make a crowd of our own workers; the spin that follows judges its own yields. But it
+    looks (``crowd.look``, every LOOK) as a spin would: where the replies are in once the
+    core comes back, no spin follows, and beside two CPU hogs the yield went to a hog for
+    its whole slice, run after run, 3.8 ms a round with nothing timed or looked at
+    (sched_switch traces, docs/benchmarks.md "Issue 9, twenty-first pass")."""
+    now = _clock()
+    if now >= crowd.next_look:
+        crowd.look(now)
+    if now >= crowd.until:
         _yield()
 
 

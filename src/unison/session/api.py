@@ -186,7 +186,10 @@ class Session(View):
         unison.HangError, saying where each worker is (docs/debugging.md).
         ``inline_worker0`` runs worker 0's share in this process, in the thread that sends
         each call, as Disco does: one process fewer on the cores (the fastest round trip),
-        for worker 0's failure isolation (unison.launch.inline says what it gives up)."""
+        for worker 0's failure isolation (unison.launch.inline says what it gives up).
+        ``cpu_affinity``: True pins worker r to one CPU, round robin; a dict as given;
+        False never; None holds local workers one to a CPU only where the session's
+        processes outnumber the CPUs, until the machine looks crowded (unison.placement)."""
         checks.check_sizes(num_workers, num_groups)
         if inline_worker0:
             checks.inline_worker0(num_workers, launcher, channel, collectives)
