@@ -500,3 +500,19 @@ def test_placement_refuses_a_placement_it_cannot_hold() -> None:
                            "--workers", "2", "--places", "0|012"], capture_output=True,
                           text=True, timeout=120, check=False)
     assert proc.returncode == 2 and "one digit per worker (2)" in proc.stderr, proc.stderr
+
+
+_TRACING = Path("/sys/kernel/tracing")
+
+
+@pytest.mark.skipif(not os.access(_TRACING / "trace", os.W_OK),
+                    reason="needs a writable /sys/kernel/tracing (root)")
+def test_sched_trace_says_where_each_process_ran_and_turns_the_event_off() -> None:
+    """benchmarks/sched_trace.py: per block, the median, the switches, each process's CPUs
+    and each CPU's sequence; the sched_switch event is off again after."""
+    out = _tool("sched_trace.py", "--workers", "2", "--blocks", "1", "--rounds", "50",
+                "--pause", "0", "--workload", "gather_small")
+    assert "gather_small N=2" in out and "block 0:" in out, out
+    assert "'C':" in out and "'W0':" in out and "'W1':" in out, out
+    assert "  cpu" in out, out
+    assert (_TRACING / "events/sched/sched_switch/enable").read_text().strip() == "0"

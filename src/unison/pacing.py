@@ -205,8 +205,10 @@ class _Crowd:
 
     def off_crowd(self, fn: Callable[[], object]) -> None:
         """``fn`` is no longer to be called (its session closed)."""
-        if fn in self._on_crowd:
+        try:
             self._on_crowd.remove(fn)
+        except ValueError:  # called already (or by a verdict now), or never registered
+            pass
 
     def _crowded(self, now: float) -> None:
         """The machine is crowded: waits sleep at once until CROWDED from now."""

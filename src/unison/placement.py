@@ -8,7 +8,7 @@ changed with each pause (sched_switch traces, docs/benchmarks.md "Issue 9, twent
 pass"). Pinned one to a CPU, round robin (session.checks.cpu_plan), it took 9-10 µs.
 
 A pinned worker cannot leave a CPU where a stranger runs, though: beside two CPU hogs, N=8
-pinned took 3.9 ms a round (a hog's whole time slice) in half the blocks, against 0.1 ms
+pinned took 3.9 ms a round (a hog's whole time slice) in 4 of 10 blocks, against 0.1 ms
 unpinned. So the pins hold only until the first verdict that the machine is crowded
 (pacing.crowd), the worker's own or the controller's. From then on every thread of the
 worker may use every CPU it could at start, for the rest of the session: the kernel's

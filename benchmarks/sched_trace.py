@@ -1,0 +1,148 @@
+"""Where a session's processes ran, round by round: the kernel's sched_switch events (issue 9).
+
+    python benchmarks/sched_trace.py [--workers 4] [--workload dispatch|gather_small]
+                                     [--blocks 8] [--pause 0.3] [--hogs 0]
+                                     [--cpu-affinity none|false|true]
+
+One session, then blocks: a pause (the workers go to sleep, and the kernel places each anew
+when it wakes), 2000 rounds to settle, 3000 timed ones (their median), then 500 traced with
+tracefs's sched_switch event on. For each block it prints the median, the switches per
+round, which CPU each process ran on, and a stretch of each CPU's sequence: C is the
+controller, W<r> worker r, H<i> a hog, x anyone else; with --times, each switch's time
+(µs, mod 100 ms). The traced rounds are slower than the timed ones (the tracing costs).
+Needs root (or a writable /sys/kernel/tracing); it turns the event off and empties the
+buffer after, whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import multiprocessing
+import os
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import unison
+
+TRACE = Path("/sys/kernel/tracing")
+_SWITCH = re.compile(r"\[(\d+)\].*?(\d+\.\d+): sched_switch: .*? next_pid=(\d+)")
+
+
+def noop() -> None:
+    pass
+
+
+def small_value() -> int:
+    return 7
+
+
+def _hog() -> None:
+    while True:
+        pass
+
+
+@contextmanager
+def switches() -> Iterator[Callable[[], str]]:
+    """sched_switch recording, off until the callable's caller turns it on; the event off and
+    the buffer emptied at the end."""
+    def write(name: str, text: str) -> None:
+        (TRACE / name).write_text(text)
+
+    write("tracing_on", "0")
+    write("buffer_size_kb", "8192")
+    write("events/sched/sched_switch/enable", "1")
+    try:
+        yield lambda: (TRACE / "trace").read_text()
+    finally:
+        write("tracing_on", "0")
+        write("events/sched/sched_switch/enable", "0")
+        write("trace", "")
+
+
+def _traced(round_trip: Callable[[], object], rounds: int) -> str:
+    (TRACE / "trace").write_text("")
+    (TRACE / "tracing_on").write_text("1")
+    try:
+        for _ in range(rounds):
+            round_trip()
+    finally:
+        (TRACE / "tracing_on").write_text("0")
+    return (TRACE / "trace").read_text()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--workload", choices=["dispatch", "gather_small"], default="dispatch")
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--pause", type=float, default=0.3, help="seconds idle before each block")
+    p.add_argument("--hogs", type=int, default=0, help="CPU-bound processes beside it")
+    p.add_argument("--cpu-affinity", choices=["none", "false", "true"], default="none")
+    p.add_argument("--rounds", type=int, default=3000, help="timed rounds a block")
+    p.add_argument("--times", action="store_true", help="each switch's time too")
+    args = p.parse_args(argv)
+    if not os.access(TRACE / "trace", os.W_OK):
+        print(f"sched_trace: {TRACE} is not writable here (run as root)", file=sys.stderr)
+        return 2
+    affinity = {"none": None, "false": False, "true": True}[args.cpu_affinity]
+    hogs = [multiprocessing.Process(target=_hog, daemon=True) for _ in range(args.hogs)]
+    for hog in hogs:
+        hog.start()
+    try:
+        with unison.Session(args.workers, cpu_affinity=affinity) as sess, switches():
+            def round_trip() -> None:
+                if args.workload == "dispatch":
+                    sess.call(noop)
+                    sess.sync()
+                else:
+                    sess.run(small_value)
+
+            pids = sess.run(os.getpid)
+            names = {os.getpid(): "C", **{pid: f"W{r}" for r, pid in enumerate(pids)},
+                     **{h.pid: f"H{i}" for i, h in enumerate(hogs)}}
+            print(f"{args.workload} N={args.workers} hogs={args.hogs} "
+                  f"cpu_affinity={affinity}: workers' CPUs at start "
+                  f"{sess.run(lambda: sorted(os.sched_getaffinity(0)))}")
+            for block in range(args.blocks):
+                time.sleep(args.pause)
+                for _ in range(2000):
+                    round_trip()
+                times = []
+                for _ in range(args.rounds):
+                    t0 = time.perf_counter()
+                    round_trip()
+                    times.append(time.perf_counter() - t0)
+                traced = 500
+                text = _traced(round_trip, traced)
+                seq: dict[int, list[str]] = collections.defaultdict(list)
+                where: dict[str, collections.Counter[int]] = collections.defaultdict(
+                    collections.Counter)
+                count = 0
+                for m in _SWITCH.finditer(text):
+                    cpu, stamp, pid = int(m.group(1)), float(m.group(2)), int(m.group(3))
+                    who = names.get(pid, "x")
+                    count += 1
+                    where[who][cpu] += 1
+                    seq[cpu].append(f"{who}@{stamp * 1e6 % 100_000:.0f}" if args.times else who)
+                place = {who: dict(c) for who, c in sorted(where.items())}
+                now = sess.run(lambda: sorted(os.sched_getaffinity(0)))
+                print(f"block {block}: {statistics.median(times) * 1e6:.1f} µs, "
+                      f"{count / traced:.1f} switches a round, switches into each by CPU "
+                      f"{place}, workers' CPUs now {now}")
+                for cpu, names_run in sorted(seq.items()):
+                    middle = names_run[len(names_run) // 2:][:30]
+                    print(f"  cpu{cpu}: " + (" " if args.times else "").join(middle))
+    finally:
+        for hog in hogs:
+            hog.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
