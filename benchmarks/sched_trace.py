@@ -10,8 +10,8 @@ tracefs's sched_switch event on. For each block it prints the median, the switch
 round, which CPU each process ran on, and a stretch of each CPU's sequence: C is the
 controller, W<r> worker r, H<i> a hog, x anyone else; with --times, each switch's time
 (µs, mod 100 ms). The traced rounds are slower than the timed ones (the tracing costs).
-Needs root (or a writable /sys/kernel/tracing); it turns the event off and empties the
-buffer after, whatever happens.
+Needs root (or a writable /sys/kernel/tracing); it turns the event off, empties the buffer
+and puts tracing_on and the buffer's size back after, whatever happens.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ def switches() -> Iterator[Callable[[], str]]:
     def write(name: str, text: str) -> None:
         (TRACE / name).write_text(text)
 
+    was = {name: (TRACE / name).read_text().split()[0] for name in ("tracing_on",
+                                                                  "buffer_size_kb")}
     write("tracing_on", "0")
     write("buffer_size_kb", "8192")
     write("events/sched/sched_switch/enable", "1")
@@ -63,6 +65,8 @@ def switches() -> Iterator[Callable[[], str]]:
         write("tracing_on", "0")
         write("events/sched/sched_switch/enable", "0")
         write("trace", "")
+        for name, value in was.items():  # as we found them
+            write(name, value)
 
 
 def _traced(round_trip: Callable[[], object], rounds: int) -> str:

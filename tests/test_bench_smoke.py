@@ -509,10 +509,12 @@ _TRACING = Path("/sys/kernel/tracing")
                     reason="needs a writable /sys/kernel/tracing (root)")
 def test_sched_trace_says_where_each_process_ran_and_turns_the_event_off() -> None:
     """benchmarks/sched_trace.py: per block, the median, the switches, each process's CPUs
-    and each CPU's sequence; the sched_switch event is off again after."""
+    and each CPU's sequence; the sched_switch event is off again after, tracing_on as it was."""
+    was = (_TRACING / "tracing_on").read_text()
     out = _tool("sched_trace.py", "--workers", "2", "--blocks", "1", "--rounds", "50",
                 "--pause", "0", "--workload", "gather_small")
     assert "gather_small N=2" in out and "block 0:" in out, out
     assert "'C':" in out and "'W0':" in out and "'W1':" in out, out
     assert "  cpu" in out, out
     assert (_TRACING / "events/sched/sched_switch/enable").read_text().strip() == "0"
+    assert (_TRACING / "tracing_on").read_text() == was
