@@ -34,8 +34,8 @@ plain entry out), a worker's plain reply, and the controller's collection of pla
 run in unison/_ring.c where it was built at install, with real fences:
 4-5 us of interpreter steps each in Python, well under 1 us in C. The protocol is the
 same, so either side may run either; ``UNISON_PURE=1`` picks Python. The pure-Python ring
-keeps the same shapes, one frame each where it can: ``send_plain``, ``reply_plain`` and
-``_values_py`` (run's replies read and decoded in one look).
+has the same shortcuts: ``send_plain``, ``reply_plain`` and ``_values_py`` (run's replies
+read and decoded in one look).
 
 Progress. Each worker publishes its *done* position (every command before it has run) when
 it comes back for the next one, and how many errors it holds that nobody fetched; the
@@ -368,17 +368,10 @@ class ShmChannel(Channel):
 
     def _look(self, ranks: Sequence[int], mark: int) -> int:
         """Python's ``_ring.Sender.settled``: 0 while a worker in ``ranks`` has not run
-        everything before ``mark``; else 1, or 2 where one holds errors nobody fetched.
-        One frame (``_done`` and ``unreported`` inlined): a pure ring's spin calls it."""
-        q, idx = self._q, self._done_idx
-        for r in ranks:
-            if q[idx[r]] < mark:
-                return 0
-        idx = self._unrep_idx
-        for r in ranks:
-            if q[idx[r]]:
-                return 2
-        return 1
+        everything before ``mark``; else 1, or 2 where one holds errors nobody fetched."""
+        if not self._done(ranks, mark):
+            return 0
+        return 2 if self.unreported(ranks) else 1
 
     def wait_done(self, ranks: Sequence[int], mark: int, timeout: float) -> bool:
         return self._wait_progress(ranks, mark, timeout) != 0
@@ -772,10 +765,7 @@ class ShmWorkerChannel(WorkerChannel):
         broken TCP stream) where the controller's bytes do."""
         q, base = self._q, self._cmd_base
         pos = self._pos
-        q[self._done_idx] = pos  # _progress, inlined: everything before pos has run
-        _fence()
-        if q[_CTL_DONE]:
-            os.eventfd_write(self._done_efd, 1)
+        self._progress(pos)  # everything before pos has run
         while True:
             end = q[0]
             if end == pos:

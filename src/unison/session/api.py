@@ -202,6 +202,7 @@ class Session(View):
         the_launcher = create_launcher(launcher)
         cpus = checks.cpu_plan(num_workers, cpu_affinity, children=the_launcher.children,
                                inline=inline_worker0)
+        spread = cpu_affinity is None and bool(cpus)  # held while calm (unison.placement)
         envs = checks.check_env(num_workers, env)
         self.num_workers = num_workers
         self.num_groups = num_groups
@@ -230,13 +231,12 @@ class Session(View):
             ready = Request(protocol.READY_REQ, num_workers)
             self._router.expect(ready, self.workers)
             self._closed = False
-            self._res.start(self._res.specs(num_workers, num_groups, cpus,
-                                            spread=cpu_affinity is None), envs)
+            self._res.start(self._res.specs(num_workers, num_groups, cpus, spread), envs)
             self._router.set_watched(self._res.watched)
             self._router.wait(ready, start_deadline, "starting")
             crowd.forget()  # the workers' start was no crowd of strangers
             self._pids = [pid for _, pid in self._router.decode(ready, self.workers)]
-            if cpu_affinity is None and cpus:  # spread: held while the machine is calm
+            if spread:
                 self._let_go = placement.let_go_when_crowded([self._pids[r] for r in cpus])
             if hang_timeout is not None and hang_timeout != math.inf:
                 self._router.hang = Watchdog(hang_timeout, self._pids)
