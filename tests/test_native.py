@@ -5,9 +5,11 @@ workers, and entries with buffers (which stay on the Python path)."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -60,23 +62,36 @@ def test_the_c_ring_tells_an_ok_reply_by_the_protocols_code() -> None:
     assert unison._ring.OK == protocol.OK
 
 
-def test_the_fence_is_one_c_call_where_built_and_a_fresh_lock_otherwise() -> None:
+def test_the_fence_is_one_c_call_where_built_and_a_locked_flush_otherwise() -> None:
     """The store-load fences of the channel and the cancellation board: the C one where
-    _ring was built. The pure fallback takes a fresh lock each time, so a signal's
-    exception between its steps can never leave a shared lock held (the next fence would
-    then block forever)."""
+    _ring was built. The pure fallback is a BufferedWriter's flush, a C method that takes and
+    releases the writer's lock within the call: no Python frame, and no lock a signal's
+    exception could leave held (the next fence would then raise or block)."""
     from unison import _native, cancel
 
     if os.environ.get("UNISON_PURE"):
-        assert _native.fence is _native._lock_fence
+        assert _native.fence.__self__.__class__ is io.BufferedWriter  # type: ignore[attr-defined]
     else:
         import unison._ring
 
         assert _native.fence is unison._ring.fence
     assert shm._fence is _native.fence and cancel._fence is _native.fence
+    pure = _native._locked_flush()
+    assert type(pure).__name__ == "builtin_function_or_method"
     for _ in range(3):
         _native.fence()
-        _native._lock_fence()
+        pure()
+
+    def hammer() -> None:  # threads share it: each call waits for the GIL, never the lock
+        for _ in range(20000):
+            pure()
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    pure()
 
 
 @pytest.mark.parametrize("controller_pure,workers_pure", [

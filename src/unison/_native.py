@@ -5,8 +5,8 @@ protocol, so a missing extension only costs speed."""
 from __future__ import annotations
 
 import importlib
+import io
 import os
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -21,13 +21,18 @@ def load(name: str) -> Any:
         return None
 
 
-def _lock_fence() -> None:
-    """A full memory barrier in pure Python: taking a lock is a locked instruction on x86. A
-    fresh lock, never released: an exception that a signal raises in here (Ctrl-C in the
-    controller, Cancelled in a worker) must not leave a shared one held for the next fence."""
-    threading.Lock().acquire()
+def _locked_flush() -> Callable[[], None]:
+    """A full memory barrier in pure Python, as one call of a C method: a BufferedWriter's
+    flush takes and releases the writer's lock (CPython's PyThread lock: a locked
+    instruction each way on x86) within the call, with nothing to write. About 450
+    instructions where a fresh ``threading.Lock().acquire()`` behind a Python function took
+    1,740, and a pure worker's round has three fences (callgrind: docs/benchmarks.md,
+    "Issue 9, twenty-second pass"). Never held across a bytecode, so a signal's exception
+    cannot leave it held, and other threads wait for the GIL, never for it."""
+    return io.BufferedWriter(io.BytesIO()).flush
 
 
 _ring = load("_ring")
-fence: Callable[[], None] = _lock_fence if _ring is None else _ring.fence
-"""A full memory barrier (store-load ordering included): one C call where _ring was built."""
+fence: Callable[[], None] = _locked_flush() if _ring is None else _ring.fence
+"""A full memory barrier (store-load ordering included): one C call where _ring was built,
+else one call of a C method that takes a lock."""
