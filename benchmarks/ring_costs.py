@@ -1,5 +1,7 @@
 """What one message costs on each side of the shm channel, without any waiting (issue 9):
 the command ring's send and a worker's receive, both ends in this process, fed a backlog;
+a worker's plain reply (run's: ``reply_plain``) and the controller's read of it
+(``plain_values``, one reply a look);
 then, with a real worker, ``sess.sync()`` alone and a worker's cost per CALL from a backlog.
 Run once with the C ring and once with the pure-Python one (``UNISON_PURE=1``), side by side.
 
@@ -18,7 +20,7 @@ import time
 
 import unison
 from unison.channel import shm
-from unison.protocol import call_msg
+from unison.protocol import OK, PLAIN, call_msg
 
 
 def noop() -> None:
@@ -31,17 +33,28 @@ def measure(messages: int) -> dict[str, float]:
     worker = shm.ShmWorkerChannel(chan.endpoint(0)[0])
     msg = call_msg(None, 7, 3, None, None, 0)
     clock = time.perf_counter
-    out: dict[str, list[float]] = {"send": [], "recv": []}
+    out: dict[str, list[float]] = {"send": [], "recv": [], "reply": [], "values": []}
+    reply, ranks = (5, OK, 7), (0,)
     try:
         for _ in range(5):
             t0 = clock()
             for _ in range(messages):
-                chan.send(msg, (0,))
+                chan.send(msg, ranks)
             t1 = clock()
             for _ in range(messages):
                 worker.recv()
             out["send"].append((t1 - t0) / messages * 1e6)
             out["recv"].append((clock() - t1) / messages * 1e6)
+            took = [0.0, 0.0]
+            for _ in range(messages):  # one at a time: the reply ring holds a few hundred
+                t0 = clock()
+                assert worker.reply_plain(reply, PLAIN)
+                t1 = clock()
+                assert chan.plain_values(ranks, 5, 1.0) == [7]
+                took[0] += t1 - t0
+                took[1] += clock() - t1
+            out["reply"].append(took[0] / messages * 1e6)
+            out["values"].append(took[1] / messages * 1e6)
     finally:
         del worker
         chan.close()

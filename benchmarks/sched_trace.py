@@ -9,7 +9,9 @@ when it wakes), 2000 rounds to settle, 3000 timed ones (their median), then 500 
 tracefs's sched_switch event on. For each block it prints the median, the switches per
 round, which CPU each process ran on, and a stretch of each CPU's sequence: C is the
 controller, W<r> worker r, H<i> a hog, x anyone else; with --times, each switch's time
-(µs, mod 100 ms). The traced rounds are slower than the timed ones (the tracing costs).
+(µs, mod 100 ms). And each process's mean turn: from a switch into it to the next
+switch on that CPU (turns under 100 µs; a lone spinner's whole block is one long turn).
+The traced rounds are slower than the timed ones (the tracing costs).
 Needs root (or a writable /sys/kernel/tracing); it turns the event off, empties the buffer
 and puts tracing_on and the buffer's size back after, whatever happens.
 """
@@ -127,18 +129,28 @@ def main(argv: list[str] | None = None) -> int:
                 seq: dict[int, list[str]] = collections.defaultdict(list)
                 where: dict[str, collections.Counter[int]] = collections.defaultdict(
                     collections.Counter)
+                turns: dict[str, list[float]] = collections.defaultdict(list)
+                last: dict[int, tuple[str, float]] = {}  # cpu -> who came on, when
                 count = 0
                 for m in _SWITCH.finditer(text):
                     cpu, stamp, pid = int(m.group(1)), float(m.group(2)), int(m.group(3))
                     who = names.get(pid, "x")
                     count += 1
                     where[who][cpu] += 1
+                    if cpu in last:  # the one before held this CPU until now: its turn
+                        turns[last[cpu][0]].append(stamp - last[cpu][1])
+                    last[cpu] = (who, stamp)
                     seq[cpu].append(f"{who}@{stamp * 1e6 % 100_000:.0f}" if args.times else who)
                 place = {who: dict(c) for who, c in sorted(where.items())}
                 now = sess.run(lambda: sorted(os.sched_getaffinity(0)))
                 print(f"block {block}: {statistics.median(times) * 1e6:.1f} µs, "
                       f"{count / traced:.1f} switches a round, switches into each by CPU "
                       f"{place}, workers' CPUs now {now}")
+                # the trace stamps whole µs: a mean of many turns is finer than their median
+                held = {who: round(statistics.fmean(short) * 1e6, 1)
+                        for who, t in sorted(turns.items())
+                        if len(short := [x for x in t if x < 100e-6]) >= 20}
+                print(f"  mean turn on a CPU, µs (turns under 100 µs, 20 or more): {held}")
                 for cpu, names_run in sorted(seq.items()):
                     middle = names_run[len(names_run) // 2:][:30]
                     print(f"  cpu{cpu}: " + (" " if args.times else "").join(middle))

@@ -655,6 +655,7 @@ def _pure(chan: ShmChannel) -> None:
     head.wpos, head.limit = chan._head.wpos, chan._head.limit
     chan._fast, chan._head = None, head
     chan.__dict__.pop("send_plain", None)
+    chan._values = chan._values_py
 
 
 def _ring(chan: ShmChannel, ring: str) -> None:
@@ -783,6 +784,40 @@ def test_plain_values_in_python_reads_the_same_entries_as_c_and_the_base_has_no_
     assert chan.plain_values((0,), 4, 0.0) is None
     assert [type(d) for _, d in chan.recv(0.0)] == [Reply]
     assert Channel.plain_values(chan, (0,), 3, 0.0) is None  # the base: no quick path
+
+
+def test_the_pure_look_takes_the_rx_lock_only_once_another_thread_may_read_the_rings(
+    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]],
+) -> None:
+    """Without worker 0 inline only the router's one reader reads the reply rings, and the
+    pure look goes without the rx lock (a quarter of its cost); ``absorber`` (worker 0
+    inline's make_room, called from any thread that sends) makes every later look take
+    it, so that the two never read a ring at once."""
+    chan, workers = shm_pair
+    _pure(chan)
+
+    def look_while_held(req: int) -> float:
+        workers[0].reply(_run_reply(req, req))
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with chan._rx_lock:
+                held.set()
+                release.wait(5)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait(5)
+        threading.Timer(0.2, release.set).start()
+        start = time.monotonic()
+        assert chan.plain_values((0,), req, 1.0) == [req]
+        took = time.monotonic() - start
+        holder.join()
+        return took
+
+    assert look_while_held(1) < 0.15
+    assert chan.absorber() == chan.absorb
+    assert look_while_held(2) >= 0.15
 
 
 @pytest.mark.parametrize("ring", ["C", "pure"])

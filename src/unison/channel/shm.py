@@ -199,6 +199,9 @@ class ShmChannel(Channel):
             self._fast.replies(lay.reply_ring, self._rw_idx, self._rr_idx, REPLY_RING)
             self._fast.progress(self._done_idx, self._unrep_idx)
             self.send_plain = self._fast.send  # type: ignore[method-assign]
+        self._values: Callable[..., list[Any] | bool | None] = (
+            self._values_py if self._fast is None else self._fast.values)
+        """plain_values' look: C's, else Python's (under the rx lock once ``absorber``)."""
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -482,9 +485,9 @@ class ShmChannel(Channel):
         core is first handed over once (pacing.hand_over)."""
         if self._backlog or self._broken:
             return None
-        look = self._values_py if self._fast is None else self._fast.values
+        look = self._values
         # partial: worker 0 inline may read chunks in another thread meanwhile (absorb);
-        # each look sees them within its one C call (in Python: under the rx lock)
+        # each look sees them within its one C call (in Python: under the rx lock then)
         pos, partial = self._reply_pos, self._partial
         if not self._busy:  # more processes than cores: a worker may wait for ours
             hand_over()
@@ -500,46 +503,54 @@ class ShmChannel(Channel):
                 got = look(pos, ranks, req_id, partial)
         return got if type(got) is list else None
 
+    def _values_locked(self, positions: list[int], ranks: tuple[int, ...], req_id: int,
+                       partial: list[list[bytes]]) -> list[Any] | bool | None:
+        """``_values_py`` under the rx lock: the look once another thread may read the
+        rings (``absorber``)."""
+        with self._rx_lock:
+            return self._values_py(positions, ranks, req_id, partial)
+
     def _values_py(self, positions: list[int], ranks: tuple[int, ...], req_id: int,
                    partial: list[list[bytes]]) -> list[Any] | bool | None:
         """Python's ``_ring.Sender.values``, the same answers: None while a rank's reply is
         not in; True (nothing read) where one is anything but a plain reply of (req_id, OK,
-        value) in the ring, or breaks the format; else the values, all consumed."""
-        with self._rx_lock:  # absorb (worker 0 inline) reads the rings in another thread
-            q, buf, rw_idx, rings = self._q, self._buf, self._rw_idx, self._lay.reply_ring
-            found = []
-            for r in ranks:
-                if partial[r]:  # the next entry is a chunk, not a reply
-                    return True
-                pos, end = positions[r], q[rw_idx[r]]
+        value) in the ring, or breaks the format; else the values, all consumed. Without
+        the rx lock, which cost a quarter of it (benchmarks/ring_costs.py): the router
+        lets one thread read at a time, and only ``absorber`` adds another."""
+        q, buf, rw_idx, rings = self._q, self._buf, self._rw_idx, self._lay.reply_ring
+        found = []
+        for r in ranks:
+            if partial[r]:  # the next entry is a chunk, not a reply
+                return True
+            pos, end = positions[r], q[rw_idx[r]]
+            if pos == end:
+                return None
+            if not 0 < end - pos <= REPLY_RING:
+                return True
+            off = pos & _REPLY_MASK
+            head = q[(rings[r] + off) >> 3]
+            if head == _WRAP and REPLY_RING - off <= end - pos:  # once a lap
+                pos += REPLY_RING - off
                 if pos == end:
                     return None
-                if not 0 < end - pos <= REPLY_RING:
-                    return True
-                off = pos & _REPLY_MASK
-                head = q[(rings[r] + off) >> 3]
-                if head == _WRAP and REPLY_RING - off <= end - pos:  # once a lap
-                    pos += REPLY_RING - off
-                    if pos == end:
-                        return None
-                    off, head = 0, q[rings[r] >> 3]
-                size = (15 + head) & ~7  # _align8(8 + n), inlined; head is n if no flags
-                if head >> 32 or not 8 < size <= end - pos or off + size > REPLY_RING:
-                    return True  # flags, an ack, bytes that break the format
-                found.append((r, rings[r] + off + 8, head, pos + size))
-            out = []
-            for _, start, n, _ in found:
-                try:
-                    got, status, value = loads_plain(buf[start : start + n])
-                except Exception:  # a pickle, not a marshal of three: the slow path judges
-                    return True
-                if got != req_id or status != OK:
-                    return True
-                out.append(value)
-            rr_idx = self._rr_idx
-            for r, _, _, at in found:  # all read: consume them
-                positions[r] = q[rr_idx[r]] = at
-            return out
+                off, head = 0, q[rings[r] >> 3]
+            size = (15 + head) & ~7  # _align8(8 + n), inlined; head is n if no flags
+            if head >> 32 or not 8 < size <= end - pos or off + size > REPLY_RING:
+                return True  # flags, an ack, bytes that break the format
+            found.append((r, rings[r] + off + 8, head, pos + size))
+        out = []
+        for _, start, n, _ in found:
+            try:
+                got, status, value = loads_plain(buf[start : start + n])
+            except Exception:  # a pickle, not a marshal of three: the slow path judges
+                return True
+            if got != req_id or status != OK:
+                return True
+            out.append(value)
+        rr_idx = self._rr_idx
+        for r, _, _, at in found:  # all read: consume them
+            positions[r] = q[rr_idx[r]] = at
+        return out
 
     def _doze(self, timeout: float | None, since: float) -> None:
         """Sleep on our eventfd and the watch fds until a reply is in, a watched fd is
@@ -555,6 +566,14 @@ class ShmChannel(Channel):
                     _drain_eventfd(self._ctl_efd)
         finally:
             q[_CTL_SLEEP] = 0
+
+    def absorber(self) -> Callable[[], None]:
+        """``absorb``, for worker 0 inline in the controller, which may call it in one
+        thread while another reads replies: from now on the pure-Python look takes the rx
+        lock as well (C's is one call under the GIL)."""
+        if self._fast is None:
+            self._values = self._values_locked
+        return self.absorb
 
     def absorb(self) -> None:
         """Read every reply now in the rings into the backlog, for the next recv: the room

@@ -131,7 +131,7 @@ class _InlineWorker:
             self._board = Board(spec.world_size, fd=spec.cancel) if spec.cancel >= 0 else None
             self._chan = ShmWorkerChannel(spec.channel)
             self._own_reply_fd = spec.channel["reply_arena"]  # its Arena closes that one
-            self._chan.make_room = chan.absorb
+            self._chan.make_room = chan.absorber()
             self._loop = worker.Loop()
             self._chan.reply(protocol.dumps((protocol.READY_REQ, OK, os.getpid())))
         except BaseException:
