@@ -929,7 +929,7 @@ class ShmWorkerChannel(WorkerChannel):
             return
         q, buf = self._q, self._buf
         n = len(chunk)
-        size = _align8(8 + n)
+        size = (15 + n) & ~7  # _align8(8 + n), inlined: each reply
         pos = q[self._rw_idx]  # written by this worker alone
         off = pos & _REPLY_MASK
         wrap = REPLY_RING - off if off + size > REPLY_RING else 0  # Ring.skip, inlined
