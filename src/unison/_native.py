@@ -24,11 +24,11 @@ def load(name: str) -> Any:
 def _locked_flush() -> Callable[[], None]:
     """A full memory barrier in pure Python, as one call of a C method: a BufferedWriter's
     flush takes and releases the writer's lock (CPython's PyThread lock: a locked
-    instruction each way on x86) within the call, with nothing to write. About 450
-    instructions where a fresh ``threading.Lock().acquire()`` behind a Python function took
-    1,740, and a pure worker's round has three fences (callgrind: docs/benchmarks.md,
-    "Issue 9, twenty-second pass"). Never held across a bytecode, so a signal's exception
-    cannot leave it held, and other threads wait for the GIL, never for it."""
+    instruction each way on x86) within the call, with nothing to write. A fresh
+    ``threading.Lock().acquire()`` behind a Python function cost 1,087 instructions more,
+    and a pure worker's round has up to three fences (docs/benchmarks.md, "Issue 9,
+    twenty-second pass"). Never held across a bytecode, so a signal's exception cannot
+    leave it held, and other threads wait for the GIL, never for it."""
     return io.BufferedWriter(io.BytesIO()).flush
 
 
