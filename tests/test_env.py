@@ -116,6 +116,10 @@ def _verdict_here() -> tuple[list[int], list[int], list[int]]:
     assert tid is not None
     before = affinity()
     assert sorted(os.sched_getaffinity(tid)) == before  # a thread inherits the pin
+    # the start is over here, as after this worker's first wait for a command; on a busy
+    # host a worker may not have waited yet (each command was in before it looked), and
+    # until then a verdict is the workers' start, not a crowd (CI, 2026-12-04)
+    crowd.forget()
     crowd._crowded(time.perf_counter())
     crowd.forget()  # waits go on spinning: only the pins were the point
     try:
