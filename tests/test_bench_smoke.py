@@ -516,5 +516,18 @@ def test_sched_trace_says_where_each_process_ran_and_turns_the_event_off() -> No
     assert "gather_small N=2" in out and "block 0:" in out, out
     assert "'C':" in out and "'W0':" in out and "'W1':" in out, out
     assert "  cpu" in out, out
+    assert "mean turn on a CPU" in out, out
     assert (_TRACING / "events/sched/sched_switch/enable").read_text().strip() == "0"
     assert (_TRACING / "tracing_on").read_text() == was
+
+
+def test_ring_costs_times_each_step_on_both_rings() -> None:
+    """benchmarks/ring_costs.py: one row for the C ring and one for the pure-Python one,
+    each step's µs (send, recv, a plain reply, its read) and the two with a real worker."""
+    out = _tool("ring_costs.py", "--messages", "200")
+    head = out.splitlines()[-4]
+    assert all(k in head for k in ("send", "recv", "reply", "values", "sync alone")), out
+    rows = _last_rows(out, 2)
+    assert [r[0] for r in rows] == ["C ring", "pure-Python ring"], out
+    for row in rows:
+        assert len(row) == 7 and all(float(v) > 0 for v in row[1:]), out

@@ -82,15 +82,26 @@ def test_the_fence_is_one_c_call_where_built_and_a_locked_flush_otherwise() -> N
         _native.fence()
         pure()
 
+    errors: list[BaseException] = []
+
     def hammer() -> None:  # threads share it: each call waits for the GIL, never the lock
-        for _ in range(20000):
-            pure()
+        try:
+            for _ in range(20000):
+                pure()
+        except BaseException as exc:  # a thread's error would otherwise only be printed
+            errors.append(exc)
 
     threads = [threading.Thread(target=hammer) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads swap often: a lock held across bytecodes would show
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
     pure()
 
 
