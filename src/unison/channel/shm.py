@@ -83,7 +83,7 @@ from unison._native import fence as _fence
 from unison.channel import Channel, Reply, WorkerChannel
 from unison.channel.arena import Arena, ArenaReader, Malformed, create_file, sealed_memfd
 from unison.channel.ring import Ring
-from unison.pacing import LONG_YIELD, Pacer, busy_budget, crowd, hand_over, spin
+from unison.pacing import CALM, LONG_YIELD, Pacer, busy_budget, crowd, hand_over, spin
 from unison.protocol import OK, dumps_plain, loads_plain
 
 _ring = _native.load("_ring")  # the C fast paths (unison/_ring.c), or None
@@ -371,10 +371,16 @@ class ShmChannel(Channel):
 
     def _look(self, ranks: Sequence[int], mark: int) -> int:
         """Python's ``_ring.Sender.settled``: 0 while a worker in ``ranks`` has not run
-        everything before ``mark``; else 1, or 2 where one holds errors nobody fetched."""
-        if not self._done(ranks, mark):
-            return 0
-        return 2 if self.unreported(ranks) else 1
+        everything before ``mark``; else 1, or 2 where one holds errors nobody fetched.
+        One frame (``_done`` and ``unreported``, inlined): sync looks at least twice."""
+        q, done, unreported = self._q, self._done_idx, self._unrep_idx
+        for r in ranks:
+            if q[done[r]] < mark:
+                return 0
+        for r in ranks:
+            if q[unreported[r]]:
+                return 2
+        return 1
 
     def wait_done(self, ranks: Sequence[int], mark: int, timeout: float) -> bool:
         return self._wait_progress(ranks, mark, timeout) != 0
@@ -784,7 +790,10 @@ class ShmWorkerChannel(WorkerChannel):
         broken TCP stream) where the controller's bytes do."""
         q, base = self._q, self._cmd_base
         pos = self._pos
-        self._progress(pos)  # everything before pos has run
+        q[self._done_idx] = pos  # _progress, inlined: everything before pos has run
+        _fence()
+        if q[_CTL_DONE]:
+            os.eventfd_write(self._done_efd, 1)
         while True:
             end = q[0]
             if end == pos:
@@ -858,20 +867,20 @@ class ShmWorkerChannel(WorkerChannel):
                 until = now + self._busy
                 while now < until:
                     if q[0] != pos:
-                        crowd.calm()
+                        crowd.rate *= CALM
                         return
                     now = _clock()
             while True:
                 _yield()
                 if q[0] != pos:
-                    crowd.calm()
+                    crowd.rate *= CALM
                     return
                 then, now = now, _clock()
                 if now - then > LONG_YIELD:
                     crowd.met_long_yield(now)
                     break
                 if now >= end:
-                    crowd.calm()
+                    crowd.rate *= CALM
                     break
         q[self._sleep_idx] = 1
         _fence()
