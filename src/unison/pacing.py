@@ -106,7 +106,8 @@ command is mostly there when it comes back waits rarely, and two long yields a t
 second apart are not frequent, however few waits lie between them."""
 _ALPHA = 1 / 32  # weight of the latest wait in the running rate
 CALM = 1 - _ALPHA
-"""A calm wait's factor on the rate (``crowd.calm``; the hot waits multiply by it in place)."""
+"""A wait that spun without meeting a long yield multiplies the rate by this (in place, in
+each wait: a method call was a frame on every round)."""
 LOOK = 0.05
 """How often (s, while waiting) a wait reads the thread's scheduler statistics (about 10 us
 a look). Every 10 ms raised dispatch's p99 at N=2 by 13-40% (a look delays the round it
@@ -279,10 +280,6 @@ class _Crowd:
         if rate > CROWDED_RATE:
             self._crowded(now)
 
-    def calm(self) -> None:
-        """A wait spun without meeting one (the hot waits: ``crowd.rate *= CALM``)."""
-        self.rate *= CALM
-
 
 crowd = _Crowd()
 
@@ -319,20 +316,20 @@ def spin(ready: Callable[..., _T], budget: float, busy: float = 0.0, *args: Any)
         while now < until:
             got = ready(*args)
             if got:
-                crowd.rate *= CALM  # crowd.calm(), inlined
+                crowd.rate *= CALM  # a calm wait
                 return got
             now = _clock()
     while now < end:
         _yield()
         got = ready(*args)
         if got:
-            crowd.rate *= CALM  # crowd.calm(), inlined
+            crowd.rate *= CALM  # a calm wait
             return got
         then, now = now, _clock()
         if now - then > LONG_YIELD:
             crowd.met_long_yield(now)
             return False
-    crowd.rate *= CALM  # crowd.calm(), inlined
+    crowd.rate *= CALM  # a calm wait
     return False
 
 
