@@ -372,7 +372,7 @@ class ShmChannel(Channel):
     def _look(self, ranks: Sequence[int], mark: int) -> int:
         """Python's ``_ring.Sender.settled``: 0 while a worker in ``ranks`` has not run
         everything before ``mark``; else 1, or 2 where one holds errors nobody fetched.
-        One frame (``_done`` and ``unreported``, inlined): sync looks at least twice."""
+        One frame (``_done`` and ``unreported``, inlined): a sync usually looks twice."""
         q, done, unreported = self._q, self._done_idx, self._unrep_idx
         for r in ranks:
             if q[done[r]] < mark:
