@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import multiprocessing
 import os
 import re
 import statistics
@@ -30,23 +29,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 import unison
+from harness.measure import hogs
+from harness.tasks import noop, small_value
 
 TRACE = Path("/sys/kernel/tracing")
 _SWITCH = re.compile(r"\[(\d+)\].*?(\d+\.\d+): sched_switch: .*? next_pid=(\d+)")
-
-
-def noop() -> None:
-    pass
-
-
-def small_value() -> int:
-    return 7
-
-
-def _hog() -> None:
-    while True:
-        pass
 
 
 @contextmanager
@@ -97,66 +87,60 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sched_trace: {TRACE} is not writable here (run as root)", file=sys.stderr)
         return 2
     affinity = {"none": None, "false": False, "true": True}[args.cpu_affinity]
-    hogs = [multiprocessing.Process(target=_hog, daemon=True) for _ in range(args.hogs)]
-    for hog in hogs:
-        hog.start()
-    try:
-        with unison.Session(args.workers, cpu_affinity=affinity) as sess, switches():
-            def round_trip() -> None:
-                if args.workload == "dispatch":
-                    sess.call(noop)
-                    sess.sync()
-                else:
-                    sess.run(small_value)
+    with hogs(args.hogs) as hog_pids, \
+            unison.Session(args.workers, cpu_affinity=affinity) as sess, switches():
+        def round_trip() -> None:
+            if args.workload == "dispatch":
+                sess.call(noop)
+                sess.sync()
+            else:
+                sess.run(small_value)
 
-            pids = sess.run(os.getpid)
-            names = {os.getpid(): "C", **{pid: f"W{r}" for r, pid in enumerate(pids)},
-                     **{h.pid: f"H{i}" for i, h in enumerate(hogs)}}
-            print(f"{args.workload} N={args.workers} hogs={args.hogs} "
-                  f"cpu_affinity={affinity}: workers' CPUs at start "
-                  f"{sess.run(lambda: sorted(os.sched_getaffinity(0)))}")
-            for block in range(args.blocks):
-                time.sleep(args.pause)
-                for _ in range(2000):
-                    round_trip()
-                times = []
-                for _ in range(args.rounds):
-                    t0 = time.perf_counter()
-                    round_trip()
-                    times.append(time.perf_counter() - t0)
-                traced = 500
-                text = _traced(round_trip, traced)
-                seq: dict[int, list[str]] = collections.defaultdict(list)
-                where: dict[str, collections.Counter[int]] = collections.defaultdict(
-                    collections.Counter)
-                turns: dict[str, list[float]] = collections.defaultdict(list)
-                last: dict[int, tuple[str, float]] = {}  # cpu -> who came on, when
-                count = 0
-                for m in _SWITCH.finditer(text):
-                    cpu, stamp, pid = int(m.group(1)), float(m.group(2)), int(m.group(3))
-                    who = names.get(pid, "x")
-                    count += 1
-                    where[who][cpu] += 1
-                    if cpu in last:  # the one before held this CPU until now: its turn
-                        turns[last[cpu][0]].append(stamp - last[cpu][1])
-                    last[cpu] = (who, stamp)
-                    seq[cpu].append(f"{who}@{stamp * 1e6 % 100_000:.0f}" if args.times else who)
-                place = {who: dict(c) for who, c in sorted(where.items())}
-                now = sess.run(lambda: sorted(os.sched_getaffinity(0)))
-                print(f"block {block}: {statistics.median(times) * 1e6:.1f} µs, "
-                      f"{count / traced:.1f} switches a round, switches into each by CPU "
-                      f"{place}, workers' CPUs now {now}")
-                # the trace stamps whole µs: a mean of many turns is finer than their median
-                held = {who: round(statistics.fmean(short) * 1e6, 1)
-                        for who, t in sorted(turns.items())
-                        if len(short := [x for x in t if x < 100e-6]) >= 20}
-                print(f"  mean turn on a CPU, µs (turns under 100 µs, 20 or more): {held}")
-                for cpu, names_run in sorted(seq.items()):
-                    middle = names_run[len(names_run) // 2:][:30]
-                    print(f"  cpu{cpu}: " + (" " if args.times else "").join(middle))
-    finally:
-        for hog in hogs:
-            hog.kill()
+        pids = sess.run(os.getpid)
+        names = {os.getpid(): "C", **{pid: f"W{r}" for r, pid in enumerate(pids)},
+                 **{pid: f"H{i}" for i, pid in enumerate(hog_pids)}}
+        print(f"{args.workload} N={args.workers} hogs={args.hogs} "
+              f"cpu_affinity={affinity}: workers' CPUs at start "
+              f"{sess.run(lambda: sorted(os.sched_getaffinity(0)))}")
+        for block in range(args.blocks):
+            time.sleep(args.pause)
+            for _ in range(2000):
+                round_trip()
+            times = []
+            for _ in range(args.rounds):
+                t0 = time.perf_counter()
+                round_trip()
+                times.append(time.perf_counter() - t0)
+            traced = 500
+            text = _traced(round_trip, traced)
+            seq: dict[int, list[str]] = collections.defaultdict(list)
+            where: dict[str, collections.Counter[int]] = collections.defaultdict(
+                collections.Counter)
+            turns: dict[str, list[float]] = collections.defaultdict(list)
+            last: dict[int, tuple[str, float]] = {}  # cpu -> who came on, when
+            count = 0
+            for m in _SWITCH.finditer(text):
+                cpu, stamp, pid = int(m.group(1)), float(m.group(2)), int(m.group(3))
+                who = names.get(pid, "x")
+                count += 1
+                where[who][cpu] += 1
+                if cpu in last:  # the one before held this CPU until now: its turn
+                    turns[last[cpu][0]].append(stamp - last[cpu][1])
+                last[cpu] = (who, stamp)
+                seq[cpu].append(f"{who}@{stamp * 1e6 % 100_000:.0f}" if args.times else who)
+            place = {who: dict(c) for who, c in sorted(where.items())}
+            now = sess.run(lambda: sorted(os.sched_getaffinity(0)))
+            print(f"block {block}: {statistics.median(times) * 1e6:.1f} µs, "
+                  f"{count / traced:.1f} switches a round, switches into each by CPU "
+                  f"{place}, workers' CPUs now {now}")
+            # the trace stamps whole µs: a mean of many turns is finer than their median
+            held = {who: round(statistics.fmean(short) * 1e6, 1)
+                    for who, t in sorted(turns.items())
+                    if len(short := [x for x in t if x < 100e-6]) >= 20}
+            print(f"  mean turn on a CPU, µs (turns under 100 µs, 20 or more): {held}")
+            for cpu, names_run in sorted(seq.items()):
+                middle = names_run[len(names_run) // 2:][:30]
+                print(f"  cpu{cpu}: " + (" " if args.times else "").join(middle))
     return 0
 
 

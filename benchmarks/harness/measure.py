@@ -325,9 +325,9 @@ _HOG = ("import ctypes, os, signal, sys\n"
 
 
 @contextlib.contextmanager
-def hogs(count: int = HOGS) -> Iterator[None]:
+def hogs(count: int = HOGS) -> Iterator[list[int]]:
     """``count`` CPU-bound processes running for the block (started, then 0.1 s to reach
-    their loop); they are killed after it, always."""
+    their loop); they are killed after it, always. Gives their pids."""
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for _ in range(count):
@@ -335,7 +335,7 @@ def hogs(count: int = HOGS) -> Iterator[None]:
                                           stdin=subprocess.DEVNULL))
         if procs:
             time.sleep(0.1)  # let them start and reach their loop
-        yield
+        yield [proc.pid for proc in procs]
     finally:
         for proc in procs:
             proc.kill()

@@ -371,16 +371,10 @@ class ShmChannel(Channel):
 
     def _look(self, ranks: Sequence[int], mark: int) -> int:
         """Python's ``_ring.Sender.settled``: 0 while a worker in ``ranks`` has not run
-        everything before ``mark``; else 1, or 2 where one holds errors nobody fetched.
-        One frame (``_done`` and ``unreported``, inlined): a sync usually looks twice."""
-        q, done, unreported = self._q, self._done_idx, self._unrep_idx
-        for r in ranks:
-            if q[done[r]] < mark:
-                return 0
-        for r in ranks:
-            if q[unreported[r]]:
-                return 2
-        return 1
+        everything before ``mark``; else 1, or 2 where one holds errors nobody fetched."""
+        if not self._done(ranks, mark):
+            return 0
+        return 2 if self.unreported(ranks) else 1
 
     def wait_done(self, ranks: Sequence[int], mark: int, timeout: float) -> bool:
         return self._wait_progress(ranks, mark, timeout) != 0
@@ -790,10 +784,7 @@ class ShmWorkerChannel(WorkerChannel):
         broken TCP stream) where the controller's bytes do."""
         q, base = self._q, self._cmd_base
         pos = self._pos
-        q[self._done_idx] = pos  # _progress, inlined: everything before pos has run
-        _fence()
-        if q[_CTL_DONE]:
-            os.eventfd_write(self._done_efd, 1)
+        self._progress(pos)  # everything before pos has run
         while True:
             end = q[0]
             if end == pos:
@@ -938,7 +929,7 @@ class ShmWorkerChannel(WorkerChannel):
             return
         q, buf = self._q, self._buf
         n = len(chunk)
-        size = (15 + n) & ~7  # _align8(8 + n), inlined: each reply
+        size = _align8(8 + n)
         pos = q[self._rw_idx]  # written by this worker alone
         off = pos & _REPLY_MASK
         wrap = REPLY_RING - off if off + size > REPLY_RING else 0  # Ring.skip, inlined

@@ -79,12 +79,10 @@ def cpu_plan(n: int, plan: bool | Mapping[int, Iterable[int]] | None, *,
             return {}
         raise ValueError("cpu_affinity needs os.sched_getaffinity, which this platform lacks")
     usable = sorted(os.sched_getaffinity(0))
-    if plan is None or plan is True:
-        first = 0
-        if plan is None:
-            if n + (0 if inline else 1) <= len(usable):
-                return {}  # a core each: the kernel keeps them apart
-            first = 1 if inline else 0
+    if plan is None and n + (0 if inline else 1) <= len(usable):
+        return {}  # a core each: the kernel keeps them apart
+    if plan is None or plan is True:  # round robin (worker 0 inline is the controller)
+        first = 1 if plan is None and inline else 0
         return {r: [usable[r % len(usable)]] for r in range(first, n)}
     if not isinstance(plan, Mapping):
         raise TypeError("cpu_affinity must be True or map a rank to a list of CPU numbers")
