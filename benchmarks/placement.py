@@ -2,6 +2,7 @@
 
     python benchmarks/placement.py [--systems unison,floor] [--workers 4]
                                    [--places "0|0011,0|0111,0|1111,free"] [--blocks 4]
+                                   [--hogs 0]
 
 With more processes than cores (N=4 on 2 CPUs: five processes) the scheduler puts them in
 groups on the CPUs, and a round trip's time depends on which group the controller is in:
@@ -16,7 +17,8 @@ A placement is ``C|W``: the controller's CPU, then each worker's, one digit per 
 rank order (``0|0111``: the controller and worker 0 on CPU 0, workers 1-3 on CPU 1);
 ``free`` lets the scheduler place them. Every process is let go onto every CPU again at the
 end. The other systems' workers sleep while one system is timed (their waits give up their
-spin after 200 µs), wherever they are.
+spin after 200 µs), wherever they are. ``--hogs`` runs that many CPU-bound processes
+(harness.measure's) throughout, free to run on any CPU.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness.measure import Loop, time_loop
+from harness.measure import Loop, hogs, time_loop
 from harness.report import cpu_model, source_revision
 from harness.systems import make_system
 from harness.systems.base import System
@@ -106,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--places", default="0|0011,0|0111,0|1111,free")
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=0.3)
+    parser.add_argument("--hogs", type=int, default=0)
     args = parser.parse_args(argv)
     names, places = args.systems.split(","), args.places.split(",")
     if names[0] != "unison" or len(names) < 2:
@@ -113,9 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU: {cpu_model()}, {os.cpu_count()} CPUs; {source_revision()}; command: python "
           f"benchmarks/placement.py --systems {args.systems} --workload {args.workload} "
           f"--workers {args.workers} --places \"{args.places}\" --blocks {args.blocks} "
-          f"--seconds {args.seconds}")
+          f"--seconds {args.seconds} --hogs {args.hogs}")
     try:
-        got = measure(names, args.workload, args.workers, places, args.blocks, args.seconds)
+        with hogs(args.hogs):
+            got = measure(names, args.workload, args.workers, places, args.blocks, args.seconds)
     except ValueError as exc:
         parser.error(str(exc))
     print(f"\n{args.workload} at N={args.workers}, µs (median of {args.blocks} blocks)\n")

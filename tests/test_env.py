@@ -171,6 +171,36 @@ def test_no_spread_where_each_process_has_a_cpu_or_when_asked_not_to(make_sessio
     assert make_session(3, cpu_affinity=False).run(affinity) == [two_cpus] * 3
 
 
+@needs_two_cpus
+def test_a_lone_worker_follows_the_controller_while_the_machine_is_crowded(
+        make_session, two_cpus):
+    """N=1: while crowded, each look holds the worker on the CPU the controller's thread
+    last ran on (unison.placement.together_when_crowded); the first calm look lets go."""
+    sess = make_session(1)
+    follow = sess._follow
+    assert follow is not None and follow in crowd._on_look
+    assert sess.run(affinity) == [two_cpus]
+    try:
+        crowd._crowded(time.perf_counter())
+        for cpu in (*two_cpus, two_cpus[0]):  # the controller moves; the worker follows
+            os.sched_setaffinity(0, [cpu])
+            crowd.look(time.perf_counter())
+            assert sess.run(affinity) == [[cpu]]
+    finally:
+        os.sched_setaffinity(0, two_cpus)
+        crowd.forget()
+    crowd.look(time.perf_counter())  # calm: let go
+    assert sess.run(affinity) == [two_cpus]
+    sess.close()
+    assert follow not in crowd._on_look  # its pid may be another process's by now
+
+
+@needs_two_cpus
+def test_no_following_with_more_workers_or_pins(make_session, two_cpus):
+    assert make_session(2)._follow is None  # they run side by side: spread instead
+    assert make_session(1, cpu_affinity=False)._follow is None
+
+
 def test_the_spread_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """Who is held where: local workers (``children``) only, only where the session's
     processes (the controller too, unless it runs worker 0 inline) outnumber the CPUs."""

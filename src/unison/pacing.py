@@ -183,8 +183,8 @@ class _Crowd:
     """This process's view of the machine: ``until`` is the time (perf_counter) before which
     waits skip the spin. One per process: every wait of ours meets the same strangers."""
 
-    __slots__ = ("_last_long", "_on_crowd", "_seen", "_started", "_stranger_looks",
-                 "next_look", "ours", "rate", "until")
+    __slots__ = ("_last_long", "_on_crowd", "_on_look", "_seen", "_started",
+                 "_stranger_looks", "next_look", "ours", "rate", "until")
 
     def __init__(self) -> None:
         self.until = 0.0
@@ -198,6 +198,7 @@ class _Crowd:
         these and the CPUs mean strangers. 0: unknown, and looks do not count tasks."""
         self._stranger_looks = 0  # looks in a row that found strangers (STRANGER_LOOKS)
         self._on_crowd: list[Callable[[], object]] = []
+        self._on_look: tuple[Callable[[bool], object], ...] = ()  # a tuple: swapped whole
         self._started = False  # a session's start is over here (``forget``)
 
     def on_crowd(self, fn: Callable[[], object]) -> None:
@@ -212,6 +213,16 @@ class _Crowd:
             self._on_crowd.remove(fn)
         except ValueError:  # called already (or by a verdict now), or never registered
             pass
+
+    def on_look(self, fn: Callable[[bool], object]) -> None:
+        """Call ``fn(crowded)`` after every look (from the thread that looks, every LOOK
+        while it waits), with whether the machine is crowded then: unison.placement keeps
+        a lone worker beside the controller while it is."""
+        self._on_look = (*self._on_look, fn)
+
+    def off_look(self, fn: Callable[[bool], object]) -> None:
+        """``fn`` is no longer to be called (its session closed)."""
+        self._on_look = tuple(f for f in self._on_look if f is not fn)
 
     def _crowded(self, now: float) -> None:
         """The machine is crowded: waits sleep at once until CROWDED from now."""
@@ -229,6 +240,12 @@ class _Crowd:
         self.ours = max(self.ours, processes)
 
     def look(self, now: float) -> None:
+        """Judge the machine (``_judge``), then tell those who asked (``on_look``)."""
+        self._judge(now)
+        for fn in self._on_look:
+            fn(now < self.until)
+
+    def _judge(self, now: float) -> None:
         """Read this thread's run delay; a stranger held the core if, since the last look,
         the thread spent over CROWD_SHARE of the time off the core, in spells averaging over
         STRANGER_SPELL, or in any spells while strangers were runnable at STRANGER_LOOKS

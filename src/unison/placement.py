@@ -13,6 +13,16 @@ unpinned. So the pins hold only until the first verdict that the machine is crow
 (pacing.crowd), the worker's own or the controller's. From then on every thread of the
 worker may use every CPU it could at start, for the rest of the session: the kernel's
 placement again, which handles strangers.
+
+A session of one local worker is the other way round: its round is a strict hand-over
+between two processes, and beside two CPU hogs it ran at 10-12 µs (gather_small) where
+the kernel had put the controller and the worker on one CPU (each hand-over a switch, the
+hogs on the other CPU) and at 28-36 µs where it had put each beside a hog (each hand-over a
+wake-up that preempts a hog, four switches a round, caches cold). Which one a session got
+was the kernel's coin, kept for seconds; the pipe's is the same coin (17 µs / 26 µs). So
+while the machine is crowded the controller holds its lone worker on the CPU its waiting
+thread last ran on, following it at each look (pacing.crowd.on_look), and lets go once calm
+(docs/benchmarks.md, "Issue 9, twenty-fourth pass").
 """
 
 from __future__ import annotations
@@ -43,6 +53,42 @@ def let_go_when_crowded(pids: Sequence[int]) -> Callable[[], None]:
 
     crowd.on_crowd(let_go)
     return let_go
+
+
+def together_when_crowded(pid: int) -> Callable[[bool], None] | None:
+    """In the controller of a session whose one worker is the local process ``pid``: while
+    the machine is crowded, keep the worker on the CPU the controller's waiting thread last
+    ran on (see the module's docstring); once calm, let it use every CPU this process may.
+    Returns the registration, for ``crowd.off_look`` at close; None with a single CPU."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        return None
+    owner = os.getpid()
+    held: list[int] = []  # the CPU the worker is held on, if it is
+
+    def follow(crowded: bool) -> None:
+        if os.getpid() != owner:  # a forked child's copy: not its worker
+            return
+        if crowded:
+            cpu = this_cpu()
+            if cpu is not None and held != [cpu]:
+                _set(pid, [cpu])
+                held[:] = [cpu]
+        elif held:
+            _set(pid, allowed)
+            held.clear()
+
+    crowd.on_look(follow)
+    return follow
+
+
+def this_cpu() -> int | None:
+    """The CPU this thread last ran on (/proc/thread-self/stat's 39th field), or None."""
+    try:
+        with open("/proc/thread-self/stat", "rb") as f:
+            return int(f.read().rpartition(b")")[2].split()[36])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _set(pid: int, cpus: Sequence[int]) -> None:

@@ -210,6 +210,7 @@ class Session(View):
         self.workers = tuple(range(num_workers))
         self._closed = True  # until the workers are up
         self._let_go: Callable[[], None] | None = None  # unison.placement's, where it spread
+        self._follow: Callable[[bool], None] | None = None  # its, for a lone local worker
         self._owner = os.getpid()
         self._stopping = False
         self._dead: BaseException | None = None
@@ -238,6 +239,9 @@ class Session(View):
             self._pids = [pid for _, pid in self._router.decode(ready, self.workers)]
             if spread:
                 self._let_go = placement.let_go_when_crowded([self._pids[r] for r in cpus])
+            if (cpu_affinity is None and num_workers == 1 and the_launcher.children
+                    and not inline_worker0):
+                self._follow = placement.together_when_crowded(self._pids[0])
             if hang_timeout is not None and hang_timeout != math.inf:
                 self._router.hang = Watchdog(hang_timeout, self._pids)
             self._last_trace: Trace | None = None
@@ -387,6 +391,9 @@ class Session(View):
         let_go, self._let_go = getattr(self, "_let_go", None), None
         if let_go is not None:
             crowd.off_crowd(let_go)
+        follow, self._follow = getattr(self, "_follow", None), None
+        if follow is not None:
+            crowd.off_look(follow)
         if os.getpid() != self._owner:
             return  # a forked child's copy: the workers belong to the parent, leave them be
         res = getattr(self, "_res", None)
