@@ -2,13 +2,16 @@
 and goes (issue 9)?
 
     python benchmarks/hogs_timeline.py --workers 1 8 --seconds 3 [--systems unison,pipe]
+                                       [--workload dispatch|gather_small] [--hogs 2]
 
 The full run's ``dispatch_hogs`` cell is one median over 0.6 s; a mode that lasts a second
 decides it, or misses it. This starts the same hogs (harness.measure), then prints, for each
 0.1 s of dispatch rounds: the median µs, the rounds run, and for unison the controller's
 run delay per round (µs it spent runnable but off the core, from
 /proc/thread-self/schedstat) with ``C`` where most of its rounds found it crowded (its
-waits sleeping at once: unison.pacing).
+waits sleeping at once: unison.pacing); and, for every system, ``=`` where most of the
+point's samples (one each SAMPLE seconds) found the controller on worker 0's CPU. After
+each timeline, the median of the points with ``=`` and of those without.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from harness.systems import System, make_system
 from unison.pacing import crowd, run_delay
 
 BLOCK = 0.1  # seconds per printed point
+SAMPLE = 0.01  # seconds between looks at where the controller and worker 0 run
 
 
 def _run_delay_ns() -> int:
@@ -34,40 +38,64 @@ def _run_delay_ns() -> int:
     return 0 if got is None else got[0]
 
 
-def timeline(name: str, n: int, seconds: float, count: int) -> str:
+def timeline(name: str, n: int, seconds: float, count: int, workload: str) -> str:
     system = make_system(name)
     system.start(n)
     try:
         for _ in range(200):
-            system.dispatch()
+            getattr(system, workload)()
         with hogs(count):
-            return f"{name} N={n}: " + " ".join(_points(name, system, seconds))
+            points = _points(name, system, seconds, workload)
     finally:
         system.close()
+    text = f"{name} N={n}: " + " ".join(point for point, _, _ in points)
+    for label, shared in (("on worker 0's CPU", True), ("apart", False)):
+        medians = [median for _, median, together in points if together == shared]
+        if medians:
+            text += (f"\n  {label}: {len(medians)} points, median "
+                     f"{statistics.median(medians):.1f} µs")
+    return text
 
 
-def _points(name: str, system: System, seconds: float) -> list[str]:
-    """Dispatch rounds for ``seconds``: one point per BLOCK (see the module's docstring)."""
+def _cpu(stat: str) -> int:
+    """The CPU a thread or process last ran on: its /proc stat's 39th field."""
+    with open(stat, "rb") as f:
+        return int(f.read().rpartition(b")")[2].split()[36])
+
+
+def _points(name: str, system: System, seconds: float,
+            workload: str) -> list[tuple[str, float, bool]]:
+    """Rounds for ``seconds``: one point per BLOCK (see the module's docstring), with its
+    median µs and whether the controller mostly ran on worker 0's CPU."""
     clock = time.perf_counter
-    points: list[str] = []
-    start = block_start = clock()
+    round_trip = getattr(system, workload)
+    worker0 = f"/proc/{system.worker_pids()[0]}/stat"
+    points: list[tuple[str, float, bool]] = []
+    start = block_start = next_sample = clock()
     delay = _run_delay_ns()
     rounds: list[float] = []
-    crowded = 0
+    crowded = together = samples = 0
     while clock() - start < seconds:
         t0 = clock()
-        system.dispatch()
+        round_trip()
         t1 = clock()
         rounds.append(t1 - t0)
         crowded += crowd.until > t1
+        if t1 >= next_sample:
+            next_sample = t1 + SAMPLE
+            together += _cpu("/proc/thread-self/stat") == _cpu(worker0)
+            samples += 1
         if t1 - block_start >= BLOCK:
             now = _run_delay_ns()
-            point = f"{statistics.median(rounds) * 1e6:.0f}/{len(rounds)}"
+            median = statistics.median(rounds) * 1e6
+            point = f"{median:.0f}/{len(rounds)}"
             if name.startswith("unison"):
                 point += f"/{(now - delay) / len(rounds) / 1e3:.0f}"
                 point += "C" if 2 * crowded > len(rounds) else ""
-            points.append(point)
+            shared = 2 * together > samples
+            points.append((point + ("=" if shared else ""), median, shared))
             delay, rounds, crowded, block_start = now, [], 0, t1
+            together = samples = 0
     return points
 
 
@@ -77,12 +105,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--systems", default="unison,pipe")
     parser.add_argument("--hogs", type=int, default=HOGS)
+    parser.add_argument("--workload", default="dispatch", choices=["dispatch", "gather_small"])
     args = parser.parse_args()
-    print(f"CPU: {cpu_model()}; {source_revision()}; {args.hogs} hogs; each point: median µs "
-          "/ rounds in 0.1 s [/ controller's run delay µs per round, C: crowded]\n")
+    print(f"CPU: {cpu_model()}; {source_revision()}; {args.hogs} hogs; {args.workload}; each "
+          "point: median µs / rounds in 0.1 s [/ controller's run delay µs per round, C: "
+          "crowded] [=: the controller on worker 0's CPU]\n")
     for n in args.workers:
         for name in args.systems.split(","):
-            print(timeline(name, n, args.seconds, args.hogs), flush=True)
+            print(timeline(name, n, args.seconds, args.hogs, args.workload), flush=True)
 
 
 if __name__ == "__main__":

@@ -362,16 +362,20 @@ def test_python_cost_leaves_the_session_whole() -> None:
 
 
 def test_hogs_timeline_prints_points_per_tenth_of_a_second() -> None:
-    """benchmarks/hogs_timeline.py: dispatch beside hogs, one point per 0.1 s, with unison's
-    run delay per round."""
-    out = _tool("hogs_timeline.py", "--workers", "1", "--seconds", "0.35", "--hogs", "1")
+    """benchmarks/hogs_timeline.py: rounds beside hogs, one point per 0.1 s, with unison's
+    run delay per round, and the points' medians by where the controller ran."""
+    out = _tool("hogs_timeline.py", "--workers", "1", "--seconds", "0.35", "--hogs", "1",
+                "--workload", "gather_small")
     lines = dict(line.split(": ", 1) for line in out.splitlines() if " N=1: " in line)
     assert set(lines) == {"unison N=1", "pipe N=1"}, out
+    counts = [int(line.split(": ")[1].split()[0]) for line in out.splitlines()
+              if line.startswith(("  on worker 0's CPU: ", "  apart: "))]
     for name, points in lines.items():
-        fields = [p.rstrip("C").split("/") for p in points.split()]
+        fields = [p.rstrip("C=").split("/") for p in points.split()]
         assert len(fields) >= 3, points
         assert all(len(f) == (3 if name.startswith("unison") else 2) for f in fields), points
         assert all(float(f[0]) > 0 and int(f[1]) > 0 for f in fields), points
+    assert sum(counts) == sum(len(points.split()) for points in lines.values()), out
 
 
 def test_blocks_alternates_systems_and_gives_unisons_ratios() -> None:
