@@ -28,6 +28,7 @@ from harness.measure import HOGS, hogs
 from harness.report import cpu_model, source_revision
 from harness.systems import System, make_system
 from unison.pacing import crowd, run_delay
+from unison.placement import last_cpu
 
 BLOCK = 0.1  # seconds per printed point
 SAMPLE = 0.01  # seconds between looks at where the controller and worker 0 run
@@ -57,19 +58,13 @@ def timeline(name: str, n: int, seconds: float, count: int, workload: str) -> st
     return text
 
 
-def _cpu(stat: str) -> int:
-    """The CPU a thread or process last ran on: its /proc stat's 39th field."""
-    with open(stat, "rb") as f:
-        return int(f.read().rpartition(b")")[2].split()[36])
-
-
 def _points(name: str, system: System, seconds: float,
             workload: str) -> list[tuple[str, float, bool]]:
     """Rounds for ``seconds``: one point per BLOCK (see the module's docstring), with its
     median µs and whether the controller mostly ran on worker 0's CPU."""
     clock = time.perf_counter
     round_trip = getattr(system, workload)
-    worker0 = f"/proc/{system.worker_pids()[0]}/stat"
+    worker0 = system.worker_pids()[0]
     points: list[tuple[str, float, bool]] = []
     start = block_start = next_sample = clock()
     delay = _run_delay_ns()
@@ -83,7 +78,8 @@ def _points(name: str, system: System, seconds: float,
         crowded += crowd.until > t1
         if t1 >= next_sample:
             next_sample = t1 + SAMPLE
-            together += _cpu("/proc/thread-self/stat") == _cpu(worker0)
+            mine = last_cpu()
+            together += mine is not None and mine == last_cpu(worker0)
             samples += 1
         if t1 - block_start >= BLOCK:
             now = _run_delay_ns()

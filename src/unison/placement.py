@@ -70,7 +70,7 @@ def together_when_crowded(pid: int) -> Callable[[bool], None] | None:
         if os.getpid() != owner:  # a forked child's copy: not its worker
             return
         if crowded:
-            cpu = this_cpu()
+            cpu = last_cpu()
             if cpu is not None and held != [cpu]:
                 _set(pid, [cpu])
                 held[:] = [cpu]
@@ -82,10 +82,12 @@ def together_when_crowded(pid: int) -> Callable[[bool], None] | None:
     return follow
 
 
-def this_cpu() -> int | None:
-    """The CPU this thread last ran on (/proc/thread-self/stat's 39th field), or None."""
+def last_cpu(pid: int | None = None) -> int | None:
+    """The CPU process ``pid`` (None: this thread) last ran on, from its /proc stat's 39th
+    field; None where that cannot be read."""
+    stat = "/proc/thread-self/stat" if pid is None else f"/proc/{pid}/stat"
     try:
-        with open("/proc/thread-self/stat", "rb") as f:
+        with open(stat, "rb") as f:
             return int(f.read().rpartition(b")")[2].split()[36])
     except (OSError, ValueError, IndexError):
         return None
