@@ -378,6 +378,17 @@ def test_hogs_timeline_prints_points_per_tenth_of_a_second() -> None:
     assert sum(counts) == sum(len(points.split()) for points in lines.values()), out
 
 
+def test_held_again_prints_a_line_per_block() -> None:
+    """benchmarks/held_again.py: after each block, unison's and the floor's medians and
+    the CPUs each unison worker may use."""
+    out = _tool("held_again.py", "--workers", "2", "--blocks", "2", "--seconds", "0.05")
+    lines = [line for line in out.splitlines() if "unison's workers may use" in line]
+    assert len(lines) == 2, out
+    for line in lines:
+        assert float(line.split("unison")[1].split()[0]) > 0, line
+        assert line.split("may use ")[1].startswith("[["), line
+
+
 def test_blocks_alternates_systems_and_gives_unisons_ratios() -> None:
     """benchmarks/blocks.py: each system's block medians per workload and N, and unison's
     ratio to each other system from the medians it printed."""
