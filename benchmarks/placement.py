@@ -15,10 +15,11 @@ prints each system's median µs per placement and unison's ratio to the others.
 
 A placement is ``C|W``: the controller's CPU, then each worker's, one digit per worker in
 rank order (``0|0111``: the controller and worker 0 on CPU 0, workers 1-3 on CPU 1);
-``free`` lets the scheduler place them. Every process is let go onto every CPU again at the
-end. The other systems' workers sleep while one system is timed (their waits give up their
-spin after 200 µs), wherever they are. ``--hogs`` runs that many CPU-bound processes
-(harness.measure's) throughout, free to run on any CPU.
+``*|0101`` lets the scheduler place the controller alone, ``free`` every process. Every
+process is let go onto every CPU again at the end. The other systems' workers sleep while
+one system is timed (their waits give up their spin after 200 µs), wherever they are.
+``--hogs`` runs that many CPU-bound processes (harness.measure's) throughout, free to run
+on any CPU.
 """
 
 from __future__ import annotations
@@ -38,22 +39,23 @@ from harness.systems import make_system
 from harness.systems.base import System
 
 
-def parse_place(text: str, n: int, cpus: set[int]) -> tuple[int, list[int]] | None:
-    """``C|W`` as (controller's CPU, workers' CPUs); None for ``free``."""
+def parse_place(text: str, n: int, cpus: set[int]) -> tuple[int | None, list[int]] | None:
+    """``C|W`` as (controller's CPU, None for ``*``; workers' CPUs); None for ``free``."""
     if text == "free":
         return None
     ctl, _, workers = text.partition("|")
-    if not (ctl.isdigit() and workers.isdigit() and len(workers) == n):
-        raise ValueError(f"placement {text!r}: 'C|W' with one digit per worker ({n}), or free")
-    place = int(ctl), [int(c) for c in workers]
-    if not {place[0], *place[1]} <= cpus:
+    if not ((ctl.isdigit() or ctl == "*") and workers.isdigit() and len(workers) == n):
+        raise ValueError(
+            f"placement {text!r}: 'C|W' with C a CPU or *, one digit per worker ({n}), or free")
+    place = (None if ctl == "*" else int(ctl)), [int(c) for c in workers]
+    if not {*([] if place[0] is None else [place[0]]), *place[1]} <= cpus:
         raise ValueError(f"placement {text!r}: this process may run on CPUs {sorted(cpus)}")
     return place
 
 
-def hold(pids: list[int], place: tuple[int, list[int]] | None, cpus: set[int]) -> None:
+def hold(pids: list[int], place: tuple[int | None, list[int]] | None, cpus: set[int]) -> None:
     """Hold this process and ``pids`` on ``place``'s CPUs (None: let them run anywhere)."""
-    os.sched_setaffinity(0, cpus if place is None else {place[0]})
+    os.sched_setaffinity(0, cpus if place is None or place[0] is None else {place[0]})
     for i, pid in enumerate(pids):
         os.sched_setaffinity(pid, cpus if place is None else {place[1][i]})
 

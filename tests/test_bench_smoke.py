@@ -499,10 +499,10 @@ def test_allreduce_parts_splits_a_round_into_its_steps() -> None:
 def test_placement_gives_a_row_per_placement() -> None:
     """benchmarks/placement.py: a row per placement, in the order asked, each system's
     median and unison's ratio to it."""
-    out = _tool("placement.py", "--workers", "2", "--places", "0|01,1|00,free", "--blocks",
-                "1", "--seconds", "0.05", "--workload", "dispatch")
-    rows = _last_rows(out, 3)
-    assert [r[0] for r in rows] == ["0|01", "1|00", "free"], out
+    out = _tool("placement.py", "--workers", "2", "--places", "0|01,1|00,*|10,free",
+                "--blocks", "1", "--seconds", "0.05", "--workload", "dispatch")
+    rows = _last_rows(out, 4)
+    assert [r[0] for r in rows] == ["0|01", "1|00", "*|10", "free"], out
     for row in rows:
         unison_us, floor_us, ratio = float(row[1]), float(row[2]), float(row[3].rstrip("x"))
         assert unison_us > 0 and floor_us > 0, out
