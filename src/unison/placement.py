@@ -64,19 +64,16 @@ def together_when_crowded(pid: int) -> Callable[[bool], None] | None:
     if len(allowed) < 2:
         return None
     owner = os.getpid()
-    held: list[int] = []  # the CPU the worker is held on, if it is
+    held: int | None = None  # the CPU the worker is held on, if it is
 
     def follow(crowded: bool) -> None:
+        nonlocal held
         if os.getpid() != owner:  # a forked child's copy: not its worker
             return
-        if crowded:
-            cpu = last_cpu()
-            if cpu is not None and held != [cpu]:
-                _set(pid, [cpu])
-                held[:] = [cpu]
-        elif held:
-            _set(pid, allowed)
-            held.clear()
+        cpu = last_cpu() if crowded else None
+        if cpu != held:
+            _set(pid, allowed if cpu is None else [cpu])
+            held = cpu
 
     crowd.on_look(follow)
     return follow
