@@ -165,14 +165,14 @@ def test_the_controllers_crowded_verdict_lets_go_of_every_spread_worker(
     crowd.forget()
     assert sess.run(affinity) == [two_cpus] * 3
     sess.close()
-    assert sess._let_go is None
+    assert sess._placed is None
 
 
 @needs_two_cpus
 def test_a_closed_sessions_workers_are_no_longer_let_go(make_session, two_cpus):
+    before = list(crowd._on_crowd)
     sess = make_session(3)
-    let_go = sess._let_go
-    assert let_go is not None and let_go in crowd._on_crowd
+    (let_go,) = [fn for fn in crowd._on_crowd if fn not in before]
     sess.close()
     assert let_go not in crowd._on_crowd  # its pids may be another process's by now
 
@@ -189,9 +189,9 @@ def test_a_lone_worker_follows_the_controller_while_the_machine_is_crowded(
         make_session, two_cpus, own_verdicts):
     """N=1: while crowded, each look holds the worker on the CPU the controller's thread
     last ran on (unison.placement.together_when_crowded); the first calm look lets go."""
+    before = crowd._on_look
     sess = make_session(1)
-    follow = sess._follow
-    assert follow is not None and follow in crowd._on_look
+    (follow,) = [fn for fn in crowd._on_look if fn not in before]
     assert sess.run(affinity) == [two_cpus]
     try:
         crowd._crowded(time.perf_counter())
@@ -210,8 +210,11 @@ def test_a_lone_worker_follows_the_controller_while_the_machine_is_crowded(
 
 @needs_two_cpus
 def test_no_following_with_more_workers_or_pins(make_session, two_cpus):
-    assert make_session(2)._follow is None  # they run side by side: spread instead
-    assert make_session(1, cpu_affinity=False)._follow is None
+    before = crowd._on_look
+    make_session(2)  # they run side by side: spread instead
+    make_session(1, cpu_affinity=False)
+    make_session(1, inline_worker0=True)  # the worker is the controller
+    assert crowd._on_look == before
 
 
 def test_the_spread_plan(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,7 +5,7 @@ wakes, and after a sleep it often stacks three or four of them on one CPU; each 
 hands that CPU along the stack. Dispatch at N=4 on 2 CPUs took 9 µs a round with the
 workers two and two, 12-17 with three or four on one CPU, and which one a session got
 changed with each pause (sched_switch traces, docs/benchmarks.md "Issue 9, twenty-first
-pass"). Pinned one to a CPU, round robin (session.checks.cpu_plan), it took 9-10 µs.
+pass"). Pinned one to a CPU, round robin (``spread_plan``), it took 9-10 µs.
 
 A pinned worker cannot leave a CPU where a stranger runs, though: beside two CPU hogs, N=8
 pinned took 3.9 ms a round (a hog's whole time slice) in 4 of 10 blocks, against 0.1 ms
@@ -23,14 +23,49 @@ was the kernel's coin, kept for seconds; the pipe's is the same coin (17 µs / 2
 while the machine is crowded the controller holds its lone worker on the CPU its waiting
 thread last ran on, following it at each look (pacing.crowd.on_look), and lets go once calm
 (docs/benchmarks.md, "Issue 9, twenty-fourth pass").
+
+This module is the whole policy of ``cpu_affinity=None``: ``spread_plan`` says which
+workers start held where, ``keep`` registers what the controller does with the crowd's
+verdicts, ``hold`` is a held worker's side.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from unison.pacing import crowd
+
+
+def spread_plan(n: int, *, children: bool, inline: bool = False) -> dict[int, list[int]]:
+    """Rank -> the one CPU it is held on while calm (a rank left out: not held). Only local
+    workers (``children``), only where the session's processes outnumber the CPUs (the
+    controller is one unless it runs worker 0 ``inline``, and it is never held), round
+    robin over the CPUs this process may use."""
+    if not children or not hasattr(os, "sched_getaffinity"):
+        return {}  # workers elsewhere (Ray, hand-started) are not ours to place
+    usable = sorted(os.sched_getaffinity(0))
+    first = 1 if inline else 0
+    if n + 1 - first <= len(usable):
+        return {}  # a core each: the kernel keeps them apart
+    return {r: [usable[r % len(usable)]] for r in range(first, n)}
+
+
+def keep(pids: Sequence[int], plan: Mapping[int, list[int]], *, children: bool,
+         inline: bool = False) -> Callable[[], None] | None:
+    """In the controller of a session with the default ``cpu_affinity``, once its workers
+    (``pids`` by rank) are up: the spread workers of ``plan`` are let go at the first
+    crowded verdict; a lone local worker follows the controller while crowded. Returns
+    what unregisters that at close (a closed session's pids may be another's by then), or
+    None where there is nothing to keep."""
+    if plan:
+        let_go = let_go_when_crowded([pids[r] for r in plan])
+        return lambda: crowd.off_crowd(let_go)
+    if len(pids) == 1 and children and not inline:
+        follow = together_when_crowded(pids[0])
+        if follow is not None:
+            return lambda: crowd.off_look(follow)
+    return None
 
 
 def hold(cpus: Sequence[int]) -> None:

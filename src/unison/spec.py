@@ -29,8 +29,8 @@ class WorkerSpec:
     cpus: list[int] | None = None
     """CPUs to pin the worker to, or None to leave its affinity alone."""
     spread: bool = False
-    """``cpus`` came from ``cpu_affinity=None`` (session.checks.cpu_plan): held only while
-    the machine is calm (unison.placement)."""
+    """``cpus`` came from ``cpu_affinity=None`` (unison.placement.spread_plan): held only
+    while the machine is calm."""
     collective: dict[str, Any] | None = None
     """The collectives' spec, or None where the session has none (no memfd)."""
     fds: tuple[int, ...] = ()

@@ -88,7 +88,7 @@ class Launcher(ABC):
     children = False
     """Whether the workers are child processes on the controller's host, sharing its CPUs:
     ``cpu_affinity=None`` then spreads them over the CPUs where they outnumber them
-    (session.checks.cpu_plan)."""
+    (unison.placement.spread_plan)."""
 
     def network(self) -> Network | None:
         """Where workers join over TCP, or None for workers that inherit the channel's fds

@@ -202,15 +202,14 @@ class Session(View):
         the_launcher = create_launcher(launcher)
         cpus = checks.cpu_plan(num_workers, cpu_affinity, children=the_launcher.children,
                                inline=inline_worker0)
-        spread = cpu_affinity is None and bool(cpus)  # held while calm (unison.placement)
+        spread = cpu_affinity is None  # unison.placement's policy: held only while calm
         envs = checks.check_env(num_workers, env)
         self.num_workers = num_workers
         self.num_groups = num_groups
         self.name = f"unison-{os.getpid()}-{next(_names)}-{secrets.token_hex(3)}"
         self.workers = tuple(range(num_workers))
         self._closed = True  # until the workers are up
-        self._let_go: Callable[[], None] | None = None  # unison.placement's, where it spread
-        self._follow: Callable[[bool], None] | None = None  # its, for a lone local worker
+        self._placed: Callable[[], None] | None = None  # unregisters unison.placement's hooks
         self._owner = os.getpid()
         self._stopping = False
         self._dead: BaseException | None = None
@@ -238,10 +237,8 @@ class Session(View):
             crowd.forget()  # the workers' start was no crowd of strangers
             self._pids = [pid for _, pid in self._router.decode(ready, self.workers)]
             if spread:
-                self._let_go = placement.let_go_when_crowded([self._pids[r] for r in cpus])
-            if (cpu_affinity is None and num_workers == 1 and the_launcher.children
-                    and not inline_worker0):
-                self._follow = placement.together_when_crowded(self._pids[0])
+                self._placed = placement.keep(self._pids, cpus, inline=inline_worker0,
+                                              children=the_launcher.children)
             if hang_timeout is not None and hang_timeout != math.inf:
                 self._router.hang = Watchdog(hang_timeout, self._pids)
             self._last_trace: Trace | None = None
@@ -388,12 +385,9 @@ class Session(View):
         router = getattr(self, "_router", None)
         if router is not None:
             router.closed = True
-        let_go, self._let_go = getattr(self, "_let_go", None), None
-        if let_go is not None:
-            crowd.off_crowd(let_go)
-        follow, self._follow = getattr(self, "_follow", None), None
-        if follow is not None:
-            crowd.off_look(follow)
+        placed, self._placed = getattr(self, "_placed", None), None
+        if placed is not None:
+            placed()
         if os.getpid() != self._owner:
             return  # a forked child's copy: the workers belong to the parent, leave them be
         res = getattr(self, "_res", None)

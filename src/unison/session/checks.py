@@ -8,6 +8,8 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from unison import placement
+
 __all__ = ["as_rank", "check_env", "check_sizes", "cpu_plan", "plain_args", "shape",
            "values_per_worker"]
 
@@ -66,24 +68,18 @@ def check_env(n: int, env: Mapping[int, Mapping[str, str]] | None) -> dict[int, 
 def cpu_plan(n: int, plan: bool | Mapping[int, Iterable[int]] | None, *,
              children: bool = False, inline: bool = False) -> dict[int, list[int]]:
     """Rank -> the CPUs it may use (a rank left out: all the controller may use). None, the
-    default, spreads workers that are ``children`` (local processes) one to a CPU, round
-    robin, only where the session's processes outnumber the CPUs: the kernel then often
-    stacks three or four waiting workers on one CPU after a sleep, each yield handing the
-    core along that stack, and dispatch at N=4 on 2 CPUs ran 1.3x slower than spread
-    (docs/benchmarks.md, "Issue 9, twenty-first pass"). With ``inline`` worker 0 is the
-    controller, which is never pinned."""
-    if plan is False or (plan is None and not children):
+    default, is unison.placement's ``spread_plan``: local workers (``children``) held one
+    to a CPU while calm, only where the session's processes outnumber the CPUs. True:
+    every worker pinned, round robin."""
+    if plan is None:
+        return placement.spread_plan(n, children=children, inline=inline)
+    if plan is False:
         return {}
     if not hasattr(os, "sched_getaffinity"):
-        if plan is None:
-            return {}
         raise ValueError("cpu_affinity needs os.sched_getaffinity, which this platform lacks")
     usable = sorted(os.sched_getaffinity(0))
-    if plan is None and n + (0 if inline else 1) <= len(usable):
-        return {}  # a core each: the kernel keeps them apart
-    if plan is None or plan is True:  # round robin (worker 0 inline is the controller)
-        first = 1 if plan is None and inline else 0
-        return {r: [usable[r % len(usable)]] for r in range(first, n)}
+    if plan is True:
+        return {r: [usable[r % len(usable)]] for r in range(n)}
     if not isinstance(plan, Mapping):
         raise TypeError("cpu_affinity must be True or map a rank to a list of CPU numbers")
     out = {}
