@@ -546,3 +546,20 @@ def test_ring_costs_times_each_step_on_both_rings() -> None:
     assert [r[0] for r in rows] == ["C ring", "pure-Python ring"], out
     for row in rows:
         assert len(row) == 7 and all(float(v) > 0 for v in row[1:]), out
+
+
+def test_layouts_gives_the_shared_arms_workers_one_layout() -> None:
+    """benchmarks/layouts.py: sessions whose workers run as started (``own``) and under
+    ``setarch -R`` (``shared``: every worker's mappings where the others' are), each block's
+    median and the CPU time of each process, and a table per arm."""
+    if shutil.which("setarch") is None:
+        pytest.skip("setarch (util-linux) is not installed")
+    out = _tool("layouts.py", "--workers", "2", "--sessions", "1", "--seconds", "0.05")
+    shared = [line for line in out.splitlines() if line.startswith("shared session")]
+    assert shared and all(line.endswith("at 1 address") for line in shared), out
+    blocks = [line for line in out.splitlines() if line.startswith("  controller on CPU")]
+    assert len(blocks) == 2 * len(os.sched_getaffinity(0)), out
+    for line in blocks:
+        assert float(line.split("unison")[1].split()[0]) > 0, line
+        assert len(line.split("workers ")[1].split()) == 2, line
+    assert "| own |" in out and "| shared |" in out, out
