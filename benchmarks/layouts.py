@@ -4,54 +4,46 @@
                                  [--sessions 6] [--seconds 0.3]
 
 Where a session's processes outnumber the CPUs, each CPU runs several of them in turns, so
-they share its caches, TLBs and branch predictors. Each local worker is a fresh interpreter,
-and address-space randomization gives each one its own layout. This runs sessions in two
-arms, in turns: ``own`` (the workers as unison starts them) and ``shared`` (each worker's
-interpreter started under ``setarch -R``, which turns randomization off for it: every
-worker has the same layout, the controller its own, as if every worker were forked from
-one process). A floor system (harness/systems/floor.py) starts beside each session, for
-reference. In each session the controller is held on each CPU in turn, with the workers
-held one to a CPU as ``cpu_affinity=None`` holds them. For each block: the median µs, and
-the CPU time each of unison's processes took per round (/proc/PID/sched); then, per arm,
-the median over all blocks and their range.
+they share its caches, TLBs and branch predictors. unison forks its local workers from one
+zygote per session (unison.launch.zygote), so they share one address-space layout. This
+runs sessions in two arms, in turns: ``forked`` (as unison starts them) and ``apart``
+(the zygote turned off: each worker a fresh interpreter, which address-space randomization
+gives a layout of its own, as before the zygote). A floor system
+(harness/systems/floor.py) starts beside each session, for reference. In each session the
+controller is held on each CPU in turn, with the workers held one to a CPU as
+``cpu_affinity=None`` holds them. For each block: the median µs, and the CPU time each of
+unison's processes took per round (/proc/PID/sched); then, per arm, the median over all
+blocks and their range. Each session's line says at how many addresses its workers' first
+mappings start (1: one layout).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness.measure import Loop, time_loop
 from harness.report import cpu_model, source_revision
 from harness.systems import make_system
-from unison.launch import local
+from unison.launch import zygote
 
 
 @contextmanager
-def workers_without_randomization() -> Iterator[None]:
-    """LocalLauncher's ``subprocess.Popen`` runs each worker under ``setarch -R``."""
-    def popen(args: list[str], *rest: Any, **kw: Any) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(["setarch", "-R", *args], *rest, **kw)
-
-    shim = types.ModuleType("subprocess")
-    shim.__dict__.update(subprocess.__dict__)
-    shim.__dict__["Popen"] = popen
-    local.__dict__["subprocess"] = shim
+def workers_apart() -> Iterator[None]:
+    """The local launcher starts each worker as an interpreter of its own."""
+    real = zygote.usable
+    zygote.usable = lambda env: False
     try:
         yield
     finally:
-        local.__dict__["subprocess"] = subprocess
+        zygote.usable = real
 
 
 def cpu_time(pid: int) -> float:
@@ -79,18 +71,16 @@ def main() -> None:
     print(f"CPU: {cpu_model()}, {os.cpu_count()} CPUs; {source_revision()}; command: python "
           f"benchmarks/layouts.py --workers {args.workers} --workload {args.workload} "
           f"--sessions {args.sessions} --seconds {args.seconds}")
-    if shutil.which("setarch") is None:
-        sys.exit("layouts.py needs setarch (util-linux) on PATH")
     cpus = sorted(os.sched_getaffinity(0))
     blocks: dict[str, dict[str, list[float]]] = {arm: {"unison": [], "floor": []}
-                                                 for arm in ("own", "shared")}
+                                                 for arm in ("forked", "apart")}
     for i in range(2 * args.sessions):
-        arm = ("own", "shared")[i % 2]
+        arm = ("forked", "apart")[i % 2]
         unison, floor = make_system("unison"), make_system("floor")
         try:
             floor.start(args.workers)  # first: a start beside unison's workers is a crowd
-            if arm == "shared":
-                with workers_without_randomization():
+            if arm == "apart":
+                with workers_apart():
                     unison.start(args.workers)
             else:
                 unison.start(args.workers)

@@ -23,7 +23,8 @@ import psutil
 import unison
 
 MARKER = "UNISON_TEST_RUN"
-WORKER_CMDLINE = "unison.worker"  # workers run: python -c "from unison.worker import main; main()"
+WORKER_CMDLINE = "unison.worker"  # python -c "from unison.worker import main; main()", or the
+# zygote's "# unison.worker zygote ..." (unison.launch.zygote), which its workers share
 CONNECT_CMDLINE = "unison worker --connect"  # TCP workers: python -m unison worker --connect
 
 
@@ -164,7 +165,8 @@ class SharedSessions:
             sess = unison.Session(n, num_groups, **kw)
             self._open[key] = sess
             pids = sess.run(os.getpid)
-            pids += [psutil.Process(p).ppid() for p in pids]  # each worker's keeper too
+            keepers = [psutil.Process(p).ppid() for p in pids]  # each worker's keeper too
+            pids += keepers + [psutil.Process(p).ppid() for p in keepers]  # and the zygote
             self.pids.update(pids)
             SharedSessions.alive.update(pids)
         return sess

@@ -548,18 +548,20 @@ def test_ring_costs_times_each_step_on_both_rings() -> None:
         assert len(row) == 7 and all(float(v) > 0 for v in row[1:]), out
 
 
-def test_layouts_gives_the_shared_arms_workers_one_layout() -> None:
-    """benchmarks/layouts.py: sessions whose workers run as started (``own``) and under
-    ``setarch -R`` (``shared``: every worker's mappings where the others' are), each block's
-    median and the CPU time of each process, and a table per arm."""
-    if shutil.which("setarch") is None:
-        pytest.skip("setarch (util-linux) is not installed")
+def test_layouts_compares_forked_workers_with_workers_apart() -> None:
+    """benchmarks/layouts.py: sessions whose workers are forked from one zygote (one
+    layout) and sessions whose workers start apart (a layout each), each block's median and
+    the CPU time of each process, and a table per arm."""
     out = _tool("layouts.py", "--workers", "2", "--sessions", "1", "--seconds", "0.05")
-    shared = [line for line in out.splitlines() if line.startswith("shared session")]
-    assert shared and all(line.endswith("at 1 address") for line in shared), out
+    forked = [line for line in out.splitlines() if line.startswith("forked session")]
+    apart = [line for line in out.splitlines() if line.startswith("apart session")]
+    assert forked and all(line.endswith("at 1 address") for line in forked), out
+    assert apart, out
+    if Path("/proc/sys/kernel/randomize_va_space").read_text().strip() != "0":
+        assert all(line.endswith("at 2 addresses") for line in apart), out  # randomized
     blocks = [line for line in out.splitlines() if line.startswith("  controller on CPU")]
     assert len(blocks) == 2 * len(os.sched_getaffinity(0)), out
     for line in blocks:
         assert float(line.split("unison")[1].split()[0]) > 0, line
         assert len(line.split("workers ")[1].split()) == 2, line
-    assert "| own |" in out and "| shared |" in out, out
+    assert "| forked |" in out and "| apart |" in out, out

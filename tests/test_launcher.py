@@ -47,15 +47,10 @@ def _wait_ready(chan: channels.Channel, n: int, timeout: float = 60.0) -> None:
             seen.add(rank)
 
 
-def _keeper(rank: int) -> psutil.Process:
-    """The process the launcher started for ``rank`` (found by the env it was given)."""
-    for child in psutil.Process().children():
-        try:
-            if child.environ().get(RANK_VAR) == str(rank):
-                return child
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    raise AssertionError(f"no process of worker {rank} found")
+def _keeper(launcher: Launcher, rank: int) -> psutil.Process:
+    """The process the launcher holds for ``rank`` (its keeper, whose child is the worker)."""
+    assert isinstance(launcher, LocalLauncher)
+    return psutil.Process(launcher.workers[rank].pid)
 
 
 def _wait_ended(launcher: Launcher, timeout: float = 10.0) -> int:
@@ -113,8 +108,9 @@ def test_workers_lead_their_own_process_groups_in_the_controllers_session(
     """Not our process group: a terminal's Ctrl-C reaches the controller alone. Our
     session: a session of its own would put a worker in a scheduler autogroup of its own
     (Linux), where its yields hand the core over to nobody outside it (issue 9)."""
+    launcher, _ = launched
     for rank in range(2):
-        keeper = _keeper(rank)
+        keeper = _keeper(launcher, rank)
         worker = keeper.children()[0]
         for pid in (keeper.pid, worker.pid):
             assert os.getpgid(pid) == keeper.pid != os.getpgid(0)
@@ -126,7 +122,7 @@ def test_a_killed_worker_is_seen_and_described(
         launched: tuple[Launcher, channels.Channel]) -> None:
     launcher, _ = launched
     watch = launcher.watch_fds()
-    _keeper(1).send_signal(signal.SIGKILL)
+    _keeper(launcher, 1).send_signal(signal.SIGKILL)
     if watch:
         ready, _, _ = select.select(watch, [], [], 10.0)
         assert len(ready) == 1  # the dead worker's pidfd, and only it

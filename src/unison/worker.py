@@ -442,12 +442,14 @@ def _watch_lifeline(worker: int, controller: int, rank: int) -> NoReturn:
             except OSError:
                 gone = True
             if gone:
+                why = "its controller went away (the lifeline closed)"
                 break
         if os.getppid() != controller:
+            why = f"the process that started it ({controller}) went away"
             break
     try:
-        os.write(2, f"unison worker {rank}: its controller went away (the lifeline closed); "
-                    "stopping it and everything it started\n".encode())
+        os.write(2, f"unison worker {rank}: {why}; stopping it and everything it "
+                    "started\n".encode())
     except OSError:
         pass  # nobody is left to read it
     _kill_below()
@@ -508,8 +510,9 @@ def main(controller: int | None = None) -> None:
     """Entry point of a local worker process (LocalLauncher's bootstrap, never a user): read
     the spec from stdin, fork into keeper and worker, then run(spec) in the worker.
 
-    ``controller`` is the pid of the process that started us: if our parent is another one
-    by the time we look, it is gone already."""
+    ``controller`` is the pid of the process that started us (the controller, or the
+    zygote that forked us: unison.launch.zygote): if our parent is another one by the time
+    we look, it is gone already."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     init = _read_init()
     if controller is None:

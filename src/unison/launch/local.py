@@ -1,14 +1,18 @@
 """Local worker processes: start, watch, relay their output, stop.
 
-    controller                                   worker process (fresh interpreter)
-    Popen([python, -c, bootstrap]) ------------> reads its init (rank, channel spec, sys.path),
+    controller                                   worker process (forked by unison.launch.zygote,
+                                                 or a fresh interpreter: Popen of the bootstrap)
+      init on stdin ---------------------------> reads its init (rank, channel spec, sys.path),
                                                  forks: it stays as the keeper, the child works
       stdin  (init, then held open) -----------> keeper's lifeline: EOF = the controller is gone
       stdout/stderr  <------------------------- "[worker r] line" relayed by one thread
       pidfd (readable once it exits)            own process group (not session), so a
                                                 terminal's Ctrl-C reaches the controller alone
 
-Workers never fork from the controller and never import its ``__main__``: a plain script
+Workers are forked from one zygote per session (unison.launch.zygote: they share one
+address-space layout), or start as interpreters of their own where ``env`` gives a rank a
+variable an interpreter reads as it starts. Either way they never fork from the
+controller and never import its ``__main__``: a plain script
 without an ``if __name__ == "__main__":`` guard works. Nor do they import from the
 controller's current directory (``python -c`` would put it first on sys.path): only the
 controller's own sys.path is honoured. Each worker's keeper (see unison.worker) is a subreaper
@@ -40,7 +44,8 @@ from typing import IO, Any
 import unison
 from unison import _proctree
 from unison.debug import logs as _logs
-from unison.launch import DeathReport, Launcher
+from unison.launch import DeathReport, Launcher, zygote
+from unison.launch.zygote import Forked
 from unison.pacing import cores
 from unison.spec import WorkerSpec
 
@@ -66,7 +71,7 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
 class WorkerProcess:
     """One local worker: its process, pidfd, lifeline and the tail of what it printed."""
 
-    def __init__(self, rank: int, popen: subprocess.Popen[bytes]) -> None:
+    def __init__(self, rank: int, popen: subprocess.Popen[bytes] | Forked) -> None:
         self.rank = rank
         self.popen = popen
         self.pid = popen.pid
@@ -76,8 +81,9 @@ class WorkerProcess:
         """True once the launcher killed it while it still ran (so the cause is known)."""
         self.output_done = threading.Event()
         self._open_streams = 2
-        try:
-            self.pidfd: int | None = os.pidfd_open(popen.pid)
+        try:  # a forked keeper's from the zygote, which opened it before it could reap
+            self.pidfd: int | None = (os.dup(popen.pidfd) if isinstance(popen, Forked)
+                                      else os.pidfd_open(popen.pid))
         except (AttributeError, OSError):
             self.pidfd = None
 
@@ -134,10 +140,13 @@ class WorkerProcess:
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
+        if isinstance(self.popen, Forked):
+            self.popen.close()
 
 
 class LocalLauncher(Launcher):
-    """Starts workers as fresh local interpreters and relays their output, prefixed by rank."""
+    """Starts local workers (forked from one zygote, or as interpreters of their own) and
+    relays their output, prefixed by rank."""
 
     children = True
 
@@ -149,6 +158,8 @@ class LocalLauncher(Launcher):
         self._relay: threading.Thread | None = None
         self._selector: selectors.BaseSelector | None = None
         """Made at start(), so a launcher that never starts holds no fd."""
+        self._zygote: zygote.Zygote | None = None
+        """The process that forked the workers (unison.launch.zygote), where one did."""
 
     def start(
         self,
@@ -173,21 +184,27 @@ class LocalLauncher(Launcher):
         for var in _THREAD_VARS:
             base_env.setdefault(var, share)
         base_env[_logs.ENV] = _logs.levels()  # workers' logging records come to ours
+        rank_env = {rank: {str(k): str(v) for k, v in vars.items()}
+                    for rank, vars in (env or {}).items()}
         try:
-            for init in specs:
+            if zygote.usable(env):  # one layout for every worker (unison.launch.zygote)
+                self._zygote, procs = zygote.fork_workers(
+                    [init.rank for init in specs], {init.rank: init.fds for init in specs},
+                    base_env, rank_env, _OWN_GROUP)
+            for i, init in enumerate(specs):
                 rank = init.rank
-                worker_env = dict(base_env)
-                if env and rank in env:
-                    worker_env.update({str(k): str(v) for k, v in env[rank].items()})
-                popen = subprocess.Popen(
-                    [sys.executable, "-c", _BOOTSTRAP.format(pid=os.getpid())],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    pass_fds=init.fds,
-                    env=worker_env,
-                    **_OWN_GROUP,
-                )
+                if self._zygote is not None:
+                    popen: subprocess.Popen[bytes] | Forked = procs[i]
+                else:
+                    popen = subprocess.Popen(
+                        [sys.executable, "-c", _BOOTSTRAP.format(pid=os.getpid())],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        pass_fds=init.fds,
+                        env={**base_env, **rank_env.get(rank, {})},
+                        **_OWN_GROUP,
+                    )
                 worker = WorkerProcess(rank, popen)
                 self.workers.append(worker)
                 blob = pickle.dumps(init, protocol=5)
@@ -222,6 +239,10 @@ class LocalLauncher(Launcher):
         worker.kill()
         if code is None:
             code = worker.exitcode()
+        if code == zygote.UNKNOWN:
+            code = None
+            reason = reason or ("its exit status is unknown: the process that forked it "
+                                "(unison.launch.zygote) ended first")
         return DeathReport(rank, code, worker.output(), reason)
 
     def _relay_output(self, selector: selectors.BaseSelector) -> None:
@@ -297,6 +318,8 @@ class LocalLauncher(Launcher):
                     stream.close()
         if selector is not None:
             selector.close()
+        if self._zygote is not None:  # it leaves once its keepers have ended: they have
+            self._zygote.end()
         if interrupted is not None:
             raise interrupted
 

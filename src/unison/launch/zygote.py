@@ -1,0 +1,287 @@
+"""Local workers forked from one process, so that they share one address-space layout.
+
+    controller                               zygote (a fresh interpreter, one per session)
+    Popen([python, -c, bootstrap]) -------> reads the plan: per rank, its pipes and fds
+      stdin: the plan, then held open         forks a keeper per rank: the keeper takes the
+                                              rank's pipes as 0, 1, 2 and goes on as
+      socket  <--------------------------     unison.worker.main (spec, fork, lifeline)
+        (rank, pid) + the keeper's pidfd      sends each keeper's pid and pidfd at once,
+        (pid, wait status) when it ends       then reaps them and reports how each ended
+
+Each worker used to be a fresh interpreter, and address-space randomization gave each its
+own layout. Where the session's processes outnumber the CPUs, workers take turns on a CPU
+and share its branch predictors, TLBs and caches, which are partly indexed by virtual
+address: at N=8 on 2 CPUs a round took 20.8 µs with their own layouts and 16.2 with one
+shared layout, and at N=4 the blocks that ran at 12.6 µs went (docs/benchmarks.md, "Issue
+9, twenty-fifth pass"). Forked from one process, the workers share its layout, still
+randomized anew for each session.
+
+A keeper is the zygote's child, not the controller's: ``Forked`` gives the launcher what
+``subprocess.Popen`` gave (pid, poll, wait, kill, the three pipes), with the pidfd from the
+zygote (opened before the zygote can reap it, so never another process's) and the exit
+status from its report. The zygote runs no thread and imports nothing of unison's before
+it forks; it leaves once every keeper has ended. Each keeper still holds its own lifeline
+(its stdin) and checks its parent, so a zygote that dies takes its keepers along.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
+
+__all__ = ["UNKNOWN", "Forked", "Zygote", "fork_workers", "main", "usable"]
+
+UNKNOWN = -(1 << 30)
+"""``Forked.poll()`` of a keeper that ended after the zygote did: its status is not known."""
+
+_REPORT = struct.Struct("<qq")  # (pid, wait status) when a keeper ends
+_AT_START = ("PYTHON", "LD_", "GLIBC_TUNABLES", "MALLOC_")
+"""Environment variables read when an interpreter starts: given per rank, they need one."""
+
+_BOOTSTRAP = ("# unison.worker zygote\n"
+              "import sys\nif not getattr(sys.flags, 'safe_path', False): del sys.path[0]\n"
+              "import runpy; runpy.run_path({path!r})['main']({pid})")
+"""The zygote runs this file, not the unison package: what unison reads as it is imported
+(UNISON_PURE, the logging levels) is each worker's, from its own environment, and no
+library has started a thread in the process that forks. The comment names the workers in
+``ps``, whose command line is the zygote's."""
+
+
+def usable(env: Mapping[int, Mapping[str, str]] | None) -> bool:
+    """Whether the workers can be forked from one zygote: Linux's pidfds and fd passing,
+    and no environment given per rank that an interpreter reads as it starts (those
+    workers start as interpreters of their own)."""
+    if not (hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")
+            and hasattr(signal, "pidfd_send_signal")):
+        return False
+    return not any(key.startswith(_AT_START) for vars in (env or {}).values() for key in vars)
+
+
+class _Reports:
+    """The controller's end of the zygote's socket: the exit statuses it reported."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._lock = threading.Lock()
+        self._status: dict[int, int] = {}
+        self._partial = b""
+        self._closed = False
+
+    def status(self, pid: int, timeout: float) -> int:
+        """The exit status of keeper ``pid`` (ended: its pidfd is readable), as
+        ``Popen.returncode``; UNKNOWN if the zygote is gone without saying."""
+        with self._lock:
+            while pid not in self._status and not self._closed:
+                if not select.select([self._sock], [], [], timeout)[0]:
+                    break
+                try:
+                    data = self._sock.recv(4096)
+                except OSError:
+                    data = b""
+                if not data:
+                    self._closed = True
+                    break
+                data = self._partial + data
+                whole = len(data) - len(data) % _REPORT.size
+                for i in range(0, whole, _REPORT.size):
+                    got, raw = _REPORT.unpack_from(data, i)
+                    self._status[got] = os.waitstatus_to_exitcode(raw)
+                self._partial = data[whole:]
+            return self._status.get(pid, UNKNOWN)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class Forked:
+    """A keeper forked by the zygote, as much of ``subprocess.Popen`` as the launcher uses."""
+
+    def __init__(self, pid: int, pidfd: int, stdin: IO[bytes], stdout: IO[bytes],
+                 stderr: IO[bytes], reports: _Reports) -> None:
+        self.pid, self.pidfd = pid, pidfd
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+        self.returncode: int | None = None
+        self._reports = reports
+
+    def poll(self) -> int | None:
+        ended = (self.returncode is None and self.pidfd >= 0
+                 and select.select([self.pidfd], [], [], 0)[0])
+        if ended:  # the zygote says how
+            self.returncode = self._reports.status(self.pid, 1.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.poll() is None and not select.select([self.pidfd], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired(f"worker keeper {self.pid}", timeout or 0.0)
+        code = self.poll()
+        assert code is not None
+        return code
+
+    def kill(self) -> None:
+        try:
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        except (ProcessLookupError, OSError):
+            pass  # ended already
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+class Zygote:
+    """The controller's hold on the zygote: its process (stdin: the plan, then held open)
+    and its reports."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], reports: _Reports) -> None:
+        self.popen, self.reports = popen, reports
+
+    def end(self) -> None:
+        """Once the keepers have ended: close its stdin and reap it (it leaves with its last
+        keeper; killed if it has not within a second), then close the socket."""
+        if self.popen.stdin is not None:
+            try:
+                self.popen.stdin.close()
+            except OSError:
+                pass
+        try:
+            self.popen.wait(1.0)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+        self.reports.close()
+
+
+def fork_workers(ranks: Sequence[int], fds: Mapping[int, Sequence[int]],
+                 env: Mapping[str, str], rank_env: Mapping[int, Mapping[str, str]],
+                 process_group: Mapping[str, Any]) -> tuple[Zygote, list[Forked]]:
+    """Start the zygote and have it fork a keeper per rank (each keeping ``fds[rank]``);
+    the zygote and the keepers, in ``ranks`` order."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # one per send
+    made: list[int] = []  # fds of ours to close on failure
+    plan = []
+    pipes: list[tuple[int, int, int]] = []
+    keep = [theirs.fileno()]
+    zygote = None
+    try:
+        for rank in ranks:
+            in_r, in_w = os.pipe()
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            made += [in_r, in_w, out_r, out_w, err_r, err_w]
+            pipes.append((in_w, out_r, err_r))
+            plan.append((rank, in_r, out_w, err_w, tuple(fds[rank]),
+                         dict(rank_env.get(rank, {}))))
+            keep += [in_r, out_w, err_w, *fds[rank]]
+        zygote = subprocess.Popen(
+            [sys.executable, "-c", _BOOTSTRAP.format(path=__file__, pid=os.getpid())],
+            stdin=subprocess.PIPE, pass_fds=sorted(set(keep)), env=dict(env),
+            **process_group)
+        assert zygote.stdin is not None
+        blob = pickle.dumps((theirs.fileno(), plan), protocol=5)
+        zygote.stdin.write(len(blob).to_bytes(8, "little") + blob)
+        zygote.stdin.flush()
+        theirs.close()
+        for _, in_r, out_w, err_w, _, _ in plan:
+            for fd in (in_r, out_w, err_w):
+                os.close(fd)
+                made.remove(fd)
+        reports = _Reports(ours)
+        forked: dict[int, Forked] = {}
+        while len(forked) < len(plan):
+            msg, got_fds, _, _ = socket.recv_fds(ours, 64, 1)
+            if not msg:
+                raise RuntimeError("unison's zygote ended before it forked every worker "
+                                   "(its stderr, above, says why)")
+            rank, pid = pickle.loads(msg)
+            in_w, out_r, err_r = pipes[list(ranks).index(rank)]
+            forked[rank] = Forked(pid, got_fds[0], os.fdopen(in_w, "wb"),
+                                  os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"), reports)
+            for fd in (in_w, out_r, err_r):
+                made.remove(fd)
+        return Zygote(zygote, reports), [forked[rank] for rank in ranks]
+    except BaseException:
+        for fd in made:
+            os.close(fd)
+        ours.close()
+        theirs.close()
+        if zygote is not None:
+            zygote.kill()
+            zygote.wait()
+        raise
+
+
+def main(controller: int) -> None:
+    """The zygote (the bootstrap's, never a user's): fork a keeper per rank of the plan on
+    stdin, send each one's pid and pidfd, then report how each ends until none is left."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    size = int.from_bytes(_read_exact(8), "little")
+    sock_fd, plan = pickle.loads(_read_exact(size))
+    if os.getppid() != controller:
+        os._exit(1)  # the controller went away before we started
+    sock = socket.socket(fileno=sock_fd)
+    me = os.getpid()
+    for rank, in_fd, out_fd, err_fd, keep, rank_env in plan:
+        pid = os.fork()
+        if pid == 0:
+            _become_keeper(in_fd, out_fd, err_fd, keep, rank_env, me)
+        pidfd = os.pidfd_open(pid)  # before any wait: the pid is still this keeper's
+        socket.send_fds(sock, [pickle.dumps((rank, pid))], [pidfd])
+        os.close(pidfd)
+    for _, in_fd, out_fd, err_fd, _, _ in plan:
+        for fd in (in_fd, out_fd, err_fd):
+            os.close(fd)
+    os.closerange(3, sock.fileno())  # the workers' channel and collective fds: not ours
+    os.closerange(sock.fileno() + 1, 65536)
+    while True:
+        try:
+            pid, raw = os.waitpid(-1, 0)
+        except ChildProcessError:
+            os._exit(0)  # every keeper has ended
+        try:
+            sock.sendall(_REPORT.pack(pid, raw))
+        except OSError:
+            pass  # the controller is gone: its keepers follow it
+
+
+def _become_keeper(in_fd: int, out_fd: int, err_fd: int, keep: Sequence[int],
+                   rank_env: Mapping[str, str], zygote: int) -> None:
+    """In the zygote's child: its rank's pipes as 0, 1 and 2, only its own fds, its own
+    process group (Ctrl-C at a terminal reaches the controller alone), then a worker's
+    start as unison.worker.main, with the zygote as the parent it watches."""
+    try:
+        os.setpgid(0, 0)
+        for fd, std in ((in_fd, 0), (out_fd, 1), (err_fd, 2)):
+            os.dup2(fd, std)
+        wanted = sorted({0, 1, 2, *keep})
+        for low, high in zip(wanted, [*wanted[1:], 65536]):
+            os.closerange(low + 1, high)
+        os.environ.update(rank_env)
+        from unison.worker import main as worker_main
+
+        worker_main(zygote)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
+def _read_exact(n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(0, n - len(buf))
+        if not chunk:
+            os._exit(1)  # the controller went away before it sent the plan
+        buf += chunk
+    return buf

@@ -1,0 +1,93 @@
+"""Local workers forked from one zygote (unison.launch.zygote): one layout for all of them,
+their exit statuses, an environment per rank, and what happens when the zygote goes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+import unison
+from unison.errors import WorkerDied
+from unison.launch import zygote
+
+pytestmark = pytest.mark.skipif(not zygote.usable(None), reason="no pidfds or fd passing")
+
+
+def first_mapping() -> str:
+    with open("/proc/self/maps") as f:
+        return f.readline().split("-")[0]
+
+
+def hash_randomization() -> int:
+    return int(sys.flags.hash_randomization)
+
+
+def getenv(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def test_the_workers_share_one_layout_that_is_not_the_controllers(make_session) -> None:
+    sess = make_session(3)
+    layouts = sess.run(first_mapping)
+    assert len(set(layouts)) == 1, layouts  # forked from one process
+    zyg = sess._res.launcher._zygote
+    assert zyg is not None and zyg.popen.poll() is None
+    assert {os.getppid() for _ in range(1)} != set(sess.run(os.getppid))  # not our children
+
+
+def test_an_environment_per_rank_reaches_its_worker(make_session) -> None:
+    sess = make_session(2, env={1: {"UNISON_TEST_ZYGOTE": "one"}})
+    assert sess.run(getenv, "UNISON_TEST_ZYGOTE") == [None, "one"]
+    assert len(set(sess.run(first_mapping))) == 1  # still forked
+
+
+def test_a_variable_read_at_start_gives_the_workers_interpreters_of_their_own(
+        make_session) -> None:
+    """PYTHONHASHSEED is read as an interpreter starts: set after a fork it would do nothing,
+    so the workers start as interpreters of their own, and it takes."""
+    assert not zygote.usable({1: {"PYTHONHASHSEED": "0"}})
+    assert not zygote.usable({0: {"LD_PRELOAD": ""}})
+    assert zygote.usable({0: {"CUDA_VISIBLE_DEVICES": "0"}})
+    sess = make_session(2, env={1: {"PYTHONHASHSEED": "0"}})
+    assert sess.run(hash_randomization) == [1, 0]
+    assert sess._res.launcher._zygote is None
+
+
+def exit_with(code: int) -> None:
+    os._exit(code)
+
+
+def test_a_forked_workers_exit_status_comes_through(make_session) -> None:
+    sess = make_session(2)
+    with pytest.raises(WorkerDied) as info:
+        sess[1].run(exit_with, 7)
+    assert (info.value.worker, info.value.exitcode) == (1, 7)
+
+
+def test_the_zygote_leaves_with_the_session(make_session) -> None:
+    sess = make_session(2)
+    zyg = sess._res.launcher._zygote
+    assert zyg is not None
+    sess.close()
+    assert zyg.popen.poll() is not None  # reaped
+    assert zyg.reports._sock.fileno() == -1  # closed
+
+
+def test_a_killed_zygote_takes_the_workers_along_and_the_session_says_so(
+        make_session) -> None:
+    """The keepers check their parent each second: without the zygote they stop their
+    workers, and the session hears of a death within a few seconds, never hangs."""
+    sess = make_session(2)
+    zyg = sess._res.launcher._zygote
+    assert zyg is not None
+    os.kill(zyg.popen.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerDied) as info:
+        for _ in range(1000):
+            sess.run(time.sleep, 0.01)
+    assert time.monotonic() - start < 10
+    assert info.value.exitcode is None or info.value.exitcode == unison.errors.EXIT_CONTROLLER_GONE
