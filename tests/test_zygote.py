@@ -91,3 +91,11 @@ def test_a_killed_zygote_takes_the_workers_along_and_the_session_says_so(
             sess.run(time.sleep, 0.01)
     assert time.monotonic() - start < 10
     assert info.value.exitcode is None or info.value.exitcode == unison.errors.EXIT_CONTROLLER_GONE
+
+
+def test_a_zygote_that_dies_at_once_fails_the_start_and_leaves_nothing(monkeypatch) -> None:
+    """(The leak check after each test asserts that no fd, process or thread is left.)"""
+    monkeypatch.setattr(zygote, "_BOOTSTRAP", "import os; os._exit(3)  # {path} {pid}")
+    with pytest.raises(Exception, match="zygote ended") as info:
+        unison.Session(2, start_timeout=30)
+    assert "every worker" in str(info.value)

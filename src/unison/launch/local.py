@@ -188,25 +188,24 @@ class LocalLauncher(Launcher):
                     for rank, vars in (env or {}).items()}
         try:
             if zygote.usable(env):  # one layout for every worker (unison.launch.zygote)
-                self._zygote, procs = zygote.fork_workers(
+                self._zygote, forked = zygote.fork_workers(
                     [init.rank for init in specs], {init.rank: init.fds for init in specs},
                     base_env, rank_env, _OWN_GROUP)
+                self.workers = [WorkerProcess(init.rank, proc)
+                                for init, proc in zip(specs, forked)]
             for i, init in enumerate(specs):
-                rank = init.rank
-                if self._zygote is not None:
-                    popen: subprocess.Popen[bytes] | Forked = procs[i]
-                else:
-                    popen = subprocess.Popen(
+                if self._zygote is None:
+                    self.workers.append(WorkerProcess(init.rank, subprocess.Popen(
                         [sys.executable, "-c", _BOOTSTRAP.format(pid=os.getpid())],
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE,
                         pass_fds=init.fds,
-                        env={**base_env, **rank_env.get(rank, {})},
+                        env={**base_env, **rank_env.get(init.rank, {})},
                         **_OWN_GROUP,
-                    )
-                worker = WorkerProcess(rank, popen)
-                self.workers.append(worker)
+                    )))
+                worker = self.workers[i]
+                popen = worker.popen
                 blob = pickle.dumps(init, protocol=5)
                 assert popen.stdin is not None
                 popen.stdin.write(len(blob).to_bytes(8, "little") + blob)

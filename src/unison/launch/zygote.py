@@ -44,6 +44,9 @@ UNKNOWN = -(1 << 30)
 """``Forked.poll()`` of a keeper that ended after the zygote did: its status is not known."""
 
 _REPORT = struct.Struct("<qq")  # (pid, wait status) when a keeper ends
+_FORKING = 60.0
+"""Seconds the controller waits for the zygote to fork every keeper (milliseconds, unless
+the machine is drowning)."""
 _AT_START = ("PYTHON", "LD_", "GLIBC_TUNABLES", "MALLOC_")
 """Environment variables read when an interpreter starts: given per rank, they need one."""
 
@@ -172,6 +175,7 @@ def fork_workers(ranks: Sequence[int], fds: Mapping[int, Sequence[int]],
     pipes: list[tuple[int, int, int]] = []
     keep = [theirs.fileno()]
     zygote = None
+    forked: dict[int, Forked] = {}
     try:
         for rank in ranks:
             in_r, in_w = os.pipe()
@@ -196,20 +200,30 @@ def fork_workers(ranks: Sequence[int], fds: Mapping[int, Sequence[int]],
                 os.close(fd)
                 made.remove(fd)
         reports = _Reports(ours)
-        forked: dict[int, Forked] = {}
+        ours.settimeout(_FORKING)
         while len(forked) < len(plan):
-            msg, got_fds, _, _ = socket.recv_fds(ours, 64, 1)
-            if not msg:
-                raise RuntimeError("unison's zygote ended before it forked every worker "
-                                   "(its stderr, above, says why)")
+            try:
+                msg, got_fds, _, _ = socket.recv_fds(ours, 64, 1)
+            except TimeoutError:
+                msg = b""
+            if not msg or not got_fds:
+                raise RuntimeError("unison's zygote ended, or did not answer within "
+                                   f"{_FORKING:.0f} s, before it forked every worker (its "
+                                   "stderr, above, may say why)")
             rank, pid = pickle.loads(msg)
             in_w, out_r, err_r = pipes[list(ranks).index(rank)]
             forked[rank] = Forked(pid, got_fds[0], os.fdopen(in_w, "wb"),
                                   os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"), reports)
             for fd in (in_w, out_r, err_r):
                 made.remove(fd)
+        ours.settimeout(None)
         return Zygote(zygote, reports), [forked[rank] for rank in ranks]
     except BaseException:
+        for proc in forked.values():  # each keeper waits for its init: none comes
+            proc.kill()
+            proc.close()
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                stream.close()
         for fd in made:
             os.close(fd)
         ours.close()
