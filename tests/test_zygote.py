@@ -99,3 +99,10 @@ def test_a_zygote_that_dies_at_once_fails_the_start_and_leaves_nothing(monkeypat
     with pytest.raises(Exception, match="zygote ended") as info:
         unison.Session(2, start_timeout=30)
     assert "every worker" in str(info.value)
+
+
+def test_a_lone_worker_starts_as_an_interpreter_of_its_own(make_session) -> None:
+    """No one to share a layout with: a zygote would only add its start."""
+    sess = make_session(1)
+    assert sess._res.launcher._zygote is None
+    assert sess.run(os.getppid) != [os.getpid()]  # still behind its keeper

@@ -187,7 +187,9 @@ class LocalLauncher(Launcher):
         rank_env = {rank: {str(k): str(v) for k, v in vars.items()}
                     for rank, vars in (env or {}).items()}
         try:
-            if zygote.usable(env):  # one layout for every worker (unison.launch.zygote)
+            # one layout for every worker (unison.launch.zygote); a lone worker has no one
+            # to share it with, and a zygote would only add its own start (1.3x at N=1)
+            if len(specs) > 1 and zygote.usable(env):
                 self._zygote, forked = zygote.fork_workers(
                     [init.rank for init in specs], {init.rank: init.fds for init in specs},
                     base_env, rank_env, _OWN_GROUP)

@@ -14,7 +14,8 @@ and share its branch predictors, TLBs and caches, which are partly indexed by vi
 address: at N=8 on 2 CPUs a round took 20.8 µs with their own layouts and 16.2 with one
 shared layout, and at N=4 the blocks that ran at 12.6 µs went (docs/benchmarks.md, "Issue
 9, twenty-fifth pass"). Forked from one process, the workers share its layout, still
-randomized anew for each session.
+randomized anew for each session. A lone worker has no one to share it with, and starts
+as an interpreter of its own (unison.launch.local).
 
 A keeper is the zygote's child, not the controller's: ``Forked`` gives the launcher what
 ``subprocess.Popen`` gave (pid, poll, wait, kill, the three pipes), with the pidfd from the
