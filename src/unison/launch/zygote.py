@@ -84,7 +84,7 @@ class _Reports:
         """The exit status of keeper ``pid`` (ended: its pidfd is readable), as
         ``Popen.returncode``; UNKNOWN if the zygote is gone without saying."""
         with self._lock:
-            while pid not in self._status and not self._closed:
+            while pid not in self._status and not self._closed and self._sock.fileno() >= 0:
                 if not select.select([self._sock], [], [], timeout)[0]:
                     break
                 try:
@@ -124,6 +124,8 @@ class Forked:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
+        if self.pidfd < 0:  # closed: as it ended, if it was seen to
+            return UNKNOWN if self.returncode is None else self.returncode
         if self.poll() is None and not select.select([self.pidfd], [], [], timeout)[0]:
             raise subprocess.TimeoutExpired(f"worker keeper {self.pid}", timeout or 0.0)
         code = self.poll()
