@@ -295,6 +295,8 @@ def _become_keeper(in_fd: int, out_fd: int, err_fd: int, keep: Sequence[int],
 
 
 def _read_exact(n: int) -> bytes:
+    """``n`` bytes of stdin (unison.worker's ``_read_init`` reads its spec the same way; the
+    zygote imports nothing of unison's, so it has its own)."""
     buf = b""
     while len(buf) < n:
         chunk = os.read(0, n - len(buf))
