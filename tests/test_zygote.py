@@ -106,3 +106,18 @@ def test_a_lone_worker_starts_as_an_interpreter_of_its_own(make_session) -> None
     sess = make_session(1)
     assert sess._res.launcher._zygote is None
     assert sess.run(os.getppid) != [os.getpid()]  # still behind its keeper
+
+
+def test_a_kernel_without_pidfds_starts_the_workers_apart(monkeypatch) -> None:
+    """Python may have os.pidfd_open on a kernel that lacks it (ENOSYS before Linux 5.3)."""
+    def enosys(pid: int, flags: int = 0) -> int:
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(os, "pidfd_open", enosys)
+    zygote._pidfds.cache_clear()
+    try:
+        assert not zygote.usable(None)
+    finally:
+        monkeypatch.undo()
+        zygote._pidfds.cache_clear()
+    assert zygote.usable(None)

@@ -27,6 +27,7 @@ it forks; it leaves once every keeper has ended. Each keeper still holds its own
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import select
@@ -64,10 +65,29 @@ def usable(env: Mapping[int, Mapping[str, str]] | None) -> bool:
     """Whether the workers can be forked from one zygote: Linux's pidfds and fd passing,
     and no environment given per rank that an interpreter reads as it starts (those
     workers start as interpreters of their own)."""
+    if not _pidfds():
+        return False
+    return not any(key.startswith(_AT_START) for vars in (env or {}).values() for key in vars)
+
+
+@functools.cache
+def _pidfds() -> bool:
+    """Whether this kernel has pidfds (Linux 5.3: pidfd_open; 5.1: pidfd_send_signal), not
+    only this Python: an older kernel raises ENOSYS, and the workers start apart there."""
     if not (hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")
             and hasattr(signal, "pidfd_send_signal")):
         return False
-    return not any(key.startswith(_AT_START) for vars in (env or {}).values() for key in vars)
+    try:
+        fd = os.pidfd_open(os.getpid())
+    except OSError:
+        return False
+    try:
+        signal.pidfd_send_signal(fd, 0)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 class _Reports:
