@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness.measure import Loop, time_loop
-from harness.report import cpu_model, source_revision
+from harness.report import command_line, cpu_model, source_revision
 from harness.systems import make_system
 from unison.pacing import crowd
 
@@ -36,9 +36,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--seconds", type=float, default=0.3)
     args = parser.parse_args()
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} CPUs; {source_revision()}; command: python "
-          f"benchmarks/held_again.py --workers {args.workers} --workload {args.workload} "
-          f"--blocks {args.blocks} --seconds {args.seconds}")
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} CPUs; {source_revision()}; command: "
+          f"{command_line(sys.argv[1:])}")
     unison, floor = make_system("unison"), make_system("floor")
     try:
         unison.start(args.workers)

@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness.measure import Loop, time_loop
-from harness.report import cpu_model, source_revision
+from harness.report import command_line, cpu_model, source_revision
 from harness.systems import make_system
 from unison.launch import zygote
 
@@ -68,9 +68,8 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=6, help="per arm")
     parser.add_argument("--seconds", type=float, default=0.3)
     args = parser.parse_args()
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} CPUs; {source_revision()}; command: python "
-          f"benchmarks/layouts.py --workers {args.workers} --workload {args.workload} "
-          f"--sessions {args.sessions} --seconds {args.seconds}")
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} CPUs; {source_revision()}; command: "
+          f"{command_line(sys.argv[1:])}")
     cpus = sorted(os.sched_getaffinity(0))
     blocks: dict[str, dict[str, list[float]]] = {arm: {"unison": [], "floor": []}
                                                  for arm in ("forked", "apart")}

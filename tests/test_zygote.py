@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 
+import psutil
 import pytest
 
 import unison
@@ -36,7 +37,8 @@ def test_the_workers_share_one_layout_that_is_not_the_controllers(make_session) 
     assert len(set(layouts)) == 1, layouts  # forked from one process
     zyg = sess._res.launcher._zygote
     assert zyg is not None and zyg.popen.poll() is None
-    assert {os.getppid() for _ in range(1)} != set(sess.run(os.getppid))  # not our children
+    keepers = [psutil.Process(pid) for pid in sess.run(os.getppid)]
+    assert {keeper.ppid() for keeper in keepers} == {zyg.popen.pid}  # not our children
 
 
 def test_an_environment_per_rank_reaches_its_worker(make_session) -> None:
@@ -105,7 +107,8 @@ def test_a_lone_worker_starts_as_an_interpreter_of_its_own(make_session) -> None
     """No one to share a layout with: a zygote would only add its start."""
     sess = make_session(1)
     assert sess._res.launcher._zygote is None
-    assert sess.run(os.getppid) != [os.getpid()]  # still behind its keeper
+    keeper = psutil.Process(sess.run(os.getppid)[0])  # still behind a keeper, ours
+    assert keeper.ppid() == os.getpid()
 
 
 def test_a_kernel_without_pidfds_starts_the_workers_apart(monkeypatch) -> None:

@@ -420,7 +420,8 @@ def _prctl(option: int, value: int) -> bool:
 
 def _watch_lifeline(worker: int, controller: int, rank: int) -> NoReturn:
     """The keeper's loop (see the module's docstring): it wakes on the lifeline, on SIGCHLD,
-    and once a second to check that its parent is still the controller."""
+    and once a second to check that its parent is still ``controller`` (the process that
+    started it: the controller, or unison.launch.zygote)."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)

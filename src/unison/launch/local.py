@@ -188,15 +188,15 @@ class LocalLauncher(Launcher):
                     for rank, vars in (env or {}).items()}
         try:
             # one layout for every worker (unison.launch.zygote); a lone worker has no one
-            # to share it with, and a zygote would only add its own start (1.3x at N=1)
+            # to share it with, so a zygote would only be one more process to start
             if len(specs) > 1 and zygote.usable(env):
                 self._zygote, forked = zygote.fork_workers(
                     [init.rank for init in specs], {init.rank: init.fds for init in specs},
                     base_env, rank_env, _OWN_GROUP)
                 self.workers = [WorkerProcess(init.rank, proc)
                                 for init, proc in zip(specs, forked)]
-            for i, init in enumerate(specs):
-                if self._zygote is None:
+            else:
+                for init in specs:  # each one kept at once: a failed start stops them
                     self.workers.append(WorkerProcess(init.rank, subprocess.Popen(
                         [sys.executable, "-c", _BOOTSTRAP.format(pid=os.getpid())],
                         stdin=subprocess.PIPE,
@@ -206,7 +206,7 @@ class LocalLauncher(Launcher):
                         env={**base_env, **rank_env.get(init.rank, {})},
                         **_OWN_GROUP,
                     )))
-                worker = self.workers[i]
+            for worker, init in zip(self.workers, specs):
                 popen = worker.popen
                 blob = pickle.dumps(init, protocol=5)
                 assert popen.stdin is not None

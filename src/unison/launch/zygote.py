@@ -91,35 +91,30 @@ def _pidfds() -> bool:
 
 
 class _Reports:
-    """The controller's end of the zygote's socket: the exit statuses it reported."""
+    """The controller's end of the zygote's socket: the exit statuses it reported (one
+    SOCK_SEQPACKET message each, so a recv is one whole report)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self._lock = threading.Lock()
         self._status: dict[int, int] = {}
-        self._partial = b""
-        self._closed = False
 
     def status(self, pid: int, timeout: float) -> int:
         """The exit status of keeper ``pid`` (ended: its pidfd is readable), as
         ``Popen.returncode``; UNKNOWN if the zygote is gone without saying."""
         with self._lock:
-            while pid not in self._status and not self._closed and self._sock.fileno() >= 0:
+            while pid not in self._status and self._sock.fileno() >= 0:
                 if not select.select([self._sock], [], [], timeout)[0]:
                     break
                 try:
-                    data = self._sock.recv(4096)
+                    data = self._sock.recv(_REPORT.size)
                 except OSError:
                     data = b""
-                if not data:
-                    self._closed = True
+                if len(data) != _REPORT.size:  # the zygote is gone
+                    self._sock.close()
                     break
-                data = self._partial + data
-                whole = len(data) - len(data) % _REPORT.size
-                for i in range(0, whole, _REPORT.size):
-                    got, raw = _REPORT.unpack_from(data, i)
-                    self._status[got] = os.waitstatus_to_exitcode(raw)
-                self._partial = data[whole:]
+                got, raw = _REPORT.unpack(data)
+                self._status[got] = os.waitstatus_to_exitcode(raw)
             return self._status.get(pid, UNKNOWN)
 
     def close(self) -> None:
@@ -195,7 +190,7 @@ def fork_workers(ranks: Sequence[int], fds: Mapping[int, Sequence[int]],
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # one per send
     made: list[int] = []  # fds of ours to close on failure
     plan = []
-    pipes: list[tuple[int, int, int]] = []
+    pipes: dict[int, tuple[int, int, int]] = {}  # rank -> our ends: stdin, stdout, stderr
     keep = [theirs.fileno()]
     zygote = None
     forked: dict[int, Forked] = {}
@@ -205,7 +200,7 @@ def fork_workers(ranks: Sequence[int], fds: Mapping[int, Sequence[int]],
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
             made += [in_r, in_w, out_r, out_w, err_r, err_w]
-            pipes.append((in_w, out_r, err_r))
+            pipes[rank] = (in_w, out_r, err_r)
             plan.append((rank, in_r, out_w, err_w, tuple(fds[rank]),
                          dict(rank_env.get(rank, {}))))
             keep += [in_r, out_w, err_w, *fds[rank]]
@@ -230,11 +225,13 @@ def fork_workers(ranks: Sequence[int], fds: Mapping[int, Sequence[int]],
             except TimeoutError:
                 msg = b""
             if not msg or not got_fds:
-                raise RuntimeError("unison's zygote ended, or did not answer within "
-                                   f"{_FORKING:.0f} s, before it forked every worker (its "
-                                   "stderr, above, may say why)")
+                raise RuntimeError(
+                    f"unison's zygote ended, or did not answer within {_FORKING:.0f} s, "
+                    "before it forked every worker. Its stderr, above, may say why; most "
+                    "often a limit on processes or memory was reached (ulimit -u, a "
+                    "container's pids.max or memory limit): raise it, or start fewer workers")
             rank, pid = pickle.loads(msg)
-            in_w, out_r, err_r = pipes[list(ranks).index(rank)]
+            in_w, out_r, err_r = pipes[rank]
             forked[rank] = Forked(pid, got_fds[0], os.fdopen(in_w, "wb"),
                                   os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"), reports)
             for fd in (in_w, out_r, err_r):
@@ -270,14 +267,12 @@ def main(controller: int) -> None:
     for rank, in_fd, out_fd, err_fd, keep, rank_env in plan:
         pid = os.fork()
         if pid == 0:
-            _become_keeper(in_fd, out_fd, err_fd, keep, rank_env, me)
+            _go_on_as_worker(in_fd, out_fd, err_fd, keep, rank_env, me)
         pidfd = os.pidfd_open(pid)  # before any wait: the pid is still this keeper's
         socket.send_fds(sock, [pickle.dumps((rank, pid))], [pidfd])
         os.close(pidfd)
-    for _, in_fd, out_fd, err_fd, _, _ in plan:
-        for fd in (in_fd, out_fd, err_fd):
-            os.close(fd)
-    os.closerange(3, sock.fileno())  # the workers' channel and collective fds: not ours
+    # the ranks' pipes and the workers' channel and collective fds: theirs, not ours
+    os.closerange(3, sock.fileno())
     os.closerange(sock.fileno() + 1, 65536)
     while True:
         try:
@@ -290,7 +285,7 @@ def main(controller: int) -> None:
             pass  # the controller is gone: its keepers follow it
 
 
-def _become_keeper(in_fd: int, out_fd: int, err_fd: int, keep: Sequence[int],
+def _go_on_as_worker(in_fd: int, out_fd: int, err_fd: int, keep: Sequence[int],
                    rank_env: Mapping[str, str], zygote: int) -> None:
     """In the zygote's child: its rank's pipes as 0, 1 and 2, only its own fds, its own
     process group (Ctrl-C at a terminal reaches the controller alone), then a worker's
