@@ -108,3 +108,88 @@ def test_stale_messages_do_not_block_later_sends(shared):
     sess.run(stale_then_exchange, RING, timeout=QUICK)
     got = sess.run(burst, RING, 8, timeout=QUICK)  # as many as the ring holds
     assert got == [list(range(RING)), list(range(RING))]
+
+
+# -- a cycle of waits is an error, never a hang ---------------------------------------------------
+
+
+def send_past_the_ring(extra: int) -> list[int]:
+    """Both ranks send RING + ``extra`` messages before receiving any: with extra > 0 each
+    send past the ring waits for a take that never comes."""
+    from unison.collective.shm import RING
+
+    peer = 1 - unison.rank()
+    for i in range(RING + extra):
+        unison.send(i, peer)
+    return [unison.recv(peer) for _ in range(RING + extra)]
+
+
+def receive_from_next() -> int:
+    """Each rank receives from the next one first: nobody ever sends."""
+    r, n = unison.rank(), unison.world_size()
+    got = unison.recv((r + 1) % n)
+    unison.send(r, (r - 1) % n)
+    return int(got)
+
+
+def late_partner(delay: float, count: int) -> list[int]:
+    """Rank 0 sends ``count`` messages to rank 1 and waits for one back; rank 1 sleeps
+    first, then takes them all and answers: long waits, but no cycle."""
+    import time
+
+    if unison.rank() == 0:
+        for i in range(count):
+            unison.send(i, 1)
+        return [unison.recv(1)]
+    time.sleep(delay)
+    got = [unison.recv(0) for _ in range(count)]
+    unison.send(len(got), 0)
+    return got
+
+
+def errors_of(info: pytest.ExceptionInfo[unison.WorkerError]) -> str:
+    """Every worker's error; the first (the exception's own message) must say deadlock too:
+    the worker that found it says what it is, the others that it found one."""
+    assert "deadlock" in str(info.value).splitlines()[0], str(info.value)
+    return "\n".join(str(e) for e in info.value.errors.values())
+
+
+def test_two_ranks_sending_past_the_ring_to_each_other_raise_a_deadlock(shared):
+    import time
+
+    from unison.collective.shm import RING
+
+    sess = shared(2)
+    assert sess.run(send_past_the_ring, 0, timeout=QUICK) == [list(range(RING))] * 2
+    started = time.monotonic()
+    with pytest.raises(unison.WorkerError) as info:
+        sess.run(send_past_the_ring, 1, timeout=QUICK)
+    took = time.monotonic() - started
+    text = errors_of(info)
+    assert "a deadlock: worker" in text, text
+    assert f"waits to send to worker 1 ({RING} messages to it are untaken)" in text, text
+    assert took < 5.0, f"the deadlock took {took:.1f} s to be raised"
+    assert sess.run(burst, 3, 8, timeout=QUICK) == [[0, 1, 2]] * 2  # the session goes on
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ranks_that_each_receive_first_raise_a_deadlock(shared, n):
+    sess = shared(n)
+    with pytest.raises(unison.WorkerError) as info:
+        sess.run(receive_from_next, timeout=QUICK)
+    text = errors_of(info)
+    cycle = "; ".join(f"worker {r} waits to receive from worker {(r + 1) % n}"
+                      for r in range(n))
+    assert cycle in text or any(  # said from whichever worker saw it: a rotation
+        "; ".join(f"worker {(s + k) % n} waits to receive from worker {(s + k + 1) % n}"
+                  for k in range(n)) in text for s in range(n)), text
+    assert sess.run(burst, 2, 8, timeout=QUICK) == [[0, 1] * (n - 1)] * n
+
+
+def test_long_waits_without_a_cycle_are_not_a_deadlock(shared):
+    from unison.collective.shm import RING
+
+    sess = shared(2)
+    count = RING + 8  # rank 0's sends wait for rank 1, which sleeps, then takes them all
+    got = sess.run(late_partner, 0.4, count, timeout=QUICK)
+    assert got == [[count], list(range(count))]

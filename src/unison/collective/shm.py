@@ -108,6 +108,9 @@ _UFUNCS: dict[str, Callable[..., Any]] = {
 
 # words of a worker's record
 _GEN_W, _GEN_G, _LEFT, _PID, _NBYTES, _SIG, _DESC = range(7)  # _DESC: 8 words, see _desc_at
+_WAIT, _WAIT_CALL = 14, 15  # a send or recv that waits (see _Waiting), and its call
+_GAVE_UP = 1 << 63  # in _WAIT_CALL: this worker left that call over a deadlock (_Waiting)
+_SENDING, _RECEIVING = 0, 1
 # words of a ring entry (one cache line each); _E_IDX is the message's index + 1, 0 = being written
 _E_IDX, _E_CALL, _E_TOTAL, _E_WHERE, _E_TAG = range(5)
 TAG_SEND, TAG_SCATTER, TAG_GATHER = 0, 1, 2
@@ -758,11 +761,16 @@ class ShmCollectives(CallScope, Collectives):
         h = q[head]
         if h >= RING:
             old = self._entry(self.rank, dst, h - RING)
-            pacer = _Pacer()
             # the entry RING back must be taken, or stale: its call is over for the receiver
-            while q[tail] <= h - RING and q[w[dst] + _LEFT] < q[old + _E_CALL]:
-                self._check_abort(f"send to worker {dst}", (dst,))
-                pacer.pause()
+            if q[tail] <= h - RING and q[w[dst] + _LEFT] < q[old + _E_CALL]:
+                pacer, waiting = _Pacer(), _Waiting(self, _SENDING, dst)
+                try:
+                    while q[tail] <= h - RING and q[w[dst] + _LEFT] < q[old + _E_CALL]:
+                        self._check_abort(f"send to worker {dst}", (dst,))
+                        waiting.check(f"send to worker {dst}")
+                        pacer.pause()
+                finally:
+                    waiting.close()
         where = 0
         if total > self.lay.inline:  # first what can fail (no memory, no fds): the entry
             fd = _spill(payload, total)  # is untouched if it does
@@ -798,21 +806,31 @@ class ShmCollectives(CallScope, Collectives):
 
     def _recv(self, src: int, tag: int) -> Any:
         q = self._q
-        pacer: _Pacer | None = None
-        while True:
-            left = q[self._w[src] + _LEFT]  # read before looking: a sender posts, then leaves
-            got = self._take(src, tag)
-            if got is not None:
-                return _decode(got)
-            self._check_abort(f"recv from worker {src}", (src,))
-            if left >= self._call:
-                raise CollectiveError(
-                    f"{_TAG_NAMES[tag]} on worker {self.rank} gave up: worker {src} left the "
-                    "call without sending (it raised, returned early, or ran a different "
-                    "collective)"
-                )
-            pacer = pacer or _Pacer()
-            pacer.pause()
+        waiting: _Waiting | None = None
+        try:
+            while True:
+                left = q[self._w[src] + _LEFT]  # read before looking: a sender posts, then leaves
+                got = self._take(src, tag)
+                if got is not None:
+                    return _decode(got)
+                if waiting is None:  # the first miss: a wait from here on
+                    what = f"{'recv' if tag == TAG_SEND else _TAG_NAMES[tag]} from worker {src}"
+                    pacer, waiting = _Pacer(), _Waiting(self, _RECEIVING, src)
+                else:
+                    waiting.check(what)
+                self._check_abort(what, (src,))
+                if left >= self._call:
+                    why = "it raised, returned early, or ran a different collective"
+                    if q[self._w[src] + _WAIT_CALL] == self._call | _GAVE_UP:
+                        why = ("it gave up on a deadlock that this worker is in; the worker "
+                               "that found it says what it is")
+                        q[self._w[self.rank] + _WAIT_CALL] = self._call | _GAVE_UP  # passed on
+                    raise CollectiveError(f"{what} on worker {self.rank} gave up: worker "
+                                          f"{src} left the call without sending ({why})")
+                pacer.pause()
+        finally:
+            if waiting is not None:
+                waiting.close()
 
     def _take(self, src: int, tag: int) -> bytearray | None:
         """The next message from ``src`` in this call, or None if there is none yet.
@@ -879,6 +897,89 @@ class ShmCollectives(CallScope, Collectives):
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+class _Waiting:
+    """A send or recv that waits, said on this worker's record, so that a cycle of them is
+    raised instead of hung on: two workers that each send RING messages to the other before
+    receiving, or each receive from the other first, wait for ever (MPI's hang). Each such
+    wait in the cycle can end only by the next worker's take or send, and that worker waits
+    too. Shared memory shows it all: the record of who waits on whom (``_WAIT``: a count
+    that grows with each wait, the peer and the kind; ``_WAIT_CALL``: the call), the rings'
+    positions, the peers' left words. A cycle back to this worker, each wait in it unable
+    to end, seen the same in two looks ``_LOOK`` apart (nothing moved in between, so no
+    store on its way was missed) raises CollectiveError on the worker that sees it; it then
+    leaves the call, which ends the others' waits on it."""
+
+    __slots__ = ("_at", "_coll", "_next", "_seen")
+
+    def __init__(self, coll: ShmCollectives, kind: int, peer: int) -> None:
+        self._coll = coll
+        self._at = me = coll._w[coll.rank]
+        q = coll._q
+        count = (q[me + _WAIT] >> 32) + 1
+        q[me + _WAIT_CALL] = coll._call
+        q[me + _WAIT] = count << 32 | (peer + 1) << 1 | kind
+        self._next = time.monotonic() + _LOOK
+        self._seen: tuple[tuple[int, int, int, int], ...] | None = None
+
+    def check(self, what: str) -> None:
+        """Raise CollectiveError if a cycle of waits through this one is stuck (at most
+        one look per ``_LOOK``)."""
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + _LOOK
+        cycle = self._cycle()
+        if cycle is not None and cycle == self._seen:
+            coll = self._coll
+            coll._q[self._at + _WAIT_CALL] = coll._call | _GAVE_UP  # for the others' errors
+            raise CollectiveError(f"{what} on worker {coll.rank} gave up: " + _deadlock(cycle))
+        self._seen = cycle
+
+    def _cycle(self) -> tuple[tuple[int, int, int, int], ...] | None:
+        """(rank, wait word, ring head, ring tail) of each wait from ours around to ours,
+        where each can end only by the next one's worker; None where the chain breaks."""
+        coll = self._coll
+        q, w, call, lay = coll._q, coll._w, coll._call, coll.lay
+        out: list[tuple[int, int, int, int]] = []
+        r = coll.rank
+        for _ in range(coll.n):
+            word = q[w[r] + _WAIT]
+            peer = ((word & 0xFFFFFFFF) >> 1) - 1
+            if not 0 <= peer < coll.n or q[w[r] + _WAIT_CALL] != call or \
+                    q[w[peer] + _LEFT] >= call:
+                return None  # not waiting, or in another call, or its peer left: it ends
+            src, dst = (r, peer) if word & 1 == _SENDING else (peer, r)
+            h, t = q[lay.head[src][dst] // 8], q[lay.tail[src][dst] // 8]
+            if word & 1 == _SENDING:  # RING untaken, the oldest of them of this call
+                stuck = h - t >= RING and q[coll._entry(src, dst, h - RING) + _E_CALL] == call
+            else:
+                stuck = h == t  # nothing sent and untaken, of any call
+            if not stuck:
+                return None
+            out.append((r, word, h, t))
+            if peer == coll.rank:
+                return tuple(out)
+            r = peer
+        return None  # a cycle that this worker is not in: its members see it
+
+    def close(self) -> None:
+        q, me = self._coll._q, self._at
+        q[me + _WAIT] = q[me + _WAIT] >> 32 << 32  # the count stays: the next wait's grows
+
+
+def _deadlock(cycle: tuple[tuple[int, int, int, int], ...]) -> str:
+    """What the cycle of waits is, and what to do."""
+    said = []
+    for r, word, _, _ in cycle:
+        peer = ((word & 0xFFFFFFFF) >> 1) - 1
+        said.append(f"worker {r} waits to send to worker {peer} ({RING} messages to it are "
+                    "untaken)" if word & 1 == _SENDING else
+                    f"worker {r} waits to receive from worker {peer}")
+    return ("a deadlock: " + "; ".join(said) + ", and none of them can go on. A send "
+            f"waits while {RING} earlier messages to its peer are untaken: receive between "
+            "sends, or have one side send first where each waits to receive")
 
 
 class _Pacer(Pacer):
