@@ -176,6 +176,41 @@ def test_a_peer_dying_while_worker_0_waits_in_a_collective(
     assert time.monotonic() - start < 2.0
 
 
+def stop_or_barrier() -> object:
+    if unison.rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # stopped: alive, but never arrives
+    unison.barrier()
+    return unison.rank()
+
+
+def test_a_stopped_peer_holds_worker_0_no_longer_than_the_deadline(
+        inline: Callable[..., unison.Session]) -> None:
+    """A stopped peer is no death that worker 0 could see, and worker 0's wait runs in the
+    controller's thread: its collective gives up at the run's deadline, so the controller
+    raises TimeoutError then (before: only once the peer went on), naming the stopped one."""
+    sess = inline(2)
+    peer = sess._pids[1]
+    start = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError) as info:
+            sess.run(stop_or_barrier, timeout=0.5)
+        took = time.monotonic() - start
+    finally:
+        os.kill(peer, signal.SIGCONT)
+    assert took < 2.0, f"worker 0 waited {took:.1f} s for a stopped peer past a 0.5 s deadline"
+    assert "1 worker(s) [1] had not answered" in str(info.value), str(info.value)
+    assert "stopped" in str(info.value)
+    assert sess.run(stop_or_barrier_later, timeout=30) == [0, 1]  # the session goes on
+    # worker 0's own error in the timed-out run: said at close, as any error never fetched
+    with pytest.warns(RuntimeWarning, match=r"barrier\(\) on worker 0 gave up at the deadline"):
+        sess.close()
+
+
+def stop_or_barrier_later() -> object:
+    unison.barrier()
+    return unison.rank()
+
+
 def late_allgather() -> object:
     if unison.rank() == 1:
         time.sleep(0.3)  # worker 0 waits long enough to watch its peer's pid

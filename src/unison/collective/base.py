@@ -38,6 +38,11 @@ class Collectives(ABC):
     """What the backend still holds for peers from calls that ended (the shared-memory
     backend's message spills): while it is not empty, the worker loop begins each call at
     its start, so that what peers took since is let go of at once."""
+    give_up_at: float | None = None
+    """Worker 0 inline in the controller: when (``time.monotonic``) its waits for peers give
+    up, the deadline of the controller's call that runs it, which can wait no longer; None:
+    as long as the peers live. A backend whose waits are not its own (torch's) leaves them
+    to their own timeouts."""
 
     @abstractmethod
     def begin(self, call_id: int, ranks: tuple[int, ...] | None) -> None:

@@ -359,6 +359,11 @@ class ShmCollectives(CallScope, Collectives):
                 for j in peers:
                     if self._gone(j):
                         raise CollectiveError(f"{_named(what)} gave up: worker {j} died")
+                if self.give_up_at is not None and now >= self.give_up_at:
+                    raise CollectiveError(
+                        f"{_named(what)} on worker {self.rank} gave up at the deadline of the "
+                        f"call: it runs inline in the controller, which can wait no longer, "
+                        f"and worker(s) {sorted(peers)} had not come (busy, stopped or stuck)")
 
     def _gone(self, j: int) -> bool:
         """Whether peer ``j``'s process has ended (False while it has not said its pid)."""

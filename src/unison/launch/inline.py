@@ -16,7 +16,9 @@ instead of beside it, and with N+1 well above the cores one process fewer change
 What worker 0 gives up, and why it is opt-in (docs/architecture.md):
 
 * its failure isolation: a crash, ``os._exit`` or a hang in worker 0's code is the
-  controller's; an exception is still that call's error, as on any worker;
+  controller's; an exception is still that call's error, as on any worker. Its
+  collectives' waits for peers watch the peers' pids, and give up at the sending call's
+  deadline (a stopped peer would hold the controller otherwise);
 * its calls run synchronously, in the thread that sends them (``call`` returns once worker
   0's share is done, the others' may still run). A call on worker 0 that waits for a later
   call (a recv in one call, its send in the next) never returns: put both in one call;
@@ -78,11 +80,13 @@ class InlineLauncher(Launcher):
             self.stop(0)
             raise
 
-    def pump(self) -> None:
-        """Run what the ring holds for worker 0 now (after every send)."""
+    def pump(self, deadline: float | None = None) -> None:
+        """Run what the ring holds for worker 0 now (after every send). ``deadline``: the
+        sending call's, where its collectives give up waiting for peers (a stopped or stuck
+        one would otherwise hold the controller past it)."""
         with self._lock:
             if self._worker is not None:
-                self._worker.pump()
+                self._worker.pump(deadline)
 
     def watch_fds(self) -> list[int]:
         return self._rest.watch_fds()
@@ -140,9 +144,15 @@ class _InlineWorker:
                 os.close(fd)
             raise
 
-    def pump(self) -> None:
-        worker.serve(self._chan, self._coll, self._board, self._loop, self._chan.poll,
-                     interrupts=True)
+    def pump(self, deadline: float | None = None) -> None:
+        if self._coll is not None:
+            self._coll.give_up_at = deadline
+        try:
+            worker.serve(self._chan, self._coll, self._board, self._loop, self._chan.poll,
+                         interrupts=True)
+        finally:
+            if self._coll is not None:
+                self._coll.give_up_at = None
 
     def close(self) -> None:
         """Run what is left (SHUTDOWN answers with the unreported errors), then let go."""

@@ -865,19 +865,19 @@ class Session(View):
             msg = build(frees, *fields)
             self._chan.send(msg, ranks, buffers, deadline=deadline)
             if self._pump is not None:
-                self._run_inline()
+                self._run_inline(deadline)
             if self._tracer is not None:
                 self._tracer.on_message(build, fields, ranks, len(msg) + sum(
                     memoryview(b).nbytes for b in buffers) if buffers else len(msg))
         except BaseException as exc:
             raise self._send_failed(exc, frees, ranks)  # noqa: B904 (its cause is set there)
 
-    def _run_inline(self) -> None:
+    def _run_inline(self, deadline: float | None = None) -> None:
         """Worker 0 inline: it runs its share of what was just sent, now, here (the caller
-        holds the send lock)."""
+        holds the send lock); its collectives give up at ``deadline``."""
         assert self._pump is not None
         try:
-            self._pump()
+            self._pump(deadline)
         except KeyboardInterrupt:  # Ctrl-C in worker 0's call: as during a wait
             self.interrupted()
             raise

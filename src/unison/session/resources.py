@@ -118,7 +118,7 @@ class Resources:
                                              "peers": hosts.count(host) - 1}})
         return out
 
-    def inline_worker0(self) -> Callable[[], None]:
+    def inline_worker0(self) -> Callable[[float | None], None]:
         """Worker 0 in this process from now on (unison.launch.inline); the function that
         runs its share of what was sent (after every send)."""
         from unison.channel.shm import ShmChannel

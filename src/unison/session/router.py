@@ -270,12 +270,15 @@ class Router:
         hang = self.hang
         if hang is not None:
             slice_ = min(slice_, hang.interval)
-        while req.remaining:
+        looked = False  # past the deadline: one last look first (worker 0 inline may have
+        while req.remaining:  # replied while its share ran into the deadline)
             if self.closed:
                 owner.check_open()
             timeout = slice_ if deadline is None else min(slice_, deadline - time.monotonic())
             if timeout <= 0:
-                raise self._timeout_error(req, during)
+                if looked:
+                    raise self._timeout_error(req, during)
+                looked, timeout = True, 0.0
             batch = chan.recv(timeout)
             if not batch:
                 owner.check_alive(during)
