@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness.measure import Loop, hogs, time_loop
-from harness.report import cpu_model, source_revision
+from harness.report import command_line, cpu_model, source_revision
 from harness.systems import make_system
 from harness.systems.base import System
 
@@ -115,10 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     names, places = args.systems.split(","), args.places.split(",")
     if names[0] != "unison" or len(names) < 2:
         parser.error("--systems: unison first, then the systems it is read against")
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} CPUs; {source_revision()}; command: python "
-          f"benchmarks/placement.py --systems {args.systems} --workload {args.workload} "
-          f"--workers {args.workers} --places \"{args.places}\" --blocks {args.blocks} "
-          f"--seconds {args.seconds} --hogs {args.hogs}")
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} CPUs; {source_revision()}; command: "
+          f"{command_line(sys.argv[1:] if argv is None else argv)}")
     try:
         with hogs(args.hogs):
             got = measure(names, args.workload, args.workers, places, args.blocks, args.seconds)

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import unison
 from harness.measure import hogs
+from harness.report import command_line, cpu_model, source_revision
 from harness.tasks import noop, small_value
 
 TRACE = Path("/sys/kernel/tracing")
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sched_trace: {TRACE} is not writable here (run as root)", file=sys.stderr)
         return 2
     affinity = {"none": None, "false": False, "true": True}[args.cpu_affinity]
+    print(f"CPU: {cpu_model()}; {source_revision()}; command: "
+          f"{command_line(sys.argv[1:] if argv is None else argv)}")
     with hogs(args.hogs) as hog_pids, \
             unison.Session(args.workers, cpu_affinity=affinity) as sess, switches():
         def round_trip() -> None:

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import unison
 
@@ -193,3 +195,100 @@ def test_long_waits_without_a_cycle_are_not_a_deadlock(shared):
     count = RING + 8  # rank 0's sends wait for rank 1, which sleeps, then takes them all
     got = sess.run(late_partner, 0.4, count, timeout=QUICK)
     assert got == [[count], list(range(count))]
+
+
+# -- random schedules: a deadlock is raised exactly where there is one ---------------------------
+
+
+def run_schedule(schedules: list[list[tuple[str, int, int]]]) -> list[Any]:
+    """This worker's part: ("send", dst, count) sends ``count`` messages (rank, index) to
+    ``dst``; ("recv", src, count) receives ``count`` from ``src``. What it received."""
+    me, got, sent = unison.rank(), [], 0
+    for what, peer, count in schedules[me]:
+        for _ in range(count):
+            if what == "send":
+                unison.send((me, sent), peer)
+                sent += 1
+            else:
+                got.append(tuple(unison.recv(peer)))
+    return got
+
+
+def simulate(schedules: list[list[tuple[str, int, int]]], ring: int) -> tuple[str, list[Any]]:
+    """What the schedules do under the send rule (a send waits while ``ring`` of its
+    messages to that peer are untaken; one to a worker that left is dropped) and the recv
+    rule (from a worker that left, with nothing queued: an error): "ok" with what each
+    received, "error" (a recv from a worker that left), or "deadlock" (workers that wait on
+    each other in a cycle; they give up, and the rest goes on)."""
+    n = len(schedules)
+    steps = [[(w, p) for w, p, c in s for _ in range(c)] for s in schedules]
+    pc, sent = [0] * n, [0] * n
+    queue: dict[tuple[int, int], list[Any]] = {(s, d): [] for s in range(n) for d in range(n)}
+    left, failed, got = [False] * n, [False] * n, [[] for _ in range(n)]
+    deadlock = False
+    while not all(left):
+        moved = False
+        for r in range(n):
+            while not left[r]:
+                if pc[r] == len(steps[r]):
+                    left[r] = moved = True
+                    break
+                what, peer = steps[r][pc[r]]
+                if what == "send":
+                    if not left[peer]:
+                        if len(queue[r, peer]) >= ring:
+                            break  # waits
+                        queue[r, peer].append((r, sent[r]))
+                    sent[r] += 1
+                elif queue[peer, r]:
+                    got[r].append(queue[peer, r].pop(0))
+                elif left[peer]:
+                    left[r] = failed[r] = moved = True
+                    break
+                else:
+                    break  # waits
+                pc[r] += 1
+                moved = True
+        if not moved:  # every worker still in the call waits on another: a deadlock
+            deadlock = True
+            for r in range(n):  # its cycles' members give up (which of them is a race)
+                if not left[r]:
+                    left[r] = failed[r] = True
+    if deadlock:
+        return "deadlock", []
+    return ("error" if any(failed) else "ok"), got
+
+
+@st.composite
+def schedules(draw: st.DrawFn) -> list[list[tuple[str, int, int]]]:
+    from unison.collective.shm import RING
+
+    n = draw(st.sampled_from([2, 3]))
+    out = []
+    for r in range(n):
+        peers = [p for p in range(n) if p != r]
+        out.append(draw(st.lists(st.tuples(st.sampled_from(["send", "recv"]),
+                                           st.sampled_from(peers),
+                                           st.sampled_from([1, 2, RING + 1])),
+                                 max_size=4)))
+    return out
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(schedules())
+def test_random_schedules_raise_a_deadlock_exactly_where_there_is_one(shared, plan):
+    from unison.collective.shm import RING
+
+    expect, want = simulate(plan, RING)
+    sess = shared(len(plan))
+    try:
+        got = sess.run(run_schedule, plan, timeout=QUICK)
+    except unison.WorkerError as exc:
+        said = [str(e) for e in exc.errors.values()]
+        assert expect != "ok", (plan, said)
+        assert any("a deadlock: worker" in s for s in said) == (expect == "deadlock"), \
+            (plan, expect, said)
+        return
+    assert expect == "ok", (plan, expect, got)
+    assert got == want
