@@ -565,3 +565,12 @@ def test_layouts_compares_forked_workers_with_workers_apart() -> None:
         assert float(line.split("unison")[1].split()[0]) > 0, line
         assert len(line.split("workers ")[1].split()) == 2, line
     assert "| forked |" in out and "| apart |" in out, out
+
+
+def test_pingpong_gives_microseconds_per_exchange() -> None:
+    """benchmarks/pingpong.py: send/recv between two workers, µs per exchange."""
+    out = _tool("pingpong.py", "--exchanges", "50", "--repeats", "2")
+    line = next(x for x in out.splitlines() if x.startswith("send/recv ping-pong, N=2: "))
+    median = float(line.split("median ")[1].split()[0])
+    each = [float(x) for x in line.split("(")[1].rstrip(")").split(", ")]
+    assert len(each) == 2 and median > 0 and min(each) <= median <= max(each), out
