@@ -460,7 +460,7 @@ class Chaos:
 
         try:
             asyncio.run(impatient())
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError from Python 3.11 on; its own class before
             pass
         else:
             self.fail("a 10 ms wait_for around a 200 ms call did not time out")

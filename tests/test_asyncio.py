@@ -86,7 +86,7 @@ def test_the_event_loop_runs_while_workers_work(sess):
 def test_wait_for_and_cancel_abandon_only_the_wait(sess):
     async def main() -> None:
         ref = sess.call(time.sleep, 0.4)
-        with pytest.raises(TimeoutError):
+        with pytest.raises(asyncio.TimeoutError):  # TimeoutError from Python 3.11 on
             await asyncio.wait_for(ref.gather_async(), 0.05)
         with pytest.raises(TimeoutError, match="stays valid"):
             await ref.gather_async(timeout=0.05)

@@ -50,20 +50,23 @@ from unison.pacing import cores
 from unison.spec import WorkerSpec
 
 # python -c puts the current directory first on sys.path (unless safe_path is set): drop it
-# before anything is imported, so a numpy.py lying there is never run.
-_BOOTSTRAP = ("import sys\nif not getattr(sys.flags, 'safe_path', False): del sys.path[0]\n"
+# before anything is imported, so a numpy.py lying there is never run. The process group
+# first: see _OWN_GROUP.
+_BOOTSTRAP = ("import os, sys\nos.setpgid(0, 0)\n"
+              "if not getattr(sys.flags, 'safe_path', False): del sys.path[0]\n"
               "from unison.worker import main; main({pid})")
 _TAIL_CHARS = 64 * 1024
 """How much of a worker's stderr is kept, as its last whole lines, for WorkerDied.output."""
 _LINE_CHARS = 64 * 1024
 """A line longer than this (or output without a newline) is relayed in pieces this long."""
-_OWN_GROUP: dict[str, Any] = (
-    {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True})
+_OWN_GROUP: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {}
 """Each worker leads a process group of its own, in the controller's session. A session of
 its own (setsid) would also give it a scheduler autogroup of its own (Linux, where
 autogroups are on), and a yield then hands the core over only within the worker's group:
 the worker kept the core from the controller in a quarter of its turns, dispatch at N=2 ran
-1.3-1.5x slower (issue 9, ninth pass). Python 3.10 has no ``process_group``: setsid there."""
+1.3-1.5x slower (issue 9, ninth pass). Python 3.10's Popen has no ``process_group`` (and a
+``preexec_fn`` is unsafe beside threads): there the bootstraps' first line makes the group,
+a few ms later (a kill in between reaches the process by pid, and its tree)."""
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                 "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
 

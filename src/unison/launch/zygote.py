@@ -53,7 +53,8 @@ _AT_START = ("PYTHON", "LD_", "GLIBC_TUNABLES", "MALLOC_")
 """Environment variables read when an interpreter starts: given per rank, they need one."""
 
 _BOOTSTRAP = ("# unison.worker zygote\n"
-              "import sys\nif not getattr(sys.flags, 'safe_path', False): del sys.path[0]\n"
+              "import os, sys\nos.setpgid(0, 0)\n"  # local._OWN_GROUP says why
+              "if not getattr(sys.flags, 'safe_path', False): del sys.path[0]\n"
               "import runpy; runpy.run_path({path!r})['main']({pid})")
 """The zygote runs this file, not the unison package: what unison reads as it is imported
 (UNISON_PURE, the logging levels) is each worker's, from its own environment, and no
