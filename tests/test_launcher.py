@@ -19,7 +19,7 @@ import pytest
 import unison
 from support import autogroup
 from unison import channel as channels
-from unison.launch import DeathReport, Launcher, create
+from unison.launch import DeathReport, Launcher, create, zygote
 from unison.launch.local import LocalLauncher
 from unison.spec import WorkerSpec
 
@@ -62,8 +62,12 @@ def _wait_ended(launcher: Launcher, timeout: float = 10.0) -> int:
 
 
 @pytest.fixture
-def launched() -> Iterator[tuple[Launcher, channels.Channel]]:
-    """Two workers started by a LocalLauncher, up and waiting for commands."""
+def launched(request: pytest.FixtureRequest,
+             monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Launcher, channels.Channel]]:
+    """Two workers started by a LocalLauncher, up and waiting for commands: forked from a
+    zygote, as it starts them, or (parametrized "apart") each an interpreter of its own."""
+    if getattr(request, "param", "forked") == "apart":
+        monkeypatch.setattr(zygote, "usable", lambda env: False)
     chan = channels.create("pipe", 2, "unison-test-launch")
     launcher = create("local")
     try:
@@ -102,7 +106,7 @@ def test_started_workers_run_until_stopped(
     assert launcher.watch_fds() == []  # released with the workers
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="Popen(process_group=) is 3.11's")
+@pytest.mark.parametrize("launched", ["forked", "apart"], indirect=True)
 def test_workers_lead_their_own_process_groups_in_the_controllers_session(
         launched: tuple[Launcher, channels.Channel]) -> None:
     """Not our process group: a terminal's Ctrl-C reaches the controller alone. Our
