@@ -951,13 +951,13 @@ class _Waiting:
         r = coll.rank
         for _ in range(coll.n):
             word = q[w[r] + _WAIT]
-            peer = ((word & 0xFFFFFFFF) >> 1) - 1
+            peer, kind = _waits_on(word)
             if not 0 <= peer < coll.n or q[w[r] + _WAIT_CALL] != call or \
                     q[w[peer] + _LEFT] >= call:
                 return None  # not waiting, or in another call, or its peer left: it ends
-            src, dst = (r, peer) if word & 1 == _SENDING else (peer, r)
+            src, dst = (r, peer) if kind == _SENDING else (peer, r)
             h, t = q[lay.head[src][dst] // 8], q[lay.tail[src][dst] // 8]
-            if word & 1 == _SENDING:  # RING untaken, the oldest of them of this call
+            if kind == _SENDING:  # RING untaken, the oldest of them of this call
                 stuck = h - t >= RING and q[coll._entry(src, dst, h - RING) + _E_CALL] == call
             else:
                 stuck = h == t  # nothing sent and untaken, of any call
@@ -974,13 +974,18 @@ class _Waiting:
         q[me + _WAIT] = q[me + _WAIT] >> 32 << 32  # the count stays: the next wait's grows
 
 
+def _waits_on(word: int) -> tuple[int, int]:
+    """The peer (-1: none) and the kind (_SENDING, _RECEIVING) of a ``_WAIT`` word."""
+    return ((word & 0xFFFFFFFF) >> 1) - 1, word & 1
+
+
 def _deadlock(cycle: tuple[tuple[int, int, int, int], ...]) -> str:
     """What the cycle of waits is, and what to do."""
     said = []
     for r, word, _, _ in cycle:
-        peer = ((word & 0xFFFFFFFF) >> 1) - 1
+        peer, kind = _waits_on(word)
         said.append(f"worker {r} waits to send to worker {peer} ({RING} messages to it are "
-                    "untaken)" if word & 1 == _SENDING else
+                    "untaken)" if kind == _SENDING else
                     f"worker {r} waits to receive from worker {peer}")
     return ("a deadlock: " + "; ".join(said) + ", and none of them can go on. A send "
             f"waits while {RING} earlier messages to its peer are untaken: receive between "
