@@ -44,11 +44,17 @@ def spread_plan(n: int, *, children: bool, inline: bool = False) -> dict[int, li
     robin over the CPUs this process may use."""
     if not children or not hasattr(os, "sched_getaffinity"):
         return {}  # workers elsewhere (Ray, hand-started) are not ours to place
-    usable = sorted(os.sched_getaffinity(0))
     first = 1 if inline else 0
-    if n + 1 - first <= len(usable):
+    if n + 1 - first <= len(os.sched_getaffinity(0)):
         return {}  # a core each: the kernel keeps them apart
-    return {r: [usable[r % len(usable)]] for r in range(first, n)}
+    return round_robin(range(first, n))
+
+
+def round_robin(ranks: range) -> dict[int, list[int]]:
+    """Rank -> one CPU, over the CPUs this process may use in turn (``cpu_affinity=True``
+    too)."""
+    usable = sorted(os.sched_getaffinity(0))
+    return {r: [usable[r % len(usable)]] for r in ranks}
 
 
 def keep(pids: Sequence[int], plan: Mapping[int, list[int]], *, children: bool,

@@ -363,7 +363,9 @@ class ShmCollectives(CallScope, Collectives):
                     raise CollectiveError(
                         f"{_named(what)} on worker {self.rank} gave up at the deadline of the "
                         f"call: it runs inline in the controller, which can wait no longer, "
-                        f"and worker(s) {sorted(peers)} had not come (busy, stopped or stuck)")
+                        f"and worker(s) {sorted(peers)} had not come (busy, stopped or "
+                        "stuck). Give the call a longer timeout, or see where they are "
+                        "with sess.stacks()")
 
     def _gone(self, j: int) -> bool:
         """Whether peer ``j``'s process has ended (False while it has not said its pid)."""
@@ -769,10 +771,11 @@ class ShmCollectives(CallScope, Collectives):
             # the entry RING back must be taken, or stale: its call is over for the receiver
             if q[tail] <= h - RING and q[w[dst] + _LEFT] < q[old + _E_CALL]:
                 pacer, waiting = _Pacer(), _Waiting(self, _SENDING, dst)
+                what = f"send to worker {dst}"
                 try:
                     while q[tail] <= h - RING and q[w[dst] + _LEFT] < q[old + _E_CALL]:
-                        self._check_abort(f"send to worker {dst}", (dst,))
-                        waiting.check(f"send to worker {dst}")
+                        self._check_abort(what, (dst,))
+                        waiting.check(what)
                         pacer.pause()
                 finally:
                     waiting.close()

@@ -77,9 +77,9 @@ def cpu_plan(n: int, plan: bool | Mapping[int, Iterable[int]] | None, *,
         return {}
     if not hasattr(os, "sched_getaffinity"):
         raise ValueError("cpu_affinity needs os.sched_getaffinity, which this platform lacks")
-    usable = sorted(os.sched_getaffinity(0))
     if plan is True:
-        return {r: [usable[r % len(usable)]] for r in range(n)}
+        return placement.round_robin(range(n))
+    usable = sorted(os.sched_getaffinity(0))
     if not isinstance(plan, Mapping):
         raise TypeError("cpu_affinity must be True or map a rank to a list of CPU numbers")
     out = {}
