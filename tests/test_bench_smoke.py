@@ -574,3 +574,12 @@ def test_pingpong_gives_microseconds_per_exchange() -> None:
     median = float(line.split("median ")[1].split()[0])
     each = [float(x) for x in line.split("(")[1].rstrip(")").split(", ")]
     assert len(each) == 2 and median > 0 and min(each) <= median <= max(each), out
+
+
+def test_deadlocks_times_each_cycle_to_its_error() -> None:
+    """benchmarks/deadlocks.py: a row per cycle kind and N, the seconds to the error."""
+    out = _tool("deadlocks.py", "--workers", "2", "--repeats", "2")
+    rows = _last_rows(out, 2)
+    assert [r[:2] for r in rows] == [["send", "2"], ["recv", "2"]], out
+    for row in rows:
+        assert 0 < float(row[2]) <= float(row[3]) < 5, out

@@ -274,10 +274,11 @@ def schedules(draw: st.DrawFn) -> list[list[tuple[str, int, int]]]:
     return out
 
 
-@settings(max_examples=30, deadline=None,
+@settings(max_examples=int(os.environ.get("UNISON_SCHEDULES", "30")), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(schedules())
 def test_random_schedules_raise_a_deadlock_exactly_where_there_is_one(shared, plan):
+    """30 schedules a run; UNISON_SCHEDULES=400 for a longer search."""
     from unison.collective.shm import RING
 
     expect, want = simulate(plan, RING)
