@@ -84,8 +84,8 @@ class WorkerProcess:
         """True once the launcher killed it while it still ran (so the cause is known)."""
         self.output_done = threading.Event()
         self._open_streams = 2
-        try:  # a forked keeper's from the zygote, which opened it before it could reap
-            self.pidfd: int | None = (os.dup(popen.pidfd) if isinstance(popen, Forked)
+        try:  # a forked keeper's is Forked's (the zygote opened it before it could reap)
+            self.pidfd: int | None = (popen.pidfd if isinstance(popen, Forked)
                                       else os.pidfd_open(popen.pid))
         except (AttributeError, OSError):
             self.pidfd = None
@@ -140,11 +140,11 @@ class WorkerProcess:
                 self.popen.stdin.close()
             except OSError:
                 pass
-        if self.pidfd is not None:
-            os.close(self.pidfd)
-            self.pidfd = None
         if isinstance(self.popen, Forked):
-            self.popen.close()
+            self.popen.close()  # and with it our pidfd, the same fd
+        elif self.pidfd is not None:
+            os.close(self.pidfd)
+        self.pidfd = None
 
 
 class LocalLauncher(Launcher):
