@@ -151,8 +151,10 @@ def late_partner(delay: float, count: int) -> list[int]:
 
 def errors_of(info: pytest.ExceptionInfo[unison.WorkerError]) -> str:
     """Every worker's error; the first (the exception's own message) must say deadlock too:
-    the worker that found it says what it is, the others that it found one."""
+    the worker that found it says what it is, the others that it found one. The message
+    also names the cycle: where the lowest rank only heard of it, from where it began."""
     assert "deadlock" in str(info.value).splitlines()[0], str(info.value)
+    assert "a deadlock: worker" in str(info.value), str(info.value)
     return "\n".join(str(e) for e in info.value.errors.values())
 
 

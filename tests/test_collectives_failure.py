@@ -163,12 +163,22 @@ def check_prompt_failure(sess: unison.Session, failer: int, how: str, kind: str)
         assert not np.isnan(gave_up), f"worker {r}'s collective did not raise"
         assert gave_up - failed_at < DETECT, f"worker {r} waited {gave_up - failed_at:.2f} s"
         assert f"worker {failer}" in str(err.errors[r]), "the error names the peer that left"
+        assert err.errors[r].peer == failer, "the error says whose leaving it reports"
+    assert err.worker == min(err.errors)  # the contract: the lowest failed rank
+    text = str(err)
     if how == "raise":
         assert isinstance(err.errors[failer], ValueError)
         assert "boom" in str(err.errors[failer])
         assert sorted(err.errors) == list(range(n))
     else:
         assert sorted(err.errors) == waiters
+    if how == "raise" and failer != err.worker:  # the message leads to where it began
+        assert (f"It began on worker {failer}, which raised ValueError: boom on worker "
+                f"{failer}") in text, text
+        assert f"Remote traceback (worker {failer}, where it began):" in text, text
+        assert 'raise ValueError(f"boom on worker {r}")' in text, text
+    else:  # the lowest rank's own error is where it began
+        assert "It began" not in text, text
     return err
 
 
@@ -391,6 +401,28 @@ def test_a_send_that_fails_leaves_the_receiver_an_error_not_a_spin(make_session)
     assert sent.startswith("send failed"), sent
     assert "worker 0 left the call without sending" in received, received
     check_session_goes_on(sess)
+
+
+def pass_it_down() -> int:
+    """Worker 2 raises; worker 1 waits to receive from 2, worker 0 from 1: a chain of
+    reports, each of a peer that left."""
+    r = unison.rank()
+    if r == 2:
+        raise KeyError("the first failure")
+    return int(unison.recv(r + 1))
+
+
+def test_a_chain_of_reports_leads_to_the_worker_where_it_began(make_session):
+    sess = make_session(3)
+    with pytest.raises(WorkerError) as info:
+        sess.run(pass_it_down, timeout=LIMIT)
+    err = info.value
+    assert err.worker == 0 and sorted(err.errors) == [0, 1, 2]
+    assert [getattr(err.errors[r], "peer", None) for r in range(3)] == [1, 2, None]
+    text = str(err)
+    assert "It began on worker 2, which raised KeyError: 'the first failure'" in text, text
+    assert "Remote traceback (worker 2, where it began):" in text, text
+    assert sess.run(unison.rank, timeout=LIMIT) == [0, 1, 2]
 
 
 def test_a_worker_leaving_a_group_barrier_fails_only_its_group(make_session):

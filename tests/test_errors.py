@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -12,7 +13,7 @@ import threading
 import pytest
 
 import unison
-from unison import WorkerDied, WorkerError
+from unison import CollectiveError, WorkerDied, WorkerError
 
 
 class CustomError(Exception):
@@ -120,6 +121,22 @@ def test_when_several_ranks_raise_the_error_names_the_lowest_and_keeps_all(make_
     assert isinstance(err.errors[3], KeyError)
     assert "rank 3 failed" in str(err.errors[3])
     assert "rank 1 failed" in str(err.__cause__)
+
+
+def test_where_a_failure_began_is_the_lowest_rank_whose_error_is_its_own():
+    """Collectives' reports of a peer that failed in the same call point past themselves;
+    a report of a peer that did not fail (it returned early, or died) is its own; where
+    every error is such a report, the lowest rank."""
+    from unison.session.api import _began
+
+    left = lambda peer: CollectiveError(f"worker {peer} left the call", peer=peer)
+    assert _began({0: left(2), 1: left(2), 2: ValueError("x")}) == 2
+    assert _began({0: left(1), 1: left(3), 3: KeyError("y")}) == 3
+    assert _began({0: left(5), 1: left(0)}) == 0  # 5 returned early: 0's report is its own
+    assert _began({0: left(1), 1: left(0)}) == 0  # reports of each other: the lowest
+    assert _began({1: ValueError("a"), 2: ValueError("b")}) == 1
+    copy = pickle.loads(pickle.dumps(left(4)))  # as it crosses from the worker
+    assert copy.peer == 4 and str(copy) == "worker 4 left the call"
 
 
 def test_a_custom_exception_class_round_trips(sess):

@@ -148,7 +148,15 @@ class CollectiveError(UnisonError):
     returned early, or called a different collective), a peer died, the workers called
     different collectives, or they passed arrays that do not match. The message names the
     peer and what to fix. It is raised inside the worker's function, so the controller sees
-    it as a WorkerError whose ``.errors`` hold it for each rank that gave up."""
+    it as a WorkerError whose ``.errors`` hold it for each rank that gave up.
+
+    ``.peer`` is the rank whose leaving (or death) this error reports, else None: where that
+    peer failed in the same call, the WorkerError also shows the peer's own error, which is
+    where the failure began."""
+
+    def __init__(self, message: str, *, peer: int | None = None):
+        super().__init__(message)
+        self.peer = peer
 
 
 def describe_exitcode(code: int | None, known: bool = False) -> str:

@@ -351,14 +351,15 @@ class ShmCollectives(CallScope, Collectives):
         every wait gives up."""
         dead = self._q[0]
         if dead:
-            raise CollectiveError(f"{_named(what)} gave up: worker {dead - 1} died")
+            raise CollectiveError(f"{_named(what)} gave up: worker {dead - 1} died", peer=dead - 1)
         if self._watch and peers:
             now = time.monotonic()
             if now >= self._next_look:
                 self._next_look = now + _LOOK
                 for j in peers:
                     if self._gone(j):
-                        raise CollectiveError(f"{_named(what)} gave up: worker {j} died")
+                        raise CollectiveError(f"{_named(what)} gave up: worker {j} died",
+                                              peer=j)
                 if self.give_up_at is not None and now >= self.give_up_at:
                     raise CollectiveError(
                         f"{_named(what)} on worker {self.rank} gave up at the deadline of the "
@@ -393,7 +394,7 @@ class ShmCollectives(CallScope, Collectives):
                 raise CollectiveError(
                     f"{_named(what)} on worker {self.rank} gave up: worker {j} left the call "
                     "without joining it (it raised, returned early, or ran a different "
-                    "collective)"
+                    "collective)", peer=j
                 )
 
     def _await_readers(self, which: int, call: int, need: int, ranks: Sequence[int],
@@ -834,7 +835,8 @@ class ShmCollectives(CallScope, Collectives):
                                "that found it says what it is")
                         q[self._w[self.rank] + _WAIT_CALL] = self._call | _GAVE_UP  # passed on
                     raise CollectiveError(f"{what} on worker {self.rank} gave up: worker "
-                                          f"{src} left the call without sending ({why})")
+                                          f"{src} left the call without sending ({why})",
+                                          peer=src)
                 pacer.pause()
         finally:
             if waiting is not None:

@@ -37,7 +37,13 @@ from unison.deadline import deadline as _deadline
 from unison.deadline import seconds as _seconds
 from unison.debug import stacks as _debug_stacks
 from unison.debug.hang import Watchdog
-from unison.errors import CancelledError, SessionClosed, WorkerDied, WorkerError
+from unison.errors import (
+    CancelledError,
+    CollectiveError,
+    SessionClosed,
+    WorkerDied,
+    WorkerError,
+)
 from unison.launch import Launcher
 from unison.launch import create as create_launcher
 from unison.pacing import crowd
@@ -1091,16 +1097,36 @@ def _worker_error(errors: dict[int, tuple[Any, ...]]) -> WorkerError | Cancelled
     if all(isinstance(e, Cancelled) for e in excs.values()):
         return CancelledError(
             f"the call was cancelled (ref.cancel()) on workers {ranks}: {excs[first]}", ranks)
-    _, type_name, message, tb, where = errors[first]
-    text = f"worker {first} raised {type_name}: {message}"
-    if where:
-        text += f" (in {where})"
+    text = f"worker {first} raised {_said(errors[first])}"
     if len(ranks) > 1:
         text += f"; workers {ranks[1:]} failed too (see .errors)"
-    text += f"\n\nRemote traceback (worker {first}):\n{tb.rstrip()}"
+    began = _began(excs)
+    if began != first:
+        text += f". It began on worker {began}, which raised {_said(errors[began])}"
+    text += f"\n\nRemote traceback (worker {first}):\n{errors[first][3].rstrip()}"
+    if began != first:
+        text += f"\n\nRemote traceback (worker {began}, where it began):\n" \
+                f"{errors[began][3].rstrip()}"
     err = WorkerError(text, first, excs)
     err.__cause__ = excs[first]
     return err
+
+
+def _said(error: tuple[Any, ...]) -> str:
+    """``Type: message (in where)`` of a packed worker error."""
+    _, type_name, message, _, where = error
+    return f"{type_name}: {message}" + (f" (in {where})" if where else "")
+
+
+def _began(excs: dict[int, BaseException]) -> int:
+    """The lowest rank whose error is its own: not a collective's report that another rank
+    that failed in this call left it (that rank's error is where the failure began, as
+    torchrun's "root cause"). The lowest rank where every error is such a report."""
+    for r in sorted(excs):
+        e = excs[r]
+        if not (isinstance(e, CollectiveError) and getattr(e, "peer", None) in excs):
+            return r
+    return min(excs)
 
 
 def _forked() -> None:
