@@ -30,6 +30,13 @@ from unison.channel.shm import ShmChannel, ShmWorkerChannel
 _NAME = f"unison-test-unit-{os.getpid()}"
 
 
+@pytest.fixture(autouse=True)
+def no_cpu_quota(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The crowd's rules as on a machine without a cgroup CPU quota (tests/test_cgroup.py has
+    them with one), whatever the machine running the tests has."""
+    monkeypatch.setattr(pacing, "_throttles", lambda: None)
+
+
 @pytest.fixture
 def shm_pair() -> Iterator[tuple[ShmChannel, list[ShmWorkerChannel]]]:
     """A controller end and both workers' ends of a two-worker shm channel, all here."""

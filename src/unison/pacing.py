@@ -45,6 +45,17 @@ processes of our sessions (``crowd.expect``), at STRANGER_LOOKS looks in a row, 
 Run's wait for replies starts by handing the core over once (``hand_over``) where the
 session has more processes than cores.
 
+A cgroup's CPU quota (a container's ``--cpus``, a pod's CPU limit: unison.cgroup) is no set
+of cores: ``cores`` counts the whole CPUs it pays for. Where our processes spin on more CPUs
+than that, the quota runs out and the cgroup stalls them for the rest of each period, which
+a look would take for a stranger's spell off the core, and a wait for a long yield. So a
+long yield after such a stall does not count, and a look takes the stalls off its time off
+the core where our own sessions spend the quota (their processes, each using what this
+thread did of late, at least half of it: ``_our_stalls``). Where others in the cgroup spend
+it (CPU hogs in the same container), the stalls stay a stranger's time. On 2 CPUs with a
+quota of one, dispatch then spun at the floor's wall time (4.9 / 12.0 / 17.5 µs at N = 1 / 2
+/ 4, against 8.8-13 / 22-24 / 24-35 sleeping): issue 9, twenty-seventh pass.
+
 The waits and their parameters:
 
     channel.shm   controller recv, worker recv   check 20 us without yielding (where every
@@ -60,11 +71,14 @@ The waits and their parameters:
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from unison import cgroup
 
 __all__ = [
     "BUSY", "CROWDED", "CROWD_SHARE", "FIRST_NAP", "LONG_YIELD", "RATE_HALF_LIFE",
@@ -142,6 +156,9 @@ the time between holds our sleeps, which dilute the share off the core, and the 
 looks that found strangers carries over it (they rarely leave while we sleep; beside two
 hogs, each return from a pause of half a second otherwise spun some 100 ms at 55-63 µs a
 round before two looks in a row found the crowd again)."""
+QUOTA_ALPHA = 0.25
+"""Under a cgroup's CPU quota, the weight of the latest look in a thread's running share of
+a CPU (looks are LOOK apart: about four of them, two of the quota's usual 100 ms periods)."""
 _SCHEDSTAT = "/proc/thread-self/schedstat"  # ns on the CPU, ns runnable but off it, spells
 _LOADAVG = "/proc/loadavg"  # its 4th field: runnable tasks / all tasks, machine-wide
 _CPUS = os.cpu_count() or 1  # the machine's, not cores(): /proc/loadavg counts machine-wide
@@ -157,6 +174,15 @@ def run_delay() -> tuple[int, int] | None:
     try:
         fields = _read(_SCHEDSTAT).split()
         return int(fields[1]), int(fields[2])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def on_cpu() -> int | None:
+    """This thread's time on the CPU (ns), from /proc/thread-self/schedstat; None where the
+    kernel does not keep it."""
+    try:
+        return int(_read(_SCHEDSTAT).split()[0])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -183,8 +209,9 @@ class _Crowd:
     """This process's view of the machine: ``until`` is the time (perf_counter) before which
     waits skip the spin. One per process: every wait of ours meets the same strangers."""
 
-    __slots__ = ("_last_long", "_on_crowd", "_on_look", "_seen", "_started",
-                 "_stranger_looks", "next_look", "ours", "rate", "until")
+    __slots__ = ("_last_long", "_look_stalls", "_on_crowd", "_on_look", "_seen", "_started",
+                 "_stranger_looks", "_use", "_used", "_yield_stalls", "next_look", "ours",
+                 "rate", "until")
 
     def __init__(self) -> None:
         self.until = 0.0
@@ -200,6 +227,11 @@ class _Crowd:
         self._on_crowd: list[Callable[[], object]] = []
         self._on_look: tuple[Callable[[bool], object], ...] = ()  # a tuple: swapped whole
         self._started = False  # a session's start is over here (``forget``)
+        # the quota's stalls (_throttles) when a look, and a long yield, last asked
+        self._look_stalls: tuple[int, int] | None = None
+        self._yield_stalls: tuple[int, int] | None = None
+        self._used: int | None = None  # this thread's ns on the CPU at the last look
+        self._use = 1.0  # its recent share of a CPU (_track_use): ours, until seen otherwise
 
     def on_crowd(self, fn: Callable[[], object]) -> None:
         """Call ``fn()`` once, at the first verdict that the machine is crowded once a
@@ -258,16 +290,21 @@ class _Crowd:
         delay, spells = got
         seen, thread = self._seen, threading.get_ident()
         self._seen = (thread, now, delay, spells)
+        stalls, self._look_stalls = self._look_stalls, _throttles()
+        if self._look_stalls is not None and seen is not None and seen[0] == thread:
+            self._track_use(now - seen[1])  # under a CPU quota
         if seen is None or seen[0] != thread or spells <= seen[3]:
             return
         if now - seen[1] > STALE_LOOK:  # we slept, or did not wait: judge from the next look
             return
         off = delay - seen[2]
+        if stalls is not None:
+            off -= self._our_stalls(stalls)
         if off <= (now - seen[1]) * 1e9 * CROWD_SHARE:
             self._stranger_looks = 0
             return
         if off / (spells - seen[3]) > STRANGER_SPELL * 1e9:
-            self.met_long_yield(now)
+            self._count_long(now)
             self._crowded(now)  # an average over many spells: no need for a second
             return
         tasks = runnable() if self.ours else None
@@ -276,8 +313,30 @@ class _Crowd:
             return
         self._stranger_looks += 1
         if self._stranger_looks >= STRANGER_LOOKS:
-            self.met_long_yield(now)
+            self._count_long(now)
             self._crowded(now)
+
+    def _track_use(self, span: float) -> None:
+        """Keep ``_use``: this thread's recent share of a CPU, a running mean over looks
+        (each ``span`` seconds after the last), weighted QUOTA_ALPHA to the latest."""
+        used, self._used = self._used, on_cpu()
+        if used is not None and self._used is not None and span > 0:
+            share = (self._used - used) / (span * 1e9)
+            self._use += QUOTA_ALPHA * (share - self._use)
+
+    def _our_stalls(self, stalls: tuple[int, int]) -> int:
+        """The ns the cgroup's quota stalled its tasks since the last look (``stalls``
+        then), where that was for our own sessions' use of it: their processes (``ours``),
+        each using about what this thread did of late, spend at least half of what the
+        quota allows. That time is no stranger's (summed over the CPUs it stalled, it may be
+        more than ours). Where other tasks of the cgroup spend the quota (CPU hogs inside a
+        container), 0: the stalls are theirs, and count as theirs."""
+        now, limit = self._look_stalls, _quota()
+        if now is None or limit is None or now[0] == stalls[0]:
+            return 0
+        if self._use * max(1, self.ours) < 0.5 * limit.cpus:
+            return 0
+        return now[1] - stalls[1]
 
     def forget(self) -> None:
         """Start afresh: the peers' start is over. While workers start, each spends seconds
@@ -290,7 +349,17 @@ class _Crowd:
         self._started = True
 
     def met_long_yield(self, now: float) -> None:
-        """A wait met a stranger's time slice."""
+        """A wait met a stranger's time slice: unless the cgroup's CPU quota stalled us
+        since the last long yield (then the quota held us off the core, and spinning on is
+        what pays: issue 9, twenty-seventh pass)."""
+        stalls, self._yield_stalls = self._yield_stalls, _throttles()
+        if self._yield_stalls is not None and (stalls is None
+                                               or stalls[0] != self._yield_stalls[0]):
+            return
+        self._count_long(now)
+
+    def _count_long(self, now: float) -> None:
+        """Count a long yield in the running rate; past CROWDED_RATE, a crowd."""
         rate = self.rate * 0.5 ** (max(0.0, now - self._last_long) / RATE_HALF_LIFE)
         self._last_long = now
         self.rate = rate = rate + _ALPHA * (1.0 - rate)
@@ -302,10 +371,27 @@ crowd = _Crowd()
 
 
 def cores() -> int:
-    """The CPUs this process may run on (where the platform says), else all of them."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    """The CPUs this process may run on (where the platform says), else all of them; no
+    more than the whole CPUs its cgroup's quota pays for (unison.cgroup: a share of a CPU
+    is no core to hold), and at least one."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    limit = _quota()
+    if limit is not None:
+        n = min(n or 1, int(limit.cpus))
+    return max(1, n or 1)
+
+
+@functools.cache
+def _quota() -> cgroup.Quota | None:
+    """The cgroup's CPU limit, read once a process: it is set when a container starts."""
+    return cgroup.quota()
+
+
+def _throttles() -> tuple[int, int] | None:
+    """How often, and how long (ns over all its CPUs), the quota's cgroup has stalled its
+    tasks so far; None without a quota."""
+    limit = _quota()
+    return None if limit is None else cgroup.throttled(limit.directory)
 
 
 def busy_budget(processes: int) -> float:
