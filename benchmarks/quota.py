@@ -144,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cannot make a cgroup with a CPU quota here: {exc}", file=sys.stderr)
         return NO_CGROUP
     try:
-        script = f"echo $$ > {d / 'cgroup.procs'} && exec \"$0\" \"$@\""
+        # joining it may still be refused (cgroup v2's rules): that is no cgroup to use either
+        script = (f"echo $$ > {d / 'cgroup.procs'} || exit {NO_CGROUP}; "
+                  f"exec \"$0\" \"$@\"")
         cmd = ["sh", "-c", script, sys.executable, __file__, "--inside", *given]
         print("| workload | N | system | wall µs a round, median of blocks | blocks' range | "
               "unison's crowded verdicts |\n|---|--:|---|--:|--:|--:|", flush=True)

@@ -186,7 +186,7 @@ def test_a_session_in_a_cgroup_with_a_quota_keeps_spinning() -> None:
     """One CPU's quota on a machine of two or more, a real cgroup (benchmarks/quota.py makes
     it, runs there, and removes it): the controller and its worker spin on two CPUs and
     spend the quota, and the cgroup stalls them for the rest of each period. That is no
-    stranger: no crowded verdict (before, one came within a few periods, and the waits then
+    stranger: no crowded verdict (before, one in every block of the run, and the waits then
     slept, which made dispatch 1.5-2x slower in wall time: issue 9, twenty-seventh pass).
     Inside, pacing.cores() is 1."""
     if len(os.sched_getaffinity(0)) < 2:
@@ -195,14 +195,16 @@ def test_a_session_in_a_cgroup_with_a_quota_keeps_spinning() -> None:
         pytest.skip("only root can make a cgroup")
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "quota.py"
     done = subprocess.run([sys.executable, str(script), "--systems", "unison", "--workers", "1",
-                           "--blocks", "2", "--seconds", "1"],
+                           "--blocks", "4", "--seconds", "0.5"],
                           capture_output=True, text=True, timeout=120, check=False)
     if done.returncode == 3:  # quota.NO_CGROUP
         pytest.skip(done.stderr.strip())
     assert done.returncode == 0, done.stdout + done.stderr
     assert "inside: pacing.cores() = 1" in done.stderr, done.stderr
     row = next(line for line in done.stdout.splitlines() if line.startswith("| dispatch | 1 |"))
-    assert row.strip("| ").split(" | ")[-1] == "0", done.stdout  # no crowded verdict
+    # no crowded verdict (before: one in every block); one is let pass, for a stranger
+    # that a busy test machine may really have
+    assert int(row.strip("| ").split(" | ")[-1]) <= 1, done.stdout
     stalls = next(line for line in done.stdout.splitlines() if line.startswith("cgroup: "))
     throttled = int(stalls.split("nr_throttled ")[1].split(",")[0])
     assert throttled > 0, "the quota never stalled it: nothing was tried"

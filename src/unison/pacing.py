@@ -53,8 +53,9 @@ long yield after such a stall does not count, and a look takes the stalls off it
 the core where our own sessions spend the quota (their processes, each using what this
 thread did of late, at least half of it: ``_our_stalls``). Where others in the cgroup spend
 it (CPU hogs in the same container), the stalls stay a stranger's time. On 2 CPUs with a
-quota of one, dispatch then spun at the floor's wall time (4.9 / 12.0 / 17.5 µs at N = 1 / 2
-/ 4, against 8.8-13 / 22-24 / 24-35 sleeping): issue 9, twenty-seventh pass.
+quota of one, dispatch then took 5.5 / 12.9 / 19.4 µs a round in wall time at N = 1 / 2 /
+4 (the floor's 4.6 / 11.1 / 18.7), against 8.8 / 21.8 / 27.1 before (docs/benchmarks.md,
+"Issue 9, twenty-seventh pass").
 
 The waits and their parameters:
 
@@ -291,8 +292,8 @@ class _Crowd:
         seen, thread = self._seen, threading.get_ident()
         self._seen = (thread, now, delay, spells)
         stalls, self._look_stalls = self._look_stalls, _throttles()
-        if self._look_stalls is not None and seen is not None and seen[0] == thread:
-            self._track_use(now - seen[1])  # under a CPU quota
+        if self._look_stalls is not None:  # under a CPU quota
+            self._track_use(now - seen[1] if seen is not None and seen[0] == thread else 0.0)
         if seen is None or seen[0] != thread or spells <= seen[3]:
             return
         if now - seen[1] > STALE_LOOK:  # we slept, or did not wait: judge from the next look
@@ -318,7 +319,8 @@ class _Crowd:
 
     def _track_use(self, span: float) -> None:
         """Keep ``_use``: this thread's recent share of a CPU, a running mean over looks
-        (each ``span`` seconds after the last), weighted QUOTA_ALPHA to the latest."""
+        (each ``span`` seconds after the last; 0: the last was another thread's, so only
+        start afresh), weighted QUOTA_ALPHA to the latest."""
         used, self._used = self._used, on_cpu()
         if used is not None and self._used is not None and span > 0:
             share = (self._used - used) / (span * 1e9)
