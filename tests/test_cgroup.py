@@ -139,14 +139,24 @@ def test_long_yields_while_the_quota_stalls_us_are_no_crowd(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Yields that come back late because the cgroup's quota ran out (every period, while our
-    own processes spin) do not count; the same yields with no stall between them do."""
+    own processes spin and spend it) do not count; the same yields with no stall between
+    them do, and so do stalled ones where our share of a CPU says others spend the quota."""
     stalls = quota_crowd(monkeypatch, ours=2)
-    for i in range(1, 40):
-        stalls.append((i, i * 50 * MS))  # a stall before each long yield
-        pacing.crowd.met_long_yield(100.0 + i * 1e-4)
+
+    def stalled_yields(start: float) -> None:
+        for i in range(1, 40):
+            count, ns = stalls[-1]
+            stalls.append((count + 1, ns + 50 * MS))  # a stall before each long yield
+            pacing.crowd.met_long_yield(start + i * 1e-4)
+
+    stalled_yields(100.0)  # our share: a whole CPU each, as a fresh crowd assumes
     assert (pacing.crowd.until, pacing.crowd.rate) == (0.0, 0.0)
     for i in range(40):  # no stall in between: strangers' slices
         pacing.crowd.met_long_yield(101.0 + i * 1e-4)
+    assert pacing.crowd.until > 0.0
+    stalls = quota_crowd(monkeypatch, ours=2)
+    pacing.crowd._use = 0.1  # 0.2 of the quota is ours: CPU hogs in the cgroup spend it
+    stalled_yields(102.0)
     assert pacing.crowd.until > 0.0
 
 
@@ -177,6 +187,39 @@ def test_a_looks_time_off_the_core_while_the_quota_stalled_us(
         stalls.append((count + 1, ns + 40 * MS))
         pacing.crowd.look(now)
     assert (pacing.crowd.until > 0.0) is crowded
+
+
+def test_a_crowds_sleeping_does_not_lower_the_share_it_is_judged_by(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the machine counts as crowded our waits sleep and use little of a CPU; were that
+    our share, the quota's next stall (once spins probe again) would count as a stranger's,
+    and each verdict would bring the next. So looks in a crowd's time leave the share."""
+    quota_crowd(monkeypatch, ours=2)
+    delay, used = [0, 0], [0]
+    monkeypatch.setattr(pacing, "run_delay", lambda: (delay[0], delay[1]))
+    monkeypatch.setattr(pacing, "on_cpu", lambda: used[0])
+    now = 100.0
+    pacing.crowd.look(now)
+    for _ in range(4):  # spinning: half a CPU each
+        now += 0.05
+        used[0] += 25 * MS
+        delay[1] += 1
+        pacing.crowd.look(now)
+    share = pacing.crowd._use
+    assert share == pytest.approx(0.5, abs=0.2)
+    pacing.crowd.until = now + pacing.CROWDED  # a crowd (of strangers, say)
+    for _ in range(8):  # asleep: a hundredth of a CPU
+        now += 0.05
+        used[0] += MS // 2
+        delay[1] += 1
+        pacing.crowd.look(now)
+    assert pacing.crowd._use == share
+    now = pacing.crowd.until + 0.01  # calm again: the share moves again
+    used[0] += MS // 2
+    delay[1] += 1
+    pacing.crowd.look(now)
+    assert pacing.crowd._use < share
 
 
 # -- a real cgroup ---------------------------------------------------------------------------------

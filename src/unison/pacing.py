@@ -48,14 +48,14 @@ session has more processes than cores.
 A cgroup's CPU quota (a container's ``--cpus``, a pod's CPU limit: unison.cgroup) is no set
 of cores: ``cores`` counts the whole CPUs it pays for. Where our processes spin on more CPUs
 than that, the quota runs out and the cgroup stalls them for the rest of each period, which
-a look would take for a stranger's spell off the core, and a wait for a long yield. So a
-long yield after such a stall does not count, and a look takes the stalls off its time off
-the core where our own sessions spend the quota (their processes, each using what this
-thread did of late, at least half of it: ``_our_stalls``). Where others in the cgroup spend
-it (CPU hogs in the same container), the stalls stay a stranger's time. On 2 CPUs with a
-quota of one, dispatch then took 5.5 / 12.9 / 19.4 µs a round in wall time at N = 1 / 2 /
-4 (the floor's 4.6 / 11.1 / 18.7), against 8.8 / 21.8 / 27.1 before (docs/benchmarks.md,
-"Issue 9, twenty-seventh pass").
+a look would take for a stranger's spell off the core, and a wait for a long yield. So
+where our own sessions spend the quota (their processes, each using what this thread did of
+late, use QUOTA_OURS of it or more), a long yield after such a stall does not count, and a
+look takes the stalls off its time off the core. Where others in the cgroup spend it (CPU
+hogs in the same container), the stalls stay a stranger's time. On 2 CPUs with a quota of
+one, dispatch then took 4.9 / 11.6 / 17.4 µs a round in wall time at N = 1 / 2 / 4 (the
+floor's 3.8 / 10.2 / 16.7), against 8.8 / 21.8 / 27.1 before (docs/benchmarks.md, "Issue 9,
+twenty-seventh pass").
 
 The waits and their parameters:
 
@@ -157,6 +157,9 @@ the time between holds our sleeps, which dilute the share off the core, and the 
 looks that found strangers carries over it (they rarely leave while we sleep; beside two
 hogs, each return from a pause of half a second otherwise spun some 100 ms at 55-63 µs a
 round before two looks in a row found the crowd again)."""
+QUOTA_OURS = 0.75
+"""Under a cgroup's CPU quota, the share of it that our own sessions must be spending for
+its stalls to count as ours, not a stranger's (``_Crowd._quota_is_ours``)."""
 QUOTA_ALPHA = 0.25
 """Under a cgroup's CPU quota, the weight of the latest look in a thread's running share of
 a CPU (looks are LOOK apart: about four of them, two of the quota's usual 100 ms periods)."""
@@ -292,8 +295,10 @@ class _Crowd:
         seen, thread = self._seen, threading.get_ident()
         self._seen = (thread, now, delay, spells)
         stalls, self._look_stalls = self._look_stalls, _throttles()
-        if self._look_stalls is not None:  # under a CPU quota
-            self._track_use(now - seen[1] if seen is not None and seen[0] == thread else 0.0)
+        if self._look_stalls is not None:  # under a CPU quota; not while crowded, when waits
+            # sleep and use little: the share our spinning takes is what it is judged by
+            self._track_use(now - seen[1] if seen is not None and seen[0] == thread
+                            and now >= self.until else 0.0)
         if seen is None or seen[0] != thread or spells <= seen[3]:
             return
         if now - seen[1] > STALE_LOOK:  # we slept, or did not wait: judge from the next look
@@ -319,8 +324,9 @@ class _Crowd:
 
     def _track_use(self, span: float) -> None:
         """Keep ``_use``: this thread's recent share of a CPU, a running mean over looks
-        (each ``span`` seconds after the last; 0: the last was another thread's, so only
-        start afresh), weighted QUOTA_ALPHA to the latest."""
+        (each ``span`` seconds after the last; 0: the last was another thread's, or the
+        machine counts as crowded, so only start afresh), weighted QUOTA_ALPHA to the
+        latest."""
         used, self._used = self._used, on_cpu()
         if used is not None and self._used is not None and span > 0:
             share = (self._used - used) / (span * 1e9)
@@ -328,17 +334,22 @@ class _Crowd:
 
     def _our_stalls(self, stalls: tuple[int, int]) -> int:
         """The ns the cgroup's quota stalled its tasks since the last look (``stalls``
-        then), where that was for our own sessions' use of it: their processes (``ours``),
-        each using about what this thread did of late, spend at least half of what the
-        quota allows. That time is no stranger's (summed over the CPUs it stalled, it may be
-        more than ours). Where other tasks of the cgroup spend the quota (CPU hogs inside a
-        container), 0: the stalls are theirs, and count as theirs."""
-        now, limit = self._look_stalls, _quota()
-        if now is None or limit is None or now[0] == stalls[0]:
-            return 0
-        if self._use * max(1, self.ours) < 0.5 * limit.cpus:
+        then), where that was for our own sessions' use of it (``_quota_is_ours``): that
+        time is no stranger's (summed over the CPUs it stalled, it may be more than ours).
+        Where other tasks of the cgroup spend the quota (CPU hogs inside a container), 0:
+        the stalls are theirs, and count as theirs."""
+        now = self._look_stalls
+        if now is None or now[0] == stalls[0] or not self._quota_is_ours():
             return 0
         return now[1] - stalls[1]
+
+    def _quota_is_ours(self) -> bool:
+        """Whether our own sessions spend the cgroup's quota: their processes (``ours``),
+        each using about this thread's recent share of a CPU, use QUOTA_OURS of it or
+        more. (With a quota of one CPU on two: 0.84-1.0 of it at N = 1, 2, 4 alone; beside
+        two CPU hogs in the cgroup 0.6, 0.27 and 0.1.)"""
+        limit = _quota()
+        return limit is not None and self._use * max(1, self.ours) >= QUOTA_OURS * limit.cpus
 
     def forget(self) -> None:
         """Start afresh: the peers' start is over. While workers start, each spends seconds
@@ -352,11 +363,11 @@ class _Crowd:
 
     def met_long_yield(self, now: float) -> None:
         """A wait met a stranger's time slice: unless the cgroup's CPU quota stalled us
-        since the last long yield (then the quota held us off the core, and spinning on is
-        what pays: issue 9, twenty-seventh pass)."""
+        since the last long yield, for our own sessions' use of it (then the quota held us
+        off the core, and spinning on is what pays: issue 9, twenty-seventh pass)."""
         stalls, self._yield_stalls = self._yield_stalls, _throttles()
-        if self._yield_stalls is not None and (stalls is None
-                                               or stalls[0] != self._yield_stalls[0]):
+        if self._yield_stalls is not None and (
+                stalls is None or stalls[0] != self._yield_stalls[0]) and self._quota_is_ours():
             return
         self._count_long(now)
 
