@@ -53,8 +53,8 @@ where our own sessions spend the quota (their processes, each using what this th
 late, use QUOTA_OURS of it or more), a long yield after such a stall does not count, and a
 look takes the stalls off its time off the core. Where others in the cgroup spend it (CPU
 hogs in the same container), the stalls stay a stranger's time. On 2 CPUs with a quota of
-one, dispatch then took 4.9 / 11.6 / 17.4 µs a round in wall time at N = 1 / 2 / 4 (the
-floor's 3.8 / 10.2 / 16.7), against 8.8 / 21.8 / 27.1 before (docs/benchmarks.md, "Issue 9,
+one, dispatch then took 5.0 / 13.2 / 18.9 µs a round in wall time at N = 1 / 2 / 4 (the
+floor's 3.8 / 11.0 / 18.8), against 8.8 / 21.8 / 27.1 before (docs/benchmarks.md, "Issue 9,
 twenty-seventh pass").
 
 The waits and their parameters:
@@ -82,9 +82,9 @@ from typing import Any, TypeVar
 from unison import cgroup
 
 __all__ = [
-    "BUSY", "CROWDED", "CROWD_SHARE", "FIRST_NAP", "LONG_YIELD", "RATE_HALF_LIFE",
-    "STRANGER_LOOKS", "STRANGER_SPELL", "Pacer", "busy_budget", "cores", "crowd", "hand_over",
-    "run_delay", "runnable", "spin",
+    "BUSY", "CROWDED", "CROWD_SHARE", "FIRST_NAP", "LONG_YIELD", "QUOTA_ALPHA", "QUOTA_OURS",
+    "RATE_HALF_LIFE", "STRANGER_LOOKS", "STRANGER_SPELL", "Pacer", "busy_budget", "cores",
+    "crowd", "hand_over", "on_cpu", "run_delay", "runnable", "spin",
 ]
 
 _T = TypeVar("_T")
@@ -157,9 +157,11 @@ the time between holds our sleeps, which dilute the share off the core, and the 
 looks that found strangers carries over it (they rarely leave while we sleep; beside two
 hogs, each return from a pause of half a second otherwise spun some 100 ms at 55-63 µs a
 round before two looks in a row found the crowd again)."""
-QUOTA_OURS = 0.75
+QUOTA_OURS = 0.6
 """Under a cgroup's CPU quota, the share of it that our own sessions must be spending for
-its stalls to count as ours, not a stranger's (``_Crowd._quota_is_ours``)."""
+its stalls to count as ours, not a stranger's (``_Crowd._quota_is_ours``). With a quota of
+one CPU on two, sessions alone spent 0.84-1.0 of it at N = 1, 2, 4, and 0.1-0.6 beside two
+CPU hogs in the cgroup; at 0.75, N=2 alone fell under it now and then."""
 QUOTA_ALPHA = 0.25
 """Under a cgroup's CPU quota, the weight of the latest look in a thread's running share of
 a CPU (looks are LOOK apart: about four of them, two of the quota's usual 100 ms periods)."""
@@ -346,8 +348,7 @@ class _Crowd:
     def _quota_is_ours(self) -> bool:
         """Whether our own sessions spend the cgroup's quota: their processes (``ours``),
         each using about this thread's recent share of a CPU, use QUOTA_OURS of it or
-        more. (With a quota of one CPU on two: 0.84-1.0 of it at N = 1, 2, 4 alone; beside
-        two CPU hogs in the cgroup 0.6, 0.27 and 0.1.)"""
+        more."""
         limit = _quota()
         return limit is not None and self._use * max(1, self.ours) >= QUOTA_OURS * limit.cpus
 
