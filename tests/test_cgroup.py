@@ -85,6 +85,13 @@ def test_a_containers_own_cgroup_mounted_as_the_root(tmp_path: Path) -> None:
     assert cgroup.quota(other) is None  # our cgroup is not under that mount
 
 
+def test_a_mount_point_written_unnormalized_still_ends_the_walk(tmp_path: Path) -> None:
+    top = tmp_path / "cpu"
+    v1_limit(top / "job", 100_000)
+    proc = fake_proc(tmp_path, "1:cpu:/job\n", [f"32 31 0:29 / {top}/ rw - cgroup cgroup rw,cpu"])
+    assert cgroup.quota(proc) == cgroup.Quota(1.0, str(top / "job"))
+
+
 def test_nothing_to_read_is_no_limit(tmp_path: Path) -> None:
     assert cgroup.quota(str(tmp_path / "missing")) is None
     proc = fake_proc(tmp_path, "0::/\n", ["22 1 0:21 / /proc rw - proc proc rw"])

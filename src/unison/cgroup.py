@@ -52,9 +52,10 @@ def quota(proc: str = "/proc/self") -> Quota | None:
             limit = read(directory)
             if limit is not None and (best is None or limit < best.cpus):
                 best = Quota(limit, directory)
-            if directory == top:
-                break
-            directory = os.path.dirname(directory)
+            up = os.path.dirname(directory)
+            if directory == top or up == directory or not up.startswith(top):
+                break  # at the mount's root (or, for a path that is not under it, at /)
+            directory = up
     return best
 
 
@@ -105,7 +106,7 @@ def _mount(line: str, memberships: list[str]
         if path != root and not path.startswith(root + "/"):
             return None
         path = path[len(root):] or "/"
-    return os.path.normpath(point + path), point, read
+    return os.path.normpath(point + path), os.path.normpath(point), read
 
 
 def _member(memberships: list[str], controller: str | None) -> str | None:
