@@ -9,9 +9,11 @@ cpu hierarchy, or v2 with the cpu controller), runs itself inside it, and remove
 There the systems take turns, in blocks of ``--seconds``; a block's figure is its wall time
 over its rounds, because the quota's stalls fall between rounds: a round that spins is as
 quick as ever, and the next one waits out the rest of the period, which no round's median
-shows. ``--hogs`` CPU hogs run inside the cgroup as well, spending the quota. Each row also
-gives how many crowded verdicts unison's controller reached (pacing.crowd) in its blocks,
-and the end how many periods the quota stalled the cgroup.
+shows. ``--hogs`` CPU hogs run inside the cgroup as well, spending the quota. Unison's row
+also gives the share of the quota its controller reckons its sessions spend (median over the
+blocks; pacing.QUOTA_OURS or more: the stalls are our own spinning's) and how many blocks
+had a crowded verdict (pacing.crowd); the end, how many periods the quota stalled the
+cgroup.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def remove_cgroup(d: Path) -> None:
     print(f"warning: could not remove {d}", file=sys.stderr)
 
 
-def wall_blocks(op: Callable[[], object], seconds: float) -> float:
+def wall_block(op: Callable[[], object], seconds: float) -> float:
     """µs per round over ``seconds`` of wall time, stalls included."""
     rounds, start = 0, time.perf_counter()
     end = start + seconds
@@ -84,6 +86,18 @@ def wall_blocks(op: Callable[[], object], seconds: float) -> float:
         now = time.perf_counter()
         if now >= end:
             return (now - start) / rounds * 1e6
+
+
+def ours_share() -> float:
+    """The share of the quota that unison's controller reckons its sessions spend (pacing's
+    running share of a CPU for this thread, times the session's processes, over the quota):
+    at pacing.QUOTA_OURS or more, the quota's stalls count as our own spinning's."""
+    from unison import pacing
+
+    quota = pacing._quota()
+    if quota is None:
+        return float("nan")
+    return pacing.crowd._use * max(1, pacing.crowd.ours) / quota.cpus
 
 
 def inside(args: argparse.Namespace) -> int:
@@ -98,7 +112,7 @@ def inside(args: argparse.Namespace) -> int:
         for n in args.workers:
             systems = {name: make_system(name) for name in names}
             blocks: dict[str, list[float]] = {name: [] for name in names}
-            verdicts = 0
+            verdicts, shares = 0, []
             try:
                 for system in systems.values():
                     system.start(n)
@@ -108,14 +122,16 @@ def inside(args: argparse.Namespace) -> int:
                     for name, system in turn if i % 2 == 0 else reversed(turn):
                         before = pacing.crowd.until
                         blocks[name].append(
-                            wall_blocks(getattr(system, args.workload), args.seconds))
-                        if name == "unison" and pacing.crowd.until != before:
-                            verdicts += 1
+                            wall_block(getattr(system, args.workload), args.seconds))
+                        if name == "unison":
+                            verdicts += pacing.crowd.until != before
+                            shares.append(ours_share())
             finally:
                 for system in systems.values():
                     system.close()
             for name, got in blocks.items():
-                extra = f" | {verdicts}" if name == "unison" else " | -"
+                extra = (f" | {statistics.median(shares):.2f} | {verdicts}" if name == "unison"
+                         else " | - | -")
                 print(f"| {args.workload} | {n} | {name} | {statistics.median(got):.1f} | "
                       f"{min(got):.1f}-{max(got):.1f}{extra} |", flush=True)
     return 0
@@ -141,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         d = make_cgroup(args.cpus)
     except OSError as exc:
-        print(f"cannot make a cgroup with a CPU quota here: {exc}", file=sys.stderr)
+        print(f"cannot make a cgroup with a CPU quota here: {exc}. Run it as root on Linux "
+              "with the cgroup cpu controller (v1's cpu hierarchy, or v2 with cpu enabled in "
+              "/sys/fs/cgroup/cgroup.subtree_control)", file=sys.stderr)
         return NO_CGROUP
     try:
         # joining it may still be refused (cgroup v2's rules): that is no cgroup to use either
@@ -149,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"exec \"$0\" \"$@\"")
         cmd = ["sh", "-c", script, sys.executable, __file__, "--inside", *given]
         print("| workload | N | system | wall µs a round, median of blocks | blocks' range | "
-              "unison's crowded verdicts |\n|---|--:|---|--:|--:|--:|", flush=True)
+              "share of the quota unison reckons its own | unison's crowded verdicts |\n"
+              "|---|--:|---|--:|--:|--:|--:|", flush=True)
         code = subprocess.run(cmd, check=False).returncode
         stat = (d / "cpu.stat").read_text().split("\n")
         print("\ncgroup: " + ", ".join(line for line in stat if line.startswith(

@@ -129,12 +129,10 @@ MS = 1_000_000
 
 
 def quota_crowd(monkeypatch: pytest.MonkeyPatch, ours: int) -> list[tuple[int, int]]:
-    """pacing.crowd as a fresh process has it, under a quota of one CPU whose stalls (count,
-    ns) the test sets by appending to the list returned."""
-    for name, value in (("until", 0.0), ("rate", 0.0), ("_seen", None), ("_stranger_looks", 0),
-                        ("ours", ours), ("_look_stalls", None), ("_yield_stalls", None),
-                        ("_used", None), ("_use", 1.0), ("_last_long", 0.0)):
-        monkeypatch.setattr(pacing.crowd, name, value)
+    """A fresh pacing.crowd, as a process starts with, under a quota of one CPU whose stalls
+    (count, ns) the test sets by appending to the list returned."""
+    monkeypatch.setattr(pacing, "crowd", pacing._Crowd())
+    pacing.crowd.expect(ours)
     monkeypatch.setattr(pacing, "_CPUS", 2)
     monkeypatch.setattr(pacing, "_quota", lambda: cgroup.Quota(1.0, "/fake"))
     stalls = [(0, 0)]

@@ -366,9 +366,10 @@ class _Crowd:
         """A wait met a stranger's time slice: unless the cgroup's CPU quota stalled us
         since the last long yield, for our own sessions' use of it (then the quota held us
         off the core, and spinning on is what pays: issue 9, twenty-seventh pass)."""
-        stalls, self._yield_stalls = self._yield_stalls, _throttles()
-        if self._yield_stalls is not None and (
-                stalls is None or stalls[0] != self._yield_stalls[0]) and self._quota_is_ours():
+        before, self._yield_stalls = self._yield_stalls, _throttles()
+        after = self._yield_stalls
+        stalled = after is not None and (before is None or before[0] != after[0])
+        if stalled and self._quota_is_ours():
             return
         self._count_long(now)
 

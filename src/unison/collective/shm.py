@@ -769,16 +769,19 @@ class ShmCollectives(CallScope, Collectives):
         h = q[head]
         if h >= RING:
             old = self._entry(self.rank, dst, h - RING)
-            # the entry RING back must be taken, or stale: its call is over for the receiver
-            if q[tail] <= h - RING and q[w[dst] + _LEFT] < q[old + _E_CALL]:
-                pacer, waiting = _Pacer(), _Waiting(self, _SENDING, dst)
-                what = f"send to worker {dst}"
-                try:
-                    while q[tail] <= h - RING and q[w[dst] + _LEFT] < q[old + _E_CALL]:
-                        self._check_abort(what, (dst,))
+            waiting: _Waiting | None = None
+            try:
+                # the entry RING back must be taken, or stale: its call is over for the receiver
+                while q[tail] <= h - RING and q[w[dst] + _LEFT] < q[old + _E_CALL]:
+                    if waiting is None:  # the first miss: a wait from here on (as _recv's)
+                        what = f"send to worker {dst}"
+                        pacer, waiting = _Pacer(), _Waiting(self, _SENDING, dst)
+                    else:
                         waiting.check(what)
-                        pacer.pause()
-                finally:
+                    self._check_abort(what, (dst,))
+                    pacer.pause()
+            finally:
+                if waiting is not None:
                     waiting.close()
         where = 0
         if total > self.lay.inline:  # first what can fail (no memory, no fds): the entry

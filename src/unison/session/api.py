@@ -1124,7 +1124,7 @@ def _began(excs: dict[int, BaseException]) -> int:
     torchrun's "root cause"). The lowest rank where every error is such a report."""
     for r in sorted(excs):
         e = excs[r]
-        if not (isinstance(e, CollectiveError) and getattr(e, "peer", None) in excs):
+        if not (isinstance(e, CollectiveError) and e.peer in excs):
             return r
     return min(excs)
 
