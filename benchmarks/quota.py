@@ -130,6 +130,8 @@ def inside(args: argparse.Namespace) -> int:
                 for system in systems.values():
                     system.close()
             for name, got in blocks.items():
+                print(f"{name} N={n}, each block: " + " ".join(f"{b:.1f}" for b in got),
+                      file=sys.stderr, flush=True)
                 extra = (f" | {statistics.median(shares):.2f} | {verdicts}" if name == "unison"
                          else " | - | -")
                 print(f"| {args.workload} | {n} | {name} | {statistics.median(got):.1f} | "

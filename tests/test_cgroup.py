@@ -1,5 +1,5 @@
-"""A cgroup's CPU quota (unison.cgroup), and how pacing reads it: cores() counts the whole CPUs
-the quota pays for, and the crowd does not take the quota's stalls of our own spinning for a
+"""A cgroup's CPU quota (unison.cgroup), and how pacing reads it: cores() counts the quota's CPUs
+rounded up, and the crowd does not take the quota's stalls of our own spinning for a
 stranger's time slice, but does take them for one where other tasks spend the quota.
 
 The parsing runs on fake /proc files and cgroup trees; the last test runs a real session in a
@@ -108,16 +108,18 @@ def test_throttled_reads_v1_and_v2_stat_files(tmp_path: Path) -> None:
     assert cgroup.throttled(str(tmp_path / "missing")) is None
 
 
-def test_cores_counts_the_whole_cpus_a_quota_pays_for(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cores_counts_a_quota_rounded_up(monkeypatch: pytest.MonkeyPatch) -> None:
     if not hasattr(os, "sched_getaffinity"):
         pytest.skip("no sched_getaffinity")
     seen = len(os.sched_getaffinity(0))
     monkeypatch.setattr(pacing, "_quota", lambda: None)
     assert pacing.cores() == seen
     monkeypatch.setattr(pacing, "_quota", lambda: cgroup.Quota(1.5, "/x"))
-    assert pacing.cores() == 1  # a share of a CPU is no core to hold
-    monkeypatch.setattr(pacing, "_quota", lambda: cgroup.Quota(0.25, "/x"))
+    assert pacing.cores() == min(seen, 2)  # rounded up, as the JVM and loky count it
+    monkeypatch.setattr(pacing, "_quota", lambda: cgroup.Quota(1.0, "/x"))
     assert pacing.cores() == 1
+    monkeypatch.setattr(pacing, "_quota", lambda: cgroup.Quota(0.25, "/x"))
+    assert pacing.cores() == 1  # at least one
     monkeypatch.setattr(pacing, "_quota", lambda: cgroup.Quota(seen + 8.0, "/x"))
     assert pacing.cores() == seen
 

@@ -46,7 +46,7 @@ Run's wait for replies starts by handing the core over once (``hand_over``) wher
 session has more processes than cores.
 
 A cgroup's CPU quota (a container's ``--cpus``, a pod's CPU limit: unison.cgroup) is no set
-of cores: ``cores`` counts the whole CPUs it pays for. Where our processes spin on more CPUs
+of cores: ``cores`` counts its CPUs rounded up. Where our processes spin on more CPUs
 than that, the quota runs out and the cgroup stalls them for the rest of each period, which
 a look would take for a stranger's spell off the core, and a wait for a long yield. So
 where our own sessions spend the quota (their processes, each using what this thread did of
@@ -73,6 +73,7 @@ The waits and their parameters:
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 import time
@@ -387,12 +388,14 @@ crowd = _Crowd()
 
 def cores() -> int:
     """The CPUs this process may run on (where the platform says), else all of them; no
-    more than the whole CPUs its cgroup's quota pays for (unison.cgroup: a share of a CPU
-    is no core to hold), and at least one."""
+    more than its cgroup's quota rounded up (unison.cgroup), as the JVM and loky count it,
+    and at least one. Rounded up, because a part of a CPU still keeps a process on a core of
+    its own part of the time: with 1.5 CPUs on 2, N=1's round took 2.9 µs of wall time busy
+    (two processes on two cores), and 3.5 yielding (issue 9, twenty-eighth pass)."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     limit = _quota()
     if limit is not None:
-        n = min(n or 1, int(limit.cpus))
+        n = min(n or 1, math.ceil(limit.cpus))
     return max(1, n or 1)
 
 
