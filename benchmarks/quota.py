@@ -105,7 +105,8 @@ def inside(args: argparse.Namespace) -> int:
     from unison import pacing
 
     names = args.systems.split(",")
-    print(f"inside: pacing.cores() = {pacing.cores()}", file=sys.stderr, flush=True)
+    print(f"inside: pacing.cores() = {pacing.cores()}, pacing.pool_cores() = "
+          f"{pacing.pool_cores()}", file=sys.stderr, flush=True)
     with contextlib.ExitStack() as stack:
         if args.hogs:
             stack.enter_context(hogs(args.hogs))

@@ -1,6 +1,7 @@
-"""A cgroup's CPU quota (unison.cgroup), and how pacing reads it: cores() counts the quota's CPUs
-rounded up, and the crowd does not take the quota's stalls of our own spinning for a
-stranger's time slice, but does take them for one where other tasks spend the quota.
+"""A cgroup's CPU quota (unison.cgroup), and how pacing reads it: pool_cores() counts the
+quota's CPUs rounded up (cores() does not), and the crowd does not take the quota's stalls of
+our own spinning for a stranger's time slice, but does take them for one where other tasks
+spend the quota.
 
 The parsing runs on fake /proc files and cgroup trees; the last test runs a real session in a
 real cgroup with a quota, where this machine lets us make one (root, cgroup v1's cpu
@@ -108,20 +109,17 @@ def test_throttled_reads_v1_and_v2_stat_files(tmp_path: Path) -> None:
     assert cgroup.throttled(str(tmp_path / "missing")) is None
 
 
-def test_cores_counts_a_quota_rounded_up(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pool_cores_count_a_quota_rounded_up_and_cores_do_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     if not hasattr(os, "sched_getaffinity"):
         pytest.skip("no sched_getaffinity")
     seen = len(os.sched_getaffinity(0))
     monkeypatch.setattr(pacing, "_quota", lambda: None)
-    assert pacing.cores() == seen
-    monkeypatch.setattr(pacing, "_quota", lambda: cgroup.Quota(1.5, "/x"))
-    assert pacing.cores() == min(seen, 2)  # rounded up, as the JVM and loky count it
-    monkeypatch.setattr(pacing, "_quota", lambda: cgroup.Quota(1.0, "/x"))
-    assert pacing.cores() == 1
-    monkeypatch.setattr(pacing, "_quota", lambda: cgroup.Quota(0.25, "/x"))
-    assert pacing.cores() == 1  # at least one
-    monkeypatch.setattr(pacing, "_quota", lambda: cgroup.Quota(seen + 8.0, "/x"))
-    assert pacing.cores() == seen
+    assert pacing.cores() == pacing.pool_cores() == seen
+    for cpus, pool in ((1.5, min(seen, 2)), (1.0, 1), (0.25, 1), (seen + 8.0, seen)):
+        monkeypatch.setattr(pacing, "_quota", lambda cpus=cpus: cgroup.Quota(cpus, "/x"))
+        assert pacing.pool_cores() == pool, cpus  # rounded up, as loky and the JVM count it
+        assert pacing.cores() == seen  # the waits: the kernel still spreads us over them
 
 
 # -- the crowd under a quota --------------------------------------------------------------------
@@ -238,7 +236,7 @@ def test_a_session_in_a_cgroup_with_a_quota_keeps_spinning() -> None:
     spend the quota, and the cgroup stalls them for the rest of each period. That is no
     stranger: no crowded verdict (before, one in every block of the run, and the waits then
     slept, which made dispatch 1.5-2x slower in wall time: issue 9, twenty-seventh pass).
-    Inside, pacing.cores() is 1."""
+    Inside, pacing.pool_cores() is 1."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("a quota of one CPU stalls nothing on one CPU")
     if os.geteuid() != 0:
@@ -250,7 +248,7 @@ def test_a_session_in_a_cgroup_with_a_quota_keeps_spinning() -> None:
     if done.returncode == 3:  # quota.NO_CGROUP
         pytest.skip(done.stderr.strip())
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "inside: pacing.cores() = 1" in done.stderr, done.stderr
+    assert "pacing.pool_cores() = 1" in done.stderr, done.stderr
     row = next(line for line in done.stdout.splitlines() if line.startswith("| dispatch | 1 |"))
     # no crowded verdict (before: one in every block); one is let pass, for a stranger
     # that a busy test machine may really have

@@ -46,16 +46,17 @@ Run's wait for replies starts by handing the core over once (``hand_over``) wher
 session has more processes than cores.
 
 A cgroup's CPU quota (a container's ``--cpus``, a pod's CPU limit: unison.cgroup) is no set
-of cores: ``cores`` counts its CPUs rounded up. Where our processes spin on more CPUs
-than that, the quota runs out and the cgroup stalls them for the rest of each period, which
-a look would take for a stranger's spell off the core, and a wait for a long yield. So
-where our own sessions spend the quota (their processes, each using what this thread did of
-late, use QUOTA_OURS of it or more), a long yield after such a stall does not count, and a
-look takes the stalls off its time off the core. Where others in the cgroup spend it (CPU
-hogs in the same container), the stalls stay a stranger's time. On 2 CPUs with a quota of
-one, dispatch then took 5.0 / 13.2 / 18.9 µs a round in wall time at N = 1 / 2 / 4 (the
-floor's 3.8 / 11.0 / 18.8), against 8.8 / 21.8 / 27.1 before (docs/benchmarks.md, "Issue 9,
-twenty-seventh pass").
+of cores: the kernel still spreads our processes over every CPU they may use, so ``cores``
+does not count it (``pool_cores``, the thread pools' share, does). Where our processes spin
+on more CPUs than the quota pays for, it runs out and the cgroup stalls them for the rest of
+each period, which a look would take for a stranger's spell off the core, and a wait for a
+long yield. So where our own sessions spend the quota (their processes, each using what this
+thread did of late, use QUOTA_OURS of it or more), a long yield after such a stall does not
+count, and a look takes the stalls off its time off the core. Where others in the cgroup
+spend it (CPU hogs in the same container), the stalls stay a stranger's time. On 2 CPUs with
+a quota of one, dispatch then took 5.0 / 13.2 / 18.9 µs a round in wall time at N = 1 / 2 /
+4 (the floor's 3.8 / 11.0 / 18.8), against 8.8 / 21.8 / 27.1 before (docs/benchmarks.md,
+"Issue 9, twenty-seventh pass").
 
 The waits and their parameters:
 
@@ -85,7 +86,7 @@ from unison import cgroup
 __all__ = [
     "BUSY", "CROWDED", "CROWD_SHARE", "FIRST_NAP", "LONG_YIELD", "QUOTA_ALPHA", "QUOTA_OURS",
     "RATE_HALF_LIFE", "STRANGER_LOOKS", "STRANGER_SPELL", "Pacer", "busy_budget", "cores",
-    "crowd", "hand_over", "on_cpu", "run_delay", "runnable", "spin",
+    "crowd", "hand_over", "on_cpu", "pool_cores", "run_delay", "runnable", "spin",
 ]
 
 _T = TypeVar("_T")
@@ -387,16 +388,24 @@ crowd = _Crowd()
 
 
 def cores() -> int:
-    """The CPUs this process may run on (where the platform says), else all of them; no
-    more than its cgroup's quota rounded up (unison.cgroup), as the JVM and loky count it,
-    and at least one. Rounded up, because a part of a CPU still keeps a process on a core of
-    its own part of the time: with 1.5 CPUs on 2, N=1's round took 2.9 µs of wall time busy
-    (two processes on two cores), and 3.5 yielding (issue 9, twenty-eighth pass)."""
+    """The CPUs this process may run on (where the platform says), else all of them, and at
+    least one: where the session's processes are no more than these, each spins on a core of
+    its own. A cgroup's CPU quota does not lower it: the kernel still spreads the processes
+    over these CPUs, where a yield hands the core to nobody and only adds a system call to
+    each check (with a quota of one CPU on two, N=1's round took 4.4 µs of wall time
+    checking busily, 5.4 yielding: issue 9, twenty-eighth pass). Thread pools count
+    ``pool_cores``."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    limit = _quota()
-    if limit is not None:
-        n = min(n or 1, math.ceil(limit.cpus))
     return max(1, n or 1)
+
+
+def pool_cores() -> int:
+    """The cores a process's thread pools (BLAS, OpenMP) should share out: ``cores()``, no
+    more than the cgroup's CPU quota rounded up (unison.cgroup), as loky and the JVM count
+    it: threads past the quota only spend it sooner."""
+    n = cores()
+    limit = _quota()
+    return n if limit is None else max(1, min(n, math.ceil(limit.cpus)))
 
 
 @functools.cache

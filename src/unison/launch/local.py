@@ -46,7 +46,7 @@ from unison import _proctree
 from unison.debug import logs as _logs
 from unison.launch import DeathReport, Launcher, zygote
 from unison.launch.zygote import Forked
-from unison.pacing import cores
+from unison.pacing import pool_cores
 from unison.spec import WorkerSpec
 
 # python -c puts the current directory first on sys.path (unless safe_path is set): drop it
@@ -183,7 +183,7 @@ class LocalLauncher(Launcher):
         # N workers each running a BLAS or OpenMP pool as wide as the machine would fight
         # over the cores (and their spinning threads over our waits): share them out, as
         # loky and torchrun do, unless the user chose already.
-        share = str(max(1, cores() // max(1, len(specs))))
+        share = str(max(1, pool_cores() // max(1, len(specs))))
         for var in _THREAD_VARS:
             base_env.setdefault(var, share)
         base_env[_logs.ENV] = _logs.levels()  # workers' logging records come to ours
