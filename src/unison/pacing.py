@@ -54,9 +54,9 @@ long yield. So where our own sessions spend the quota (their processes, each usi
 thread did of late, use QUOTA_OURS of it or more), a long yield after such a stall does not
 count, and a look takes the stalls off its time off the core. Where others in the cgroup
 spend it (CPU hogs in the same container), the stalls stay a stranger's time. On 2 CPUs with
-a quota of one, dispatch then took 5.0 / 13.2 / 18.9 µs a round in wall time at N = 1 / 2 /
-4 (the floor's 3.8 / 11.0 / 18.8), against 8.8 / 21.8 / 27.1 before (docs/benchmarks.md,
-"Issue 9, twenty-seventh pass").
+a quota of one, dispatch then took 4.3-5.2 / 13.2 / 18.9 µs a round in wall time at N = 1 /
+2 / 4 (the floor's 4.1-5.1 / 11.0 / 18.8), against 8.8 / 21.8 / 27.1 before
+(docs/benchmarks.md, "Issue 9", twenty-seventh and twenty-eighth passes).
 
 The waits and their parameters:
 
