@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from unison import pacing
+from unison import cgroup, pacing
 from unison.pacing import crowd
 from unison.session import checks
 
@@ -79,6 +79,18 @@ def test_workers_share_the_cores_among_their_thread_pools(make_session, monkeypa
     sess = make_session(2, env={1: {"OMP_NUM_THREADS": "7"}})
     share = str(max(1, len(os.sched_getaffinity(0)) // 2))
     assert sess.run(_threads_env) == [(share, share), ("7", share)]
+
+
+def test_the_thread_pools_share_a_cpu_quota_not_the_cpus(make_session, monkeypatch):
+    """Under a container's CPU limit the pools share the quota's CPUs, rounded up
+    (pacing.pool_cores): threads past it only spend it sooner."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("a quota of one CPU is all of one CPU")
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(pacing, "_quota", lambda: cgroup.Quota(1.0, "/nowhere"))
+    sess = make_session(1)
+    assert sess.run(_threads_env) == [("1", "1")]
 
 
 def test_a_thread_setting_of_the_user_wins(make_session, monkeypatch):

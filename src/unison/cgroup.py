@@ -5,10 +5,10 @@ Such a limit is a quota of CPU time per period, not a set of CPUs: the process s
 every CPU of the host (sched_getaffinity) and runs on as many at once as it likes, until the
 quota is spent; then every task of the cgroup waits for the rest of the period.
 pacing.pool_cores() shares the quota's CPUs (rounded up) out to the workers' thread pools,
-and pacing's crowd does not take
-those stalls (``throttled``) for strangers holding the core where our own spinning spent the
-quota. Taken so, the waits slept, and dispatch at N=1 on 2 CPUs with a quota of one took
-8.8 µs a round in wall time against the floor's 3.7 (issue 9, twenty-seventh pass).
+and pacing's crowd does not take those stalls (``throttled``) for strangers holding the core
+where our own spinning spent the quota. Taken so, the waits slept, and dispatch at N=1 on 2
+CPUs with a quota of one took 8.8 µs a round in wall time against the floor's 3.7 (issue 9,
+twenty-seventh pass).
 
 Read as Go's runtime and the JVM read it: the process's cgroup from /proc/self/cgroup, the
 hierarchy's mount from /proc/self/mountinfo, and the tightest limit from there up to the
