@@ -296,9 +296,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     block = seconds / rounds
     warmup = 50 if args.quick else 200
 
-    import ray
-
+    ray: Any = None  # not even imported for local systems alone: Ray need not be installed
     if set(args.systems) - LOCAL:  # else no Ray: its starting daemons would share the cores
+        import ray
+
         # logical CPUs, so every worker's bundle fits whatever the machine's size
         ray.init(num_cpus=max(args.workers) + 2, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
@@ -338,7 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"  median {per_round[(name, n)][-1]:,.1f} µs", file=sys.stderr,
                           flush=True)
     finally:
-        ray.shutdown()
+        if ray is not None:
+            ray.shutdown()
     results: dict[tuple[str, int], tuple[float, float] | None] = {
         where: summary(got) for where, got in samples.items()}
     for where, cells in floors.items():  # the rounds' medians' median, and their worst p99
@@ -354,7 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json.write_text(json.dumps([
             {"system": name, "n": n, "median_us": cell[0], "p99_us": cell[1]}
             for (name, n), cell in results.items() if cell is not None]), encoding="utf-8")
-    print(f"\nCPU: {cpu_model()}; Python {platform.python_version()}; ray {ray.__version__}; "
+    ray_version = ray.__version__ if ray is not None else "not used"
+    print(f"\nCPU: {cpu_model()}; Python {platform.python_version()}; ray {ray_version}; "
           f"{source_revision()}; {os.cpu_count()} CPUs; {seconds:g} s per system and N, in "
           f"{rounds} round(s)")
     print(f"command: {command}")
