@@ -16,6 +16,13 @@ from harness import report
 from harness.measure import FULL, QUICK, WORKLOADS, ScriptCall, run_benchmark
 from harness.systems import SYSTEMS, available, describe, mpi
 
+_ONE_MEASUREMENT = (
+    "\nEach cell is one measurement of some tens of milliseconds: at 4 KiB, unison / mpi read "
+    "0.87x to 2.24x at N=2 on one host in one day. `python benchmarks/collectives.py --turns 8 "
+    "--workers 2,4` measures unison and MPI in turns, with the ratio's 90% interval "
+    "(issue 9's figures in the sections below).\n")
+"""Said under the allreduce table: its cells are single measurements, which swing."""
+
 
 def int_list(text: str) -> list[int]:
     """``--workers 1,2,4``: positive ints, comma-separated (also used by compare_revs.py)."""
@@ -152,7 +159,7 @@ def main(argv: Sequence[str] | None = None, script: ScriptCall | None = None) ->
         if collective_table:
             section += ("\nAllreduce of float32 between the workers, timed inside them "
                         "(`benchmarks/collectives.py`; a round counts the slowest worker):\n\n"
-                        + collective_table + "\n")
+                        + collective_table + "\n" + _ONE_MEASUREMENT)
         report.update_section(args.out, section)
         _log(f"[bench] updated {args.out}")
     if args.json:
