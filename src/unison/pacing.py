@@ -176,22 +176,25 @@ _clock = time.perf_counter
 
 
 def run_delay() -> tuple[int, int] | None:
-    """This thread's time runnable but off the core (ns) and its spells on it, from
-    /proc/thread-self/schedstat; None where the kernel does not keep them. An open, a read
-    and a close, so no descriptor outlives the call."""
-    try:
-        fields = _read(_SCHEDSTAT).split()
-        return int(fields[1]), int(fields[2])
-    except (OSError, ValueError, IndexError):
-        return None
+    """This thread's time runnable but off the core (ns) and its spells on it; None where
+    the kernel does not keep them."""
+    got = _schedstat()
+    return None if got is None else (got[1], got[2])
 
 
 def on_cpu() -> int | None:
-    """This thread's time on the CPU (ns), from /proc/thread-self/schedstat; None where the
-    kernel does not keep it."""
+    """This thread's time on the CPU (ns); None where the kernel does not keep it."""
+    got = _schedstat()
+    return None if got is None else got[0]
+
+
+def _schedstat() -> tuple[int, int, int] | None:
+    """/proc/thread-self/schedstat: ns on the CPU, ns runnable but off it, spells on it. An
+    open, a read and a close, so no descriptor outlives the call."""
     try:
-        return int(_read(_SCHEDSTAT).split()[0])
-    except (OSError, ValueError, IndexError):
+        on, off, spells = _read(_SCHEDSTAT).split()[:3]
+        return int(on), int(off), int(spells)
+    except (OSError, ValueError):
         return None
 
 
@@ -392,9 +395,9 @@ def cores() -> int:
     least one: where the session's processes are no more than these, each spins on a core of
     its own. A cgroup's CPU quota does not lower it: the kernel still spreads the processes
     over these CPUs, where a yield hands the core to nobody and only adds a system call to
-    each check (with a quota of one CPU on two, N=1's round took 4.4 µs of wall time
-    checking busily, 5.4 yielding: issue 9, twenty-eighth pass). Thread pools count
-    ``pool_cores``."""
+    each check (with a quota of one CPU on two, N=1's round took 4.3-5.2 µs of wall time
+    checking busily, 6.0-6.1 yielding: docs/benchmarks.md, issue 9, twenty-eighth pass).
+    Thread pools count ``pool_cores``."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, n or 1)
 
