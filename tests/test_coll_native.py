@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import unison
+from unison import _native
 from unison.collective import shm
 
 UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
@@ -58,7 +59,7 @@ def expected(op: str, dtype: str) -> bytes:
 
 
 def test_the_extension_is_built_and_chosen() -> None:
-    if os.environ.get("UNISON_PURE"):
+    if _native.pure_asked():
         pytest.skip("UNISON_PURE is set: the pure-Python path was asked for")
     import unison._coll  # noqa: F401  (README's install command builds it)
 
@@ -67,7 +68,7 @@ def test_the_extension_is_built_and_chosen() -> None:
 
 @pytest.mark.parametrize("pure", [(), (0,), (0, 1, 2)], ids=["native", "mixed", "pure"])
 def test_same_bits_as_numpy_with_or_without_c(pure: tuple[int, ...]) -> None:
-    if os.environ.get("UNISON_PURE") and len(pure) < N:
+    if _native.pure_asked() and len(pure) < N:
         pytest.skip("UNISON_PURE is set: no C steps to compare")
     cases = every_case()
     env = {r: {"UNISON_PURE": "1" if r in pure else ""} for r in range(N)}

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import unison
+from unison import _native
 from unison.channel import shm
 
 SCRIPT = r"""
@@ -44,11 +45,50 @@ with unison.Session(3, env={ENV}) as sess:
 
 
 def test_the_extension_is_built_and_chosen() -> None:
-    if os.environ.get("UNISON_PURE"):
+    if _native.pure_asked():
         pytest.skip("UNISON_PURE is set: the pure-Python ring was asked for")
     import unison._ring  # noqa: F401  (README's install command builds it)
 
     assert shm.NATIVE
+
+
+@pytest.mark.parametrize("value,pure", [
+    ("1", True), ("true", True), ("YES", True), (" on ", True),
+    ("0", False), ("", False), ("false", False), ("Off", False), ("no", False),
+])
+def test_unison_pure_reads_on_and_off(monkeypatch: pytest.MonkeyPatch, value: str,
+                                      pure: bool) -> None:
+    """UNISON_PURE=0 once picked pure Python (any non-empty value did): a run meant to
+    measure the C ring measured the fallback, and nothing said so."""
+    monkeypatch.setenv("UNISON_PURE", value)
+    assert _native.pure_asked() is pure
+    assert (_native.load("_ring") is None) is (pure or not _built())
+
+
+@pytest.mark.parametrize("value", ["2", "pure", "maybe"])
+def test_unison_pure_of_another_value_raises_and_says_what_to_set(
+        monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("UNISON_PURE", value)
+    with pytest.raises(ValueError, match=f"UNISON_PURE='{value}'.*set it to 1"):
+        _native.pure_asked()
+
+
+def test_unison_pure_0_runs_the_c_ring_in_a_fresh_process() -> None:
+    if not _built():
+        pytest.skip("the C ring is not built here")
+    env = {**os.environ, "UNISON_PURE": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-c", "from unison.channel import shm; print(shm.NATIVE)"],
+        env=env, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "True", proc.stderr
+
+
+def _built() -> bool:
+    try:
+        import unison._ring  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def test_the_c_ring_tells_an_ok_reply_by_the_protocols_code() -> None:
@@ -67,9 +107,9 @@ def test_the_fence_is_one_c_call_where_built_and_a_locked_flush_otherwise() -> N
     _ring was built. The pure fallback is a BufferedWriter's flush, a C method that takes and
     releases the writer's lock within the call: no Python frame, and no lock a signal's
     exception could leave held (the next fence would then raise or block)."""
-    from unison import _native, cancel
+    from unison import cancel
 
-    if os.environ.get("UNISON_PURE"):
+    if _native.pure_asked():
         assert _native.fence.__self__.__class__ is io.BufferedWriter  # type: ignore[attr-defined]
     else:
         import unison._ring

@@ -63,7 +63,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from unison import protocol
+from unison import _native, protocol
 from unison.channel import Reply
 from unison.channel import shm as shm_mod
 from unison.channel.arena import (
@@ -864,7 +864,7 @@ def describe_missing(child: dict[str, Any], target: str) -> str:
 def _native_built() -> bool:
     """Whether this process's channels take the C ring: built, and not turned off with
     UNISON_PURE=1 (the C-ring cases then skip, as the other test files' do)."""
-    if os.environ.get("UNISON_PURE"):
+    if _native.pure_asked():
         return False
     try:
         import unison._ring  # noqa: F401

@@ -10,10 +10,26 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+_YES, _NO = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def pure_asked() -> bool:
+    """Whether UNISON_PURE asks for pure Python. "0", "false" or "" do not: a run meant to
+    measure the C path must never measure the fallback in silence. Another value raises."""
+    value = os.environ.get("UNISON_PURE", "").strip().lower()
+    if value in _YES:
+        return True
+    if value in _NO:
+        return False
+    raise ValueError(
+        f"UNISON_PURE={os.environ['UNISON_PURE']!r} is neither on ({', '.join(_YES)}) nor "
+        f"off ({', '.join(repr(v) for v in _NO)}): set it to 1 for pure Python, or unset it")
+
 
 def load(name: str) -> Any:
-    """``unison.<name>`` (e.g. "_ring"), or None where it did not build or UNISON_PURE=1."""
-    if os.environ.get("UNISON_PURE"):
+    """``unison.<name>`` (e.g. "_ring"), or None where it did not build or UNISON_PURE asks
+    for pure Python."""
+    if pure_asked():
         return None
     try:
         return importlib.import_module(f"unison.{name}")
