@@ -17,7 +17,7 @@ import pytest
 import unison
 from support import marked_lines
 from unison.debug import stacks as debug_stacks
-from unison.debug.stacks import Frame, WorkerStacks
+from unison.debug.stacks import Frame, ThreadStack, WorkerStacks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -116,14 +116,19 @@ def test_each_worker_shows_where_it_is_stuck(make_session):
     del ref
 
 
-def test_a_view_asks_only_its_workers_and_an_idle_worker_says_so(make_session):
-    sess = make_session(2)
+@pytest.mark.parametrize("ring", ["default", "pure"])
+def test_a_view_asks_only_its_workers_and_an_idle_worker_says_so(make_session, ring):
+    """"pure": the workers run the pure-Python ring, whose loop calls ``_recv`` (bound over
+    ``recv``): an idle worker there once read as "in unison's own code, at shm.py:880 in
+    _spin_then_sleep()"."""
+    env = {r: {"UNISON_PURE": "1"} for r in range(2)} if ring == "pure" else None
+    sess = make_session(2, env=env)
     assert sess.run(unison.rank) == [0, 1]
     deadline = time.monotonic() + 10
     while True:  # until it is back in its loop, after its reply
         got = sess[1].stacks()
         ws = got[1]
-        if ws.main is not None and "recv" in {f.function for f in ws.main.frames}:
+        if ws.main is not None and {"recv", "_recv"} & {f.function for f in ws.main.frames}:
             break
         assert time.monotonic() < deadline, str(got)
         time.sleep(0.05)
@@ -217,3 +222,24 @@ def test_parse_reads_faulthandler_text():
     assert [t.ident for t in threads] == [0x7f0000000001, 0x7f0000000002]
     assert threads[0].frames == [Frame("/x/a.py", 3, "inner"), Frame("/x/a.py", 9, "outer")]
     assert threads[1].main and threads[1].frames == [Frame("/x/b.py", 0, "<module>")]
+
+
+def test_idle_is_waiting_in_the_channel_for_a_command_and_nothing_else() -> None:
+    """where() calls a worker idle only when its loop's own call is a channel's receive:
+    not when the loop is stuck sending a reply (a full ring), nor when the loop runs
+    unison's collective ``recv`` itself (``sess.run(unison.recv, ...)``)."""
+    unison_dir = os.path.dirname(os.path.abspath(unison.__file__))
+    shm = os.path.join(unison_dir, "channel", "shm.py")
+    coll = os.path.join(unison_dir, "collective", "shm.py")
+    serve = Frame(os.path.join(unison_dir, "worker.py"), 247, "serve")
+    boot = Frame(os.path.join(unison_dir, "worker.py"), 691, "run")
+
+    def where(*inner: Frame) -> str:
+        thread = ThreadStack(1, True, [*inner, serve, boot])
+        return debug_stacks.where(WorkerStacks(1, 42, "", [thread]))
+
+    idle = "worker 1 is idle (in its loop, between calls)"
+    assert where(Frame(shm, 880, "_spin_then_sleep"), Frame(shm, 795, "recv")) == idle
+    assert where(Frame(shm, 880, "_spin_then_sleep"), Frame(shm, 795, "_recv")) == idle
+    assert where(Frame(shm, 950, "_put"), Frame(shm, 900, "reply")) != idle
+    assert where(Frame(coll, 700, "_wait"), Frame(coll, 742, "recv")) != idle

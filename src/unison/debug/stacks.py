@@ -324,6 +324,10 @@ def parse(text: str, main: int = 0) -> list[ThreadStack]:
 
 _UNISON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _WORKER_FILE = _UNISON_DIR + "worker.py"
+_CHANNEL_DIR = _UNISON_DIR + "channel" + os.sep
+_RECEIVES = frozenset({"recv", "_recv"})
+"""What a worker's loop calls to wait for the next command: a channel's ``recv``, or the
+pure-Python shm ring's ``_recv``, bound in its place (one frame fewer on its hot path)."""
 
 
 def is_unison(frame: Frame) -> bool:
@@ -348,7 +352,8 @@ def where(stacks: WorkerStacks, depth: int = 3) -> str:
         return f"worker {stacks.rank} is in its loop, between calls"
     first = next((i for i, f in enumerate(frames) if not is_unison(f)), None)
     if first is None:
-        if any(f.function == "recv" for f in frames):
+        entry = frames[-1]  # what the loop called: waiting for a command is being idle
+        if entry.function in _RECEIVES and entry.file.startswith(_CHANNEL_DIR):
             return f"worker {stacks.rank} is idle (in its loop, between calls)"
         return f"worker {stacks.rank} is in unison's own code, at {frames[0]}"
     user: list[Frame] = []
