@@ -485,13 +485,19 @@ def test_switches_syscalls_counts_each_sides_calls_and_yields() -> None:
 
 def test_allreduce_parts_splits_a_round_into_its_steps() -> None:
     """benchmarks/allreduce_parts.py: the whole allreduce, the same into one out array, its C
-    steps and the Python around them, and each step of the numpy path, one row per N."""
+    steps and the Python around them, and each step of the numpy path, one row per N.
+    Without the C steps (UNISON_PURE=1, or _coll not built) those two columns are nan."""
+    from unison.collective import shm as coll_shm
+
     rows = _last_rows(_tool("allreduce_parts.py", "--workers", "1", "2", "--rounds", "300"), 2)
     assert [r[0] for r in rows] == ["1", "2"], rows
     for row in rows:
         whole, into, c_steps, python, *steps = map(float, row[1:])
-        assert whole > 0 and into > 0 and c_steps > 0 and all(s > 0 for s in steps), row
-        assert python == pytest.approx(whole - c_steps, abs=0.05), row
+        assert whole > 0 and into > 0 and all(s > 0 for s in steps), row
+        if coll_shm._coll is None:
+            assert math.isnan(c_steps) and math.isnan(python), row
+            continue
+        assert c_steps > 0 and python == pytest.approx(whole - c_steps, abs=0.05), row
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0),
