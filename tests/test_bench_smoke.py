@@ -320,9 +320,12 @@ def test_ab_controller_swaps_a_base_revisions_function_in_turns() -> None:
     rows = _last_rows(out, 2)
     assert [r[1] for r in rows] == ["dispatch", "gather_small"]
     for row in rows:
-        base, head, ratio = float(row[2]), float(row[3]), row[4]
+        base, head, ratio = float(row[2]), float(row[3]), float(row[4])
         assert base > 0 and head > 0
-        assert abs(float(ratio) - head / base) <= _half_unit(ratio) + 0.01
+        # the ratio is of the unrounded times: within what rounding the printed ones allows
+        # (a fixed 0.01 failed once on CI, at 12.11x: base 2.21 may have been 2.2149)
+        hb, hh, hr = (_half_unit(v) for v in row[2:5])
+        assert (head - hh) / (base + hb) - hr <= ratio <= (head + hh) / (base - hb) + hr, row
 
 
 def test_python_cost_times_each_side_and_the_floor() -> None:
