@@ -2,7 +2,9 @@
 the command ring's send and a worker's receive, both ends in this process, fed a backlog;
 a worker's plain reply (run's: ``reply_plain``) and the controller's read of it
 (``plain_values``, one reply a look);
-then, with a real worker, ``sess.sync()`` alone and a worker's cost per CALL from a backlog.
+then, with a real worker, ``sess.sync()`` alone and a worker's cost per CALL from a backlog;
+then a worker loop's own steps around each call, a loop's cost taken off: the store-load
+fence, the cancellation board's enter and leave, the collectives' end.
 Run once with the C ring and once with the pure-Python one (``UNISON_PURE=1``), side by side.
 
     python benchmarks/ring_costs.py [--messages 10000]
@@ -19,7 +21,10 @@ import sys
 import time
 
 import unison
+from unison import _native
+from unison.cancel import Board
 from unison.channel import shm
+from unison.collective.shm import Layout, ShmCollectives
 from unison.protocol import OK, PLAIN, call_msg
 
 
@@ -74,7 +79,53 @@ def measure(messages: int) -> dict[str, float]:
             sess.sync()  # the worker works through the backlog: its cost per CALL bounds this
             backlog.append((clock() - t0) / messages * 1e6)
         out["sync alone"], out["call from a backlog"] = syncs, backlog
+    out.update(loop_steps(messages * 10))
     return {k: statistics.median(v) for k, v in out.items()}
+
+
+def loop_steps(calls: int) -> dict[str, list[float]]:
+    """µs a call of the steps a worker's loop takes around each call (worker.serve), each
+    timed in a loop of ``calls`` with an empty loop's time taken off; 5 repetitions."""
+    board = Board(2)
+    fd = os.memfd_create("unison-ring-costs", os.MFD_CLOEXEC)
+    os.ftruncate(fd, Layout(2, 1).size)
+    coll = ShmCollectives(fd, 0, 2, 1)
+    os.close(fd)  # mapped now
+    mark = board.mark(0)
+    enter, leave, end, fence = mark.enter, mark.leave, coll.end, _native.fence
+    clock = time.perf_counter
+
+    def empty() -> None:
+        for _ in range(calls):
+            pass
+
+    def fences() -> None:
+        for _ in range(calls):
+            fence()
+
+    def boards() -> None:
+        for i in range(calls):
+            enter(i)
+            leave()
+
+    def ends() -> None:
+        for i in range(calls):
+            end(i)
+
+    out: dict[str, list[float]] = {"fence": [], "board": [], "coll end": []}
+    try:
+        for _ in range(5):
+            took = []
+            for run in (empty, fences, boards, ends):
+                t0 = clock()
+                run()
+                took.append(clock() - t0)
+            for key, t in zip(out, took[1:]):
+                out[key].append(max(0.0, t - took[0]) / calls * 1e6)
+    finally:
+        coll.close()
+        board.close()
+    return out
 
 
 def main() -> int:
@@ -94,11 +145,12 @@ def main() -> int:
                               check=True)
         rows.append(json.loads(done.stdout.splitlines()[-1]))
     keys = [k for k in rows[0] if k != "native"]
-    print("| µs per message (median of 5) | " + " | ".join(keys) + " |")
+    print("| µs per message, or per call of a loop step (median of 5) | "
+          + " | ".join(keys) + " |")
     print("|---|" + "--:|" * len(keys))
     for row in rows:
         name = "C ring" if row["native"] else "pure-Python ring"
-        print(f"| {name} | " + " | ".join(f"{row[k]:.2f}" for k in keys) + " |")
+        print(f"| {name} | " + " | ".join(f"{row[k]:.3f}" for k in keys) + " |")
     return 0
 
 
