@@ -89,15 +89,12 @@ def wall_block(op: Callable[[], object], seconds: float) -> float:
 
 
 def ours_share() -> float:
-    """The share of the quota that unison's controller reckons its sessions spend (pacing's
-    running share of a CPU for this thread, times the session's processes, over the quota):
-    at pacing.QUOTA_OURS or more, the quota's stalls count as our own spinning's."""
+    """pacing.crowd.quota_share(): at pacing.QUOTA_OURS or more, the quota's stalls count as
+    our own spinning's; nan without a quota."""
     from unison import pacing
 
-    quota = pacing._quota()
-    if quota is None:
-        return float("nan")
-    return pacing.crowd._use * max(1, pacing.crowd.ours) / quota.cpus
+    share = pacing.crowd.quota_share()
+    return float("nan") if share is None else share
 
 
 def inside(args: argparse.Namespace) -> int:

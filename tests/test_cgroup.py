@@ -165,6 +165,23 @@ def test_long_yields_while_the_quota_stalls_us_are_no_crowd(
     assert pacing.crowd.until > 0.0
 
 
+def test_the_quota_share_is_our_processes_use_over_the_quota(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """pacing.crowd.quota_share(), which decides whose the stalls are (and which
+    benchmarks/quota.py prints): this thread's share of a CPU times our processes, over the
+    quota; QUOTA_OURS of it or more is ours. None without a quota."""
+    quota_crowd(monkeypatch, ours=2)
+    pacing.crowd._use = 0.5
+    assert pacing.crowd.quota_share() == pytest.approx(1.0)
+    assert pacing.crowd._quota_is_ours()
+    pacing.crowd._use = 0.1
+    assert pacing.crowd.quota_share() == pytest.approx(0.2)
+    assert not pacing.crowd._quota_is_ours()
+    monkeypatch.setattr(pacing, "_quota", lambda: None)
+    assert pacing.crowd.quota_share() is None and not pacing.crowd._quota_is_ours()
+
+
 @pytest.mark.parametrize("share, crowded", [(0.5, False), (0.05, True)])
 def test_a_looks_time_off_the_core_while_the_quota_stalled_us(
     monkeypatch: pytest.MonkeyPatch, share: float, crowded: bool,

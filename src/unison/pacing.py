@@ -351,11 +351,16 @@ class _Crowd:
         return now[1] - stalls[1]
 
     def _quota_is_ours(self) -> bool:
-        """Whether our own sessions spend the cgroup's quota: their processes (``ours``),
-        each using about this thread's recent share of a CPU, use QUOTA_OURS of it or
-        more."""
+        """Whether our own sessions spend the cgroup's quota: QUOTA_OURS of it or more."""
+        share = self.quota_share()
+        return share is not None and share >= QUOTA_OURS
+
+    def quota_share(self) -> float | None:
+        """The share of the cgroup's CPU quota our own sessions spend, as reckoned: their
+        processes (``ours``), each using about this thread's recent share of a CPU; None
+        without a quota. (benchmarks/quota.py prints it.)"""
         limit = _quota()
-        return limit is not None and self._use * max(1, self.ours) >= QUOTA_OURS * limit.cpus
+        return None if limit is None else self._use * max(1, self.ours) / limit.cpus
 
     def forget(self) -> None:
         """Start afresh: the peers' start is over. While workers start, each spends seconds
