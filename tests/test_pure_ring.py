@@ -10,6 +10,7 @@ subset of it in every run; ``UNISON_PURE=1 python -m pytest`` runs all of it.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import secrets
 import subprocess
@@ -34,6 +35,9 @@ and the stacks and hang reports: about 80 s on 2 vCPUs."""
 def test_the_pure_ring_passes_the_loop_and_channel_tests() -> None:
     if _native.pure_asked():
         pytest.skip("this run takes the pure-Python ring already")
+    # the child's own faulthandler watches its tests; ours (faulthandler_timeout, 100 s)
+    # would dump this wait's stack on a slow machine: wait as long as the timeout instead
+    faulthandler.dump_traceback_later(880)
     env = {**os.environ, "UNISON_PURE": "1",
            MARKER: secrets.token_hex(8)}  # its own hygiene check counts its own workers
     proc = subprocess.run(
