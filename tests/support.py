@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import psutil
+import pytest
 
 import unison
 
@@ -26,6 +27,10 @@ MARKER = "UNISON_TEST_RUN"
 WORKER_CMDLINE = "unison.worker"  # python -c "from unison.worker import main; main()", or the
 # zygote's "# unison.worker zygote ..." (unison.launch.zygote), which its workers share
 CONNECT_CMDLINE = "unison worker --connect"  # TCP workers: python -m unison worker --connect
+FORKS_ON_PURPOSE = pytest.mark.filterwarnings(
+    "ignore:This process .* is multi-threaded, use of fork:DeprecationWarning")
+"""For a test that forks a controller, as a user may: Python 3.12+ warns that the process
+has threads (the session's own), and the test is there to show what happens then."""
 
 
 def alive(pid: int) -> bool:

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import unison
-from support import open_fds, wait_gone
+from support import FORKS_ON_PURPOSE, open_fds, wait_gone
 from unison import SessionClosed
 
 
@@ -237,6 +237,7 @@ def test_close_is_not_held_up_by_a_thread_blocked_sending_to_a_busy_worker(
     assert isinstance(outcome.get("exc", SessionClosed("")), SessionClosed), outcome
 
 
+@FORKS_ON_PURPOSE
 def test_a_forked_child_exiting_leaves_the_parents_workers_alone(make_session):
     sess = make_session(2)
     pid = os.fork()

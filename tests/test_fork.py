@@ -10,12 +10,14 @@ import time
 import pytest
 
 import unison
+from support import FORKS_ON_PURPOSE
 
 
 def square(x):
     return x * x
 
 
+@FORKS_ON_PURPOSE
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_cannot_use_the_parents_session(sess):
     assert sess.run(square, 3) == [9, 9]
