@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import io
 import os
+import platform
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,26 @@ def pure_asked() -> bool:
     raise ValueError(
         f"UNISON_PURE={os.environ['UNISON_PURE']!r} is neither on ({', '.join(_YES)}) nor "
         f"off ({', '.join(repr(v) for v in _NO)}): set it to 1 for pure Python, or unset it")
+
+
+TSO_CPUS = ("x86_64", "AMD64", "i686", "i386")
+"""CPUs with x86's total store order: stores become visible in program order, loads are not
+reordered with loads. The shared-memory protocols' Python steps rely on it."""
+
+
+def ordered_memory() -> bool:
+    """Whether this CPU orders memory as x86 does (TSO_CPUS). Elsewhere (ARM, POWER) a
+    plain store through a memoryview may become visible before an earlier one, so a reader
+    could see a position or a generation before the bytes it covers: a wrong result with no
+    error. The shared-memory channel, collectives and cancellation board are refused there."""
+    return platform.machine() in TSO_CPUS
+
+
+def unordered_why(what: str) -> str:
+    """Why ``what`` is refused on this CPU, for its error message."""
+    return (f"{what} relies on x86's total store order, and this CPU is "
+            f"{platform.machine() or 'unknown'}: its stores may become visible out of order, "
+            "so a reader could take data that is not all written yet")
 
 
 def load(name: str) -> Any:

@@ -33,6 +33,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from unison import _native
+
 if TYPE_CHECKING:
     from unison.channel.arena import Arena
 
@@ -264,6 +266,10 @@ def create(kind: str, num_workers: int, session_name: str) -> Channel:
     if kind == "auto":
         kind = "shm" if shm_ok(num_workers) else "pipe"
     if kind == "shm":
+        why = shm_refused(num_workers)
+        if why:
+            raise ValueError(f"channel='shm' cannot run here: {why}. Use channel='auto' "
+                             "(which picks 'pipe' here) or channel='pipe'")
         from unison.channel.shm import ShmChannel
 
         return ShmChannel(num_workers, session_name)
@@ -274,13 +280,23 @@ def create(kind: str, num_workers: int, session_name: str) -> Channel:
     raise ValueError(f"unknown channel {kind!r}: use 'auto', 'shm' or 'pipe'")
 
 
+def shm_refused(num_workers: int) -> str:
+    """Why the shared-memory channel does not work here for ``num_workers`` ("" where it
+    does)."""
+    import os
+
+    if num_workers > 64:
+        return f"it carries at most 64 workers on a host, not {num_workers}"
+    if not (hasattr(os, "memfd_create") and hasattr(os, "eventfd")):
+        return "this platform lacks memfd_create or eventfd (see README, Platforms)"
+    if not _native.ordered_memory():
+        return _native.unordered_why("the shared-memory channel")
+    return ""
+
+
 def shm_ok(num_workers: int) -> bool:
     """Whether the shared-memory channel works here for ``num_workers``."""
-    import os
-    import platform
-
-    return (num_workers <= 64 and hasattr(os, "memfd_create") and hasattr(os, "eventfd")
-            and platform.machine() in ("x86_64", "AMD64", "i686", "i386"))
+    return not shm_refused(num_workers)
 
 
 def connect(spec: dict[str, Any]) -> WorkerChannel:

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from unison import _native
 from unison import trace as _trace
 from unison.collective.base import Collectives
 from unison.collective.checks import into as _into
@@ -79,11 +80,14 @@ def setup(spec: dict[str, Any] | None, rank: int, n: int, groups: int, running: 
     if spec is None:
         _why = (_NO_MEMFD, _NO_MEMFD)
         return None
+    ordered = _native.ordered_memory()  # this worker's own CPU: a cluster's hosts may differ
     if spec.get("backend") == "cluster":  # workers that join over TCP, maybe on several hosts
         from unison.collective import cluster
 
+        if not ordered:  # torch for every scope, where the session has it
+            spec = {**spec, "shared": None}
         _shm, _torch, _on_shm = cluster.setup(spec, rank, n, groups)
-        _why = cluster.missing(spec.get("shared"))
+        _why = cluster.missing(spec.get("shared")) if ordered else _unordered()
         _top = _torch or _shm
         return _top
     _shm = ShmCollectives(spec["fd"], rank, n, groups, watch_peers=watch_peers)
@@ -91,10 +95,19 @@ def setup(spec: dict[str, Any] | None, rank: int, n: int, groups: int, running: 
         from unison.collective.torch import TorchCollectives
 
         _torch = TorchCollectives(_shm, spec["torch_address"], spec.get("timeout", 300.0))
-    on = spec.get("backend") != "torch"
+    on = spec.get("backend") != "torch" and ordered
     _on_shm = (on, on)
+    if not ordered:
+        _why = _unordered()
     _top = _shm
     return _shm
+
+
+def _unordered() -> tuple[str, str]:
+    """Why a collective has no backend on a CPU without x86's memory order."""
+    why = (_native.unordered_why("collectives through shared memory")
+           + ": open the session with Session(..., collectives='torch')")
+    return why, why
 
 
 def teardown() -> None:

@@ -29,8 +29,8 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from unison import _native, collective, placement, protocol
 from unison import channel as channels
-from unison import collective, placement, protocol
 from unison import trace as _trace
 from unison.cancel import Cancelled
 from unison.deadline import deadline as _deadline
@@ -784,10 +784,12 @@ class Session(View):
     def _cancel(self, ref: Ref, timeout: float) -> None:
         board = self._res.board
         if board is None:
+            why = ("its platform has no memfd, or its workers join over TCP"
+                   if _native.ordered_memory() else _native.unordered_why("the board"))
             raise RuntimeError(
-                "cancelling needs shared memory that every worker maps, which this session "
-                "lacks (its platform has no memfd, or its workers join over TCP): stop the "
-                "call from inside (have it return early), or close the session"
+                "cancelling needs a board in shared memory that every worker maps, which this "
+                f"session lacks ({why}): stop the call from inside (have it return early), "
+                "or close the session"
             )
         if ref._session is not self:
             raise ValueError(f"{ref!r} belongs to another session")

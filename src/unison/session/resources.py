@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
+from unison import _native
 from unison import channel as channels
 from unison.cancel import Board
 from unison.collective import shm as collective_shm
@@ -80,7 +81,8 @@ class Resources:
                     "fd": self.coll_fd, "backend": collectives,
                     "torch_address": _free_address() if collectives == "torch" else None,
                 }
-                self.board = Board(num_workers, name)
+                if _native.ordered_memory():  # else cancel says why (unordered_why)
+                    self.board = Board(num_workers, name)
         except BaseException:
             if self.coll_fd >= 0:
                 os.close(self.coll_fd)
