@@ -51,10 +51,11 @@ def polite() -> bool:
 
 
 def _pending(pid: int) -> dict[str, int]:
-    """The signals pending on a process's main thread (SigPnd) and on the process (ShdPnd)."""
+    """The signals pending on a process's main thread (SigPnd) and on the process (ShdPnd),
+    and those its main thread blocks (SigBlk)."""
     with open(f"/proc/{pid}/status") as f:
         fields = dict(line.split(":", 1) for line in f)
-    return {k: int(fields[k], 16) for k in ("SigPnd", "ShdPnd")}
+    return {k: int(fields[k], 16) for k in ("SigPnd", "ShdPnd", "SigBlk")}
 
 
 def running(sess, ref, ranks=None) -> None:
@@ -109,12 +110,17 @@ def test_the_function_may_catch_cancelled_or_poll(sess):
 def test_a_call_stuck_in_c_is_reported(sess):
     ref = sess.call(stuck_in_c, 1.5)
     running(sess, ref)
+    bit = 1 << (SIGNAL - 1)
+    deadline = time.monotonic() + 20  # inside the call is not yet past its pthread_sigmask:
+    for pid in sess._pids:  # a signal before it lands and ends the call (CI, 2026-12-05)
+        while not _pending(pid)["SigBlk"] & bit:
+            assert time.monotonic() < deadline, f"worker {pid} never blocked the signal"
+            time.sleep(0.005)
     with pytest.raises(TimeoutError, match="stuck in C"):
         ref.cancel(timeout=0.3)
     # The signal waits on each worker's main thread, not on the process: sent to the process,
     # any thread that does not block it (the pipe channel's reader) could take it, and then a
     # sleep in the main thread would never wake (issue 11's CI failure of 2026-12-02).
-    bit = 1 << (SIGNAL - 1)
     for pid in sess._pids:
         pending = _pending(pid)
         assert pending["SigPnd"] & bit and not pending["ShdPnd"] & bit, (pid, pending)
