@@ -69,7 +69,8 @@ def measure(names: list[str], workloads: list[str], n: int, blocks: int, seconds
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default="unison,floor",
-                        help="comma-separated, unison first (the ratios are unison's)")
+                        help="comma-separated, a unison system first (unison, unison-pipe, "
+                             "unison-inline: the ratios are its)")
     parser.add_argument("--workloads", nargs="+", default=["dispatch", "gather_small"],
                         choices=["dispatch", "gather_small"])
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
@@ -78,8 +79,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=0.5)
     args = parser.parse_args()
     names = args.systems.split(",")
-    if names[0] != "unison" or len(names) < 2:
-        parser.error("--systems: unison first, then the systems it is read against")
+    if not names[0].startswith("unison") or len(names) < 2:
+        parser.error("--systems: a unison system first, then the systems it is read against")
+    ours = names[0]
     print(f"CPU: {cpu_model()}; {source_revision()}; command: python benchmarks/blocks.py "
           f"--systems {args.systems} --workloads {' '.join(args.workloads)} --workers "
           f"{' '.join(map(str, args.workers))} --hogs {args.hogs} --blocks {args.blocks} "
@@ -96,10 +98,10 @@ def main() -> None:
                           + f" | median {mid[name]:.1f} µs")
                 ratios = []
                 for name in names[1:]:
-                    low, high = interval(medians["unison", workload], medians[name, workload])
-                    ratios.append(f"unison / {name}: {mid['unison'] / mid[name]:.2f}x "
+                    low, high = interval(medians[ours, workload], medians[name, workload])
+                    ratios.append(f"{ours} / {name}: {mid[ours] / mid[name]:.2f}x "
                                   f"(90%: {low:.2f}-{high:.2f})")
-                print(f"{workload} N={n} " + ", ".join(ratios) + " (below 1: unison is faster)")
+                print(f"{workload} N={n} " + ", ".join(ratios) + f" (below 1: {ours} is faster)")
                 for name in names:
                     ratio, share = tail(rounds[name, workload])
                     print(f"{workload} N={n} {name}: p99/median {ratio:.2f}, {share:.2f}% "

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from multiprocessing.connection import Connection
 
 import pytest
 
@@ -206,6 +207,44 @@ def test_a_poll_does_not_look_at_the_watched_fds_so_it_drains_after_they_closed(
         os.close(r)
         os.close(w)
         assert chan.recv(0.0) == []
+    finally:
+        chan.close()
+        for fd in keep:
+            os.close(fd)
+
+
+def test_a_pipe_recv_takes_a_reply_while_it_spins_and_once_it_sleeps() -> None:
+    chan, keep = _channel("pipe")
+    reply = Connection(keep[0], readable=False)
+    try:
+        chan.started([])
+        for delay in (0.0, 0.002, 0.05):  # in its first look, its spin, its sleep
+            timer = threading.Timer(delay, reply.send_bytes, (b"hi %g" % delay,))
+            timer.start()
+            start = time.monotonic()
+            got = chan.recv(10.0)
+            if not got:  # a spin that met a long yield may return before the reply: again
+                got = chan.recv(10.0)
+            assert got == [(0, b"hi %g" % delay)]
+            assert time.monotonic() - start < 2.0
+            timer.join()
+    finally:
+        chan.close()
+        reply.close()
+
+
+def test_a_pipe_recv_stops_watching_a_watched_fd_closed_under_it() -> None:
+    chan, keep = _channel("pipe")
+    r, w = os.pipe()
+    try:
+        chan.started([r])
+        assert chan.recv(0.01) == []  # its set of fds is made now, r in it
+        os.close(r)
+        os.close(w)
+        assert chan.recv(0.05) == []  # r reads as closed (POLLNVAL): no error, dropped
+        start = time.monotonic()
+        assert chan.recv(0.2) == []  # and then it waits out its timeout, not a busy loop
+        assert time.monotonic() - start >= 0.15
     finally:
         chan.close()
         for fd in keep:

@@ -15,6 +15,11 @@ arrays travel by reference, so workers write the controller's memory here too. E
 buffer is copied through the pipe (into a writable bytearray on the worker). Replies are
 pickled in band.
 
+The controller's recv looks at its reply pipes (one poll set, made once), yields the core
+while it looks for up to SPIN, then sleeps in poll, as the other channels' waits do: a
+reply is often a few µs away, and a sleep's wake-up costs tens of µs (dispatch at N=1 took
+26 against 62 µs a round, docs/benchmarks.md, "Issue 9, thirtieth pass").
+
 The controller's ends are non-blocking, so a send can watch the workers' pidfds and honour
 a deadline: it first waits until every target pipe has room for the whole frame, so a
 timeout leaves nothing written; only a frame larger than a pipe can hold may time out half
@@ -24,6 +29,7 @@ written (PartialSendError).
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import queue
 import select
@@ -32,11 +38,11 @@ import termios
 import threading
 import time
 from collections.abc import Sequence
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from unison.channel import Channel, Reply, WorkerChannel, write_frame
-from unison.pacing import Pacer
+from unison.pacing import Pacer, busy_budget, spin
 
 if TYPE_CHECKING:
     from unison.channel.arena import Arena
@@ -46,6 +52,8 @@ _BUF = struct.Struct("<BQ")  # kind, length
 _DESC = struct.Struct("<QQQ")
 _BYTES, _BY_REF = 0, 1
 _PIPE_SIZE = 1 << 20  # asked of the kernel, up to /proc/sys/fs/pipe-max-size
+SPIN = 200e-6
+"""How long recv yields the core, looking, before it sleeps (the shm and TCP channels' too)."""
 
 
 class PipeChannel(Channel):
@@ -72,7 +80,11 @@ class PipeChannel(Channel):
             self.close()
             raise
         self._rank_of = {c.fileno(): i for i, c in enumerate(self._replies)}
+        self._busy = busy_budget(num_workers + 1)
         self._open = list(self._replies)
+        self._poller: select.poll | None = None
+        """recv's set of reply and watch fds, made once (multiprocessing's ``wait`` made a
+        selector at every call: tens of µs a round at N=8); made again when the fds change."""
 
     def endpoint(self, rank: int) -> tuple[dict[str, Any], list[int]]:
         cmd_r, rep_w = self._child_fds[rank]
@@ -87,6 +99,7 @@ class PipeChannel(Channel):
                 _close_fd(fd)
         self._child_fds = []
         self._watch = list(watch)
+        self._poller = None
 
     def send(self, data: bytes, ranks: Sequence[int], buffers: Sequence[Any] = (), *,
              deadline: float | None = None) -> None:
@@ -153,17 +166,38 @@ class PipeChannel(Channel):
     ) -> list[tuple[int, bytes | Reply | None]]:
         """See Channel.recv: wait on the reply pipes and the watch fds (``watch``:
         deprecated, ignored)."""
-        # a poll (timeout 0) needs no watch: it may come after the watch fds closed
-        ready = wait([*self._open, *self._watch] if timeout != 0 else self._open, timeout)
+        if timeout == 0:  # a poll needs no watch: it may come after the watch fds closed
+            ready = [c.fileno() for c in select.select(self._open, [], [], 0)[0]]
+        else:
+            poller = self._poller
+            if poller is None:
+                poller = self._poller = select.poll()
+                for fd in [*(c.fileno() for c in self._open), *self._watch]:
+                    poller.register(fd, select.POLLIN)
+            got = poller.poll(0)
+            if not got:  # a reply is often a few µs away: yield the core, looking, then sleep
+                found = spin(poller.poll, SPIN if timeout is None else min(SPIN, timeout),
+                             self._busy, 0)
+                ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
+                got = found if isinstance(found, list) else poller.poll(ms)
+            ready = []
+            for fd, events in got:
+                if events & select.POLLNVAL:  # a watch fd closed under us: watch it no more
+                    self._watch = [w for w in self._watch if w != fd]
+                    self._poller = None
+                else:
+                    ready.append(fd)
         out: list[tuple[int, bytes | Reply | None]] = []
-        for conn in ready:
-            if not isinstance(conn, Connection):
-                continue
-            rank = self._rank_of[conn.fileno()]
+        for fd in ready:
+            rank = self._rank_of.get(fd)
+            if rank is None:
+                continue  # a watch fd: the caller looks at the deaths
+            conn = self._replies[rank]
             try:
                 out.append((rank, conn.recv_bytes()))
             except (EOFError, OSError):
                 self._open.remove(conn)
+                self._poller = None
                 out.append((rank, None))
         return out
 
