@@ -13,6 +13,17 @@ from unison import _native, collective
 from unison.errors import CollectiveError
 
 
+def _output(proc) -> str:
+    """What the controller script printed, once it exited with 0 (stopped if it does not)."""
+    try:
+        out, err = proc.communicate(timeout=60)
+    except BaseException:
+        stop(proc)
+        raise
+    assert proc.returncode == 0, err
+    return out
+
+
 def test_without_memfd_the_session_runs_on_the_pipe_channel(controller):
     proc = controller("""
         import os
@@ -43,12 +54,7 @@ def test_without_memfd_the_session_runs_on_the_pipe_channel(controller):
                 print("empty: ran")
         print("done")
     """)
-    try:
-        out, err = proc.communicate(timeout=60)
-    except BaseException:
-        stop(proc)
-        raise
-    assert proc.returncode == 0, err
+    out = _output(proc)
     assert out.rstrip().endswith("done"), out
     collective = next(line for line in out.splitlines() if line.startswith("collective:"))
     assert "memfd" in collective, out
@@ -102,12 +108,7 @@ def test_on_a_cpu_without_x86s_memory_order_shared_memory_is_refused_with_the_re
             print("shm: ran")
         print("done", platform.machine())
     """)
-    try:
-        out, err = proc.communicate(timeout=60)
-    except BaseException:
-        stop(proc)
-        raise
-    assert proc.returncode == 0, err
+    out = _output(proc)
     lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
     assert out.rstrip().endswith("done aarch64"), out
     assert lines["channel"] == "PipeChannel", out
