@@ -26,6 +26,29 @@ def slow_fail() -> None:
     raise ZeroDivisionError("late")
 
 
+def big_reply(data: bytes) -> bytes:
+    return data[:65536] + bytes([unison.rank()])  # more than a pipe's 64 KiB
+
+
+@pytest.mark.timeout(120)
+def test_a_send_blocked_on_a_full_pipe_reads_the_reply_its_worker_is_blocked_on(sess):
+    """A run's reply larger than a pipe holds, which nobody reads while the event loop goes
+    on sending commands larger than a pipe holds: on the pipe channel the worker blocks
+    writing the reply, reading no command, and the loop blocks sending, unless the send
+    reads the replies while it waits for room (and wakes the loop for them)."""
+    async def main() -> None:
+        task = asyncio.ensure_future(sess.run_async(big_reply, b"r" * 70_000))
+        await asyncio.sleep(0)  # the task sends the run, then waits
+        time.sleep(0.2)  # the loop busy: each worker blocks writing its reply
+        refs = [sess.call(len, bytes([i]) * 300_000) for i in range(12)]  # no await
+        replies = await asyncio.wait_for(task, 30)
+        assert [r[-1] for r in replies] == [0, 1]
+        assert all(r[:65536] == b"r" * 65536 for r in replies)
+        assert [await ref for ref in refs] == [[300_000, 300_000]] * 12
+
+    asyncio.run(main())
+
+
 def test_await_ref_and_the_async_forms(sess):
     async def main() -> None:
         ref = sess.call(lambda: 40 + unison.rank())

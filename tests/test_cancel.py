@@ -119,7 +119,7 @@ def test_a_call_stuck_in_c_is_reported(sess):
     with pytest.raises(TimeoutError, match="stuck in C"):
         ref.cancel(timeout=0.3)
     # The signal waits on each worker's main thread, not on the process: sent to the process,
-    # any thread that does not block it (the pipe channel's reader) could take it, and then a
+    # any thread that does not block it (a thread of the user's) could take it, and then a
     # sleep in the main thread would never wake (issue 11's CI failure of 2026-12-02).
     for pid in sess._pids:
         pending = _pending(pid)

@@ -1,12 +1,18 @@
 """The pipe channel: one pipe pair per worker, portable and simple.
 
     controller                                    worker i
-    send(msg) -> frames ---- cmd pipe ---->  reader thread -> queue -> recv()
-    recv() <- wait(replies) <--- pipe -----  reply(data)
+    send(msg) -> frames ---- cmd pipe ---->  recv(): reads the pipe itself
+      (full: read the replies meanwhile)
+    recv() <- backlog, then the pipes <----  reply(data)
 
-The worker drains its command pipe on a thread of its own, so the controller's writes never
-block behind a long call, and the controller never has to read and write at once to avoid
-a deadlock. It costs a thread hand-off per message; the shared-memory channel is the fast one.
+The worker's main thread reads its command pipe itself, the next frame once the last call is
+done. So a command pipe fills while its worker runs a long call, and the controller's send
+waits for room, as on the shared-memory ring. While it waits it reads every reply there is
+into a backlog, which recv hands out first: a worker blocked on a full reply pipe never
+waits for a controller blocked on its full command pipe (an event loop's wake fd says when
+the backlog grew). A thread that drained the pipe into a queue cost a hand-off between two
+threads per message: without it dispatch took 30 against 49-50 µs a round at N=2, and 100-101
+against 162-166 at N=8 (docs/benchmarks.md, "Issue 9, thirtieth pass").
 
 A command is one frame: ``[payload length, buffer count]``, the payload, then per buffer
 ``[kind, length]`` and its bytes, or (kind ``_BY_REF``) the descriptor of a block of the
@@ -31,7 +37,6 @@ from __future__ import annotations
 import fcntl
 import math
 import os
-import queue
 import select
 import struct
 import termios
@@ -82,6 +87,13 @@ class PipeChannel(Channel):
         self._rank_of = {c.fileno(): i for i, c in enumerate(self._replies)}
         self._busy = busy_budget(num_workers + 1)
         self._open = list(self._replies)
+        self._rx = threading.Lock()
+        """Held by whoever reads the reply pipes: recv, or a send that waits for room."""
+        self._backlog: list[tuple[int, bytes | Reply | None]] = []
+        """Replies a waiting send read, for the next recv."""
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._poller: select.poll | None = None
         """recv's set of reply and watch fds, made once (multiprocessing's ``wait`` made a
         selector at every call: tens of µs a round at N=8); made again when the fds change."""
@@ -145,6 +157,7 @@ class PipeChannel(Channel):
                     f"the command pipes of workers {full} stayed full until the deadline "
                     "(the workers are busy); nothing of this message was sent"
                 )
+            self._drain()  # a worker blocked on its reply pipe reads no command
             pacer.pause(deadline)
 
     def _write(self, rank: int, frame: list[Any], deadline: float | None,
@@ -154,8 +167,36 @@ class PipeChannel(Channel):
         fd = self._cmd[rank]
         return write_frame(lambda parts: os.writev(fd, parts), frame,
                            f"worker {rank}'s command pipe", deadline, written,
-                           self._check_watch,
-                           lambda seconds: select.select(self._watch, [fd], [], seconds))
+                           self._check_watch, lambda seconds: self._wait_writable(fd, seconds))
+
+    def _wait_writable(self, fd: int, seconds: float) -> None:
+        """Wait up to ``seconds`` for room in command pipe ``fd``, a death, or (where no
+        recv is reading them) a reply, which is read into the backlog: its worker may be
+        blocked writing it, reading no command until it has."""
+        replies = [c.fileno() for c in self._open] if self._drain() else []
+        select.select([*self._watch, *replies], [fd], [], seconds)
+
+    def _drain(self) -> bool:
+        """Read every reply there is now into the backlog, unless a recv is reading (it
+        takes them itself); whether this did. Wakes an event loop when the backlog grew."""
+        if not self._rx.acquire(blocking=False):
+            return False
+        try:
+            grew = False
+            while True:  # until no pipe holds a whole reply's first byte
+                ready = select.select(self._open, [], [], 0)[0]
+                if not ready:
+                    break
+                self._backlog += self._read_ready([c.fileno() for c in ready])
+                grew = True
+            if grew:
+                try:
+                    os.write(self._wake_w, b"x")
+                except BlockingIOError:
+                    pass  # it is readable already
+            return True
+        finally:
+            self._rx.release()
 
     def _check_watch(self) -> None:
         if self._watch and select.select(self._watch, [], [], 0)[0]:
@@ -164,11 +205,13 @@ class PipeChannel(Channel):
     def recv(
         self, timeout: float | None, watch: Sequence[int] | None = None
     ) -> list[tuple[int, bytes | Reply | None]]:
-        """See Channel.recv: wait on the reply pipes and the watch fds (``watch``:
-        deprecated, ignored)."""
-        if timeout == 0:  # a poll needs no watch: it may come after the watch fds closed
-            ready = [c.fileno() for c in select.select(self._open, [], [], 0)[0]]
-        else:
+        """See Channel.recv: the backlog first, then wait on the reply pipes and the watch
+        fds (``watch``: deprecated, ignored)."""
+        with self._rx:
+            if self._backlog or timeout == 0:  # a poll needs no watch: it may come after
+                out, self._backlog = self._backlog, []  # the watch fds closed
+                ready = [c.fileno() for c in select.select(self._open, [], [], 0)[0]]
+                return out + self._read_ready(ready)
             poller = self._poller
             if poller is None:
                 poller = self._poller = select.poll()
@@ -187,12 +230,19 @@ class PipeChannel(Channel):
                     self._poller = None
                 else:
                     ready.append(fd)
+            return self._read_ready(ready)
+
+    def _read_ready(self, ready: list[int]) -> list[tuple[int, bytes | Reply | None]]:
+        """One reply from each reply pipe of ``ready`` (watch fds skipped); caller holds
+        the rx lock."""
         out: list[tuple[int, bytes | Reply | None]] = []
         for fd in ready:
             rank = self._rank_of.get(fd)
             if rank is None:
                 continue  # a watch fd: the caller looks at the deaths
             conn = self._replies[rank]
+            if conn not in self._open:
+                continue  # its stream ended in this read already
             try:
                 out.append((rank, conn.recv_bytes()))
             except (EOFError, OSError):
@@ -202,10 +252,18 @@ class PipeChannel(Channel):
         return out
 
     def wake_fds(self) -> list[int]:
-        return [c.fileno() for c in self._open]  # a reply pipe with data is readable
+        """The reply pipes (readable with a reply) and the backlog's wake pipe."""
+        return [*(c.fileno() for c in self._open), self._wake_r]
 
     def pending(self) -> bool:
-        return bool(self._open) and bool(select.select(self._open, [], [], 0)[0])
+        return bool(self._backlog) or (
+            bool(self._open) and bool(select.select(self._open, [], [], 0)[0]))
+
+    def clear_wake(self) -> None:
+        try:
+            os.read(self._wake_r, 4096)
+        except (BlockingIOError, OSError):
+            pass
 
     def close(self) -> None:
         for fd in self._cmd:
@@ -217,6 +275,10 @@ class PipeChannel(Channel):
             except OSError:
                 pass  # already closed by its own finalizer (garbage collection of a cycle)
         self._open = []
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                _close_fd(fd)
+        self._wake_r = self._wake_w = -1
         if self.arena is not None:
             self.arena.close()
             self.arena = None
@@ -232,27 +294,29 @@ class PipeWorkerChannel(WorkerChannel):
             from unison.channel.arena import ArenaReader
 
             self._arena = ArenaReader(spec["arena"], spec["rank"], spec["n"])
-        self._inbox: queue.SimpleQueue[tuple[memoryview, list[Any]] | None] = (
-            queue.SimpleQueue()
-        )
-        threading.Thread(target=self._drain, name="unison-cmd-reader", daemon=True).start()
+        self._busy = busy_budget(spec["n"] + 1)  # as the shm worker's wait
+        self._poll = select.poll()
+        self._poll.register(self._cmd, select.POLLIN)
 
-    def _drain(self) -> None:
+    def recv(self) -> tuple[memoryview, list[Any]] | None:
+        """The next frame, read from the pipe by this thread; None once the controller is
+        gone."""
+        if not self._poll.poll(0):  # the next command is often a few µs away: yield, then
+            spin(self._poll.poll, SPIN, self._busy, 0)  # sleep in the read
         try:
-            while True:
-                n, count = _HEAD.unpack(self._read(_HEAD.size))
-                data = memoryview(self._read(n))
-                bufs: list[Any] = []
-                for _ in range(count):
-                    kind, size = _BUF.unpack(self._read(_BUF.size))
-                    got = self._read(size)
-                    if kind == _BY_REF and self._arena is not None:
-                        bufs.append(self._arena.view(_DESC.unpack(got)))
-                    else:
-                        bufs.append(memoryview(got))
-                self._inbox.put((data, bufs))
+            n, count = _HEAD.unpack(self._read(_HEAD.size))
+            data = memoryview(self._read(n))
+            bufs: list[Any] = []
+            for _ in range(count):
+                kind, size = _BUF.unpack(self._read(_BUF.size))
+                got = self._read(size)
+                if kind == _BY_REF and self._arena is not None:
+                    bufs.append(self._arena.view(_DESC.unpack(got)))
+                else:
+                    bufs.append(memoryview(got))
         except (EOFError, OSError):
-            self._inbox.put(None)
+            return None
+        return data, bufs
 
     def _read(self, n: int) -> bytearray:
         buf = bytearray(n)
@@ -264,9 +328,6 @@ class PipeWorkerChannel(WorkerChannel):
                 raise EOFError
             got += k
         return buf
-
-    def recv(self) -> tuple[memoryview, list[Any]] | None:
-        return self._inbox.get()
 
     def reply(self, data: bytes, buffers: Sequence[Any] = ()) -> None:
         if buffers:
