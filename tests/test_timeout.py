@@ -254,3 +254,23 @@ def test_bad_session_timeouts_are_refused_before_any_worker_starts(make_session)
                {"send_timeout": -0.5}, {"send_timeout": "soon"}):
         with pytest.raises((TypeError, ValueError)):
             make_session(2, **kw)
+
+
+def big_after(seconds):
+    time.sleep(seconds)
+    return b"r" * 70_000  # more than a pipe's 64 KiB
+
+
+@pytest.mark.timeout(120)
+def test_a_large_reply_nobody_waits_for_any_more_does_not_block_later_sends(sess):
+    """A gather that timed out leaves its replies to come later, with nobody reading: on the
+    pipe channel each worker then blocks writing its reply, reading no command, and a send
+    larger than the command pipe's room waits for them unless it reads the replies while
+    it waits (they go to a backlog, for the next wait)."""
+    ref = sess.call(big_after, 0.3)
+    with pytest.raises(TimeoutError):
+        ref.gather(timeout=0.01)
+    time.sleep(0.6)  # the replies are written now (or blocked half-written)
+    refs = [sess.call(len, bytes([i]) * 300_000) for i in range(12)]
+    assert [r.gather(timeout=30) for r in refs] == [[300_000, 300_000]] * 12
+    assert ref.gather(timeout=30) == [b"r" * 70_000] * 2
