@@ -75,7 +75,7 @@ def lean_dispatch(sess: unison.Session, piece: str = "") -> Callable[[], None]:
     ranks, lock, ids, frees = sess.workers, sess._send_lock, sess._ids, sess._frees
     mask = chan._masks[ranks]
     sess.run(noop)  # the workers hold noop, and the cache has it last
-    spin, budget, busy = pacing.spin, shm.SPIN, chan._busy
+    spin, budget, busy = pacing.spin, pacing.SPIN, chan._busy
 
     def once() -> None:
         lock.acquire()
@@ -135,7 +135,7 @@ def lean_run(sess: unison.Session, piece: str = "") -> Callable[[], list[Any]]:
     recv_lock, pos, partial = router.recv_lock, chan._reply_pos, chan._partial
     sess.run(noop)
     fn_id = sess._fns.lookup(noop)[0]
-    spin, budget, busy, hand_over = pacing.spin, shm.SPIN, chan._busy, pacing.hand_over
+    spin, budget, busy, hand_over = pacing.spin, pacing.SPIN, chan._busy, pacing.hand_over
 
     def once() -> list[Any]:
         req_id = next(ids)

@@ -85,7 +85,7 @@ from unison import cgroup
 
 __all__ = [
     "BUSY", "CROWDED", "CROWD_SHARE", "FIRST_NAP", "LONG_YIELD", "QUOTA_ALPHA", "QUOTA_OURS",
-    "RATE_HALF_LIFE", "STRANGER_LOOKS", "STRANGER_SPELL", "Pacer", "busy_budget", "cores",
+    "RATE_HALF_LIFE", "SPIN", "STRANGER_LOOKS", "STRANGER_SPELL", "Pacer", "busy_budget", "cores",
     "crowd", "hand_over", "on_cpu", "pool_cores", "run_delay", "runnable", "spin",
 ]
 
@@ -98,6 +98,11 @@ a syscall whose return delays the check that sees the other side's word (issue 9
 2 CPUs, dispatch 0.80x and gather_small 0.70x of the yield-only waits, by ``python
 benchmarks/compare_revs.py --base f6ad359 --workers 1,2``). Never with more processes than
 cores: a check that keeps the core there keeps it from the peer it waits for."""
+
+SPIN = 200e-6
+"""How long a wait for another process yields the core, looking, before it sleeps on a kernel
+object (every channel's recv, a worker's wait for its next command, an await's first look):
+a reply or a command is often a few µs away, and a sleep's wake-up costs tens of µs."""
 
 FIRST_NAP = 20e-6
 """The first nap of a Pacer once its spin budget is spent (s); each next nap doubles."""

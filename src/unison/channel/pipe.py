@@ -47,7 +47,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from unison.channel import Channel, Reply, WorkerChannel, write_frame
-from unison.pacing import Pacer, busy_budget, spin
+from unison.pacing import SPIN, Pacer, busy_budget, spin
 
 if TYPE_CHECKING:
     from unison.channel.arena import Arena
@@ -57,8 +57,6 @@ _BUF = struct.Struct("<BQ")  # kind, length
 _DESC = struct.Struct("<QQQ")
 _BYTES, _BY_REF = 0, 1
 _PIPE_SIZE = 1 << 20  # asked of the kernel, up to /proc/sys/fs/pipe-max-size
-SPIN = 200e-6
-"""How long recv yields the core, looking, before it sleeps (the shm and TCP channels' too)."""
 
 
 class PipeChannel(Channel):
@@ -242,7 +240,7 @@ class PipeChannel(Channel):
                 continue  # a watch fd: the caller looks at the deaths
             conn = self._replies[rank]
             if conn not in self._open:
-                continue  # its stream ended in this read already
+                continue  # closed under us (close() from another thread)
             try:
                 out.append((rank, conn.recv_bytes()))
             except (EOFError, OSError):

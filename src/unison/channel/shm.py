@@ -83,7 +83,16 @@ from unison._native import fence as _fence
 from unison.channel import Channel, Reply, WorkerChannel
 from unison.channel.arena import Arena, ArenaReader, Malformed, create_file, sealed_memfd
 from unison.channel.ring import Ring
-from unison.pacing import CALM, LONG_YIELD, Pacer, busy_budget, crowd, hand_over, spin
+from unison.pacing import (
+    CALM,
+    LONG_YIELD,
+    SPIN,
+    Pacer,
+    busy_budget,
+    crowd,
+    hand_over,
+    spin,
+)
 from unison.protocol import OK, dumps_plain, loads_plain
 
 _ring = _native.load("_ring")  # the C fast paths (unison/_ring.c), or None
@@ -95,7 +104,6 @@ _clock, _yield = time.perf_counter, os.sched_yield
 MAX_WORKERS = 64
 CMD_RING = 1 << 21
 REPLY_RING = 1 << 20
-SPIN = 200e-6
 SLEEP = 1.0
 _LINE = 64
 _WRAP = (1 << 64) - 1

@@ -47,10 +47,7 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 from typing import Any
 
 from unison.channel import Channel, PartialSendError, Reply, WorkerChannel, write_frame
-from unison.pacing import cores, crowd, spin
-
-SPIN = 200e-6
-"""How long a wait yields the core, looking for data, before it sleeps (as the shm channel)."""
+from unison.pacing import SPIN, cores, crowd, spin
 
 __all__ = ["MAX_FRAME", "TcpChannel", "TcpWorkerChannel", "dial"]
 

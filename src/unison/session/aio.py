@@ -27,13 +27,11 @@ import threading
 from typing import Protocol
 
 from unison.channel import Channel
-from unison.pacing import spin
+from unison.pacing import SPIN, spin
 from unison.session.router import Request, Router
 
 __all__ = ["Waits"]
 
-SPIN = 200e-6
-"""How long an await may spin for its reply, when the event loop has nothing else to run."""
 
 
 class Owner(Protocol):
