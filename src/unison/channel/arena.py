@@ -31,7 +31,7 @@ import os
 import pickle
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 PAGE = mmap.ALLOCATIONGRANULARITY
@@ -304,12 +304,13 @@ class ArenaReader:
             self._done(done)
             return memoryview(bytearray())
         try:
-            mv = map_block(self.fd, offset, length, shared)
+            # counted only once unmapped: munmap completes every load and store this process
+            # made there, so the writer never reuses a block a late access could still touch
+            # (x86 keeps them in order anyway; ARM could let a store land after the count)
+            return map_block(self.fd, offset, length, shared, then=(self._done, done))
         except BaseException:
             self._done(done)  # never mapped: the block may go back at once
             raise
-        weakref.finalize(mv.obj, self._done, done)
-        return mv
 
     def _done(self, i: int) -> None:
         with self._lock:
@@ -328,9 +329,11 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def map_block(fd: int, offset: int, length: int, shared: bool) -> memoryview:
+def map_block(fd: int, offset: int, length: int, shared: bool,
+              then: tuple[Callable[[int], None], int] | None = None) -> memoryview:
     """``length`` bytes of ``fd`` at ``offset``, mapped read-write; unmapped when the
-    returned view's ``obj`` (and every view or array over it) is garbage."""
+    returned view's ``obj`` (and every view or array over it) is garbage, and only then
+    ``then[0](then[1])`` is called."""
     start = offset - offset % PAGE
     size = offset - start + length
     flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
@@ -339,8 +342,14 @@ def map_block(fd: int, offset: int, length: int, shared: bool) -> memoryview:
         err = ctypes.get_errno()
         raise OSError(err, f"mapping {size} bytes of shared memory: {os.strerror(err)}")
     holder = (ctypes.c_ubyte * size).from_address(addr)
-    weakref.finalize(holder, _libc.munmap, addr, size)
+    weakref.finalize(holder, _unmap, addr, size, then)
     return memoryview(holder).cast("B")[offset - start :]
+
+
+def _unmap(addr: int, size: int, then: tuple[Callable[[int], None], int] | None) -> None:
+    _libc.munmap(addr, size)
+    if then is not None:
+        then[0](then[1])
 
 
 # -- where the writer's shared arrays are (any session of this process) -------------------------
