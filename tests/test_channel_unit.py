@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from multiprocessing.connection import Connection
 
 import pytest
 
@@ -25,7 +24,7 @@ from unison import pacing, protocol
 from unison.channel import Channel, Reply
 from unison.channel import shm as shm_channel
 from unison.channel.arena import MIN_BLOCK, Arena, ArenaReader, create_file
-from unison.channel.pipe import PipeChannel
+from unison.channel.pipe import PipeChannel, PipeWorkerChannel
 from unison.channel.ring import Ring
 from unison.channel.shm import ShmChannel, ShmWorkerChannel
 
@@ -214,13 +213,21 @@ def test_a_poll_does_not_look_at_the_watched_fds_so_it_drains_after_they_closed(
             os.close(fd)
 
 
+def _pipe_worker(reply_fd: int) -> PipeWorkerChannel:
+    """A worker's end of a pipe channel that replies into ``reply_fd`` (its command end, a
+    pipe of its own, is never used: close ``_cmd`` afterwards)."""
+    cmd_r, cmd_w = os.pipe()
+    os.close(cmd_w)
+    return PipeWorkerChannel({"cmd": cmd_r, "reply": reply_fd, "rank": 0, "n": 1})
+
+
 def test_a_pipe_recv_takes_a_reply_while_it_spins_and_once_it_sleeps() -> None:
     chan, keep = _channel("pipe")
-    reply = Connection(keep[0], readable=False)
+    reply = _pipe_worker(keep[0])
     try:
         chan.started([])
         for delay in (0.0, 0.002, 0.05):  # in its first look, its spin, its sleep
-            timer = threading.Timer(delay, reply.send_bytes, (b"hi %g" % delay,))
+            timer = threading.Timer(delay, reply.reply, (b"hi %g" % delay,))
             timer.start()
             start = time.monotonic()
             got = chan.recv(10.0)
@@ -232,6 +239,47 @@ def test_a_pipe_recv_takes_a_reply_while_it_spins_and_once_it_sleeps() -> None:
     finally:
         chan.close()
         reply.close()
+        os.close(reply._cmd)
+
+
+def test_a_pipe_recv_takes_replies_however_the_reads_cut_them_and_never_waits_for_a_rest(
+) -> None:
+    chan, keep = _channel("pipe")
+    r, w = os.pipe()
+    writer = _pipe_worker(w)  # writes each reply's bytes here first, to be cut in pieces
+    replies = [b"", b"a", b"bc" * 1000, bytes(range(256)) * 200]
+    try:
+        chan.started([])
+        for data in replies:
+            writer.reply(data)
+        stream = os.read(r, 1 << 20)
+        got: list[tuple[int, bytes | Reply | None]] = []
+        at = 0
+        for cut in (3, 5, 9, 4000, 30_000, len(stream)):  # within a head, a body, across
+            os.write(keep[0], stream[at:cut])
+            at = cut
+            start = time.monotonic()
+            got += chan.recv(5.0)  # whole replies or none, at once: never a wait for a rest
+            assert time.monotonic() - start < 2.0
+        assert got == [(0, data) for data in replies]
+        writer._reply = keep[0]
+        large = bytes(range(251)) * 12_000  # 3 MB: more than a read takes at once
+        thread = threading.Thread(target=lambda: [writer.reply(d) for d in (large, b"after")])
+        thread.start()
+        got = []
+        while len(got) < 2:
+            got += chan.recv(5.0)
+        thread.join()
+        assert got == [(0, large), (0, b"after")]
+        writer.reply(b"x" * 10)
+        os.write(keep[0], b"\x10")  # a reply begun, and then the worker's end closed
+        os.close(keep.pop())
+        assert chan.recv(1.0) == [(0, b"x" * 10)]
+        assert chan.recv(1.0) == [(0, None)]
+    finally:
+        chan.close()
+        for fd in (*keep, r, w, writer._cmd):
+            os.close(fd)
 
 
 def test_a_pipe_recv_stops_watching_a_watched_fd_closed_under_it() -> None:

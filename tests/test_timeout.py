@@ -3,6 +3,8 @@ later calls queue behind it, the Ref stays valid and the session stays usable.""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -274,3 +276,23 @@ def test_a_large_reply_nobody_waits_for_any_more_does_not_block_later_sends(sess
     refs = [sess.call(len, bytes([i]) * 300_000) for i in range(12)]
     assert [r.gather(timeout=30) for r in refs] == [[300_000, 300_000]] * 12
     assert ref.gather(timeout=30) == [b"r" * 70_000] * 2
+
+
+def big_then_stopped(nbytes, after):
+    """Return ``nbytes`` and stop this worker (SIGSTOP) ``after`` seconds from now: with
+    nobody reading, its reply is then stopped half written."""
+    threading.Timer(after, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+    return b"s" * nbytes
+
+
+@pytest.mark.timeout(60)
+def test_a_reply_stopped_half_written_still_times_out_at_the_deadline(sess):
+    """A worker stopped (SIGSTOP, or a thread holding its GIL) in the middle of writing a
+    large reply is a hung worker like any other: the wait raises at its deadline, rather
+    than blocking on the rest of a reply that does not come."""
+    ref = sess.call(big_then_stopped, 8 << 20, 0.3)
+    with pytest.raises(TimeoutError):
+        ref.gather(timeout=0.01)
+    time.sleep(0.8)  # the workers stopped while blocked writing the reply nobody read
+    took = _timed(ref.gather, timeout=0.5)
+    assert took < 0.5 + 1.0, took

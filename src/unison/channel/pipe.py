@@ -19,7 +19,10 @@ A command is one frame: ``[payload length, buffer count]``, the payload, then pe
 shared arena. Where memfd exists the channel owns such an arena for ``sess.empty``: those
 arrays travel by reference, so workers write the controller's memory here too. Every other
 buffer is copied through the pipe (into a writable bytearray on the worker). Replies are
-pickled in band.
+pickled in band, each after its length. The controller reads them without blocking, keeping
+the start of a reply still being written for the next read: a worker stopped half-way
+through a reply (SIGSTOP, a thread holding its GIL) is a hung worker like any other, which
+the wait's deadline reports, rather than a read that never returns.
 
 The controller's recv looks at its reply pipes (one poll set, made once), yields the core
 while it looks for up to SPIN, then sleeps in poll, as the other channels' waits do: a
@@ -53,6 +56,7 @@ if TYPE_CHECKING:
     from unison.channel.arena import Arena
 
 _HEAD = struct.Struct("<QI")  # payload length, buffer count
+_LEN = struct.Struct("<Q")  # a reply's length, before its bytes
 _BUF = struct.Struct("<BQ")  # kind, length
 _DESC = struct.Struct("<QQQ")
 _BYTES, _BY_REF = 0, 1
@@ -73,7 +77,8 @@ class PipeChannel(Channel):
                 _grow(cmd_w)
                 os.set_blocking(cmd_w, False)
                 self._cmd.append(cmd_w)
-                self._replies.append(Connection(rep_r, writable=False))
+                os.set_blocking(rep_r, False)
+                self._replies.append(Connection(rep_r, writable=False))  # owns rep_r
                 self._child_fds.append((cmd_r, rep_w))
             if hasattr(os, "memfd_create"):
                 from unison.channel.arena import Arena
@@ -89,6 +94,14 @@ class PipeChannel(Channel):
         """Held by whoever reads the reply pipes: recv, or a send that waits for room."""
         self._backlog: list[tuple[int, bytes | Reply | None]] = []
         """Replies a waiting send read, for the next recv."""
+        self._begun = [bytearray() for _ in range(num_workers)]
+        """Per worker, the bytes read of replies not yet whole: never waited for, as a worker
+        stopped half-way through a reply is a hung worker, to be seen at the deadline."""
+        self._large: list[tuple[bytearray, memoryview] | None] = [None] * num_workers
+        """Per worker, a reply larger than the scratch buffer being read: (its body, the part
+        still to read)."""
+        self._scratch = bytearray(_PIPE_SIZE)
+        self._scratch_view = memoryview(self._scratch)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -180,14 +193,10 @@ class PipeChannel(Channel):
         if not self._rx.acquire(blocking=False):
             return False
         try:
-            grew = False
-            while True:  # until no pipe holds a whole reply's first byte
-                ready = select.select(self._open, [], [], 0)[0]
-                if not ready:
-                    break
-                self._backlog += self._read_ready([c.fileno() for c in ready])
-                grew = True
-            if grew:
+            ready = select.select(self._open, [], [], 0)[0]
+            got = self._read_ready([c.fileno() for c in ready]) if ready else []
+            self._backlog += got
+            if got:
                 try:
                     os.write(self._wake_w, b"x")
                 except BlockingIOError:
@@ -231,8 +240,8 @@ class PipeChannel(Channel):
             return self._read_ready(ready)
 
     def _read_ready(self, ready: list[int]) -> list[tuple[int, bytes | Reply | None]]:
-        """One reply from each reply pipe of ``ready`` (watch fds skipped); caller holds
-        the rx lock."""
+        """The whole replies in the reply pipes of ``ready`` (watch fds skipped), in order;
+        caller holds the rx lock."""
         out: list[tuple[int, bytes | Reply | None]] = []
         for fd in ready:
             rank = self._rank_of.get(fd)
@@ -241,13 +250,65 @@ class PipeChannel(Channel):
             conn = self._replies[rank]
             if conn not in self._open:
                 continue  # closed under us (close() from another thread)
-            try:
-                out.append((rank, conn.recv_bytes()))
-            except (EOFError, OSError):
+            self._read_from(rank, conn, out)
+        return out
+
+    def _read_from(self, rank: int, conn: Connection,
+                   out: list[tuple[int, bytes | Reply | None]]) -> None:
+        """Read all that ``rank``'s reply pipe holds now (without blocking): its whole replies
+        to ``out``, the start of one still being written kept for the next read, and
+        ``(rank, None)`` once the worker's end is closed."""
+        begun, scratch, view = self._begun[rank], self._scratch, self._scratch_view
+        while True:
+            large = self._large[rank]
+            try:  # a large reply's body is read straight into place; the rest into scratch
+                n = os.readv(conn.fileno(), [scratch if large is None else large[1]])
+            except BlockingIOError:
+                return
+            except OSError:
+                n = 0
+            if not n:  # the worker is gone, and any reply it had begun with it
+                begun.clear()
+                self._large[rank] = None
                 self._open.remove(conn)
                 self._poller = None
                 out.append((rank, None))
-        return out
+                return
+            if large is not None:
+                if n == large[1].nbytes:
+                    out.append((rank, bytes(large[0])))
+                    self._large[rank] = None
+                else:
+                    self._large[rank] = (large[0], large[1][n:])
+                continue
+            if not begun and n >= _LEN.size and _LEN.unpack_from(scratch)[0] == n - _LEN.size:
+                out.append((rank, bytes(view[_LEN.size:n])))  # one whole reply: the usual
+            else:
+                begun += view[:n]
+                self._frames(rank, begun, out)
+            if n < len(scratch):
+                return  # the pipe is empty: a read takes all it holds, up to its size
+
+    def _frames(self, rank: int, begun: bytearray,
+                out: list[tuple[int, bytes | Reply | None]]) -> None:
+        """The whole replies in ``begun`` to ``out``; a large one begun there goes on being
+        read into a buffer of its size."""
+        at = 0
+        with memoryview(begun) as mv:
+            while len(begun) - at >= _LEN.size:
+                size = _LEN.unpack_from(begun, at)[0]
+                end = at + _LEN.size + size
+                if len(begun) < end:
+                    if size > len(self._scratch):
+                        body = bytearray(size)
+                        have = len(begun) - at - _LEN.size
+                        body[:have] = mv[at + _LEN.size :]
+                        self._large[rank] = (body, memoryview(body)[have:])
+                        at = len(begun)
+                    break
+                out.append((rank, bytes(mv[at + _LEN.size : end])))
+                at = end
+        del begun[:at]
 
     def wake_fds(self) -> list[int]:
         """The reply pipes (readable with a reply) and the backlog's wake pipe."""
@@ -286,7 +347,7 @@ class PipeChannel(Channel):
 class PipeWorkerChannel(WorkerChannel):
     def __init__(self, spec: dict[str, Any]) -> None:
         self._cmd = spec["cmd"]
-        self._reply = Connection(spec["reply"], readable=False)
+        self._reply: int = spec["reply"]
         self._arena = None
         if spec.get("arena") is not None:
             from unison.channel.arena import ArenaReader
@@ -330,10 +391,18 @@ class PipeWorkerChannel(WorkerChannel):
     def reply(self, data: bytes, buffers: Sequence[Any] = ()) -> None:
         if buffers:
             raise ValueError("the pipe channel pickles replies in band")
-        self._reply.send_bytes(data)
+        parts = [memoryview(_LEN.pack(len(data))), memoryview(data).cast("B")]
+        while parts:  # a blocking pipe: each write takes what fits, waiting for room
+            n = os.writev(self._reply, parts)
+            while parts and n >= parts[0].nbytes:  # (an empty reply's body at once)
+                n -= parts.pop(0).nbytes
+            if n:
+                parts[0] = parts[0][n:]
 
     def close(self) -> None:
-        self._reply.close()
+        if self._reply >= 0:
+            _close_fd(self._reply)
+            self._reply = -1
 
 
 def _grow(fd: int) -> None:
