@@ -354,15 +354,24 @@ class PipeWorkerChannel(WorkerChannel):
 
             self._arena = ArenaReader(spec["arena"], spec["rank"], spec["n"])
         self._busy = busy_budget(spec["n"] + 1)  # as the shm worker's wait
+        self._have = bytearray()
+        """Bytes read ahead of the frame being read."""
+        self._scratch = bytearray(_PIPE_SIZE)
+        self._scratch_view = memoryview(self._scratch)
         self._poll = select.poll()
         self._poll.register(self._cmd, select.POLLIN)
 
     def recv(self) -> tuple[memoryview, list[Any]] | None:
         """The next frame, read from the pipe by this thread; None once the controller is
         gone."""
-        if not self._poll.poll(0):  # the next command is often a few µs away: yield, then
-            spin(self._poll.poll, SPIN, self._busy, 0)  # sleep in the read
         try:
+            if not self._have:
+                if not self._poll.poll(0):  # the next command is often a few µs away:
+                    spin(self._poll.poll, SPIN, self._busy, 0)  # yield, then sleep in the read
+                k = os.readv(self._cmd, [self._scratch])  # all there is, up to its size: a
+                if not k:  # frame's head and body, and the frames behind it, in one call
+                    return None
+                self._have += self._scratch_view[:k]
             n, count = _HEAD.unpack(self._read(_HEAD.size))
             data = memoryview(self._read(n))
             bufs: list[Any] = []
@@ -378,9 +387,17 @@ class PipeWorkerChannel(WorkerChannel):
         return data, bufs
 
     def _read(self, n: int) -> bytearray:
+        """Exactly ``n`` bytes: first those read ahead, then the pipe's."""
+        have = self._have
+        if len(have) >= n:
+            buf = have[:n]
+            del have[:n]
+            return buf
         buf = bytearray(n)
         view = memoryview(buf)
-        got = 0
+        got = len(have)
+        view[:got] = have
+        have.clear()
         while got < n:
             k = os.readv(self._cmd, [view[got:]])
             if not k:
