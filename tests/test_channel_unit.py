@@ -282,6 +282,33 @@ def test_a_pipe_recv_takes_replies_however_the_reads_cut_them_and_never_waits_fo
             os.close(fd)
 
 
+def test_a_pipe_worker_reads_frames_sent_back_to_back_in_one_read_and_in_order() -> None:
+    chan = PipeChannel(1, _NAME)
+    spec = dict(chan.endpoint(0)[0])
+    spec.update(cmd=os.dup(spec["cmd"]), reply=os.dup(spec["reply"]), arena=None)
+    worker = PipeWorkerChannel(spec)
+    try:
+        chan.started([])
+        big = bytes(range(256)) * 400
+        chan.send(b"call", [0])
+        chan.send(b"with a buffer", [0], [pickle.PickleBuffer(big)])
+        chan.send(b"sync", [0])
+        data, bufs = worker.recv() or (b"", [])
+        assert (bytes(data), bufs) == (b"call", [])
+        assert worker._have  # the frames behind it came with that one read
+        data, bufs = worker.recv() or (b"", [])
+        assert bytes(data) == b"with a buffer" and [bytes(b) for b in bufs] == [big]
+        data, bufs = worker.recv() or (b"", [])
+        assert (bytes(data), bufs) == (b"sync", [])
+        assert not worker._have
+        chan.close()
+        assert worker.recv() is None  # the controller is gone
+    finally:
+        chan.close()
+        worker.close()
+        os.close(spec["cmd"])
+
+
 def test_a_pipe_recv_stops_watching_a_watched_fd_closed_under_it() -> None:
     chan, keep = _channel("pipe")
     r, w = os.pipe()
