@@ -292,7 +292,7 @@ def test_a_reply_stopped_half_written_still_times_out_at_the_deadline(sess):
     than blocking on the rest of a reply that does not come."""
     ref = sess.call(big_then_stopped, 8 << 20, 0.3)
     with pytest.raises(TimeoutError):
-        ref.gather(timeout=0.01)
-    time.sleep(0.8)  # the workers stopped while blocked writing the reply nobody read
+        ref.gather(timeout=0)  # asks for the value (8 MiB: more than a pipe holds) and
+    time.sleep(0.8)  # leaves: the workers stop while blocked writing the reply nobody reads
     took = _timed(ref.gather, timeout=0.5)
     assert took < 0.5 + 1.0, took
