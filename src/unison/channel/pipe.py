@@ -60,6 +60,8 @@ _LEN = struct.Struct("<Q")  # a reply's length, before its bytes
 _BUF = struct.Struct("<BQ")  # kind, length
 _DESC = struct.Struct("<QQQ")
 _BYTES, _BY_REF = 0, 1
+_ATOMIC = select.PIPE_BUF - _LEN.size
+"""A reply body this small goes with its length in one write, which a pipe takes whole."""
 _PIPE_SIZE = 1 << 20  # asked of the kernel, up to /proc/sys/fs/pipe-max-size
 
 
@@ -193,8 +195,7 @@ class PipeChannel(Channel):
         if not self._rx.acquire(blocking=False):
             return False
         try:
-            ready = select.select(self._open, [], [], 0)[0]
-            got = self._read_ready([c.fileno() for c in ready]) if ready else []
+            got = self._read_now()
             self._backlog += got
             if got:
                 try:
@@ -217,8 +218,7 @@ class PipeChannel(Channel):
         with self._rx:
             if self._backlog or timeout == 0:  # a poll needs no watch: it may come after
                 out, self._backlog = self._backlog, []  # the watch fds closed
-                ready = [c.fileno() for c in select.select(self._open, [], [], 0)[0]]
-                return out + self._read_ready(ready)
+                return out + self._read_now()
             poller = self._poller
             if poller is None:
                 poller = self._poller = select.poll()
@@ -238,6 +238,12 @@ class PipeChannel(Channel):
                 else:
                     ready.append(fd)
             return self._read_ready(ready)
+
+    def _read_now(self) -> list[tuple[int, bytes | Reply | None]]:
+        """The whole replies the reply pipes hold now, without waiting; caller holds the rx
+        lock."""
+        ready = select.select(self._open, [], [], 0)[0]
+        return self._read_ready([c.fileno() for c in ready]) if ready else []
 
     def _read_ready(self, ready: list[int]) -> list[tuple[int, bytes | Reply | None]]:
         """The whole replies in the reply pipes of ``ready`` (watch fds skipped), in order;
@@ -408,18 +414,21 @@ class PipeWorkerChannel(WorkerChannel):
     def reply(self, data: bytes, buffers: Sequence[Any] = ()) -> None:
         if buffers:
             raise ValueError("the pipe channel pickles replies in band")
-        parts = [memoryview(_LEN.pack(len(data))), memoryview(data).cast("B")]
-        while parts:  # a blocking pipe: each write takes what fits, waiting for room
-            n = os.writev(self._reply, parts)
-            while parts and n >= parts[0].nbytes:  # (an empty reply's body at once)
-                n -= parts.pop(0).nbytes
-            if n:
-                parts[0] = parts[0][n:]
+        head, fd = _LEN.pack(len(data)), self._reply
+        if len(data) <= _ATOMIC:  # the usual: one write, whole (a blocking pipe takes it all)
+            os.write(fd, head + data)
+            return
+        write_frame(lambda parts: os.writev(fd, parts), [head, data],  # blocking: waits for
+                    "the controller's reply pipe", None, False, _idle, _idle)  # room itself
 
     def close(self) -> None:
         if self._reply >= 0:
             _close_fd(self._reply)
             self._reply = -1
+
+
+def _idle(*_: object) -> None:
+    """write_frame's death check and wait, on a blocking pipe, where it needs neither."""
 
 
 def _grow(fd: int) -> None:

@@ -33,7 +33,6 @@ from unison.session.router import Request, Router
 __all__ = ["Waits"]
 
 
-
 class Owner(Protocol):
     """What the waits need from their session."""
 
