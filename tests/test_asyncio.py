@@ -49,6 +49,28 @@ def test_a_send_blocked_on_a_full_pipe_reads_the_reply_its_worker_is_blocked_on(
     asyncio.run(main())
 
 
+def big_then_stopped(nbytes: int, after: float) -> bytes:
+    threading.Timer(after, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+    return b"s" * nbytes
+
+
+@pytest.mark.timeout(60)
+def test_an_await_on_a_reply_stopped_half_written_times_out(sess):
+    """As test_timeout's blocking wait: the event loop's reads never wait for the rest of a
+    reply a stopped worker began (pipe channel: 8 MiB, more than its pipe holds)."""
+    async def main() -> None:
+        ref = sess.call(big_then_stopped, 8 << 20, 0.3)
+        with pytest.raises(TimeoutError):
+            ref.gather(timeout=0)  # asks for the value and leaves it unread
+        await asyncio.sleep(0.8)  # the workers stop, blocked writing it
+        start = time.monotonic()
+        with pytest.raises((TimeoutError, asyncio.TimeoutError)):
+            await asyncio.wait_for(ref.gather_async(), 0.5)
+        assert time.monotonic() - start < 1.5
+
+    asyncio.run(main())
+
+
 def test_await_ref_and_the_async_forms(sess):
     async def main() -> None:
         ref = sess.call(lambda: 40 + unison.rank())
