@@ -12,6 +12,7 @@ import os
 import pickle
 import random
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -279,6 +280,36 @@ def test_a_pipe_recv_takes_replies_however_the_reads_cut_them_and_never_waits_fo
     finally:
         chan.close()
         for fd in (*keep, r, w, writer._cmd):
+            os.close(fd)
+
+
+@pytest.mark.parametrize("junk", [
+    b"hello, world\n",  # a print to the wrong fd: its first 8 bytes read as a length
+    struct.pack("<Q", 1 << 62),  # untagged: would allocate 4 EiB, or wait for it forever
+    struct.pack("<Q", (0x554E << 48) | (1 << 47)),  # tagged, but past any reply's size
+])
+def test_a_pipe_reply_stream_that_breaks_the_format_ends_that_worker_never_read_as_a_length(
+        junk: bytes) -> None:
+    """Bytes in a reply pipe that are no tagged length end the stream there, after the
+    whole replies before them, as a closed pipe would; ``where`` says why."""
+    chan, keep = _channel("pipe")
+    writer = _pipe_worker(keep[0])
+    try:
+        chan.started([])
+        writer.reply(b"before")
+        os.write(keep[0], junk + b"after")
+        start = time.monotonic()
+        got: list[tuple[int, bytes | Reply | None]] = []
+        while len(got) < 2:
+            got += chan.recv(2.0)
+        assert time.monotonic() - start < 2.0
+        assert got == [(0, b"before"), (0, None)]
+        assert chan.ended() == 0 and "break the format" in chan.where(0), chan.where(0)
+        writer.reply(b"later")
+        assert chan.recv(0.1) == []  # nothing more is read from it
+    finally:
+        chan.close()
+        for fd in (*keep, writer._cmd):
             os.close(fd)
 
 

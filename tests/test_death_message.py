@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -63,3 +64,28 @@ def test_a_worker_stopped_by_its_lifeline_says_so_and_blames_no_oom_killer(make_
     text = str(died)
     assert "lifeline" in text
     assert "OOM" not in text
+
+
+def write_junk_to_the_reply_pipe() -> None:
+    """Worker code that writes to the wrong fd: its reply pipe."""
+    import gc
+
+    from unison.channel.pipe import PipeWorkerChannel
+
+    chan = next(o for o in gc.get_objects() if isinstance(o, PipeWorkerChannel))
+    os.write(chan._reply, b"a print to the wrong fd\n")
+    time.sleep(60)
+
+
+def test_a_worker_whose_reply_pipe_breaks_the_format_is_reported_within_seconds(make_session):
+    """The controller neither allocates what the junk says (a MemoryError before) nor waits
+    for the worker, which sleeps on: WorkerDied names it and says why, and the session
+    closes."""
+    sess = make_session(2, channel="pipe")
+    start = time.monotonic()
+    with pytest.raises(WorkerDied, match="break the format") as info:
+        sess[1].run(write_junk_to_the_reply_pipe, timeout=20)
+    assert info.value.worker == 1
+    assert time.monotonic() - start < 5
+    with pytest.raises(SessionClosed):
+        sess.run(os.getpid)

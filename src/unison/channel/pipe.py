@@ -19,7 +19,10 @@ A command is one frame: ``[payload length, buffer count]``, the payload, then pe
 shared arena. Where memfd exists the channel owns such an arena for ``sess.empty``: those
 arrays travel by reference, so workers write the controller's memory here too. Every other
 buffer is copied through the pipe (into a writable bytearray on the worker). Replies are
-pickled in band, each after its length. The controller reads them without blocking, keeping
+pickled in band, each after a length word that carries a tag in its top 16 bits: a worker
+whose pipe holds anything else (its code wrote to the wrong fd) has its stream ended there,
+as a closed pipe would, and ``where`` says why; it is never read as a length to allocate or
+wait for. The controller reads replies without blocking, keeping
 the start of a reply still being written for the next read: a worker stopped half-way
 through a reply (SIGSTOP, a thread holding its GIL) is a hung worker like any other, which
 the wait's deadline reports, rather than a read that never returns.
@@ -56,7 +59,11 @@ if TYPE_CHECKING:
     from unison.channel.arena import Arena
 
 _HEAD = struct.Struct("<QI")  # payload length, buffer count
-_LEN = struct.Struct("<Q")  # a reply's length, before its bytes
+_LEN = struct.Struct("<Q")  # a reply's tagged length, before its bytes
+_TAG = 0x554E << 48  # b"NU" in the length word's top bytes
+_SIZE = (1 << 48) - 1
+_MAX_REPLY = 1 << 40
+"""A length word over this is no reply's, whatever its tag (1 TiB)."""
 _BUF = struct.Struct("<BQ")  # kind, length
 _DESC = struct.Struct("<QQQ")
 _BYTES, _BY_REF = 0, 1
@@ -102,6 +109,8 @@ class PipeChannel(Channel):
         self._large: list[tuple[bytearray, memoryview] | None] = [None] * num_workers
         """Per worker, a reply larger than the scratch buffer being read: (its body, the part
         still to read)."""
+        self._broken: dict[int, str] = {}
+        """Workers whose reply pipe held bytes that break the format, and what they were."""
         self._scratch = bytearray(_PIPE_SIZE)
         self._scratch_view = memoryview(self._scratch)
         self._wake_r, self._wake_w = os.pipe()
@@ -274,11 +283,7 @@ class PipeChannel(Channel):
             except OSError:
                 n = 0
             if not n:  # the worker is gone, and any reply it had begun with it
-                begun.clear()
-                self._large[rank] = None
-                self._open.remove(conn)
-                self._poller = None
-                out.append((rank, None))
+                self._end(rank, conn, out)
                 return
             if large is not None:
                 if n == large[1].nbytes:
@@ -287,22 +292,42 @@ class PipeChannel(Channel):
                 else:
                     self._large[rank] = (large[0], large[1][n:])
                 continue
-            if not begun and n >= _LEN.size and _LEN.unpack_from(scratch)[0] == n - _LEN.size:
+            if (not begun and n >= _LEN.size
+                    and _LEN.unpack_from(scratch)[0] == (n - _LEN.size) | _TAG):
                 out.append((rank, bytes(view[_LEN.size:n])))  # one whole reply: the usual
             else:
                 begun += view[:n]
-                self._frames(rank, begun, out)
+                problem = self._frames(rank, begun, out)
+                if problem:
+                    self._broken[rank] = ("its reply pipe held bytes that break the format "
+                                          f"({problem})")
+                    self._end(rank, conn, out)
+                    return
             if n < len(scratch):
                 return  # the pipe is empty: a read takes all it holds, up to its size
 
+    def _end(self, rank: int, conn: Connection,
+             out: list[tuple[int, bytes | Reply | None]]) -> None:
+        """``rank``'s stream ended (closed, or broken): ``(rank, None)``, once, after the
+        whole replies before; the rest is dropped unread."""
+        self._begun[rank].clear()
+        self._large[rank] = None
+        self._open.remove(conn)
+        self._poller = None
+        out.append((rank, None))
+
     def _frames(self, rank: int, begun: bytearray,
-                out: list[tuple[int, bytes | Reply | None]]) -> None:
+                out: list[tuple[int, bytes | Reply | None]]) -> str:
         """The whole replies in ``begun`` to ``out``; a large one begun there goes on being
-        read into a buffer of its size."""
+        read into a buffer of its size. What breaks the format at the next frame, if any
+        (nothing of it or after it taken)."""
         at = 0
         with memoryview(begun) as mv:
             while len(begun) - at >= _LEN.size:
-                size = _LEN.unpack_from(begun, at)[0]
+                word = _LEN.unpack_from(begun, at)[0]
+                size = word & _SIZE
+                if word & ~_SIZE != _TAG or size > _MAX_REPLY:
+                    return f"{word:#018x} where a reply's tagged length should be"
                 end = at + _LEN.size + size
                 if len(begun) < end:
                     if size > len(self._scratch):
@@ -315,6 +340,14 @@ class PipeChannel(Channel):
                 out.append((rank, bytes(mv[at + _LEN.size : end])))
                 at = end
         del begun[:at]
+        return ""
+
+    def ended(self) -> int | None:
+        """A worker whose reply pipe held bytes that break the format (its stream ended)."""
+        return next(iter(self._broken), None)
+
+    def where(self, rank: int) -> str:
+        return self._broken.get(rank, "")
 
     def wake_fds(self) -> list[int]:
         """The reply pipes (readable with a reply) and the backlog's wake pipe."""
@@ -414,7 +447,7 @@ class PipeWorkerChannel(WorkerChannel):
     def reply(self, data: bytes, buffers: Sequence[Any] = ()) -> None:
         if buffers:
             raise ValueError("the pipe channel pickles replies in band")
-        head, fd = _LEN.pack(len(data)), self._reply
+        head, fd = _LEN.pack(len(data) | _TAG), self._reply
         if len(data) <= _ATOMIC:  # the usual: one write, whole (a blocking pipe takes it all)
             os.write(fd, head + data)
             return
