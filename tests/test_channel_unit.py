@@ -793,6 +793,63 @@ def test_a_tcp_workers_first_command_forgets_the_workers_start(
         worker.close()
 
 
+def test_a_pipe_workers_first_command_forgets_the_workers_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the shm and TCP channels' workers: the pipe worker forgets what its wait for the
+    first command saw, and only that wait."""
+    chan = PipeChannel(1, _NAME)
+    spec = dict(chan.endpoint(0)[0])
+    spec.update(cmd=os.dup(spec["cmd"]), reply=os.dup(spec["reply"]), arena=None)
+    worker = PipeWorkerChannel(spec)
+    monkeypatch.setattr(pacing.crowd, "next_look", float("inf"))
+    try:
+        chan.started([])
+        for first in (True, False):
+            until = time.perf_counter() + 60.0
+            monkeypatch.setattr(pacing.crowd, "until", until)
+            sender = threading.Timer(0.05, chan.send, (b"command", [0]))
+            sender.start()
+            try:
+                got = worker.recv()
+            finally:
+                sender.join()
+            assert got is not None and bytes(got[0]) == b"command"
+            assert pacing.crowd.until == (0.0 if first else until)
+    finally:
+        chan.close()
+        worker.close()
+        os.close(spec["cmd"])
+
+
+@pytest.mark.parametrize("kind", ["shm", "pipe"])
+def test_both_ends_of_a_channel_count_their_peers_as_no_strangers(
+        monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """Each end tells pacing.crowd how many processes its session runs here, so a look
+    counts only runnable tasks beyond them as strangers. The pipe channel told it nothing:
+    beside two CPU hogs its waits spun on, unjudged, at 55-61 µs a round where the Pipe
+    took 16-17 (docs/benchmarks.md, "Issue 9, thirty-second pass")."""
+    fresh_crowd(monkeypatch, ours=0)
+    if kind == "shm":
+        chan: Channel = ShmChannel(3, _NAME)
+        spec = chan.endpoint(2)[0]
+    else:
+        chan = PipeChannel(3, _NAME)
+        spec = dict(chan.endpoint(2)[0], arena=None)
+        spec.update(cmd=os.dup(spec["cmd"]), reply=os.dup(spec["reply"]))
+    try:
+        assert pacing.crowd.ours == 4
+        monkeypatch.setattr(pacing.crowd, "ours", 0)
+        worker = (ShmWorkerChannel if kind == "shm" else PipeWorkerChannel)(spec)
+        assert pacing.crowd.ours == 4
+        worker.close()
+        del worker
+    finally:
+        if kind == "pipe":
+            os.close(spec["cmd"])
+        chan.close()
+        gc.collect()
+
+
 def test_no_schedstat_means_no_more_looks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pacing, "_SCHEDSTAT", "/nonexistent/schedstat")
     monkeypatch.setattr(pacing.crowd, "next_look", 0.0)

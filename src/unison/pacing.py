@@ -65,6 +65,8 @@ The waits and their parameters:
                                                  then sleep on an eventfd
     channel.tcp   controller recv, worker recv   spin 200 us, then sleep in select / the read
                                                  (a worker on a crowded controller host: sleep)
+    channel.pipe  controller recv, worker recv   as the shm channel's, sleeping in poll / the
+                                                 read
     channel.shm   command ring full (controller) Pacer(cap=5 ms), bounded by the deadline
     channel.shm   reply ring full (worker)       Pacer(cap=5 ms)
     channel.pipe  command pipe full (deadline)   Pacer(cap=5 ms), bounded by the deadline

@@ -53,7 +53,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from unison.channel import Channel, Reply, WorkerChannel, write_frame
-from unison.pacing import SPIN, Pacer, busy_budget, spin
+from unison.pacing import SPIN, Pacer, busy_budget, crowd, spin
 
 if TYPE_CHECKING:
     from unison.channel.arena import Arena
@@ -98,6 +98,7 @@ class PipeChannel(Channel):
             raise
         self._rank_of = {c.fileno(): i for i, c in enumerate(self._replies)}
         self._busy = busy_budget(num_workers + 1)
+        crowd.expect(num_workers + 1)  # so many runnable tasks are peers (pacing.crowd.look)
         self._open = list(self._replies)
         self._rx = threading.Lock()
         """Held by whoever reads the reply pipes: recv, or a send that waits for room."""
@@ -393,6 +394,8 @@ class PipeWorkerChannel(WorkerChannel):
 
             self._arena = ArenaReader(spec["arena"], spec["rank"], spec["n"])
         self._busy = busy_budget(spec["n"] + 1)  # as the shm worker's wait
+        crowd.expect(spec["n"] + 1)  # so many runnable tasks are peers (pacing.crowd.look)
+        self._fresh = True
         self._have = bytearray()
         """Bytes read ahead of the frame being read."""
         self._scratch = bytearray(_PIPE_SIZE)
@@ -404,6 +407,10 @@ class PipeWorkerChannel(WorkerChannel):
         """The next frame, read from the pipe by this thread; None once the controller is
         gone."""
         try:
+            if self._fresh:  # the wait for the session's first command spans the other
+                self._fresh = False  # workers' start, which no later wait should take for a
+                self._poll.poll()  # crowd (pacing.crowd.forget)
+                crowd.forget()
             if not self._have:
                 if not self._poll.poll(0):  # the next command is often a few µs away:
                     spin(self._poll.poll, SPIN, self._busy, 0)  # yield, then sleep in the read
