@@ -850,6 +850,22 @@ def test_both_ends_of_a_channel_count_their_peers_as_no_strangers(
         gc.collect()
 
 
+def test_a_tcp_worker_counts_the_peers_it_is_told_of(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that joined over TCP may share its host with any of the session's
+    processes: it is told how many there are (worker.join passes world_size + 1)."""
+    from unison.channel import tcp
+
+    fresh_crowd(monkeypatch, ours=0)
+    ours, theirs = socket.socketpair()
+    try:
+        worker = tcp.TcpWorkerChannel(theirs, 7, peers=5)
+        assert pacing.crowd.ours == 5
+        worker.close()
+    finally:
+        ours.close()
+        theirs.close()
+
+
 def test_no_schedstat_means_no_more_looks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pacing, "_SCHEDSTAT", "/nonexistent/schedstat")
     monkeypatch.setattr(pacing.crowd, "next_look", 0.0)

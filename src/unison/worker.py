@@ -609,7 +609,7 @@ def connect_main(address: str, rank: int = -1, timeout: float = 60.0,
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != keeper:
         os._exit(EXIT_CONTROLLER_GONE)
-    run(spec, None if unix else TcpWorkerChannel(sock, incarnation, spin))
+    run(spec, None if unix else TcpWorkerChannel(sock, incarnation, spin, spec.world_size + 1))
     return 0
 
 

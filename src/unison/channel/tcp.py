@@ -664,9 +664,15 @@ class TcpWorkerChannel(WorkerChannel):
     session's processes: a spinning worker there holds a core the controller or a busy peer
     needs: sleeping made dispatch 0.91x and 0.88x the time at N=2 and 4 on 2 CPUs (python
     benchmarks/compare_revs.py --base fc543f2 --head ec7e5fe --tcp). With a core each,
-    spinning saves the wake-up."""
+    spinning saves the wake-up.
 
-    def __init__(self, sock: socket.socket, incarnation: int, spin: bool = True) -> None:
+    ``peers``: the session's processes, controller included, that may run on this host at
+    most (``pacing.crowd.expect``): runnable tasks beyond them are strangers. 0: unknown,
+    and a wait's look does not count tasks."""
+
+    def __init__(self, sock: socket.socket, incarnation: int, spin: bool = True,
+                 peers: int = 0) -> None:
+        crowd.expect(peers)
         self._sock = sock
         self._inc = incarnation
         self._spin = spin
