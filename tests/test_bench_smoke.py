@@ -545,6 +545,19 @@ def test_sched_trace_says_where_each_process_ran_and_turns_the_event_off() -> No
     assert (_TRACING / "tracing_on").read_text() == was
 
 
+def test_crowd_blocks_shows_each_process_per_round_and_each_sides_verdict() -> None:
+    """benchmarks/crowd_blocks.py: per block, the median, each process's time on and off
+    the CPU per round, and for unison's blocks what pacing.crowd judged on both sides."""
+    out = _tool("crowd_blocks.py", "--workers", "2", "--hogs", "0", "--blocks", "2",
+                "--seconds", "0.05")
+    lines = [line for line in out.splitlines() if line.startswith("block ")]
+    assert len(lines) == 4 and sum("unison-pipe" in line for line in lines) == 2, out
+    for line in lines:
+        assert "controller: on " in line and "w1: on " in line and " cpu" in line, out
+        if "unison-pipe" in line:
+            assert "crowd: controller (" in line and "workers [(" in line, out
+
+
 def test_ring_costs_times_each_step_on_both_rings() -> None:
     """benchmarks/ring_costs.py: one row for the C ring and one for the pure-Python one,
     each step's µs (send, recv, a plain reply, its read), the two with a real worker, and
