@@ -11,6 +11,7 @@ import itertools
 import os
 import pickle
 import random
+import select
 import socket
 import struct
 import subprocess
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -285,8 +287,8 @@ def test_a_pipe_recv_takes_replies_however_the_reads_cut_them_and_never_waits_fo
 
 @pytest.mark.parametrize("junk", [
     b"hello, world\n",  # a print to the wrong fd: its first 8 bytes read as a length
-    struct.pack("<Q", 1 << 62),  # untagged: would allocate 4 EiB, or wait for it forever
-    struct.pack("<Q", (0x554E << 48) | (1 << 47)),  # tagged, but past any reply's size
+    struct.pack("<QQ", 1 << 62, 0),  # untagged: would allocate 4 EiB, or wait for it forever
+    struct.pack("<QQ", (0x554E << 48) | (1 << 47), 0),  # tagged, but past any reply's size
 ])
 def test_a_pipe_reply_stream_that_breaks_the_format_ends_that_worker_never_read_as_a_length(
         junk: bytes) -> None:
@@ -311,6 +313,91 @@ def test_a_pipe_reply_stream_that_breaks_the_format_ends_that_worker_never_read_
         chan.close()
         for fd in (*keep, writer._cmd):
             os.close(fd)
+
+
+def _pipe_ends(n: int = 1) -> tuple[PipeChannel, PipeWorkerChannel, dict[str, Any]]:
+    """A pipe channel and its worker 0's end, in this process (close the spec's ``cmd``)."""
+    chan = PipeChannel(n, _NAME)
+    spec = dict(chan.endpoint(0)[0])
+    spec.update(cmd=os.dup(spec["cmd"]), reply=os.dup(spec["reply"]), arena=None)
+    chan.started([])
+    return chan, PipeWorkerChannel(spec), spec
+
+
+def test_a_pipe_worker_reports_what_it_ran_before_it_waits_and_settled_reads_it() -> None:
+    """The pipe channel's sync without a message: a worker about to wait writes "ran k
+    frames, holds errors or not" once (a reply says the same for its frame), and the
+    controller's ``settled`` is true only once every frame sent is reported run with no
+    error held; false at once while errors are held or another thread reads the pipes."""
+    chan, worker, spec = _pipe_ends()
+    waiter: threading.Thread | None = None
+
+    def next_frame() -> threading.Thread:  # the worker's recv, which reports, then waits
+        thread = threading.Thread(target=worker.recv)
+        thread.start()
+        return thread
+
+    def settles_within(seconds: float) -> bool:  # each look gives up after pipe._SETTLE
+        end = time.monotonic() + seconds
+        while not chan.settled([0], seconds):
+            if time.monotonic() > end:
+                return False
+        return True
+
+    try:
+        chan.send(b"call", [0])
+        chan.send(b"call", [0])
+        assert not chan.settled([0], 0.0)  # sent, not run
+        worker.recv()
+        worker.recv()
+        waiter = next_frame()  # both ran: it says so before it waits
+        assert settles_within(10.0)
+        assert chan.settled([0], 0.0)  # and stays so, with nothing more to read
+        chan.send(b"more", [0])
+        waiter.join(5.0)
+        start = time.monotonic()
+        assert not chan.settled([0], 5.0)  # taken, not yet reported run: it gives up soon
+        assert time.monotonic() - start < 1.0  # (pipe._SETTLE), holding the pipes no longer
+        worker.unreported(1)
+        worker.reply(b"the answer")  # a reply reports its frame run, and the error held
+        start = time.monotonic()
+        assert not chan.settled([0], 5.0)  # an error held: ask, at once
+        assert time.monotonic() - start < 1.0
+        assert chan.recv(1.0) == [(0, b"the answer")]  # settled kept it for recv
+        worker.unreported(0)
+        waiter = next_frame()  # the change is reported before the next wait
+        assert settles_within(10.0)
+        with chan._rx:  # another thread reads the pipes: no look at all
+            assert not chan.settled([0], 5.0)
+        assert chan._sent == [3] and chan._progress == [3 << 1]
+    finally:
+        chan.close()  # ends the waiting recv
+        if waiter is not None:
+            waiter.join(5.0)
+        worker.close()
+        os.close(spec["cmd"])
+
+
+def test_a_controller_that_only_sends_still_reads_the_reports_before_the_pipe_fills() -> None:
+    """A worker reports at most once per frame; sends read the reply pipes every
+    _DRAIN_EVERY, so a controller that calls and calls without a wait still empties them
+    (a worker blocked writing a report to a full pipe would read no command)."""
+    from unison.channel import pipe
+
+    chan, worker, spec = _pipe_ends()
+    try:
+        report = pipe._REPLY.pack(pipe._REPORT, 7 << 1)
+        os.write(spec["reply"], report * pipe._DRAIN_EVERY)  # as many as frames can cause
+        for _ in range(pipe._DRAIN_EVERY - 1):
+            chan.send(b"call", [0])
+        assert chan._progress == [0]
+        chan.send(b"call", [0])
+        assert chan._progress == [7 << 1]  # read, and the pipe is empty again
+        assert select.select([chan._replies[0]], [], [], 0)[0] == []
+    finally:
+        chan.close()
+        worker.close()
+        os.close(spec["cmd"])
 
 
 def test_a_pipe_worker_reads_frames_sent_back_to_back_in_one_read_and_in_order() -> None:

@@ -1,6 +1,7 @@
 """``sync`` and ``run`` take the floor system's shape (issue 9): ``run`` is one message each
 way, and on the shm channel ``sync`` sends nothing, waiting on the workers' published done
-positions, yet still reports every error exactly once and never returns early."""
+positions (on the pipe channel, reading their reports a little while), yet still reports
+every error exactly once and never returns early."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ def boom() -> None:
     raise ValueError("boom")
 
 
+def nothing() -> None:
+    pass
+
+
 @pytest.mark.parametrize("channel", ["shm"], indirect=True)
 def test_run_is_one_message_and_sync_none_on_shm(make_session):
     sess = make_session(2)
@@ -29,6 +34,27 @@ def test_run_is_one_message_and_sync_none_on_shm(make_session):
     one = chan.mark() - before
     sess.run(int)
     assert chan.mark() - before == 2 * one  # one entry per run, no GET behind it
+
+
+@pytest.mark.parametrize("channel", ["pipe"], indirect=True)
+def test_sync_after_a_quick_call_sends_nothing_on_pipe(make_session):
+    """The pipe channel's workers report what they ran before they wait, so a sync after
+    a quick call reads that report instead of sending SYNC; one that finds an error held
+    asks, and reports it."""
+    sess = make_session(2)
+    sess.run(nothing)  # defines it
+    chan = sess._chan
+    before = list(chan._sent)
+    for _ in range(20):
+        sess.call(nothing)
+        sess.sync()
+    sent = [after - b for after, b in zip(chan._sent, before)]
+    assert all(20 <= n < 30 for n in sent), sent  # 20 calls, and a SYNC only where a report
+    sess.call(boom)  # came late (2 ms: a crowded host)
+    with pytest.raises(unison.WorkerError, match="boom"):
+        sess.sync()
+    sess.call(int)
+    sess.sync()  # reported once
 
 
 def test_sync_waits_for_everything_sent(sess):

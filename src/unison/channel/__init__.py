@@ -71,6 +71,12 @@ class Channel(ABC):
     hold errors nobody fetched: then ``sync`` is a wait on ``progress``, with no message and
     no reply (else it sends SYNC and waits for the answers)."""
 
+    settles = False
+    """Whether ``settled`` can tell, without a message, that workers ran everything sent
+    and hold no error, where the channel does not track progress otherwise: the pipe
+    channel's workers report in their reply streams, which only the reader of the moment
+    sees, so it can say "all done" but not wait for it (sync sends SYNC when it cannot)."""
+
     def mark(self) -> int:
         """A position covering every message sent so far (where ``tracks_progress``)."""
         raise NotImplementedError
@@ -92,7 +98,7 @@ class Channel(ABC):
         """``wait_done`` for everything sent so far, then ``not unreported``, in one call
         (sync's usual case): True when the workers in ``ranks`` ran it all within
         ``timeout`` and hold no error nobody fetched. False tells nothing more: the caller
-        goes the long way (where ``tracks_progress``)."""
+        goes the long way (where ``tracks_progress`` or ``settles``)."""
         raise NotImplementedError
 
     @abstractmethod

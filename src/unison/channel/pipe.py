@@ -18,14 +18,21 @@ A command is one frame: ``[payload length, buffer count]``, the payload, then pe
 ``[kind, length]`` and its bytes, or (kind ``_BY_REF``) the descriptor of a block of the
 shared arena. Where memfd exists the channel owns such an arena for ``sess.empty``: those
 arrays travel by reference, so workers write the controller's memory here too. Every other
-buffer is copied through the pipe (into a writable bytearray on the worker). Replies are
-pickled in band, each after a length word that carries a tag in its top 16 bits: a worker
-whose pipe holds anything else (its code wrote to the wrong fd) has its stream ended there,
-as a closed pipe would, and ``where`` says why; it is never read as a length to allocate or
-wait for. The controller reads replies without blocking, keeping
-the start of a reply still being written for the next read: a worker stopped half-way
-through a reply (SIGSTOP, a thread holding its GIL) is a hung worker like any other, which
-the wait's deadline reports, rather than a read that never returns.
+buffer is copied through the pipe (into a writable bytearray on the worker).
+
+A reply is ``[tagged length, progress]``, then its pickle. The length word carries a tag in
+its top 16 bits: a worker whose pipe holds anything else (its code wrote to the wrong fd) has
+its stream ended there, as a closed pipe would, and ``where`` says why; it is never read as a
+length to allocate or wait for. The progress word is ``frames run << 1 | holds errors nobody
+fetched``; a worker that is about to wait for a command, with progress it has not told, writes
+it alone (a report: tag ``_REPORT``, no body). So sync after a quick call reads a report
+instead of sending SYNC and waiting for its answers (``settled``): dispatch is one message
+each way, as on a Pipe (it took 18 against 26 µs a round at N=2, docs/benchmarks.md, "Issue
+9, thirty-second pass"). Only one thread reads the pipes at a time, so ``settled`` looks only
+where none does, and for a few ms at most: otherwise sync asks. The controller reads replies
+without blocking, keeping the start of a reply still being written for the next read: a
+worker stopped half-way through a reply (SIGSTOP, a thread holding its GIL) is a hung worker
+like any other, which the wait's deadline reports, rather than a read that never returns.
 
 The controller's recv looks at its reply pipes (one poll set, made once), yields the core
 while it looks for up to SPIN, then sleeps in poll, as the other channels' waits do: a
@@ -59,17 +66,25 @@ if TYPE_CHECKING:
     from unison.channel.arena import Arena
 
 _HEAD = struct.Struct("<QI")  # payload length, buffer count
-_LEN = struct.Struct("<Q")  # a reply's tagged length, before its bytes
+_REPLY = struct.Struct("<QQ")  # a reply's tagged length, and the worker's progress word
 _TAG = 0x554E << 48  # b"NU" in the length word's top bytes
+_REPORT = 0x5052 << 48  # b"RP": no reply, only the progress word (the length is 0)
 _SIZE = (1 << 48) - 1
 _MAX_REPLY = 1 << 40
 """A length word over this is no reply's, whatever its tag (1 TiB)."""
 _BUF = struct.Struct("<BQ")  # kind, length
 _DESC = struct.Struct("<QQQ")
 _BYTES, _BY_REF = 0, 1
-_ATOMIC = select.PIPE_BUF - _LEN.size
+_ATOMIC = select.PIPE_BUF - _REPLY.size
 """A reply body this small goes with its length in one write, which a pipe takes whole."""
 _PIPE_SIZE = 1 << 20  # asked of the kernel, up to /proc/sys/fs/pipe-max-size
+_DRAIN_EVERY = 1024
+"""Sends between two reads of the reply pipes at least: a worker reports at most once per
+frame (16 bytes), so a controller that only calls, never waiting, still empties them before
+they fill (a worker blocked writing a report would read no command)."""
+_SETTLE = 2e-3
+"""How long ``settled`` reads the reply pipes for reports, holding them, before it gives up
+(the caller then sends SYNC): a recv of another thread waits at most this long for them."""
 
 
 class PipeChannel(Channel):
@@ -107,11 +122,18 @@ class PipeChannel(Channel):
         self._begun = [bytearray() for _ in range(num_workers)]
         """Per worker, the bytes read of replies not yet whole: never waited for, as a worker
         stopped half-way through a reply is a hung worker, to be seen at the deadline."""
-        self._large: list[tuple[bytearray, memoryview] | None] = [None] * num_workers
+        self._large: list[tuple[bytearray, memoryview, int] | None] = [None] * num_workers
         """Per worker, a reply larger than the scratch buffer being read: (its body, the part
-        still to read)."""
+        still to read, its progress word)."""
         self._broken: dict[int, str] = {}
         """Workers whose reply pipe held bytes that break the format, and what they were."""
+        self._sent = [0] * num_workers
+        """Per worker, the frames written to its command pipe."""
+        self._unread = 0
+        """Sends since the last drain (_DRAIN_EVERY)."""
+        self._progress = [0] * num_workers
+        """Per worker, its last progress word: frames run << 1 | whether it holds errors
+        nobody fetched (``settled``)."""
         self._scratch = bytearray(_PIPE_SIZE)
         self._scratch_view = memoryview(self._scratch)
         self._wake_r, self._wake_w = os.pipe()
@@ -146,9 +168,14 @@ class PipeChannel(Channel):
         if refs:
             assert self.arena is not None  # only the arena's shared arrays give refs
             self.arena.count_sent(refs, ranks)
-        written = False
+        written, sent = False, self._sent
         for r in ranks:
             written = self._write(r, frame, deadline, written)
+            sent[r] += 1
+        self._unread += 1
+        if self._unread >= _DRAIN_EVERY:
+            self._unread = 0
+            self._drain()
 
     def _frame(self, data: bytes, buffers: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         """The frame's parts (to write as they are) and the descriptors of the shared
@@ -205,16 +232,20 @@ class PipeChannel(Channel):
         if not self._rx.acquire(blocking=False):
             return False
         try:
-            got = self._read_now()
-            self._backlog += got
-            if got:
-                try:
-                    os.write(self._wake_w, b"x")
-                except BlockingIOError:
-                    pass  # it is readable already
+            self._keep(self._read_now())
             return True
         finally:
             self._rx.release()
+
+    def _keep(self, got: list[tuple[int, bytes | Reply | None]]) -> None:
+        """Replies read by a wait other than recv: into the backlog, for the next recv. Wakes
+        an event loop when the backlog grew."""
+        if got:
+            self._backlog += got
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                pass  # it is readable already
 
     def _check_watch(self) -> None:
         if self._watch and select.select(self._watch, [], [], 0)[0]:
@@ -229,11 +260,7 @@ class PipeChannel(Channel):
             if self._backlog or timeout == 0:  # a poll needs no watch: it may come after
                 out, self._backlog = self._backlog, []  # the watch fds closed
                 return out + self._read_now()
-            poller = self._poller
-            if poller is None:
-                poller = self._poller = select.poll()
-                for fd in [*(c.fileno() for c in self._open), *self._watch]:
-                    poller.register(fd, select.POLLIN)
+            poller = self._poll_set()
             got = poller.poll(0)
             if not got:  # a reply is often a few µs away: yield the core, looking, then sleep
                 found = spin(poller.poll, SPIN if timeout is None else min(SPIN, timeout),
@@ -248,6 +275,62 @@ class PipeChannel(Channel):
                 else:
                     ready.append(fd)
             return self._read_ready(ready)
+
+    def _poll_set(self) -> select.poll:
+        """The reply pipes and the watch fds, in one poll set made once (caller holds the rx
+        lock)."""
+        poller = self._poller
+        if poller is None:
+            poller = self._poller = select.poll()
+            for fd in [*(c.fileno() for c in self._open), *self._watch]:
+                poller.register(fd, select.POLLIN)
+        return poller
+
+    # -- progress: sync without a message, where the reports are in -------------------------
+
+    settles = True
+
+    def settled(self, ranks: Sequence[int], timeout: float) -> bool:
+        """Channel.settled, from the progress reports in the reply streams: each worker in
+        ``ranks`` has run every frame sent to it and holds no error nobody fetched. Waits
+        for the reports up to ``timeout`` (at most _SETTLE), reading the reply pipes (replies
+        found go to the backlog), and only where no other thread reads them: False tells
+        nothing more, and the caller asks (SYNC). A watch fd readable, or a worker's end
+        closed: False, so that the caller's long way notices the death."""
+        if not self._rx.acquire(blocking=False):
+            return False
+        try:
+            poller = self._poll_set()
+            end = time.perf_counter() + min(timeout, _SETTLE)
+            got = poller.poll(0)
+            while True:
+                if got:
+                    ready = [fd for fd, _ in got]
+                    if any(fd not in self._rank_of for fd in ready):
+                        return False  # a death (or a watch fd closed): the long way says
+                    replies = self._read_ready(ready)
+                    self._keep(replies)
+                    if any(data is None for _, data in replies):
+                        return False
+                looked = self._look(ranks)
+                if looked:
+                    return looked == 1
+                left = end - time.perf_counter()
+                if left <= 0:
+                    return False
+                found = spin(poller.poll, min(SPIN, left), self._busy, 0)
+                got = found if isinstance(found, list) else poller.poll(math.ceil(left * 1000))
+        finally:
+            self._rx.release()
+
+    def _look(self, ranks: Sequence[int]) -> int:
+        """0 while a worker in ``ranks`` has not reported every frame sent to it as run;
+        else 1, or 2 where one holds errors nobody fetched."""
+        sent, progress = self._sent, self._progress
+        for r in ranks:
+            if progress[r] != sent[r] << 1:
+                return 0 if progress[r] >> 1 != sent[r] else 2
+        return 1
 
     def _read_now(self) -> list[tuple[int, bytes | Reply | None]]:
         """The whole replies the reply pipes hold now, without waiting; caller holds the rx
@@ -289,13 +372,17 @@ class PipeChannel(Channel):
             if large is not None:
                 if n == large[1].nbytes:
                     out.append((rank, bytes(large[0])))
+                    self._progress[rank] = large[2]
                     self._large[rank] = None
                 else:
-                    self._large[rank] = (large[0], large[1][n:])
+                    self._large[rank] = (large[0], large[1][n:], large[2])
                 continue
-            if (not begun and n >= _LEN.size
-                    and _LEN.unpack_from(scratch)[0] == (n - _LEN.size) | _TAG):
-                out.append((rank, bytes(view[_LEN.size:n])))  # one whole reply: the usual
+            word, progress = _REPLY.unpack_from(scratch) if n >= _REPLY.size else (0, 0)
+            if not begun and word == (n - _REPLY.size) | _TAG:  # one whole reply: the usual
+                out.append((rank, bytes(view[_REPLY.size:n])))
+                self._progress[rank] = progress
+            elif not begun and word == _REPORT and n == _REPLY.size:  # one report: dispatch's
+                self._progress[rank] = progress
             else:
                 begun += view[:n]
                 problem = self._frames(rank, begun, out)
@@ -324,21 +411,26 @@ class PipeChannel(Channel):
         (nothing of it or after it taken)."""
         at = 0
         with memoryview(begun) as mv:
-            while len(begun) - at >= _LEN.size:
-                word = _LEN.unpack_from(begun, at)[0]
+            while len(begun) - at >= _REPLY.size:
+                word, progress = _REPLY.unpack_from(begun, at)
                 size = word & _SIZE
+                if word == _REPORT:
+                    self._progress[rank] = progress
+                    at += _REPLY.size
+                    continue
                 if word & ~_SIZE != _TAG or size > _MAX_REPLY:
                     return f"{word:#018x} where a reply's tagged length should be"
-                end = at + _LEN.size + size
+                end = at + _REPLY.size + size
                 if len(begun) < end:
                     if size > len(self._scratch):
                         body = bytearray(size)
-                        have = len(begun) - at - _LEN.size
-                        body[:have] = mv[at + _LEN.size :]
-                        self._large[rank] = (body, memoryview(body)[have:])
+                        have = len(begun) - at - _REPLY.size
+                        body[:have] = mv[at + _REPLY.size :]
+                        self._large[rank] = (body, memoryview(body)[have:], progress)
                         at = len(begun)
                     break
-                out.append((rank, bytes(mv[at + _LEN.size : end])))
+                out.append((rank, bytes(mv[at + _REPLY.size : end])))
+                self._progress[rank] = progress
                 at = end
         del begun[:at]
         return ""
@@ -402,10 +494,17 @@ class PipeWorkerChannel(WorkerChannel):
         self._scratch_view = memoryview(self._scratch)
         self._poll = select.poll()
         self._poll.register(self._cmd, select.POLLIN)
+        self._taken = 0
+        """Frames recv returned: each is run by the time the next is asked for."""
+        self._holding = 0
+        """1 while this worker holds errors nobody fetched (``unreported``), else 0."""
+        self._told = 0
+        """The progress word the controller last got: frames run << 1 | holding."""
 
     def recv(self) -> tuple[memoryview, list[Any]] | None:
         """The next frame, read from the pipe by this thread; None once the controller is
-        gone."""
+        gone. Before it waits for one, it reports its progress if that changed since the
+        last reply or report: the controller's sync reads it instead of asking."""
         try:
             if self._fresh:  # the wait for the session's first command spans the other
                 self._fresh = False  # workers' start, which no later wait should take for a
@@ -413,6 +512,10 @@ class PipeWorkerChannel(WorkerChannel):
                 crowd.forget()
             if not self._have:
                 if not self._poll.poll(0):  # the next command is often a few µs away:
+                    progress = self._taken << 1 | self._holding
+                    if progress != self._told:  # everything taken has run: say so
+                        os.write(self._reply, _REPLY.pack(_REPORT, progress))
+                        self._told = progress
                     spin(self._poll.poll, SPIN, self._busy, 0)  # yield, then sleep in the read
                 k = os.readv(self._cmd, [self._scratch])  # all there is, up to its size: a
                 if not k:  # frame's head and body, and the frames behind it, in one call
@@ -430,6 +533,7 @@ class PipeWorkerChannel(WorkerChannel):
                     bufs.append(memoryview(got))
         except (EOFError, OSError):
             return None
+        self._taken += 1
         return data, bufs
 
     def _read(self, n: int) -> bytearray:
@@ -452,14 +556,20 @@ class PipeWorkerChannel(WorkerChannel):
         return buf
 
     def reply(self, data: bytes, buffers: Sequence[Any] = ()) -> None:
+        """A reply is the last thing its frame does (worker.serve), so it reports that frame
+        as run, with whether this worker holds errors nobody fetched."""
         if buffers:
             raise ValueError("the pipe channel pickles replies in band")
-        head, fd = _LEN.pack(len(data) | _TAG), self._reply
+        self._told = progress = self._taken << 1 | self._holding
+        head, fd = _REPLY.pack(len(data) | _TAG, progress), self._reply
         if len(data) <= _ATOMIC:  # the usual: one write, whole (a blocking pipe takes it all)
             os.write(fd, head + data)
             return
         write_frame(lambda parts: os.writev(fd, parts), [head, data],  # blocking: waits for
                     "the controller's reply pipe", None, False, _idle, _idle)  # room itself
+
+    def unreported(self, count: int) -> None:
+        self._holding = 1 if count else 0  # told with the next reply or report
 
     def close(self) -> None:
         if self._reply >= 0:

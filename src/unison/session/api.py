@@ -728,7 +728,9 @@ class Session(View):
     def _sync(self, ranks: tuple[int, ...], timeout: float | None) -> None:
         """Where the channel tracks progress (and no request is in flight to these ranks,
         whose late errors a SYNC's replies would bring in), wait on the workers' done
-        positions and ask for errors only if one holds some; else send SYNC."""
+        positions and ask for errors only if one holds some; where it ``settles`` (their
+        reports come in the reply streams), look for them a little and ask if they do not
+        say all is done; else send SYNC."""
         chan, router = self._chan, self._router
         deadline = None if timeout is None else _deadline(timeout)
         if chan.tracks_progress and router.idle(ranks):
@@ -741,6 +743,13 @@ class Session(View):
             if ask:  # the long way
                 self._wait_done(ranks, deadline)
                 ask = chan.unreported(ranks)
+        elif chan.settles and router.idle(ranks):  # reports in the reply streams: look
+            left = router.slice if deadline is None else deadline - time.monotonic()
+            try:
+                ask = not (left > 0 and not self._closed and chan.settled(ranks, left))
+            except KeyboardInterrupt:
+                self.interrupted()
+                raise
         else:
             ask = True
         if ask:
