@@ -337,11 +337,12 @@ def test_a_pipe_worker_reports_what_it_ran_before_it_waits_and_settled_reads_it(
         thread.start()
         return thread
 
-    def settles_within(seconds: float) -> bool:  # each look gives up after pipe._SETTLE
-        end = time.monotonic() + seconds
+    def settles_within(seconds: float) -> bool:  # a look that finds the last word "holds
+        end = time.monotonic() + seconds  # errors" says no at once: again, as a sync would
         while not chan.settled([0], seconds):
             if time.monotonic() > end:
                 return False
+            time.sleep(0.001)
         return True
 
     try:
@@ -356,8 +357,8 @@ def test_a_pipe_worker_reports_what_it_ran_before_it_waits_and_settled_reads_it(
         chan.send(b"more", [0])
         waiter.join(5.0)
         start = time.monotonic()
-        assert not chan.settled([0], 5.0)  # taken, not yet reported run: it gives up soon
-        assert time.monotonic() - start < 1.0  # (pipe._SETTLE), holding the pipes no longer
+        assert not chan.settled([0], 0.2)  # taken, not yet reported run
+        assert time.monotonic() - start >= 0.15
         worker.unreported(1)
         worker.reply(b"the answer")  # a reply reports its frame run, and the error held
         start = time.monotonic()
@@ -374,6 +375,37 @@ def test_a_pipe_worker_reports_what_it_ran_before_it_waits_and_settled_reads_it(
         chan.close()  # ends the waiting recv
         if waiter is not None:
             waiter.join(5.0)
+        worker.close()
+        os.close(spec["cmd"])
+
+
+def test_a_recv_in_another_thread_makes_a_waiting_settled_let_go_at_once() -> None:
+    """settled reads the reply pipes while it waits for reports, and only one thread reads
+    them at a time: a recv of another thread (its own replies) asks it to let go, so that
+    no thread waits for another's sync; that sync then asks (SYNC)."""
+    chan, worker, spec = _pipe_ends()
+    try:
+        chan.send(b"call", [0])  # taken, never reported: settled would wait it out
+        worker.recv()
+        result: list[bool] = []
+        settler = threading.Thread(target=lambda: result.append(chan.settled([0], 30.0)))
+        settler.start()
+        deadline = time.monotonic() + 10.0
+        while not chan._settling and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert chan._settling
+        threading.Timer(0.05, worker.reply, (b"for the other thread",)).start()
+        start = time.monotonic()
+        got = chan.recv(10.0)
+        settler.join(10.0)
+        assert result == [False] and time.monotonic() - start < 5.0
+        got += chan.recv(10.0) if not got else []
+        assert got == [(0, b"for the other thread")]
+        for _ in range(3):  # a recv that finds the lock free leaves no stale request behind
+            assert chan.recv(0.0) == []
+        assert chan.settled([0], 0.0) and not chan._settling  # the reply reported it run
+    finally:
+        chan.close()
         worker.close()
         os.close(spec["cmd"])
 

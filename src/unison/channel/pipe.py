@@ -82,9 +82,6 @@ _DRAIN_EVERY = 1024
 """Sends between two reads of the reply pipes at least: a worker reports at most once per
 frame (16 bytes), so a controller that only calls, never waiting, still empties them before
 they fill (a worker blocked writing a report would read no command)."""
-_SETTLE = 2e-3
-"""How long ``settled`` reads the reply pipes for reports, holding them, before it gives up
-(the caller then sends SYNC): a recv of another thread waits at most this long for them."""
 
 
 class PipeChannel(Channel):
@@ -116,7 +113,15 @@ class PipeChannel(Channel):
         crowd.expect(num_workers + 1)  # so many runnable tasks are peers (pacing.crowd.look)
         self._open = list(self._replies)
         self._rx = threading.Lock()
-        """Held by whoever reads the reply pipes: recv, or a send that waits for room."""
+        """Held by whoever reads the reply pipes: recv, settled, or a send that waits for
+        room. recv takes it with ``_lock_rx``, which makes a settled let go."""
+        self._settling = False  # settled holds the rx lock, waiting for reports
+        self._wanted = 0  # recvs waiting for the rx lock
+        self._wanted_lock = threading.Lock()
+        self._yield_r, self._yield_w = os.pipe()
+        """Written by a recv that wants the rx lock while settled holds it: settled lets go."""
+        for fd in (self._yield_r, self._yield_w):
+            os.set_blocking(fd, False)
         self._backlog: list[tuple[int, bytes | Reply | None]] = []
         """Replies a waiting send read, for the next recv."""
         self._begun = [bytearray() for _ in range(num_workers)]
@@ -142,6 +147,8 @@ class PipeChannel(Channel):
         self._poller: select.poll | None = None
         """recv's set of reply and watch fds, made once (multiprocessing's ``wait`` made a
         selector at every call: tens of µs a round at N=8); made again when the fds change."""
+        self._settle_poller: select.poll | None = None
+        """settled's: the same and the yield pipe."""
 
     def endpoint(self, rank: int) -> tuple[dict[str, Any], list[int]]:
         cmd_r, rep_w = self._child_fds[rank]
@@ -156,7 +163,7 @@ class PipeChannel(Channel):
                 _close_fd(fd)
         self._child_fds = []
         self._watch = list(watch)
-        self._poller = None
+        self._poller = self._settle_poller = None
 
     def send(self, data: bytes, ranks: Sequence[int], buffers: Sequence[Any] = (), *,
              deadline: float | None = None) -> None:
@@ -256,7 +263,8 @@ class PipeChannel(Channel):
     ) -> list[tuple[int, bytes | Reply | None]]:
         """See Channel.recv: the backlog first, then wait on the reply pipes and the watch
         fds (``watch``: deprecated, ignored)."""
-        with self._rx:
+        self._lock_rx()
+        try:
             if self._backlog or timeout == 0:  # a poll needs no watch: it may come after
                 out, self._backlog = self._backlog, []  # the watch fds closed
                 return out + self._read_now()
@@ -271,10 +279,31 @@ class PipeChannel(Channel):
             for fd, events in got:
                 if events & select.POLLNVAL:  # a watch fd closed under us: watch it no more
                     self._watch = [w for w in self._watch if w != fd]
-                    self._poller = None
+                    self._poller = self._settle_poller = None
                 else:
                     ready.append(fd)
             return self._read_ready(ready)
+        finally:
+            self._rx.release()
+
+    def _lock_rx(self) -> None:
+        """Take the rx lock for recv. Where settled holds it, waiting for progress reports,
+        ask it to let go (it returns False, and its sync asks instead): so a thread waiting
+        for its replies never waits for another thread's sync."""
+        if self._rx.acquire(blocking=False):
+            return
+        with self._wanted_lock:
+            self._wanted += 1
+        try:
+            if self._settling:  # else it sees _wanted before it waits, or holds no lock
+                try:
+                    os.write(self._yield_w, b"x")
+                except (BlockingIOError, OSError):
+                    pass  # it is readable already (or closed: close() is under way)
+            self._rx.acquire()
+        finally:
+            with self._wanted_lock:
+                self._wanted -= 1
 
     def _poll_set(self) -> select.poll:
         """The reply pipes and the watch fds, in one poll set made once (caller holds the rx
@@ -286,6 +315,15 @@ class PipeChannel(Channel):
                 poller.register(fd, select.POLLIN)
         return poller
 
+    def _settle_set(self) -> select.poll:
+        """settled's poll set: recv's, and the yield pipe."""
+        poller = self._settle_poller
+        if poller is None:
+            poller = self._settle_poller = select.poll()
+            for fd in [*(c.fileno() for c in self._open), *self._watch, self._yield_r]:
+                poller.register(fd, select.POLLIN)
+        return poller
+
     # -- progress: sync without a message, where the reports are in -------------------------
 
     settles = True
@@ -293,21 +331,29 @@ class PipeChannel(Channel):
     def settled(self, ranks: Sequence[int], timeout: float) -> bool:
         """Channel.settled, from the progress reports in the reply streams: each worker in
         ``ranks`` has run every frame sent to it and holds no error nobody fetched. Waits
-        for the reports up to ``timeout`` (at most _SETTLE), reading the reply pipes (replies
-        found go to the backlog), and only where no other thread reads them: False tells
-        nothing more, and the caller asks (SYNC). A watch fd readable, or a worker's end
-        closed: False, so that the caller's long way notices the death."""
+        for the reports up to ``timeout``, reading the reply pipes (replies found go to the
+        backlog), only where no other thread reads them, and only until one wants to
+        (``_lock_rx``): False tells nothing more, and the caller asks (SYNC). A watch fd
+        readable, or a worker's end closed: False, so that the caller's long way notices
+        the death. A wait that gave up after 2 ms (and sent SYNC) made dispatch beside two
+        CPU hogs take 2.2 ms a round in whole blocks at N=8, against ~0.1 ms without the
+        limit (docs/benchmarks.md, "Issue 9, thirty-second pass")."""
         if not self._rx.acquire(blocking=False):
             return False
         try:
-            poller = self._poll_set()
-            end = time.perf_counter() + min(timeout, _SETTLE)
+            self._settling = True
+            if self._wanted:
+                return False
+            poller = self._settle_set()
+            end = time.perf_counter() + timeout
             got = poller.poll(0)
             while True:
                 if got:
                     ready = [fd for fd, _ in got]
                     if any(fd not in self._rank_of for fd in ready):
-                        return False  # a death (or a watch fd closed): the long way says
+                        if self._yield_r in ready:
+                            _drain_pipe(self._yield_r)
+                        return False  # a recv wants the pipes, or a death: the long way
                     replies = self._read_ready(ready)
                     self._keep(replies)
                     if any(data is None for _, data in replies):
@@ -321,6 +367,7 @@ class PipeChannel(Channel):
                 found = spin(poller.poll, min(SPIN, left), self._busy, 0)
                 got = found if isinstance(found, list) else poller.poll(math.ceil(left * 1000))
         finally:
+            self._settling = False
             self._rx.release()
 
     def _look(self, ranks: Sequence[int]) -> int:
@@ -401,7 +448,7 @@ class PipeChannel(Channel):
         self._begun[rank].clear()
         self._large[rank] = None
         self._open.remove(conn)
-        self._poller = None
+        self._poller = self._settle_poller = None
         out.append((rank, None))
 
     def _frames(self, rank: int, begun: bytearray,
@@ -466,10 +513,11 @@ class PipeChannel(Channel):
             except OSError:
                 pass  # already closed by its own finalizer (garbage collection of a cycle)
         self._open = []
-        for fd in (self._wake_r, self._wake_w):
+        for name in ("_wake_r", "_wake_w", "_yield_r", "_yield_w"):
+            fd = getattr(self, name, -1)  # (not made yet where __init__ failed)
             if fd >= 0:
                 _close_fd(fd)
-        self._wake_r = self._wake_w = -1
+        self._wake_r = self._wake_w = self._yield_r = self._yield_w = -1
         if self.arena is not None:
             self.arena.close()
             self.arena = None
@@ -600,6 +648,14 @@ def _room(fd: int) -> int:
     """Bytes the pipe takes now without blocking."""
     queued = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
     return _capacity(fd) - int(queued)
+
+
+def _drain_pipe(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except (BlockingIOError, OSError):
+        pass
 
 
 def _close_fd(fd: int) -> None:
