@@ -114,7 +114,7 @@ class PipeChannel(Channel):
         self._open = list(self._replies)
         self._rx = threading.Lock()
         """Held by whoever reads the reply pipes: recv, settled, or a send that waits for
-        room. recv takes it with ``_lock_rx``, which makes a settled let go."""
+        room. a recv that waits for it makes a settled let go (``_wait_rx``)."""
         self._settling = False  # settled holds the rx lock, waiting for reports
         self._wanted = 0  # recvs waiting for the rx lock
         self._wanted_lock = threading.Lock()
@@ -263,7 +263,8 @@ class PipeChannel(Channel):
     ) -> list[tuple[int, bytes | Reply | None]]:
         """See Channel.recv: the backlog first, then wait on the reply pipes and the watch
         fds (``watch``: deprecated, ignored)."""
-        self._lock_rx()
+        if not self._rx.acquire(blocking=False):
+            self._wait_rx()
         try:
             if self._backlog or timeout == 0:  # a poll needs no watch: it may come after
                 out, self._backlog = self._backlog, []  # the watch fds closed
@@ -286,12 +287,10 @@ class PipeChannel(Channel):
         finally:
             self._rx.release()
 
-    def _lock_rx(self) -> None:
-        """Take the rx lock for recv. Where settled holds it, waiting for progress reports,
-        ask it to let go (it returns False, and its sync asks instead): so a thread waiting
-        for its replies never waits for another thread's sync."""
-        if self._rx.acquire(blocking=False):
-            return
+    def _wait_rx(self) -> None:
+        """Take the rx lock for recv, which another thread holds. Where that is settled,
+        waiting for progress reports, ask it to let go (it returns False, and its sync asks
+        instead): so a thread waiting for its replies never waits for another's sync."""
         with self._wanted_lock:
             self._wanted += 1
         try:
@@ -333,7 +332,7 @@ class PipeChannel(Channel):
         ``ranks`` has run every frame sent to it and holds no error nobody fetched. Waits
         for the reports up to ``timeout``, reading the reply pipes (replies found go to the
         backlog), only where no other thread reads them, and only until one wants to
-        (``_lock_rx``): False tells nothing more, and the caller asks (SYNC). A watch fd
+        (``_wait_rx``): False tells nothing more, and the caller asks (SYNC). A watch fd
         readable, or a worker's end closed: False, so that the caller's long way notices
         the death. A wait that gave up after 2 ms (and sent SYNC) made dispatch beside two
         CPU hogs take 2.2 ms a round in whole blocks at N=8, against ~0.1 ms without the
