@@ -29,7 +29,8 @@ it alone (a report: tag ``_REPORT``, no body). So sync after a quick call reads 
 instead of sending SYNC and waiting for its answers (``settled``): dispatch is one message
 each way, as on a Pipe (it took 18 against 26 µs a round at N=2, docs/benchmarks.md, "Issue
 9, thirty-second pass"). Only one thread reads the pipes at a time, so ``settled`` looks only
-where none does, and for a few ms at most: otherwise sync asks. The controller reads replies
+where none does, and lets go as soon as a recv of another thread wants them: then that sync
+asks. Sends read the replies every _DRAIN_EVERY frames. The controller reads replies
 without blocking, keeping the start of a reply still being written for the next read: a
 worker stopped half-way through a reply (SIGSTOP, a thread holding its GIL) is a hung worker
 like any other, which the wait's deadline reports, rather than a read that never returns.
