@@ -410,6 +410,26 @@ def test_a_recv_in_another_thread_makes_a_waiting_settled_let_go_at_once() -> No
         os.close(spec["cmd"])
 
 
+def test_a_waiting_settled_returns_when_another_thread_closes_the_channel() -> None:
+    chan, worker, spec = _pipe_ends()
+    try:
+        chan.send(b"call", [0])  # never reported run
+        result: list[bool] = []
+        settler = threading.Thread(target=lambda: result.append(chan.settled([0], 30.0)))
+        settler.start()
+        deadline = time.monotonic() + 10.0
+        while not chan._settling and time.monotonic() < deadline:
+            time.sleep(0.001)
+        start = time.monotonic()
+        chan.close()
+        settler.join(10.0)
+        assert result == [False] and time.monotonic() - start < 5.0
+    finally:
+        chan.close()
+        worker.close()
+        os.close(spec["cmd"])
+
+
 def test_a_controller_that_only_sends_still_reads_the_reports_before_the_pipe_fills() -> None:
     """A worker reports at most once per frame; sends read the reply pipes every
     _DRAIN_EVERY, so a controller that calls and calls without a wait still empties them

@@ -366,6 +366,8 @@ class PipeChannel(Channel):
                     return False
                 found = spin(poller.poll, min(SPIN, left), self._busy, 0)
                 got = found if isinstance(found, list) else poller.poll(math.ceil(left * 1000))
+        except (OSError, ValueError):  # close() from another thread (it does not wait for
+            return False  # this lock): the long way says the session is closed
         finally:
             self._settling = False
             self._rx.release()
@@ -447,7 +449,8 @@ class PipeChannel(Channel):
         whole replies before; the rest is dropped unread."""
         self._begun[rank].clear()
         self._large[rank] = None
-        self._open.remove(conn)
+        if conn in self._open:  # (close() may have emptied it meanwhile)
+            self._open.remove(conn)
         self._poller = self._settle_poller = None
         out.append((rank, None))
 

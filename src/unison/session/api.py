@@ -744,7 +744,9 @@ class Session(View):
                 self._wait_done(ranks, deadline)
                 ask = chan.unreported(ranks)
         elif chan.settles and router.idle(ranks):  # reports in the reply streams: look
-            left = router.slice if deadline is None else deadline - time.monotonic()
+            left = router.slice  # for a slice at most: SYNC's wait watches for hangs
+            if deadline is not None:
+                left = min(left, deadline - time.monotonic())
             try:
                 ask = not (left > 0 and not self._closed and chan.settled(ranks, left))
             except KeyboardInterrupt:
