@@ -558,6 +558,12 @@ def test_crowd_blocks_shows_each_process_per_round_and_each_sides_verdict() -> N
             assert "crowd: controller (" in line and "workers [(" in line, out
 
 
+def test_class_call_times_a_class_against_a_function() -> None:
+    """benchmarks/class_call.py: blocks of each, their medians, and the ratio."""
+    out = _tool("class_call.py", "--blocks", "2", "--seconds", "0.02")
+    assert "class   :" in out and "function:" in out and "class / function:" in out, out
+
+
 def test_ring_costs_times_each_step_on_both_rings() -> None:
     """benchmarks/ring_costs.py: one row for the C ring and one for the pure-Python one,
     each step's µs (send, recv, a plain reply, its read), the two with a real worker, and

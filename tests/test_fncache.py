@@ -102,3 +102,52 @@ def test_a_function_called_again_after_the_cache_dropped_it_is_defined_again(
     assert sess.run(first) == [1, 1]
     assert sess.run(first) == [1, 1]
     assert sess.run(second) == [2, 2]
+
+
+class Named:
+    """A class of an importable module: pickle sends it by name."""
+
+    def __init__(self, x: int = 0) -> None:
+        self.x = x
+
+
+def _made_on_the_fly(value: int) -> type:
+    """A class whose module does not hold it under its name: cloudpickle sends its body."""
+    return type("Named", (), {"value": value, "__module__": __name__})
+
+
+def test_a_class_sent_by_name_is_kept_and_one_made_on_the_fly_is_sent_every_time() -> None:
+    cache = FunctionCache()
+    assert cache.cacheable(Named) and cache.store(Named, 1, b"Named") == []
+    assert cache.lookup(Named) == (1, None)  # sess.call(Model, path): no DEFINE per call
+    assert cache.cacheable(int)
+    fly = _made_on_the_fly(1)
+    assert not cache.cacheable(fly) and cache.store(fly, 2, b"fly") == []
+    assert cache.lookup(fly) == (0, None)
+
+
+def _value_of(cls: type) -> int:
+    return int(cls().value)
+
+
+def test_a_session_defines_a_named_class_once_and_sees_a_changed_one_made_on_the_fly(
+        make_session: Callable[..., unison.Session]) -> None:
+    sess = make_session(2)
+    defines = 0
+    real = sess._define
+
+    def counting(*args: object, **kwargs: object) -> tuple[int, bool]:
+        nonlocal defines
+        defines += 1
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    sess._define = counting  # type: ignore[method-assign]
+    for x in range(3):
+        ref = sess.call(Named, x)
+        assert [obj.x for obj in ref.gather()] == [x, x]
+    assert defines == 1
+    fly = _made_on_the_fly(1)
+    assert sess.run(_value_of, fly) == [1, 1]
+    fly.value = 2  # type: ignore[attr-defined]  # the same class object, changed
+    refs = [sess.call(fly) for _ in range(2)]
+    assert [o.value for o in refs[-1].gather()] == [2, 2]

@@ -33,3 +33,17 @@ def check_block(block: Any, nbytes: int) -> None:
     if not ok:
         raise RuntimeError(f"fetch returned {type(block).__name__} "
                            f"{getattr(block, 'shape', '')}: expected {nbytes} bytes of float64")
+
+
+class Small:
+    """A class the workers construct (``sess.call(Small, 1)``): benchmarks/class_call.py."""
+
+    __slots__ = ("x",)
+
+    def __init__(self, x: int = 0) -> None:
+        self.x = x
+
+
+def make_small(x: int = 0) -> Small:
+    """The same object made by a module function, for the comparison."""
+    return Small(x)

@@ -3,7 +3,9 @@
 A function is sent to the workers once (DEFINE) and later calls name it by id. That is only
 right while the workers' copy behaves as the controller's would at the moment of the call:
 
-    by reference   (a function of an importable module)  the workers import it: always current
+    by reference   (a function or class of an importable module)  the workers import it:
+                   always current (a class that pickle sends by name, such as ``sess.call(Model,
+                   path)``, the same: no DEFINE per call)
     by value       (a lambda, closure, ``__main__`` function)  current only while everything it
                    captured (closure cells, the globals its code names, defaults, and the same
                    for any by-value function among them) is what was sent:
@@ -11,7 +13,8 @@ right while the workers' copy behaves as the controller's would at the moment of
                           can never be reused while we hold the object)
         else           -> pickled again at every call and compared byte for byte (a dict or an
                           array changed in place is seen; an unchanged one costs a pickle)
-    anything else  (bound methods, callable objects, partials)  pickled and sent every time
+    anything else  (bound methods, callable objects, partials, a class of ``__main__``)
+                   pickled and sent every time
 
 Nothing here is guessed from ``id()`` alone: a stale copy on the workers is impossible.
 """
@@ -35,6 +38,7 @@ __all__ = ["FunctionCache"]
 BIG_CAPTURE = 1 << 20  # a re-sent by-value function this large earns a warning
 
 _CACHEABLE = (types.FunctionType, types.BuiltinFunctionType)
+_KEYS = (*_CACHEABLE, type)  # what an entry may be kept for (a class: by reference only)
 _ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes, range,
                     type(Ellipsis), types.ModuleType, types.CodeType})
 _MISSING = object()
@@ -107,7 +111,7 @@ class FunctionCache:
         """``(fn_id, None)`` if the workers' copy is current; else ``(0, pickle or None)``,
         with the pickle when it was already made to compare (so it is made once)."""
         self.last = None
-        entry = self._entries.get(fn) if isinstance(fn, _CACHEABLE) else None
+        entry = self._entries.get(fn) if isinstance(fn, _KEYS) else None
         if entry is None:
             return 0, None
         plan = entry.plan
@@ -127,7 +131,7 @@ class FunctionCache:
         ids the workers may drop: the replaced definition, and the least recently used one
         past the cache's size. A function that cannot be cached keeps nothing."""
         self.last = None  # this entry goes last now, and one may go
-        if not isinstance(fn, _CACHEABLE):
+        if not self.cacheable(fn):
             return []
         old = self._entries.pop(fn, None)
         drop = [] if old is None else [old.fn_id]
@@ -146,7 +150,7 @@ class FunctionCache:
 
     @staticmethod
     def cacheable(fn: object) -> bool:
-        return isinstance(fn, _CACHEABLE)
+        return isinstance(fn, _CACHEABLE) or (isinstance(fn, type) and _named(fn))
 
     def _warn_big(self, fn: Callable[..., Any], size: int) -> None:
         key = getattr(fn, "__code__", fn)
@@ -189,6 +193,19 @@ def _by_reference(fn: Any) -> bool:
     qualname = getattr(fn, "__qualname__", "")
     return (module is not None and module != "__main__" and "<" not in qualname
             and module in sys.modules)
+
+
+def _named(cls: type) -> bool:
+    """Whether class ``cls`` is what its module's attribute of its name holds: then pickle
+    sends it by name, as an import. A class made on the fly (``type(...)`` in a function)
+    names a module that does not hold it, so cloudpickle sends its body, which may change:
+    such a class is sent at every call, never kept."""
+    if not _by_reference(cls):
+        return False
+    found: Any = sys.modules[cls.__module__]
+    for part in cls.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is cls
 
 
 def _captures(fn: Any, plan: _Plan, seen: set[int]) -> bool:

@@ -1,0 +1,65 @@
+"""A class called on the workers (``sess.call(Model, args)``) against a function that makes
+the same object, round trip by round trip (issue 9: the function path).
+
+    python benchmarks/class_call.py [--workers 2] [--blocks 8] [--seconds 0.3] [--channel shm]
+
+Each round is ``sess.call(X, 1)`` then ``sess.sync()``, X the class ``harness.tasks.Small``
+or the function ``harness.tasks.make_small``, in alternating blocks; prints each block's
+median and the ratio of the medians. The session's function cache keeps a class that pickle
+sends by name, as it keeps a function; before it did, each call of a class sent it again
+(a DEFINE ahead of every CALL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import unison
+from harness.report import command_line, cpu_model, source_revision
+from harness.tasks import Small, make_small
+
+
+def block(sess: unison.Session, fn: Callable[[int], object], seconds: float) -> float:
+    """Median µs of ``call(fn, 1); sync()`` rounds for ``seconds``."""
+    times = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        start = time.perf_counter_ns()
+        sess.call(fn, 1)
+        sess.sync()
+        times.append(time.perf_counter_ns() - start)
+    return statistics.median(times) / 1000
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--seconds", type=float, default=0.3)
+    p.add_argument("--channel", default="auto")
+    args = p.parse_args()
+    print(f"CPU: {cpu_model()}; {source_revision()}; command: {command_line(sys.argv[1:])}")
+    medians: dict[str, list[float]] = {"class": [], "function": []}
+    with unison.Session(args.workers, channel=args.channel) as sess:
+        for fn in (Small, make_small):
+            block(sess, fn, 0.05)  # defined, warm
+        for i in range(args.blocks):
+            turn = [("class", Small), ("function", make_small)]
+            for name, fn in turn if i % 2 == 0 else reversed(turn):
+                medians[name].append(block(sess, fn, args.seconds))
+    for name, got in medians.items():
+        print(f"{name:8}: {' '.join(f'{m:.1f}' for m in got)} | median "
+              f"{statistics.median(got):.1f} µs")
+    ratio = statistics.median(medians["class"]) / statistics.median(medians["function"])
+    print(f"class / function: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
