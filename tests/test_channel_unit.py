@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -379,6 +379,18 @@ def test_a_pipe_worker_reports_what_it_ran_before_it_waits_and_settled_reads_it(
         os.close(spec["cmd"])
 
 
+def _settling(chan: PipeChannel) -> tuple[threading.Thread, list[bool]]:
+    """A thread in ``chan.settled([0], 30.0)``, once it waits; and where its result goes."""
+    result: list[bool] = []
+    settler = threading.Thread(target=lambda: result.append(chan.settled([0], 30.0)))
+    settler.start()
+    deadline = time.monotonic() + 10.0
+    while not chan._settling and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert chan._settling
+    return settler, result
+
+
 def test_a_recv_in_another_thread_makes_a_waiting_settled_let_go_at_once() -> None:
     """settled reads the reply pipes while it waits for reports, and only one thread reads
     them at a time: a recv of another thread (its own replies) asks it to let go, so that
@@ -387,13 +399,7 @@ def test_a_recv_in_another_thread_makes_a_waiting_settled_let_go_at_once() -> No
     try:
         chan.send(b"call", [0])  # taken, never reported: settled would wait it out
         worker.recv()
-        result: list[bool] = []
-        settler = threading.Thread(target=lambda: result.append(chan.settled([0], 30.0)))
-        settler.start()
-        deadline = time.monotonic() + 10.0
-        while not chan._settling and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert chan._settling
+        settler, result = _settling(chan)
         threading.Timer(0.05, worker.reply, (b"for the other thread",)).start()
         start = time.monotonic()
         got = chan.recv(10.0)
@@ -414,12 +420,7 @@ def test_a_waiting_settled_returns_when_another_thread_closes_the_channel() -> N
     chan, worker, spec = _pipe_ends()
     try:
         chan.send(b"call", [0])  # never reported run
-        result: list[bool] = []
-        settler = threading.Thread(target=lambda: result.append(chan.settled([0], 30.0)))
-        settler.start()
-        deadline = time.monotonic() + 10.0
-        while not chan._settling and time.monotonic() < deadline:
-            time.sleep(0.001)
+        settler, result = _settling(chan)
         start = time.monotonic()
         chan.close()
         settler.join(10.0)
@@ -891,18 +892,7 @@ def test_the_wait_for_the_first_command_forgets_the_workers_start(
     """Workers that start side by side keep each other off the core for a second or more;
     that is no crowd once the first command is here, and a later wait keeps what it saw."""
     chan, workers = shm_pair
-    monkeypatch.setattr(pacing.crowd, "next_look", float("inf"))
-    for first in (True, False):
-        until = time.perf_counter() + 60.0
-        monkeypatch.setattr(pacing.crowd, "until", until)
-        sender = threading.Timer(0.05, chan.send, (b"command", [0, 1]))
-        sender.start()
-        try:
-            got = workers[0].recv()
-        finally:
-            sender.join()
-        assert got is not None and bytes(got[0]) == b"command"
-        assert pacing.crowd.until == (0.0 if first else until)
+    _first_wait_forgets(monkeypatch, lambda: chan.send(b"command", [0, 1]), workers[0].recv)
 
 
 def test_a_tcp_workers_first_command_forgets_the_workers_start(
@@ -913,47 +903,39 @@ def test_a_tcp_workers_first_command_forgets_the_workers_start(
 
     ours, theirs = socket.socketpair()
     worker = tcp.TcpWorkerChannel(theirs, 7)
-    monkeypatch.setattr(pacing.crowd, "next_look", float("inf"))
+    frame = tcp._HEAD.pack(tcp._MAGIC, 7, 7, 0) + b"command"
     try:
-        for first in (True, False):
-            until = time.perf_counter() + 60.0
-            monkeypatch.setattr(pacing.crowd, "until", until)
-            frame = tcp._HEAD.pack(tcp._MAGIC, 7, 7, 0) + b"command"
-            sender = threading.Timer(0.05, ours.sendall, (frame,))
-            sender.start()
-            try:
-                got = worker.recv()
-            finally:
-                sender.join()
-            assert got is not None and bytes(got[0]) == b"command"
-            assert pacing.crowd.until == (0.0 if first else until)
+        _first_wait_forgets(monkeypatch, lambda: ours.sendall(frame), worker.recv)
     finally:
         ours.close()
         worker.close()
+
+
+def _first_wait_forgets(monkeypatch: pytest.MonkeyPatch, send: Callable[[], object],
+                        recv: Callable[[], tuple[Any, list[Any]] | None]) -> None:
+    """A worker's recv of its first command forgets what pacing.crowd judged meanwhile;
+    its second does not. ``send`` puts b"command" in its way, 50 ms after recv begins."""
+    monkeypatch.setattr(pacing.crowd, "next_look", float("inf"))
+    for first in (True, False):
+        until = time.perf_counter() + 60.0
+        monkeypatch.setattr(pacing.crowd, "until", until)
+        sender = threading.Timer(0.05, send)
+        sender.start()
+        try:
+            got = recv()
+        finally:
+            sender.join()
+        assert got is not None and bytes(got[0]) == b"command"
+        assert pacing.crowd.until == (0.0 if first else until)
 
 
 def test_a_pipe_workers_first_command_forgets_the_workers_start(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """As the shm and TCP channels' workers: the pipe worker forgets what its wait for the
     first command saw, and only that wait."""
-    chan = PipeChannel(1, _NAME)
-    spec = dict(chan.endpoint(0)[0])
-    spec.update(cmd=os.dup(spec["cmd"]), reply=os.dup(spec["reply"]), arena=None)
-    worker = PipeWorkerChannel(spec)
-    monkeypatch.setattr(pacing.crowd, "next_look", float("inf"))
+    chan, worker, spec = _pipe_ends()
     try:
-        chan.started([])
-        for first in (True, False):
-            until = time.perf_counter() + 60.0
-            monkeypatch.setattr(pacing.crowd, "until", until)
-            sender = threading.Timer(0.05, chan.send, (b"command", [0]))
-            sender.start()
-            try:
-                got = worker.recv()
-            finally:
-                sender.join()
-            assert got is not None and bytes(got[0]) == b"command"
-            assert pacing.crowd.until == (0.0 if first else until)
+        _first_wait_forgets(monkeypatch, lambda: chan.send(b"command", [0]), worker.recv)
     finally:
         chan.close()
         worker.close()

@@ -28,6 +28,7 @@ controller's channel gave the launcher.
 
 from __future__ import annotations
 
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -266,6 +267,15 @@ def write_frame(send: Callable[[list[memoryview]], int], frame: Sequence[Any], w
                                "session")
         wait(1.0 if left is None else min(1.0, left))
     return written
+
+
+def drain_fd(fd: int) -> None:
+    """Empty a non-blocking wake pipe: read until nothing is left (or it is closed)."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except (BlockingIOError, OSError):
+        pass
 
 
 def create(kind: str, num_workers: int, session_name: str) -> Channel:

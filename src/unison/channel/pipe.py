@@ -60,7 +60,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from unison.channel import Channel, Reply, WorkerChannel, write_frame
+from unison.channel import Channel, Reply, WorkerChannel, drain_fd, write_frame
 from unison.pacing import SPIN, Pacer, busy_budget, crowd, spin
 
 if TYPE_CHECKING:
@@ -352,7 +352,7 @@ class PipeChannel(Channel):
                     ready = [fd for fd, _ in got]
                     if any(fd not in self._rank_of for fd in ready):
                         if self._yield_r in ready:
-                            _drain_pipe(self._yield_r)
+                            drain_fd(self._yield_r)
                         return False  # a recv wants the pipes, or a death: the long way
                     replies = self._read_ready(ready)
                     self._keep(replies)
@@ -651,14 +651,6 @@ def _room(fd: int) -> int:
     """Bytes the pipe takes now without blocking."""
     queued = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
     return _capacity(fd) - int(queued)
-
-
-def _drain_pipe(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except (BlockingIOError, OSError):
-        pass
 
 
 def _close_fd(fd: int) -> None:

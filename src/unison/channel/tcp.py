@@ -46,7 +46,14 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
-from unison.channel import Channel, PartialSendError, Reply, WorkerChannel, write_frame
+from unison.channel import (
+    Channel,
+    PartialSendError,
+    Reply,
+    WorkerChannel,
+    drain_fd,
+    write_frame,
+)
 from unison.pacing import SPIN, cores, crowd, spin
 
 __all__ = ["MAX_FRAME", "TcpChannel", "TcpWorkerChannel", "dial"]
@@ -403,7 +410,7 @@ class TcpChannel(Channel):
             waits += [self._wake_r, *self._watch]
             ready = set(select.select(waits, [], [], timeout)[0])
         if self._wake_r in ready:
-            _drain(self._wake_r)
+            drain_fd(self._wake_r)
         out: list[tuple[int, bytes | Reply | None]] = []
         for peer in open_peers:
             if peer.fd in ready or peer in held:
@@ -578,14 +585,6 @@ def _whole_frame(buf: bytearray, k: int, incarnation: int) -> int:
     if count or end > k or _check_head(magic, inc, size, count, incarnation):
         return 0
     return end
-
-
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except (BlockingIOError, OSError):
-        pass
 
 
 # -- the worker's end ------------------------------------------------------------------------
