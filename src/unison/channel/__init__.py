@@ -76,7 +76,8 @@ class Channel(ABC):
     """Whether ``settled`` can tell, without a message, that workers ran everything sent
     and hold no error, where the channel does not track progress otherwise: the pipe
     channel's workers report in their reply streams, which only the reader of the moment
-    sees, so it can say "all done" but not wait for it (sync sends SYNC when it cannot)."""
+    sees, so it waits for them only while no other thread reads, and ``wait_done`` is not
+    there (sync sends SYNC where ``settled`` says no)."""
 
     def mark(self) -> int:
         """A position covering every message sent so far (where ``tracks_progress``)."""

@@ -115,7 +115,7 @@ class PipeChannel(Channel):
         self._open = list(self._replies)
         self._rx = threading.Lock()
         """Held by whoever reads the reply pipes: recv, settled, or a send that waits for
-        room. a recv that waits for it makes a settled let go (``_wait_rx``)."""
+        room. A recv that waits for it makes a settled let go (``_wait_rx``)."""
         self._settling = False  # settled holds the rx lock, waiting for reports
         self._wanted = 0  # recvs waiting for the rx lock
         self._wanted_lock = threading.Lock()

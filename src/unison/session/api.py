@@ -729,8 +729,8 @@ class Session(View):
         """Where the channel tracks progress (and no request is in flight to these ranks,
         whose late errors a SYNC's replies would bring in), wait on the workers' done
         positions and ask for errors only if one holds some; where it ``settles`` (their
-        reports come in the reply streams), look for them a little and ask if they do not
-        say all is done; else send SYNC."""
+        reports come in the reply streams), wait for those up to a slice and ask if they do
+        not say all is done; else send SYNC."""
         chan, router = self._chan, self._router
         deadline = None if timeout is None else _deadline(timeout)
         if chan.tracks_progress and router.idle(ranks):
