@@ -385,9 +385,9 @@ def _settling(chan: PipeChannel) -> tuple[threading.Thread, list[bool]]:
     settler = threading.Thread(target=lambda: result.append(chan.settled([0], 30.0)))
     settler.start()
     deadline = time.monotonic() + 10.0
-    while not chan._settling and time.monotonic() < deadline:
+    while not chan._rx.locked() and time.monotonic() < deadline:
         time.sleep(0.001)
-    assert chan._settling
+    assert chan._rx.locked()
     return settler, result
 
 
@@ -409,7 +409,15 @@ def test_a_recv_in_another_thread_makes_a_waiting_settled_let_go_at_once() -> No
         assert got == [(0, b"for the other thread")]
         for _ in range(3):  # a recv that finds the lock free leaves no stale request behind
             assert chan.recv(0.0) == []
-        assert chan.settled([0], 0.0) and not chan._settling  # the reply reported it run
+        assert chan.settled([0], 0.0) and not chan._rx.locked()  # the reply reported it run
+        chan._rx.acquire()  # a recv that finds another reader (not a settled) there
+        reader = threading.Thread(target=chan.recv, args=(0.0,))
+        reader.start()
+        time.sleep(0.05)
+        chan._rx.release()
+        reader.join(10.0)
+        assert not chan.settled([0], 0.0)  # the request it left: this one asks, once
+        assert chan.settled([0], 0.0)
     finally:
         chan.close()
         worker.close()

@@ -116,11 +116,8 @@ class PipeChannel(Channel):
         self._rx = threading.Lock()
         """Held by whoever reads the reply pipes: recv, settled, or a send that waits for
         room. A recv that waits for it makes a settled let go (``_wait_rx``)."""
-        self._settling = False  # settled holds the rx lock, waiting for reports
-        self._wanted = 0  # recvs waiting for the rx lock
-        self._wanted_lock = threading.Lock()
         self._yield_r, self._yield_w = os.pipe()
-        """Written by a recv that wants the rx lock while settled holds it: settled lets go."""
+        """Written by a recv that finds the rx lock held: a settled holding it lets go."""
         for fd in (self._yield_r, self._yield_w):
             os.set_blocking(fd, False)
         self._backlog: list[tuple[int, bytes | Reply | None]] = []
@@ -271,12 +268,7 @@ class PipeChannel(Channel):
                 out, self._backlog = self._backlog, []  # the watch fds closed
                 return out + self._read_now()
             poller = self._poll_set()
-            got = poller.poll(0)
-            if not got:  # a reply is often a few µs away: yield the core, looking, then sleep
-                found = spin(poller.poll, SPIN if timeout is None else min(SPIN, timeout),
-                             self._busy, 0)
-                ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
-                got = found if isinstance(found, list) else poller.poll(ms)
+            got = poller.poll(0) or self._await(poller, timeout)
             ready = []
             for fd, events in got:
                 if events & select.POLLNVAL:  # a watch fd closed under us: watch it no more
@@ -290,39 +282,37 @@ class PipeChannel(Channel):
 
     def _wait_rx(self) -> None:
         """Take the rx lock for recv, which another thread holds. Where that is settled,
-        waiting for progress reports, ask it to let go (it returns False, and its sync asks
-        instead): so a thread waiting for its replies never waits for another's sync."""
-        with self._wanted_lock:
-            self._wanted += 1
+        waiting for progress reports, it sees the yield pipe readable and lets go (it returns
+        False, and its sync asks instead): so a thread waiting for its replies never waits for
+        another's sync. A byte left behind where the holder was not settled makes the next
+        settled ask once."""
         try:
-            if self._settling:  # else it sees _wanted before it waits, or holds no lock
-                try:
-                    os.write(self._yield_w, b"x")
-                except (BlockingIOError, OSError):
-                    pass  # it is readable already (or closed: close() is under way)
-            self._rx.acquire()
-        finally:
-            with self._wanted_lock:
-                self._wanted -= 1
+            os.write(self._yield_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # it is readable already (or closed: close() is under way)
+        self._rx.acquire()
+
+    def _await(self, poller: select.poll, timeout: float | None) -> list[tuple[int, int]]:
+        """What ``poller`` finds readable within ``timeout`` (None: no limit): a reply is
+        often a few µs away, so yield the core, looking, for up to SPIN, then sleep in poll."""
+        found = spin(poller.poll, SPIN if timeout is None else min(SPIN, timeout), self._busy, 0)
+        if isinstance(found, list):
+            return found
+        return poller.poll(None if timeout is None else max(0, math.ceil(timeout * 1000)))
 
     def _poll_set(self) -> select.poll:
         """The reply pipes and the watch fds, in one poll set made once (caller holds the rx
         lock)."""
-        poller = self._poller
-        if poller is None:
-            poller = self._poller = select.poll()
-            for fd in [*(c.fileno() for c in self._open), *self._watch]:
-                poller.register(fd, select.POLLIN)
-        return poller
+        if self._poller is None:
+            self._poller = _poll_of([*(c.fileno() for c in self._open), *self._watch])
+        return self._poller
 
     def _settle_set(self) -> select.poll:
         """settled's poll set: recv's, and the yield pipe."""
-        poller = self._settle_poller
-        if poller is None:
-            poller = self._settle_poller = select.poll()
-            for fd in [*(c.fileno() for c in self._open), *self._watch, self._yield_r]:
-                poller.register(fd, select.POLLIN)
-        return poller
+        if self._settle_poller is None:
+            self._settle_poller = _poll_of(
+                [*(c.fileno() for c in self._open), *self._watch, self._yield_r])
+        return self._settle_poller
 
     # -- progress: sync without a message, where the reports are in -------------------------
 
@@ -341,9 +331,6 @@ class PipeChannel(Channel):
         if not self._rx.acquire(blocking=False):
             return False
         try:
-            self._settling = True
-            if self._wanted:
-                return False
             poller = self._settle_set()
             end = time.perf_counter() + timeout
             got = poller.poll(0)
@@ -364,12 +351,10 @@ class PipeChannel(Channel):
                 left = end - time.perf_counter()
                 if left <= 0:
                     return False
-                found = spin(poller.poll, min(SPIN, left), self._busy, 0)
-                got = found if isinstance(found, list) else poller.poll(math.ceil(left * 1000))
+                got = self._await(poller, left)
         except (OSError, ValueError):  # close() from another thread (it does not wait for
             return False  # this lock): the long way says the session is closed
         finally:
-            self._settling = False
             self._rx.release()
 
     def _look(self, ranks: Sequence[int]) -> int:
@@ -501,10 +486,7 @@ class PipeChannel(Channel):
             bool(self._open) and bool(select.select(self._open, [], [], 0)[0]))
 
     def clear_wake(self) -> None:
-        try:
-            os.read(self._wake_r, 4096)
-        except (BlockingIOError, OSError):
-            pass
+        drain_fd(self._wake_r)
 
     def close(self) -> None:
         for fd in self._cmd:
@@ -626,6 +608,13 @@ class PipeWorkerChannel(WorkerChannel):
         if self._reply >= 0:
             _close_fd(self._reply)
             self._reply = -1
+
+
+def _poll_of(fds: list[int]) -> select.poll:
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return poller
 
 
 def _idle(*_: object) -> None:
