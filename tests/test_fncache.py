@@ -3,6 +3,7 @@ never past the moment its copy on the workers may be gone or stale."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import pytest
@@ -102,6 +103,40 @@ def test_a_function_called_again_after_the_cache_dropped_it_is_defined_again(
     assert sess.run(first) == [1, 1]
     assert sess.run(first) == [1, 1]
     assert sess.run(second) == [2, 2]
+
+
+_BOX = [1]
+
+
+def _wrapped(fn: Callable[[], int]) -> Callable[[], int]:
+    @functools.wraps(fn)
+    def wrapper() -> int:
+        return fn()
+
+    return wrapper
+
+
+def _reads_box() -> int:
+    return _BOX[0]
+
+
+_UNWRAPPED = _reads_box
+_reads_box = _wrapped(_reads_box)  # the module's name now holds the wrapper
+
+
+def test_a_function_its_module_holds_no_more_is_sent_by_value_and_kept_current(
+        make_session: Callable[..., unison.Session]) -> None:
+    """A function under a decorator's wrapper of the same name is not what its module holds
+    under its name, so cloudpickle sends it by value, with the list it reads; the cache
+    took it for one sent by reference and called the stale copy (workers read 1 after the
+    list said 2)."""
+    sess = make_session(2)
+    assert sess.run(_UNWRAPPED) == [1, 1]
+    _BOX[0] = 2
+    try:
+        assert sess.run(_UNWRAPPED) == [2, 2]
+    finally:
+        _BOX[0] = 1
 
 
 class Named:

@@ -3,18 +3,19 @@
 A function is sent to the workers once (DEFINE) and later calls name it by id. That is only
 right while the workers' copy behaves as the controller's would at the moment of the call:
 
-    by reference   (a function or class of an importable module)  the workers import it:
-                   always current (a class that pickle sends by name, such as ``sess.call(Model,
-                   path)``, the same: no DEFINE per call)
-    by value       (a lambda, closure, ``__main__`` function)  current only while everything it
+    by reference   (a function or class that an importable module holds under its name)
+                   the workers import it: always current (``sess.call(Model, path)`` sends no
+                   DEFINE per call)
+    by value       (a lambda, closure, ``__main__`` function, one its module's name no longer
+                   holds: under a decorator's wrapper)  current only while everything it
                    captured (closure cells, the globals its code names, defaults, and the same
                    for any by-value function among them) is what was sent:
         all immutable  -> kept by strong reference and compared by identity (cheap, and an id
                           can never be reused while we hold the object)
         else           -> pickled again at every call and compared byte for byte (a dict or an
                           array changed in place is seen; an unchanged one costs a pickle)
-    anything else  (bound methods, callable objects, partials, a class of ``__main__``)
-                   pickled and sent every time
+    anything else  (bound methods, callable objects, partials, a class of ``__main__`` or
+                   made on the fly)  pickled and sent every time
 
 Nothing here is guessed from ``id()`` alone: a stale copy on the workers is impossible.
 """
@@ -150,7 +151,7 @@ class FunctionCache:
 
     @staticmethod
     def cacheable(fn: object) -> bool:
-        return isinstance(fn, _CACHEABLE) or (isinstance(fn, type) and _named(fn))
+        return isinstance(fn, _CACHEABLE) or (isinstance(fn, type) and _by_reference(fn))
 
     def _warn_big(self, fn: Callable[..., Any], size: int) -> None:
         key = getattr(fn, "__code__", fn)
@@ -188,24 +189,19 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
 
 
 def _by_reference(fn: Any) -> bool:
-    """Whether pickle sends ``fn`` (a function or class) as an import of its module."""
+    """Whether pickle sends ``fn`` (a function or class) as an import of its module: the
+    module is loaded here and holds ``fn`` itself under its qualified name. Not one whose
+    name the module holds for something else (a function under a decorator's wrapper of the
+    same name, a class made on the fly by ``type(...)``): cloudpickle sends such a one by
+    value, with what it captured then, so it must be proved current like any other."""
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", "")
-    return (module is not None and module != "__main__" and "<" not in qualname
-            and module in sys.modules)
-
-
-def _named(cls: type) -> bool:
-    """Whether class ``cls`` is what its module's attribute of its name holds: then pickle
-    sends it by name, as an import. A class made on the fly (``type(...)`` in a function)
-    names a module that does not hold it, so cloudpickle sends its body, which may change:
-    such a class is sent at every call, never kept."""
-    if not _by_reference(cls):
+    if module is None or module == "__main__" or "<" in qualname:
         return False
-    found: Any = sys.modules[cls.__module__]
-    for part in cls.__qualname__.split("."):
+    found: Any = sys.modules.get(module)
+    for part in qualname.split("."):
         found = getattr(found, part, None)
-    return found is cls
+    return found is fn
 
 
 def _captures(fn: Any, plan: _Plan, seen: set[int]) -> bool:
