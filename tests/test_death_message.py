@@ -85,6 +85,7 @@ def test_a_worker_whose_reply_pipe_breaks_the_format_is_reported_within_seconds(
     start = time.monotonic()
     with pytest.raises(WorkerDied, match="break the format") as info:
         sess[1].run(write_junk_to_the_reply_pipe, timeout=20)
+    assert "files it opened itself" in str(info.value)  # what to do
     assert info.value.worker == 1
     assert time.monotonic() - start < 5
     with pytest.raises(SessionClosed):

@@ -421,8 +421,10 @@ class PipeChannel(Channel):
                 begun += view[:n]
                 problem = self._frames(rank, begun, out)
                 if problem:
-                    self._broken[rank] = ("its reply pipe held bytes that break the format "
-                                          f"({problem})")
+                    self._broken[rank] = (
+                        f"its reply pipe held bytes that break the format ({problem}): code "
+                        "on that worker wrote to the file descriptor unison replies through; "
+                        "have it write to files it opened itself, or to sys.stdout")
                     self._end(rank, conn, out)
                     return
             if n < len(scratch):
