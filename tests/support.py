@@ -273,3 +273,12 @@ class Box:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.lam = lambda: rank * 10
+
+
+def big_then_stopped(nbytes: int, after: float) -> bytes:
+    """Worker code: return ``nbytes`` and stop this worker (SIGSTOP) ``after`` seconds from
+    now. With nobody reading, its reply is then stopped half written."""
+    import threading
+
+    threading.Timer(after, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+    return b"s" * nbytes

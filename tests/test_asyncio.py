@@ -13,6 +13,7 @@ import time
 import pytest
 
 import unison
+from support import big_then_stopped
 
 pytestmark = pytest.mark.channels
 
@@ -47,11 +48,6 @@ def test_a_send_blocked_on_a_full_pipe_reads_the_reply_its_worker_is_blocked_on(
         assert [await ref for ref in refs] == [[300_000, 300_000]] * 12
 
     asyncio.run(main())
-
-
-def big_then_stopped(nbytes: int, after: float) -> bytes:
-    threading.Timer(after, os.kill, (os.getpid(), signal.SIGSTOP)).start()
-    return b"s" * nbytes
 
 
 @pytest.mark.timeout(60)

@@ -1,6 +1,6 @@
 """``sync`` and ``run`` take the floor system's shape (issue 9): ``run`` is one message each
 way, and on the shm channel ``sync`` sends nothing, waiting on the workers' published done
-positions (on the pipe channel, reading their reports a little while), yet still reports
+positions (on the pipe channel, the reports in their reply streams), yet still reports
 every error exactly once and never returns early."""
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def test_sync_after_a_quick_call_sends_nothing_on_pipe(make_session):
         sess.call(nothing)
         sess.sync()
     sent = [after - b for after, b in zip(chan._sent, before)]
-    assert all(20 <= n < 30 for n in sent), sent  # 20 calls, and a SYNC only where a report
-    sess.call(boom)  # came late (2 ms: a crowded host)
+    assert all(20 <= n < 30 for n in sent), sent  # 20 calls, and a SYNC only where a look
+    sess.call(boom)  # gave up (a slice: a crowded host)
     with pytest.raises(unison.WorkerError, match="boom"):
         sess.sync()
     sess.call(int)

@@ -3,14 +3,13 @@ later calls queue behind it, the Ref stays valid and the session stays usable.""
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 
 import pytest
 
 import unison
+from support import big_then_stopped
 from unison import WorkerError
 
 SLOW = 0.6  # seconds a slow call sleeps
@@ -276,13 +275,6 @@ def test_a_large_reply_nobody_waits_for_any_more_does_not_block_later_sends(sess
     refs = [sess.call(len, bytes([i]) * 300_000) for i in range(12)]
     assert [r.gather(timeout=30) for r in refs] == [[300_000, 300_000]] * 12
     assert ref.gather(timeout=30) == [b"r" * 70_000] * 2
-
-
-def big_then_stopped(nbytes, after):
-    """Return ``nbytes`` and stop this worker (SIGSTOP) ``after`` seconds from now: with
-    nobody reading, its reply is then stopped half written."""
-    threading.Timer(after, os.kill, (os.getpid(), signal.SIGSTOP)).start()
-    return b"s" * nbytes
 
 
 @pytest.mark.timeout(60)
