@@ -15,27 +15,26 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import unison
+from harness.measure import Loop, time_loop
 from harness.report import command_line, cpu_model, source_revision
 from harness.tasks import Small, make_small
 
 
 def block(sess: unison.Session, fn: Callable[[int], object], seconds: float) -> float:
-    """Median µs of ``call(fn, 1); sync()`` rounds for ``seconds``."""
-    times = []
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        start = time.perf_counter_ns()
+    """Median µs of ``call(fn, 1); sync()`` rounds for ``seconds`` (harness.measure's loop)."""
+    def round_trip() -> None:
         sess.call(fn, 1)
         sess.sync()
-        times.append(time.perf_counter_ns() - start)
-    return statistics.median(times) / 1000
+
+    rounds = time_loop(round_trip, Loop(warmup=20, min_iters=1, max_iters=10**7,
+                                        budget_s=seconds))
+    return statistics.median(rounds) / 1000
 
 
 def main() -> None:

@@ -19,13 +19,12 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness.measure import hogs
+from harness.measure import Loop, hogs, time_loop
 from harness.report import command_line, cpu_model, source_revision
 from harness.systems import make_system
 from harness.systems.unison_session import UnisonSystem
@@ -50,12 +49,8 @@ def _last_cpu(pid: int) -> int:
 def block(round_trip: Callable[[], object], seconds: float, pids: Sequence[int]) -> str:
     """Round trips for ``seconds``: the median, and each process's schedstat per round."""
     before = [_schedstat(p) for p in pids]
-    times = []
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        start = time.perf_counter_ns()
-        round_trip()
-        times.append(time.perf_counter_ns() - start)
+    times = time_loop(round_trip, Loop(warmup=0, min_iters=1, max_iters=10**7,
+                                       budget_s=seconds))
     after = [_schedstat(p) for p in pids]
     n = len(times)
     parts = [f"{statistics.median(times) / 1000:6.1f} µs, {n} rounds"]
