@@ -315,21 +315,31 @@ def test_a_pipe_reply_stream_that_breaks_the_format_ends_that_worker_never_read_
             os.close(fd)
 
 
-def _pipe_ends(n: int = 1) -> tuple[PipeChannel, PipeWorkerChannel, dict[str, Any]]:
-    """A pipe channel and its worker 0's end, in this process (close the spec's ``cmd``)."""
-    chan = PipeChannel(n, _NAME)
+PipeEnds = tuple[PipeChannel, PipeWorkerChannel, dict[str, Any]]
+
+
+@pytest.fixture
+def pipe_ends() -> Iterator[PipeEnds]:
+    """A one-worker pipe channel and its worker's end, in this process (the worker's spec
+    holds copies of its fds); all closed when the test ends, passed or failed."""
+    chan = PipeChannel(1, _NAME)
     spec = dict(chan.endpoint(0)[0])
     spec.update(cmd=os.dup(spec["cmd"]), reply=os.dup(spec["reply"]), arena=None)
     chan.started([])
-    return chan, PipeWorkerChannel(spec), spec
+    worker = PipeWorkerChannel(spec)
+    yield chan, worker, spec
+    chan.close()
+    worker.close()
+    os.close(spec["cmd"])
 
 
-def test_a_pipe_worker_reports_what_it_ran_before_it_waits_and_settled_reads_it() -> None:
+def test_a_pipe_worker_reports_what_it_ran_before_it_waits_and_settled_reads_it(
+        pipe_ends: PipeEnds) -> None:
     """The pipe channel's sync without a message: a worker about to wait writes "ran k
     frames, holds errors or not" once (a reply says the same for its frame), and the
     controller's ``settled`` is true only once every frame sent is reported run with no
     error held; false at once while errors are held or another thread reads the pipes."""
-    chan, worker, spec = _pipe_ends()
+    chan, worker, _ = pipe_ends
     waiter: threading.Thread | None = None
 
     def next_frame() -> threading.Thread:  # the worker's recv, which reports, then waits
@@ -375,8 +385,6 @@ def test_a_pipe_worker_reports_what_it_ran_before_it_waits_and_settled_reads_it(
         chan.close()  # ends the waiting recv
         if waiter is not None:
             waiter.join(5.0)
-        worker.close()
-        os.close(spec["cmd"])
 
 
 def _settling(chan: PipeChannel) -> tuple[threading.Thread, list[bool]]:
@@ -391,101 +399,81 @@ def _settling(chan: PipeChannel) -> tuple[threading.Thread, list[bool]]:
     return settler, result
 
 
-def test_a_recv_in_another_thread_makes_a_waiting_settled_let_go_at_once() -> None:
+def test_a_recv_in_another_thread_makes_a_waiting_settled_let_go_at_once(
+        pipe_ends: PipeEnds) -> None:
     """settled reads the reply pipes while it waits for reports, and only one thread reads
     them at a time: a recv of another thread (its own replies) asks it to let go, so that
     no thread waits for another's sync; that sync then asks (SYNC)."""
-    chan, worker, spec = _pipe_ends()
-    try:
-        chan.send(b"call", [0])  # taken, never reported: settled would wait it out
-        worker.recv()
-        settler, result = _settling(chan)
-        threading.Timer(0.05, worker.reply, (b"for the other thread",)).start()
-        start = time.monotonic()
-        got = chan.recv(10.0)
-        settler.join(10.0)
-        assert result == [False] and time.monotonic() - start < 5.0
-        got += chan.recv(10.0) if not got else []
-        assert got == [(0, b"for the other thread")]
-        for _ in range(3):  # a recv that finds the lock free leaves no stale request behind
-            assert chan.recv(0.0) == []
-        assert chan.settled([0], 0.0) and not chan._rx.locked()  # the reply reported it run
-        chan._rx.acquire()  # a recv that finds another reader (not a settled) there
-        reader = threading.Thread(target=chan.recv, args=(0.0,))
-        reader.start()
-        time.sleep(0.05)
-        chan._rx.release()
-        reader.join(10.0)
-        assert not chan.settled([0], 0.0)  # the request it left: this one asks, once
-        assert chan.settled([0], 0.0)
-    finally:
-        chan.close()
-        worker.close()
-        os.close(spec["cmd"])
+    chan, worker, _ = pipe_ends
+    chan.send(b"call", [0])  # taken, never reported: settled would wait it out
+    worker.recv()
+    settler, result = _settling(chan)
+    threading.Timer(0.05, worker.reply, (b"for the other thread",)).start()
+    start = time.monotonic()
+    got = chan.recv(10.0)
+    settler.join(10.0)
+    assert result == [False] and time.monotonic() - start < 5.0
+    got += chan.recv(10.0) if not got else []
+    assert got == [(0, b"for the other thread")]
+    for _ in range(3):  # a recv that finds the lock free leaves no stale request behind
+        assert chan.recv(0.0) == []
+    assert chan.settled([0], 0.0) and not chan._rx.locked()  # the reply reported it run
+    chan._rx.acquire()  # a recv that finds another reader (not a settled) there
+    reader = threading.Thread(target=chan.recv, args=(0.0,))
+    reader.start()
+    time.sleep(0.05)
+    chan._rx.release()
+    reader.join(10.0)
+    assert not chan.settled([0], 0.0)  # the request it left: this one asks, once
+    assert chan.settled([0], 0.0)
 
 
-def test_a_waiting_settled_returns_when_another_thread_closes_the_channel() -> None:
-    chan, worker, spec = _pipe_ends()
-    try:
-        chan.send(b"call", [0])  # never reported run
-        settler, result = _settling(chan)
-        start = time.monotonic()
-        chan.close()
-        settler.join(10.0)
-        assert result == [False] and time.monotonic() - start < 5.0
-    finally:
-        chan.close()
-        worker.close()
-        os.close(spec["cmd"])
+def test_a_waiting_settled_returns_when_another_thread_closes_the_channel(
+        pipe_ends: PipeEnds) -> None:
+    chan, _, _ = pipe_ends
+    chan.send(b"call", [0])  # never reported run
+    settler, result = _settling(chan)
+    start = time.monotonic()
+    chan.close()
+    settler.join(10.0)
+    assert result == [False] and time.monotonic() - start < 5.0
 
 
-def test_a_controller_that_only_sends_still_reads_the_reports_before_the_pipe_fills() -> None:
+def test_a_controller_that_only_sends_still_reads_the_reports_before_the_pipe_fills(
+        pipe_ends: PipeEnds) -> None:
     """A worker reports at most once per frame; sends read the reply pipes every
     _DRAIN_EVERY, so a controller that calls and calls without a wait still empties them
     (a worker blocked writing a report to a full pipe would read no command)."""
     from unison.channel import pipe
 
-    chan, worker, spec = _pipe_ends()
-    try:
-        report = pipe._REPLY.pack(pipe._REPORT, 7 << 1)
-        os.write(spec["reply"], report * pipe._DRAIN_EVERY)  # as many as frames can cause
-        for _ in range(pipe._DRAIN_EVERY - 1):
-            chan.send(b"call", [0])
-        assert chan._progress == [0]
+    chan, _, spec = pipe_ends
+    report = pipe._REPLY.pack(pipe._REPORT, 7 << 1)
+    os.write(spec["reply"], report * pipe._DRAIN_EVERY)  # as many as frames can cause
+    for _ in range(pipe._DRAIN_EVERY - 1):
         chan.send(b"call", [0])
-        assert chan._progress == [7 << 1]  # read, and the pipe is empty again
-        assert select.select([chan._replies[0]], [], [], 0)[0] == []
-    finally:
-        chan.close()
-        worker.close()
-        os.close(spec["cmd"])
+    assert chan._progress == [0]
+    chan.send(b"call", [0])
+    assert chan._progress == [7 << 1]  # read, and the pipe is empty again
+    assert select.select([chan._replies[0]], [], [], 0)[0] == []
 
 
-def test_a_pipe_worker_reads_frames_sent_back_to_back_in_one_read_and_in_order() -> None:
-    chan = PipeChannel(1, _NAME)
-    spec = dict(chan.endpoint(0)[0])
-    spec.update(cmd=os.dup(spec["cmd"]), reply=os.dup(spec["reply"]), arena=None)
-    worker = PipeWorkerChannel(spec)
-    try:
-        chan.started([])
-        big = bytes(range(256)) * 400
-        chan.send(b"call", [0])
-        chan.send(b"with a buffer", [0], [pickle.PickleBuffer(big)])
-        chan.send(b"sync", [0])
-        data, bufs = worker.recv() or (b"", [])
-        assert (bytes(data), bufs) == (b"call", [])
-        assert worker._have  # the frames behind it came with that one read
-        data, bufs = worker.recv() or (b"", [])
-        assert bytes(data) == b"with a buffer" and [bytes(b) for b in bufs] == [big]
-        data, bufs = worker.recv() or (b"", [])
-        assert (bytes(data), bufs) == (b"sync", [])
-        assert not worker._have
-        chan.close()
-        assert worker.recv() is None  # the controller is gone
-    finally:
-        chan.close()
-        worker.close()
-        os.close(spec["cmd"])
+def test_a_pipe_worker_reads_frames_sent_back_to_back_in_one_read_and_in_order(
+        pipe_ends: PipeEnds) -> None:
+    chan, worker, _ = pipe_ends
+    big = bytes(range(256)) * 400
+    chan.send(b"call", [0])
+    chan.send(b"with a buffer", [0], [pickle.PickleBuffer(big)])
+    chan.send(b"sync", [0])
+    data, bufs = worker.recv() or (b"", [])
+    assert (bytes(data), bufs) == (b"call", [])
+    assert worker._have  # the frames behind it came with that one read
+    data, bufs = worker.recv() or (b"", [])
+    assert bytes(data) == b"with a buffer" and [bytes(b) for b in bufs] == [big]
+    data, bufs = worker.recv() or (b"", [])
+    assert (bytes(data), bufs) == (b"sync", [])
+    assert not worker._have
+    chan.close()
+    assert worker.recv() is None  # the controller is gone
 
 
 def test_a_pipe_recv_stops_watching_a_watched_fd_closed_under_it() -> None:
@@ -938,16 +926,11 @@ def _first_wait_forgets(monkeypatch: pytest.MonkeyPatch, send: Callable[[], obje
 
 
 def test_a_pipe_workers_first_command_forgets_the_workers_start(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        pipe_ends: PipeEnds, monkeypatch: pytest.MonkeyPatch) -> None:
     """As the shm and TCP channels' workers: the pipe worker forgets what its wait for the
     first command saw, and only that wait."""
-    chan, worker, spec = _pipe_ends()
-    try:
-        _first_wait_forgets(monkeypatch, lambda: chan.send(b"command", [0]), worker.recv)
-    finally:
-        chan.close()
-        worker.close()
-        os.close(spec["cmd"])
+    chan, worker, _ = pipe_ends
+    _first_wait_forgets(monkeypatch, lambda: chan.send(b"command", [0]), worker.recv)
 
 
 @pytest.mark.parametrize("kind", ["shm", "pipe"])
