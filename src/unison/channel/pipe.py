@@ -167,9 +167,8 @@ class PipeChannel(Channel):
              deadline: float | None = None) -> None:
         ranks = tuple(ranks)
         frame, refs = self._frame(data, buffers)
-        size = sum(memoryview(p).nbytes for p in frame)
-        if deadline is not None:
-            self._wait_room(ranks, size, deadline)
+        if deadline is not None:  # (the frame's size only matters to a deadline)
+            self._wait_room(ranks, sum(memoryview(p).nbytes for p in frame), deadline)
         if refs:
             assert self.arena is not None  # only the arena's shared arrays give refs
             self.arena.count_sent(refs, ranks)
