@@ -322,24 +322,76 @@ PipeEnds = tuple[PipeChannel, PipeWorkerChannel, dict[str, Any]]
 def pipe_ends() -> Iterator[PipeEnds]:
     """A one-worker pipe channel and its worker's end, in this process (the worker's spec
     holds copies of its fds); all closed when the test ends, passed or failed."""
-    chan = PipeChannel(1, _NAME)
-    spec = dict(chan.endpoint(0)[0])
-    spec.update(cmd=os.dup(spec["cmd"]), reply=os.dup(spec["reply"]), arena=None)
-    chan.started([])
-    worker = PipeWorkerChannel(spec)
-    yield chan, worker, spec
-    chan.close()
-    worker.close()
-    os.close(spec["cmd"])
+    ends = Reporting("pipe")
+    yield ends.chan, ends.worker, ends.spec
+    ends.close()
 
 
-def test_a_pipe_worker_reports_what_it_ran_before_it_waits_and_settled_reads_it(
-        pipe_ends: PipeEnds) -> None:
-    """The pipe channel's sync without a message: a worker about to wait writes "ran k
-    frames, holds errors or not" once (a reply says the same for its frame), and the
+class Reporting:
+    """A one-worker channel whose workers report their progress in the reply stream (pipe,
+    TCP), and its worker's end, both in this process."""
+
+    def __init__(self, kind: str) -> None:
+        from unison.channel import pipe, tcp
+
+        self.kind = kind
+        if kind == "pipe":
+            self.chan: Any = PipeChannel(1, _NAME)
+            spec = dict(self.chan.endpoint(0)[0])
+            spec.update(cmd=os.dup(spec["cmd"]), reply=os.dup(spec["reply"]), arena=None)
+            self.spec = spec
+            self.worker: Any = PipeWorkerChannel(spec)
+            self.drain_every = pipe._DRAIN_EVERY
+            self._report = lambda word: pipe._REPLY.pack(pipe._REPORT, word)
+        else:
+            self.chan = tcp.TcpChannel(1, "127.0.0.1", "127.0.0.1", b"s" * 32)
+            self.chan.linger = 0.0  # close() need not wait for a worker end that reads nothing
+            self.chan.offer(0, pickle.dumps("init"))
+            sock, inc, _, _, _ = tcp.dial(self.chan.address, b"s" * 32, 0, timeout=10)
+            deadline = time.monotonic() + 10
+            while self.chan._peers[0] is None:
+                assert time.monotonic() < deadline, "the handshake did not finish"
+                time.sleep(0.001)
+            self.worker = tcp.TcpWorkerChannel(sock, inc)
+            self.drain_every = tcp._DRAIN_EVERY
+            self._report = lambda word: tcp._REPLY.pack(tcp._REPORT_MAGIC, inc, 0, word)
+        self.chan.started([])
+
+    def write_reports(self, word: int, count: int) -> None:
+        """``count`` reports of ``word``, written as the worker's end would."""
+        data = self._report(word) * count
+        if self.kind == "pipe":
+            os.write(self.spec["reply"], data)
+        else:
+            self.worker._sock.sendall(data)
+
+    def unread(self) -> bool:
+        """Whether the controller's end has bytes of the worker's it has not read."""
+        fd = (self.chan._replies[0] if self.kind == "pipe" else self.chan._peers[0].sock)
+        return bool(select.select([fd], [], [], 0)[0])
+
+    def close(self) -> None:
+        self.chan.close()
+        self.worker.close()
+        if self.kind == "pipe":
+            os.close(self.spec["cmd"])
+
+
+@pytest.fixture(params=["pipe", "tcp"])
+def reporting(request: pytest.FixtureRequest) -> Iterator[Reporting]:
+    """Closed when the test ends, passed or failed."""
+    ends = Reporting(request.param)
+    yield ends
+    ends.close()
+
+
+def test_a_worker_reports_what_it_ran_before_it_waits_and_settled_reads_it(
+        reporting: Reporting) -> None:
+    """The pipe and TCP channels' sync without a message: a worker about to wait writes
+    "ran k frames, holds errors or not" once (a reply says the same for its frame), and the
     controller's ``settled`` is true only once every frame sent is reported run with no
-    error held; false at once while errors are held or another thread reads the pipes."""
-    chan, worker, _ = pipe_ends
+    error held; false at once while errors are held or another thread reads the replies."""
+    chan, worker = reporting.chan, reporting.worker
     waiter: threading.Thread | None = None
 
     def next_frame() -> threading.Thread:  # the worker's recv, which reports, then waits
@@ -378,7 +430,7 @@ def test_a_pipe_worker_reports_what_it_ran_before_it_waits_and_settled_reads_it(
         worker.unreported(0)
         waiter = next_frame()  # the change is reported before the next wait
         assert settles_within(10.0)
-        with chan._rx:  # another thread reads the pipes: no look at all
+        with chan._rx:  # another thread reads the replies: no look at all
             assert not chan.settled([0], 5.0)
         assert chan._sent == [3] and chan._progress == [3 << 1]
     finally:
@@ -387,7 +439,7 @@ def test_a_pipe_worker_reports_what_it_ran_before_it_waits_and_settled_reads_it(
             waiter.join(5.0)
 
 
-def _settling(chan: PipeChannel) -> tuple[threading.Thread, list[bool]]:
+def _settling(chan: Any) -> tuple[threading.Thread, list[bool]]:
     """A thread in ``chan.settled([0], 30.0)``, once it waits; and where its result goes."""
     result: list[bool] = []
     settler = threading.Thread(target=lambda: result.append(chan.settled([0], 30.0)))
@@ -400,11 +452,11 @@ def _settling(chan: PipeChannel) -> tuple[threading.Thread, list[bool]]:
 
 
 def test_a_recv_in_another_thread_makes_a_waiting_settled_let_go_at_once(
-        pipe_ends: PipeEnds) -> None:
-    """settled reads the reply pipes while it waits for reports, and only one thread reads
+        reporting: Reporting) -> None:
+    """settled reads the replies while it waits for reports, and only one thread reads
     them at a time: a recv of another thread (its own replies) asks it to let go, so that
     no thread waits for another's sync; that sync then asks (SYNC)."""
-    chan, worker, _ = pipe_ends
+    chan, worker = reporting.chan, reporting.worker
     chan.send(b"call", [0])  # taken, never reported: settled would wait it out
     worker.recv()
     settler, result = _settling(chan)
@@ -429,8 +481,8 @@ def test_a_recv_in_another_thread_makes_a_waiting_settled_let_go_at_once(
 
 
 def test_a_waiting_settled_returns_when_another_thread_closes_the_channel(
-        pipe_ends: PipeEnds) -> None:
-    chan, _, _ = pipe_ends
+        reporting: Reporting) -> None:
+    chan = reporting.chan
     chan.send(b"call", [0])  # never reported run
     settler, result = _settling(chan)
     start = time.monotonic()
@@ -439,22 +491,18 @@ def test_a_waiting_settled_returns_when_another_thread_closes_the_channel(
     assert result == [False] and time.monotonic() - start < 5.0
 
 
-def test_a_controller_that_only_sends_still_reads_the_reports_before_the_pipe_fills(
-        pipe_ends: PipeEnds) -> None:
-    """A worker reports at most once per frame; sends read the reply pipes every
-    _DRAIN_EVERY, so a controller that calls and calls without a wait still empties them
-    (a worker blocked writing a report to a full pipe would read no command)."""
-    from unison.channel import pipe
-
-    chan, _, spec = pipe_ends
-    report = pipe._REPLY.pack(pipe._REPORT, 7 << 1)
-    os.write(spec["reply"], report * pipe._DRAIN_EVERY)  # as many as frames can cause
-    for _ in range(pipe._DRAIN_EVERY - 1):
+def test_a_controller_that_only_sends_still_reads_the_reports(reporting: Reporting) -> None:
+    """A worker reports at most once per frame; sends read the replies every
+    _DRAIN_EVERY, so a controller that calls and calls without a wait still takes them
+    (a worker blocked writing a report to a full pipe or connection reads no command)."""
+    chan = reporting.chan
+    reporting.write_reports(7 << 1, reporting.drain_every)  # as many as frames can cause
+    for _ in range(reporting.drain_every - 1):
         chan.send(b"call", [0])
     assert chan._progress == [0]
     chan.send(b"call", [0])
-    assert chan._progress == [7 << 1]  # read, and the pipe is empty again
-    assert select.select([chan._replies[0]], [], [], 0)[0] == []
+    assert chan._progress == [7 << 1]  # read, and nothing is left unread
+    assert not reporting.unread()
 
 
 def test_a_pipe_worker_reads_frames_sent_back_to_back_in_one_read_and_in_order(

@@ -190,9 +190,9 @@ def _send_garbage() -> None:
 
 
 def _send_stale_frame() -> None:
-    from unison.channel.tcp import _HEAD, _MAGIC
+    from unison.channel.tcp import _REPLY, _REPLY_MAGIC
 
-    _worker_socket().sendall(_HEAD.pack(_MAGIC, 12345, 2, 0) + b"N.")  # another incarnation
+    _worker_socket().sendall(_REPLY.pack(_REPLY_MAGIC, 12345, 2, 0) + b"N.")  # another incarnation
     time.sleep(30)
 
 
@@ -386,6 +386,57 @@ def test_a_send_that_reaches_some_workers_only_is_partial_never_nothing_sent(tcp
                 sess._chan.send(msg, (0, 1), deadline=time.monotonic() + 0.2)
     finally:
         os.kill(pids[1], signal.SIGCONT)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _boom() -> None:
+    raise ValueError("boom")
+
+
+def test_sync_after_a_quick_call_sends_nothing_over_tcp(tcp_session):
+    """A TCP worker reports what it ran before it waits, as the pipe channel's does, so a
+    sync after a quick call reads that report instead of sending SYNC; one that finds an
+    error held asks, and reports it once."""
+    sess = tcp_session(2)
+    sess.run(_nothing)  # defines it
+    chan = sess._chan
+    before = list(chan._sent)
+    for _ in range(20):
+        sess.call(_nothing)
+        sess.sync()
+    sent = [after - b for after, b in zip(chan._sent, before)]
+    assert all(20 <= n < 30 for n in sent), sent  # 20 calls, and a SYNC only where a look
+    sess.call(_boom)  # gave up (a slice: a crowded host)
+    with pytest.raises(unison.WorkerError, match="boom"):
+        sess.sync()
+    sess.call(int)
+    sess.sync()  # reported once
+
+
+def test_threads_that_sync_and_wait_for_replies_over_tcp_never_wait_for_each_other(
+        tcp_session):
+    """One thread waits for a slow call's reply on worker 0 (its recv reads the
+    connections) while another calls and syncs worker 1 over and over: the syncs never
+    wait for the slow call, and every result is right."""
+    sess = tcp_session(2)
+    sess.run(_nothing)
+    slow: list[Any] = []
+    waiter = threading.Thread(target=lambda: slow.append(sess[0].run(time.sleep, 2.0)))
+    start = time.monotonic()
+    waiter.start()
+    rounds = 0
+    while waiter.is_alive() and rounds < 100:
+        ref = sess[1].call(lambda k: k + 1, rounds)
+        sess[1].sync()
+        assert ref.gather() == [rounds + 1]
+        rounds += 1
+    syncs_took = time.monotonic() - start
+    waiter.join(10.0)
+    assert slow == [[None]]
+    assert rounds == 100 and syncs_took < 1.5, (rounds, syncs_took)
 
 
 def test_workers_on_a_crowded_controller_host_sleep_rather_than_spin(monkeypatch):

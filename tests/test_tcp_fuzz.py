@@ -15,7 +15,6 @@ import itertools
 import logging
 import pickle
 import socket
-import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +23,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from unison.channel.tcp import _HEAD, _MAGIC, TcpChannel, TcpWorkerChannel, dial
+from unison.channel.tcp import (
+    _HEAD,
+    _MAGIC,
+    _REPLY,
+    _REPLY_MAGIC,
+    _REPORT_MAGIC,
+    MAX_FRAME,
+    TcpChannel,
+    TcpWorkerChannel,
+    dial,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,6 +55,8 @@ def _join(chan: TcpChannel) -> tuple[socket.socket, int]:
     """A worker that passed the handshake: rank 0 of a fresh connection."""
     chan._peers[0] = None
     chan._claimed.clear()
+    chan._why.clear()  # (where() says why the first stream of a rank ended)
+    chan._sent[0] = chan._progress[0] = 0
     chan.offer(0, pickle.dumps("init"))
     sock, incarnation, init, _, _ = dial(chan.address, SECRET, 0, timeout=10)
     assert pickle.loads(init) == "init"
@@ -69,6 +80,12 @@ def _collect(chan: TcpChannel, until: float) -> list[bytes | None]:
 
 
 def _frame(inc: int, payload: bytes) -> bytes:
+    """A worker's reply (its progress word: 0)."""
+    return _REPLY.pack(_REPLY_MAGIC, inc, len(payload), 0) + payload
+
+
+def _command(inc: int, payload: bytes) -> bytes:
+    """A controller's command, as a worker reads it."""
     return _HEAD.pack(_MAGIC, inc, len(payload), 0) + payload
 
 
@@ -87,22 +104,29 @@ def test_whole_frames_come_through_then_garbage_ends_the_stream(channel, payload
 
 
 @FUZZ
-@given(magic=st.integers(0, 2**32 - 1), inc_delta=st.integers(-3, 3),
-       size=st.integers(0, 2**64 - 1), count=st.integers(0, 2**32 - 1))
-def test_a_bad_header_is_never_taken_and_never_waited_on(channel, magic, inc_delta, size, count):
+@given(magic=st.one_of(st.sampled_from([_REPLY_MAGIC, _REPORT_MAGIC, _MAGIC]),
+                       st.integers(0, 2**32 - 1)),
+       inc_delta=st.integers(-3, 3), size=st.integers(0, 2**64 - 1),
+       progress=st.integers(0, 2**64 - 1))
+def test_a_bad_header_is_never_taken_and_never_waited_on(channel, magic, inc_delta, size,
+                                                         progress):
     sock, inc = _join(channel)
-    header = struct.pack("<IQQI", magic, (inc + inc_delta) % 2**64, size, count)
-    valid = magic == _MAGIC and inc_delta == 0 and size <= 64 and count == 0
+    header = _REPLY.pack(magic, (inc + inc_delta) % 2**64, size, progress)
+    reply = magic == _REPLY_MAGIC and size <= MAX_FRAME
+    report = magic == _REPORT_MAGIC and size == 0
     with sock:
         sock.sendall(header + b"\0" * min(size, 64))
-        if not valid:  # the controller drops us at the header, before any payload comes
+        if inc_delta or not (reply or report):  # dropped at the header, before any payload
             got = _collect(channel, time.monotonic() + 10)
             assert got == [None]
-            assert "malformed" in channel.where(0) or "out-of-band" in channel.where(0)
+            assert "malformed" in channel.where(0)
+            if magic == _MAGIC:  # an older unison's reply: say so
+                assert "another version" in channel.where(0)
             return
-        sock.shutdown(socket.SHUT_WR)
+        sock.shutdown(socket.SHUT_WR)  # a reply over 64 bytes ends cut short: never taken
         got = _collect(channel, time.monotonic() + 10)
-    assert got == [b"\0" * size, None]
+    assert got == ([b"\0" * size] if reply and size <= 64 else []) + [None]
+    assert channel._progress[0] == (progress if size <= 64 else 0)  # a whole one's word
 
 
 @FUZZ
@@ -145,9 +169,10 @@ def test_the_handshake_threads_do_not_pile_up(channel):
 def test_a_worker_reads_frames_however_the_stream_is_cut(payloads, cuts):
     """The worker's end: calls sent back to back, heartbeats among them (None), the stream cut
     anywhere into separate sends: every call comes out whole and in order (a read that brings
-    exactly one, more than one, or part of one), heartbeats never; then the end."""
+    exactly one, more than one, or part of one), heartbeats never; then the end. What it
+    sends back meanwhile is progress reports, each counting calls it took, never more."""
     inc = 7
-    stream = b"".join(_HEAD.pack(_MAGIC, inc, 0, 0) if p is None else _frame(inc, p)
+    stream = b"".join(_HEAD.pack(_MAGIC, inc, 0, 0) if p is None else _command(inc, p)
                       for p in payloads)
     bounds = sorted({0, len(stream), *(c for c in cuts if c < len(stream))})
     with socket.create_server(("127.0.0.1", 0)) as server:
@@ -155,11 +180,15 @@ def test_a_worker_reads_frames_however_the_stream_is_cut(payloads, cuts):
         conn, _ = server.accept()
     worker = TcpWorkerChannel(conn, inc)
 
+    back = bytearray()
+
     def send() -> None:
-        with sender:
-            for lo, hi in itertools.pairwise(bounds):
-                sender.sendall(stream[lo:hi])
-                time.sleep(0.001)  # most often a separate segment, read on its own
+        for lo, hi in itertools.pairwise(bounds):
+            sender.sendall(stream[lo:hi])
+            time.sleep(0.001)  # most often a separate segment, read on its own
+        sender.shutdown(socket.SHUT_WR)  # (as the controller closes: then it reads on)
+        while chunk := sender.recv(4096):
+            back.extend(chunk)
 
     thread = threading.Thread(target=send)
     thread.start()
@@ -170,6 +199,12 @@ def test_a_worker_reads_frames_however_the_stream_is_cut(payloads, cuts):
             assert bufs == []
             got.append(bytes(data))
     finally:
-        thread.join()
         worker.close()
+        thread.join()
+        sender.close()
     assert got == [p for p in payloads if p is not None]
+    assert len(back) % _REPLY.size == 0
+    told = [_REPLY.unpack_from(back, at) for at in range(0, len(back), _REPLY.size)]
+    assert all(m == _REPORT_MAGIC and i == inc and n == 0 for m, i, n, _ in told)
+    words = [w for *_, w in told]
+    assert words == sorted(set(words)) and all(w <= 2 * len(got) for w in words)

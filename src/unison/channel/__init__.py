@@ -74,10 +74,10 @@ class Channel(ABC):
 
     settles = False
     """Whether ``settled`` can tell, without a message, that workers ran everything sent
-    and hold no error, where the channel does not track progress otherwise: the pipe
-    channel's workers report in their reply streams, which only the reader of the moment
-    sees, so it waits for them only while no other thread reads, and ``wait_done`` is not
-    there (sync sends SYNC where ``settled`` says no)."""
+    and hold no error, where the channel does not track progress otherwise: the pipe and
+    TCP channels' workers report in their reply streams, which only the reader of the
+    moment sees, so it waits for them only while no other thread reads, and ``wait_done``
+    is not there (sync sends SYNC where ``settled`` says no)."""
 
     def mark(self) -> int:
         """A position covering every message sent so far (where ``tracks_progress``)."""

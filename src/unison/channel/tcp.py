@@ -14,13 +14,25 @@ handshake, or arrives too slowly, is logged and dropped, and the listener goes o
 scanner or a peer with the wrong secret never reaches the session. The traffic is not
 encrypted: run it on a private network or through a tunnel (docs/cluster.md).
 
-A frame is ``[magic, incarnation, payload length, buffer count]``, the payload, then per
-buffer its length and bytes. The incarnation is a random number the controller gave that
+A command is ``[magic, incarnation, payload length, buffer count]``, the payload, then per
+buffer its length and bytes. A reply is ``[magic, incarnation, payload length, progress]``
+and its pickle, in band. The incarnation is a random number the controller gave that
 connection: a frame that names another (a stale worker's, or garbage) is never taken for a
 reply; neither is a frame with a bad magic or a length over ``MAX_FRAME``. Such a worker is
 out of step for good: the channel drops it, logs why, and reports its stream ended, so
 the session raises WorkerDied naming the reason. Replies also carry their request's id
 (protocol), which the session checks.
+
+The progress word is ``commands run << 1 | holds errors nobody fetched``, as on the pipe
+channel; a worker about to wait, with progress it has not told, sends it alone (a report:
+its own magic, no payload). So sync after a quick call reads a report instead of sending
+SYNC and waiting for its answers (``settled``): one message each way where it was two
+(dispatch over loopback at N=2 took 47-51 against 74-75 µs a round, docs/benchmarks.md,
+"Issue 9, thirty-third pass"). Only one thread reads the connections at a time (recv for
+the whole of its call), so ``settled`` looks only where none does, and lets go as soon as
+a recv of another thread wants them (a yield pipe): then that sync asks. Sends read the
+connections every _DRAIN_EVERY commands, so a controller that only calls takes the
+reports before a worker blocks writing one.
 
 A dead worker's connection closes (its keeper holds a copy and dies with it). A silent
 death (a host powered off, a cable pulled) sends nothing, so here, and only here, where no
@@ -33,6 +45,7 @@ side has the kernel's keepalive probes, which see a silent controller within abo
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
 import secrets
@@ -60,8 +73,11 @@ __all__ = ["MAX_FRAME", "TcpChannel", "TcpWorkerChannel", "dial"]
 
 log = logging.getLogger("unison.tcp")
 
-_MAGIC = 0x31534E55  # b"UNS1", little-endian
+_MAGIC = 0x31534E55  # b"UNS1", little-endian: a command
 _HEAD = struct.Struct("<IQQI")  # magic, incarnation, payload length, buffer count
+_REPLY_MAGIC = 0x32534E55  # b"UNS2": a reply
+_REPORT_MAGIC = 0x50534E55  # b"UNSP": a progress report (no payload)
+_REPLY = struct.Struct("<IQQQ")  # magic, incarnation, payload length, progress word
 _BUF = struct.Struct("<Q")
 MAX_FRAME = 1 << 32
 """The largest payload or buffer a frame may carry (bytes); larger is malformed."""
@@ -71,6 +87,10 @@ _HANDSHAKE_S = 5.0
 """How long a peer has to pass the handshake before it is dropped."""
 _CHUNK = 1 << 20
 _SMALL = 1 << 16  # a frame this small is joined to its head and sent in one call
+_DRAIN_EVERY = 1024
+"""Sends between two reads of the connections at least: a worker reports at most once per
+frame, so a controller that only calls, never waiting, still reads the reports before its
+worker blocks writing one (and reads no command meanwhile)."""
 HEARTBEAT_S = 0.25
 """How often the controller sends each worker an empty frame (see the module's docstring)."""
 _USER_TIMEOUT_MS = 1000
@@ -154,8 +174,24 @@ class TcpChannel(Channel):
         self._why: dict[int, str] = {}
         self._watch: list[int] = []
         self._closed = False
-        self._rx_lock = threading.Lock()
-        """Guards reading: the scratch buffer and each peer's ``buf``."""
+        self._rx = threading.Lock()
+        """Held by whoever reads the connections (the scratch buffer, each peer's ``buf``):
+        recv, for the whole call; settled; a send that waits for room. A recv that waits
+        for it makes a settled let go (``_wait_rx``)."""
+        self._yield_r, self._yield_w = os.pipe()
+        """Written by a recv that finds the rx lock held: a settled holding it lets go."""
+        for fd in (self._yield_r, self._yield_w):
+            os.set_blocking(fd, False)
+        self._backlog: list[tuple[int, bytes | Reply | None]] = []
+        """Replies read by settled or a send's drain, for the next recv."""
+        self._sent = [0] * num_workers
+        """Per worker, the commands written to its connection (heartbeats not counted)."""
+        self._unread = 0
+        """Sends since the last drain (_DRAIN_EVERY)."""
+        self._progress = [0] * num_workers
+        """Per worker, its last progress word: frames run << 1 | whether it holds errors
+        nobody fetched (``settled``)."""
+        self._settle_poller: tuple[list[int], select.poll] | None = None
         self._scratch = bytearray(_CHUNK)
         self._scratch_view = memoryview(self._scratch)
         self._wake_r, self._wake_w = os.pipe()
@@ -348,17 +384,22 @@ class TcpChannel(Channel):
                                                   written or n > 0)
                         else:
                             written = True
-                    continue
-                parts: list[Any] = [head, data]
-                for raw in raws:
-                    parts += [_BUF.pack(raw.nbytes), raw]
-                with peer.write_lock:
-                    written = self._write(peer, parts, deadline, written)
+                else:
+                    parts: list[Any] = [head, data]
+                    for raw in raws:
+                        parts += [_BUF.pack(raw.nbytes), raw]
+                    with peer.write_lock:
+                        written = self._write(peer, parts, deadline, written)
             except (TimeoutError, PartialSendError):
                 raise
             except OSError as exc:  # its connection broke: so the session blames the right
                 peer.ended = peer.ended or f"its connection failed: {exc}"  # worker
                 raise
+            self._sent[r] += 1
+        self._unread += 1
+        if self._unread >= _DRAIN_EVERY:
+            self._unread = 0
+            self._drain()
 
     def _write(self, peer: _Peer, frame: list[Any], deadline: float | None,
                written: bool) -> bool:
@@ -371,10 +412,12 @@ class TcpChannel(Channel):
 
         def wait(seconds: float) -> None:
             readable, _, _ = select.select([peer.fd], [peer.fd], [], seconds)
-            if readable and not peer.ended:
-                with self._rx_lock:
+            if readable and not peer.ended and self._rx.acquire(blocking=False):
+                try:  # (where a recv holds the lock, it reads them itself)
                     self._fill(peer)
                     peer.stashed = True
+                finally:
+                    self._rx.release()
 
         return write_frame(peer.sock.sendmsg, frame, f"worker {peer.rank}'s connection",
                            deadline, written, check_watch, wait)
@@ -399,34 +442,156 @@ class TcpChannel(Channel):
     def recv(
         self, timeout: float | None, watch: Sequence[int] | None = None
     ) -> list[tuple[int, bytes | Reply | None]]:
-        open_peers = [p for p in self._peers if p is not None and p.open]
-        held = [p for p in open_peers if p.stashed or p.ended]
-        poll = self._epoll.poll  # the open peers' sockets and the wake pipe
-        if held or timeout == 0 or (open_peers and spin(  # a reply is often a few µs away:
-                lambda: bool(poll(0)), SPIN if timeout is None else min(SPIN, timeout))):
-            ready = {fd for fd, _ in poll(0)}  # yield before we sleep (one epoll_wait per
-        else:  # look: a select of the list cost 4x as much); then sleep, deaths too
-            waits: list[Any] = [p.fd for p in open_peers]
-            waits += [self._wake_r, *self._watch]
-            ready = set(select.select(waits, [], [], timeout)[0])
-        if self._wake_r in ready:
-            drain_fd(self._wake_r)
-        out: list[tuple[int, bytes | Reply | None]] = []
-        for peer in open_peers:
+        """See Channel.recv: the backlog first, then the connections (``watch``: deprecated,
+        ignored)."""
+        if not self._rx.acquire(blocking=False):
+            self._wait_rx()
+        try:
+            out, self._backlog = self._backlog, []
+            if out:
+                timeout = 0  # replies in hand: add only what is there now
+            open_peers = [p for p in self._peers if p is not None and p.open]
+            held = [p for p in open_peers if p.stashed or p.ended]
+            poll = self._epoll.poll  # the open peers' sockets and the wake pipe
+            if held or timeout == 0 or (open_peers and spin(  # a reply is often a few µs
+                    lambda: bool(poll(0)), SPIN if timeout is None else min(SPIN, timeout))):
+                ready = {fd for fd, _ in poll(0)}  # away: yield before we sleep (one
+            else:  # epoll_wait per look: a select of the list cost 4x as much); then sleep,
+                waits: list[Any] = [p.fd for p in open_peers]  # deaths too
+                waits += [self._wake_r, *self._watch]
+                ready = set(select.select(waits, [], [], timeout)[0])
+            if self._wake_r in ready:
+                drain_fd(self._wake_r)
+            self._read_ready(open_peers, ready, held, out)
+            return out
+        finally:
+            self._rx.release()
+
+    def _wait_rx(self) -> None:
+        """Take the rx lock for recv, which another thread holds. Where that is settled,
+        waiting for progress reports, it sees the yield pipe readable and lets go (its sync
+        asks instead): a thread waiting for its replies never waits for another's sync. A
+        byte left behind where the holder was not settled makes the next settled ask once."""
+        try:
+            os.write(self._yield_w, b"x")
+        except OSError:
+            pass  # it is readable already (or closed: close() is under way)
+        self._rx.acquire()
+
+    def _read_ready(self, peers: list[_Peer], ready: set[int], held: list[_Peer],
+                    out: list[tuple[int, bytes | Reply | None]]) -> None:
+        """Read each of ``peers`` whose socket is in ``ready``, or that holds bytes read
+        ahead (``held``); caller holds the rx lock."""
+        for peer in peers:
             if peer.fd in ready or peer in held:
                 peer.stashed = False
                 self._read(peer, out)
-        return out
 
     def _read(self, peer: _Peer, out: list[tuple[int, bytes | Reply | None]]) -> None:
-        with self._rx_lock:  # a sender may read replies too, while it waits for room
-            if not peer.ended:
-                n = self._recv(peer)  # usually one whole reply and nothing else: no buffer
-                if n and (peer.buf or not self._one_reply(peer, n, out)):
-                    peer.buf += self._scratch_view[:n]
-                    self._frames(peer, out)
-            if _ended(peer):
-                self._drop(peer, peer.ended, out)
+        """Whole replies from ``peer`` to ``out``, reports taken; caller holds the rx lock."""
+        if not peer.ended:
+            n = self._recv(peer)  # usually one whole reply or report, nothing else: no buffer
+            if n and (peer.buf or not self._one_reply(peer, n, out)):
+                peer.buf += self._scratch_view[:n]
+                self._frames(peer, out)
+        if _ended(peer):
+            self._drop(peer, peer.ended, out)
+
+    # -- progress: sync without a message, where the reports are in -------------------------
+
+    settles = True
+
+    def settled(self, ranks: Sequence[int], timeout: float) -> bool:
+        """Channel.settled, from the progress reports in the reply streams, as the pipe
+        channel's: each worker in ``ranks`` has run every command sent to it and holds no
+        error nobody fetched. Waits for the reports up to ``timeout``, reading the
+        connections (replies found go to the backlog), only where no other thread reads
+        them, and only until one wants to (``_wait_rx``): False tells nothing more, and the
+        caller asks (SYNC). A watch fd readable, or a stream ended: False, so that the
+        caller's long way notices the death."""
+        if not self._rx.acquire(blocking=False):
+            return False
+        try:
+            out: list[tuple[int, bytes | Reply | None]] = []
+            open_peers = [p for p in self._peers if p is not None and p.open]
+            held = [p for p in open_peers if p.stashed or p.ended]
+            if held:
+                self._read_ready(open_peers, set(), held, out)
+            poller = self._settle_set([p.fd for p in open_peers])
+            end = time.perf_counter() + timeout
+            got = poller.poll(0)
+            while True:
+                if got:
+                    ready = {fd for fd, _ in got}
+                    if self._yield_r in ready:
+                        drain_fd(self._yield_r)
+                        self._keep(out)
+                        return False  # a recv wants the connections: it reads them
+                    self._read_ready(open_peers, ready, [], out)
+                    if len(ready) > sum(p.fd in ready for p in open_peers):
+                        self._keep(out)
+                        return False  # a watch fd (a death): the long way looks
+                if out:
+                    self._keep(out)
+                    if any(data is None for _, data in out):
+                        return False
+                    out = []
+                looked = self._look(ranks)
+                if looked:
+                    return looked == 1
+                left = end - time.perf_counter()
+                if left <= 0:
+                    return False
+                found = spin(poller.poll, min(SPIN, left), 0.0, 0)  # yield, then sleep
+                got = found if isinstance(found, list) else poller.poll(
+                    max(0, math.ceil(left * 1000)))
+        except (OSError, ValueError):  # close() from another thread (it does not wait for
+            return False  # this lock): the long way says the session is closed
+        finally:
+            self._rx.release()
+
+    def _settle_set(self, peers: list[int]) -> select.poll:
+        """settled's poll set: the open connections, the watch fds, the yield pipe; made
+        again only when they change."""
+        fds = [*peers, *self._watch, self._yield_r]
+        if self._settle_poller is None or self._settle_poller[0] != fds:
+            poller = select.poll()
+            for fd in fds:
+                poller.register(fd, select.POLLIN)
+            self._settle_poller = (fds, poller)
+        return self._settle_poller[1]
+
+    def _look(self, ranks: Sequence[int]) -> int:
+        """0 while a worker in ``ranks`` has not reported every command sent to it as run
+        (or its stream ended); else 1, or 2 where one holds errors nobody fetched."""
+        sent, progress, peers = self._sent, self._progress, self._peers
+        for r in ranks:
+            peer = peers[r]
+            if peer is None or not peer.open:
+                return 2  # the long way: it says what happened
+            if progress[r] != sent[r] << 1:
+                return 0 if progress[r] >> 1 != sent[r] else 2
+        return 1
+
+    def _keep(self, got: list[tuple[int, bytes | Reply | None]]) -> None:
+        """Replies read by a wait other than recv: into the backlog, for the next recv.
+        Wakes an event loop (the wake pipe is among ``wake_fds``) when it grew."""
+        if got:
+            self._backlog += got
+            self._wake()
+
+    def _drain(self) -> None:
+        """Read what every connection holds now, unless a recv is reading (it takes it)."""
+        if not self._rx.acquire(blocking=False):
+            return
+        try:
+            open_peers = [p for p in self._peers if p is not None and p.open]
+            ready = {fd for fd, _ in self._epoll.poll(0)}
+            out: list[tuple[int, bytes | Reply | None]] = []
+            self._read_ready(open_peers, ready, [p for p in open_peers if p.stashed], out)
+            self._keep(out)
+        finally:
+            self._rx.release()
 
     def _recv(self, peer: _Peer) -> int:
         """Read what the socket holds into the scratch buffer (one for all peers: a fresh
@@ -451,31 +616,39 @@ class TcpChannel(Channel):
 
     def _one_reply(self, peer: _Peer, n: int,
                    out: list[tuple[int, bytes | Reply | None]]) -> bool:
-        """Whether the ``n`` bytes just read are exactly one well-formed reply (then it is in
-        ``out``); else the caller buffers them and parses them as a stream."""
-        if _whole_frame(self._scratch, n, peer.incarnation) != n:
+        """Whether the ``n`` bytes just read are exactly one reply or one report, well formed
+        (then the reply is in ``out``, the progress taken); else the caller buffers them and
+        parses them as a stream."""
+        if n < _REPLY.size:
             return False
-        out.append((peer.rank, bytes(self._scratch_view[_HEAD.size:n])))
+        magic, incarnation, size, progress = _REPLY.unpack_from(self._scratch)
+        if incarnation != peer.incarnation or _REPLY.size + size != n:
+            return False
+        if magic == _REPLY_MAGIC:
+            out.append((peer.rank, bytes(self._scratch_view[_REPLY.size:n])))
+        elif magic != _REPORT_MAGIC or size:
+            return False
+        self._progress[peer.rank] = progress
         return True
 
     def _frames(self, peer: _Peer, out: list[tuple[int, bytes | Reply | None]]) -> None:
-        """The whole frames in the peer's buffer, as replies."""
+        """The whole replies in the peer's buffer to ``out``, reports taken."""
         buf = peer.buf
-        while len(buf) >= _HEAD.size:
-            magic, incarnation, size, count = _HEAD.unpack_from(buf)
-            problem = _check_head(magic, incarnation, size, count, peer.incarnation)
+        at = 0
+        while len(buf) - at >= _REPLY.size:
+            magic, incarnation, size, progress = _REPLY.unpack_from(buf, at)
+            problem = _check_reply(magic, incarnation, size, peer.incarnation)
             if problem:
                 peer.ended = f"it sent a malformed frame ({problem})"
-                return
-            if count:
-                peer.ended = ("it sent a reply with out-of-band buffers, which this channel "
-                              "does not take")
-                return
-            end = _HEAD.size + size
+                break
+            end = at + _REPLY.size + size
             if len(buf) < end:
-                return
-            out.append((peer.rank, bytes(buf[_HEAD.size:end])))
-            del buf[:end]
+                break
+            if magic == _REPLY_MAGIC:
+                out.append((peer.rank, bytes(buf[at + _REPLY.size:end])))
+            self._progress[peer.rank] = progress
+            at = end
+        del buf[:at]
 
     def _drop(self, peer: _Peer, why: str, out: list[tuple[int, bytes | Reply | None]]) -> None:
         """A worker's stream ended, or went out of step: say so once, and close it (after
@@ -497,7 +670,7 @@ class TcpChannel(Channel):
 
     def pending(self) -> bool:
         fds = [p.sock for p in self._peers if p is not None and p.open]
-        return bool(fds) and bool(select.select(fds, [], [], 0)[0])
+        return bool(self._backlog) or (bool(fds) and bool(select.select(fds, [], [], 0)[0]))
 
     def _wake(self) -> None:
         try:
@@ -549,8 +722,8 @@ class TcpChannel(Channel):
             line.close()
         self._lifelines = []
         self._epoll.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        for fd in (self._wake_r, self._wake_w, self._yield_r, self._yield_w):
+            os.close(fd)
         self._watch = []
 
 
@@ -575,9 +748,24 @@ def _check_head(magic: int, incarnation: int, size: int, count: int, expected: i
     return ""
 
 
+def _check_reply(magic: int, incarnation: int, size: int, expected: int) -> str:
+    if magic == _MAGIC:
+        return ("a reply in the format of an older unison: the worker runs another version "
+                "than the controller; install the same one on every host")
+    if magic not in (_REPLY_MAGIC, _REPORT_MAGIC):
+        return f"bad magic {magic:#x}"
+    if incarnation != expected:
+        return f"incarnation {incarnation:#x} is not this connection's {expected:#x}"
+    if size > MAX_FRAME:
+        return f"a payload of {size} bytes, over the limit of {MAX_FRAME}"
+    if magic == _REPORT_MAGIC and size:
+        return f"a progress report with a payload of {size} bytes"
+    return ""
+
+
 def _whole_frame(buf: bytearray, k: int, incarnation: int) -> int:
-    """Where the frame at the start of ``buf[:k]`` ends, when it is all there, well formed
-    and without out-of-band buffers (the one-read fast paths at both ends); else 0."""
+    """Where the command at the start of ``buf[:k]`` ends, when it is all there, well formed
+    and without out-of-band buffers (the worker's one-read fast path); else 0."""
     if k < _HEAD.size:
         return 0
     magic, inc, size, count = _HEAD.unpack_from(buf)
@@ -683,6 +871,12 @@ class TcpWorkerChannel(WorkerChannel):
         self._scratch = bytearray(_CHUNK)
         self._scratch_view = memoryview(self._scratch)
         self._fresh = True
+        self._taken = 0
+        """Commands recv returned: each is run by the time the next is asked for."""
+        self._holding = 0
+        """1 while this worker holds errors nobody fetched (``unreported``), else 0."""
+        self._told = 0
+        """The progress word the controller last got: commands run << 1 | holding."""
 
     def _wait_first(self) -> None:
         """Until the first command is in; then forget what the wait saw (pacing.crowd)."""
@@ -695,10 +889,13 @@ class TcpWorkerChannel(WorkerChannel):
                 self._fresh = False  # workers' start (and in a Ray actor, Ray's), which no
                 self._wait_first()  # later wait should take for a crowd
             if not self._have:
-                if self._spin and not self._poll.poll(0):  # the next command is often a
-                    spin(lambda: bool(self._poll.poll(0)), SPIN)  # few µs away
+                if not self._poll.poll(0):  # about to wait: first say what has run
+                    self._tell()
+                    if self._spin:  # the next command is often a few µs away
+                        spin(lambda: bool(self._poll.poll(0)), SPIN)
                 whole = self._one_frame()
                 if whole is not None:
+                    self._taken += 1
                     return whole, []
             while True:
                 magic, inc, size, count = _HEAD.unpack(self._read(_HEAD.size))
@@ -714,9 +911,22 @@ class TcpWorkerChannel(WorkerChannel):
                 if length > MAX_FRAME:
                     raise OSError(f"a buffer of {length} bytes from the controller")
                 bufs.append(memoryview(self._read(length)))
+            self._taken += 1
             return data, bufs
         except (EOFError, OSError):
             return None
+
+    def _tell(self) -> None:
+        """Report this worker's progress, where the controller has not heard it and no
+        command is in (a wait is next): its sync reads that instead of asking."""
+        progress = self._taken << 1 | self._holding
+        if progress != self._told and not self._poll.poll(0):
+            with self._send_lock:
+                self._sock.sendall(_REPLY.pack(_REPORT_MAGIC, self._inc, 0, progress))
+            self._told = progress
+
+    def unreported(self, count: int) -> None:
+        self._holding = 1 if count else 0  # told with the next reply or report
 
     def _one_frame(self) -> memoryview | None:
         """The fast path, nothing read ahead: one recv, and when it brought one whole call
@@ -754,6 +964,7 @@ class TcpWorkerChannel(WorkerChannel):
         have.clear()
         self._off = 0
         while got < n:
+            self._tell()  # (a heartbeat, or the start of a command, came alone)
             if n - got < _CHUNK:
                 k = self._sock.recv_into(self._scratch)
                 take = min(k, n - got)
@@ -767,12 +978,15 @@ class TcpWorkerChannel(WorkerChannel):
         return out
 
     def reply(self, data: bytes, buffers: Sequence[Any] = ()) -> None:
+        """A reply is the last thing its command does (worker.serve), so it reports that
+        command as run, with whether this worker holds errors nobody fetched."""
         if buffers:
             raise ValueError("the TCP channel pickles replies in band")
         if len(data) > MAX_FRAME:
             raise MemoryError(f"a reply of {len(data)} bytes is over the TCP channel's limit "
                               f"of {MAX_FRAME}")
-        head = _HEAD.pack(_MAGIC, self._inc, len(data), 0)
+        self._told = progress = self._taken << 1 | self._holding
+        head = _REPLY.pack(_REPLY_MAGIC, self._inc, len(data), progress)
         with self._send_lock:  # blocking: waits only while the controller is slow to read
             if len(data) <= _SMALL:
                 self._sock.sendall(head + data)
