@@ -70,7 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default="unison,floor",
                         help="comma-separated, a unison system first (unison, unison-pipe, "
-                             "unison-inline: the ratios are its)")
+                             "unison-tcp, unison-inline: the ratios are its)")
     parser.add_argument("--workloads", nargs="+", default=["dispatch", "gather_small"],
                         choices=["dispatch", "gather_small"])
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])

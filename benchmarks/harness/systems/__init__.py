@@ -1,6 +1,7 @@
 """Every system the benchmark knows, one file each, in the order of the table's columns.
 
-    unison, unison-pipe   unison_session.py
+    unison, unison-inline, unison-pipe, unison-tcp
+                          unison_session.py
     floor                 floor.py      the smallest pure-Python shared-memory ring (issue 9)
     bare                  bare.py       N bare interpreters importing numpy: the start floor
     pipe                  pipe.py       one multiprocessing.Pipe per worker
@@ -46,7 +47,7 @@ BASELINES: dict[str, type[System]] = {
 }
 """Every baseline, in the order the benchmark shows them."""
 
-SYSTEMS = ("unison", "unison-inline", "unison-pipe", *BASELINES)
+SYSTEMS = ("unison", "unison-inline", "unison-pipe", "unison-tcp", *BASELINES)
 
 _NEEDS = {"ray": "ray", "mpi4py": "mpi4py"}
 
@@ -70,6 +71,8 @@ def make_system(name: str) -> System:
         return UnisonSystem("unison-inline", None, inline=True)
     if name == "unison-pipe":
         return UnisonSystem("unison-pipe", "pipe")
+    if name == "unison-tcp":
+        return UnisonSystem("unison-tcp", "tcp")
     return BASELINES[name]()
 
 

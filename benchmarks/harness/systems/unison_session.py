@@ -1,9 +1,12 @@
-"""``unison`` and ``unison-pipe``: a ``unison.Session`` behind the benchmark's interface."""
+"""``unison``, ``unison-inline``, ``unison-pipe`` and ``unison-tcp``: a ``unison.Session``
+behind the benchmark's interface."""
 
 from __future__ import annotations
 
 import inspect
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +23,9 @@ def default_channel() -> str:
 
 class UnisonSystem(System):
     """``Session(N)``, or ``Session(N, channel=...)`` when ``channel`` is given, or
-    ``Session(N, inline_worker0=True)`` with ``inline``."""
+    ``Session(N, inline_worker0=True)`` with ``inline``. ``channel="tcp"``: workers as
+    plain processes on this host (``unison worker --connect``, as srun or ssh would start
+    them) that join over loopback TCP."""
 
     def __init__(self, name: str, channel: str | None, inline: bool = False) -> None:
         self.name = name
@@ -30,18 +35,32 @@ class UnisonSystem(System):
 
         ring = "C" if shm.NATIVE else "pure Python"
         self.description = (
-            f'Session(N, channel="{channel}")' if channel
+            "Session(N, launcher=ConnectLauncher(...)): workers started as `unison worker "
+            "--connect`, joined over loopback TCP" if channel == "tcp"
+            else f'Session(N, channel="{channel}")' if channel
             else "Session(N, inline_worker0=True): worker 0's share run by the controller"
             if inline
             else f"Session(N), default channel ({default_channel()}), command ring in {ring}"
         )
         self._sess: Any = None
         self._block: Any = None
+        self._procs: list[subprocess.Popen[bytes]] = []
 
     def start(self, n: int) -> None:
         import unison
 
-        if self.inline:
+        if self.channel == "tcp":
+            from unison.launch import SECRET_VAR
+            from unison.launch.connect import ConnectLauncher
+
+            def announce(address: str, secret: bytes) -> None:
+                env = {**os.environ, SECRET_VAR: secret.hex()}
+                self._procs += [subprocess.Popen(
+                    [sys.executable, "-m", "unison", "worker", "--connect", address], env=env)
+                    for _ in range(n)]
+
+            self._sess = unison.Session(n, launcher=ConnectLauncher(announce=announce))
+        elif self.inline:
             self._sess = unison.Session(n, inline_worker0=True)
         elif self.channel is None:
             self._sess = unison.Session(n)
@@ -77,3 +96,6 @@ class UnisonSystem(System):
         if self._sess is not None:
             self._sess.close(timeout=3.0 if graceful else 0)
             self._sess = None
+        for proc in self._procs:
+            proc.wait(10)
+        self._procs = []
