@@ -13,10 +13,12 @@ open as its keeper's lifeline. Its pidfd (from the kernel's credentials of that 
 then watched as a child's is.
 
 What a mixed session gives up: ``sess.empty`` (its arrays would reach the TCP workers as
-copies, so their writes would be lost: refused rather than wrong) and progress tracking
-(sync sends SYNC). Its collectives run on shared memory where their workers share a host
-(the local workers get the session's collective segment with their other fds, through
-``offer``), on torch.distributed elsewhere (unison.collective.cluster).
+copies, so their writes would be lost: refused rather than wrong). Its sync sends nothing
+where both halves say all is done: the local workers' done positions in shared memory,
+the others' progress reports on their connections (``settled``). Its collectives run on
+shared memory where their workers share a host (the local workers get the session's
+collective segment with their other fds, through ``offer``), on torch.distributed
+elsewhere (unison.collective.cluster).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import os
 import select
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -103,6 +106,19 @@ class MixedChannel(Channel):
         return f"on the controller's host; {why}" if why else "on the controller's host"
 
     # -- traffic -------------------------------------------------------------------------------
+
+    settles = True
+
+    def settled(self, ranks: Sequence[int], timeout: float) -> bool:
+        """Channel.settled: the local workers' done positions, then the others' reports,
+        within ``timeout`` in all."""
+        index = self._index
+        near = [index[r] for r in ranks if r in index]
+        far = [r for r in ranks if r not in index]
+        end = time.monotonic() + timeout
+        if near and not self.shm.settled(near, timeout):
+            return False
+        return not far or self.tcp.settled(far, max(0.0, end - time.monotonic()))
 
     def send(self, data: bytes, ranks: Sequence[int], buffers: Sequence[Any] = (), *,
              deadline: float | None = None) -> None:
