@@ -417,6 +417,17 @@ def test_blocks_alternates_systems_and_gives_unisons_ratios() -> None:
     assert "N=1: CPU time stolen by the hypervisor meanwhile: " in out
 
 
+def test_blocks_measures_workers_that_join_over_tcp() -> None:
+    """The unison-tcp system: workers started as ``unison worker --connect``, joined over
+    loopback; it measures as the others do, and leaves no worker behind (the suite's
+    hygiene check)."""
+    out = _tool("blocks.py", "--systems", "unison-tcp,pipe", "--workloads", "dispatch",
+                "--workers", "2", "--blocks", "1", "--seconds", "0.02")
+    line = next(x for x in out.splitlines() if x.startswith("dispatch N=2 unison-tcp: "))
+    assert float(line.split(" | median ")[1].removesuffix(" µs")) > 0, out
+    assert "dispatch N=2 unison-tcp / pipe: " in out, out
+
+
 def test_interval_brackets_the_ratio_of_medians_and_reads_pairs_together() -> None:
     from harness.measure import interval
 
@@ -562,6 +573,16 @@ def test_class_call_times_a_class_against_a_function() -> None:
     """benchmarks/class_call.py: blocks of each, their medians, and the ratio."""
     out = _tool("class_call.py", "--blocks", "2", "--seconds", "0.02")
     assert "class   :" in out and "function:" in out and "class / function:" in out, out
+
+
+def test_mixed_sync_times_a_mixed_session_and_counts_what_sync_sends() -> None:
+    """benchmarks/mixed_sync.py: blocks of call+sync and run in a session of two workers
+    over shared memory and one over TCP; each call+sync round sends that one a command
+    and nothing more (no SYNC)."""
+    out = _tool("mixed_sync.py", "--blocks", "2", "--seconds", "0.02")
+    assert "call+sync:" in out and "run      :" in out, out
+    per_round = float(out.rsplit("per call+sync round:", 1)[1].split()[0])
+    assert 1.0 <= per_round < 1.1, out  # (a SYNC only where a look gave up: a slice)
 
 
 def test_ring_costs_times_each_step_on_both_rings() -> None:
