@@ -15,7 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import psutil
@@ -282,3 +282,32 @@ def big_then_stopped(nbytes: int, after: float) -> bytes:
 
     threading.Timer(after, os.kill, (os.getpid(), signal.SIGSTOP)).start()
     return b"s" * nbytes
+
+
+def nothing() -> None:
+    """Worker code: a quick call."""
+
+
+def boom() -> None:
+    """Worker code: a call that fails."""
+    raise ValueError("boom")
+
+
+def check_sync_reads_progress(sess: unison.Session, sent: Callable[[], list[int]]) -> None:
+    """Where workers tell their progress without being asked (the pipe and TCP channels'
+    reports, shared memory's done positions), a sync after a quick call sends nothing: 20
+    call-then-sync rounds write 20-29 commands to each worker ``sent`` counts (a SYNC only
+    where a look gave up: a slice, on a crowded host), where SYNC made it 40. An error held
+    still reaches sync, once."""
+    sess.run(nothing)  # defines it
+    before = sent()
+    for _ in range(20):
+        sess.call(nothing)
+        sess.sync()
+    counts = [after - b for after, b in zip(sent(), before)]
+    assert all(20 <= n < 30 for n in counts), counts
+    sess.call(boom)
+    with pytest.raises(unison.WorkerError, match="boom"):
+        sess.sync()
+    sess.call(int)
+    sess.sync()  # reported once

@@ -18,7 +18,14 @@ import numpy as np
 import pytest
 
 import unison
-from support import Box, channel_kind, collective_backend, wait_gone, warm_torch_store
+from support import (
+    Box,
+    channel_kind,
+    check_sync_reads_progress,
+    collective_backend,
+    wait_gone,
+    warm_torch_store,
+)
 from unison import WorkerDied
 from unison.launch import DeathReport, Launcher, Network, connect_command
 from unison.spec import WorkerSpec
@@ -111,22 +118,24 @@ def test_a_mixed_session_refuses_shared_arrays_rather_than_copy_them(mixed):
         mixed.empty(10)
 
 
+@pytest.mark.parametrize("waiting", ["gather", "sync"])
 @pytest.mark.parametrize("victim", [0, 1])
-def test_a_killed_worker_local_or_not_gives_worker_died_within_2_s(mixed, victim):
+def test_a_killed_worker_local_or_not_gives_worker_died_within_2_s(mixed, victim, waiting):
+    """Whether the controller waits for a reply, or for everything sent to have run (the
+    local workers' done positions, the others' reports)."""
     pids = mixed.run(os.getpid)
     ref = mixed.call(time.sleep, 30)
     start = time.monotonic()
     os.kill(pids[victim], signal.SIGKILL)
     with pytest.raises(WorkerDied) as info:
-        ref.gather()
+        if waiting == "gather":
+            ref.gather()
+        else:
+            mixed.sync()
     assert time.monotonic() - start < 2.0
     assert info.value.worker == victim
     mixed.close(timeout=1)
     assert wait_gone(pids, 5.0) == []
-
-
-def _nothing() -> None:
-    pass
 
 
 def _boom_on(rank: int) -> None:
@@ -137,33 +146,13 @@ def _boom_on(rank: int) -> None:
 def test_sync_after_a_quick_call_asks_neither_half(mixed):
     """The local workers' done positions and the others' reports say all ran: sync sends
     no SYNC to either half, and an error held on either still reaches it, once."""
-    mixed.run(_nothing)  # defines it
-    chan = mixed._chan
-    before = chan.tcp._sent[1]
-    for _ in range(20):
-        mixed.call(_nothing)
-        mixed.sync()
-    assert 20 <= chan.tcp._sent[1] - before < 30  # a SYNC only where a look gave up
+    check_sync_reads_progress(mixed, lambda: [mixed._chan.tcp._sent[1]])
     for rank in (0, 1):  # local, then over TCP
         mixed.call(_boom_on, rank)
         with pytest.raises(unison.WorkerError, match=f"boom on {rank}"):
             mixed.sync()
         mixed.call(int)
         mixed.sync()  # reported once
-
-
-@pytest.mark.parametrize("victim", [0, 1])
-def test_a_worker_killed_during_a_sync_gives_worker_died_within_2_s(mixed, victim):
-    pids = mixed.run(os.getpid)
-    mixed.call(time.sleep, 30)
-    start = time.monotonic()
-    os.kill(pids[victim], signal.SIGKILL)
-    with pytest.raises(WorkerDied) as info:
-        mixed.sync()
-    assert time.monotonic() - start < 2.0
-    assert info.value.worker == victim
-    mixed.close(timeout=1)
-    assert wait_gone(pids, 5.0) == []
 
 
 def test_collectives_in_a_mixed_session_go_through_torch():

@@ -10,16 +10,9 @@ import time
 import pytest
 
 import unison
+from support import boom, check_sync_reads_progress
 
 pytestmark = pytest.mark.channels
-
-
-def boom() -> None:
-    raise ValueError("boom")
-
-
-def nothing() -> None:
-    pass
 
 
 @pytest.mark.parametrize("channel", ["shm"], indirect=True)
@@ -42,19 +35,7 @@ def test_sync_after_a_quick_call_sends_nothing_on_pipe(make_session):
     a quick call reads that report instead of sending SYNC; one that finds an error held
     asks, and reports it."""
     sess = make_session(2)
-    sess.run(nothing)  # defines it
-    chan = sess._chan
-    before = list(chan._sent)
-    for _ in range(20):
-        sess.call(nothing)
-        sess.sync()
-    sent = [after - b for after, b in zip(chan._sent, before)]
-    assert all(20 <= n < 30 for n in sent), sent  # 20 calls, and a SYNC only where a look
-    sess.call(boom)  # gave up (a slice: a crowded host)
-    with pytest.raises(unison.WorkerError, match="boom"):
-        sess.sync()
-    sess.call(int)
-    sess.sync()  # reported once
+    check_sync_reads_progress(sess, lambda: list(sess._chan._sent))
 
 
 def test_sync_waits_for_everything_sent(sess):

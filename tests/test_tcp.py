@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import unison
-from support import wait_gone, warm_torch_store
+from support import check_sync_reads_progress, nothing, wait_gone, warm_torch_store
 from unison import WorkerDied
 from unison.launch.connect import ConnectLauncher
 
@@ -388,32 +388,12 @@ def test_a_send_that_reaches_some_workers_only_is_partial_never_nothing_sent(tcp
         os.kill(pids[1], signal.SIGCONT)
 
 
-def _nothing() -> None:
-    pass
-
-
-def _boom() -> None:
-    raise ValueError("boom")
-
-
 def test_sync_after_a_quick_call_sends_nothing_over_tcp(tcp_session):
     """A TCP worker reports what it ran before it waits, as the pipe channel's does, so a
     sync after a quick call reads that report instead of sending SYNC; one that finds an
     error held asks, and reports it once."""
     sess = tcp_session(2)
-    sess.run(_nothing)  # defines it
-    chan = sess._chan
-    before = list(chan._sent)
-    for _ in range(20):
-        sess.call(_nothing)
-        sess.sync()
-    sent = [after - b for after, b in zip(chan._sent, before)]
-    assert all(20 <= n < 30 for n in sent), sent  # 20 calls, and a SYNC only where a look
-    sess.call(_boom)  # gave up (a slice: a crowded host)
-    with pytest.raises(unison.WorkerError, match="boom"):
-        sess.sync()
-    sess.call(int)
-    sess.sync()  # reported once
+    check_sync_reads_progress(sess, lambda: list(sess._chan._sent))
 
 
 def test_threads_that_sync_and_wait_for_replies_over_tcp_never_wait_for_each_other(
@@ -422,7 +402,7 @@ def test_threads_that_sync_and_wait_for_replies_over_tcp_never_wait_for_each_oth
     connections) while another calls and syncs worker 1 over and over: the syncs never
     wait for the slow call, and every result is right."""
     sess = tcp_session(2)
-    sess.run(_nothing)
+    sess.run(nothing)
     slow: list[Any] = []
     waiter = threading.Thread(target=lambda: slow.append(sess[0].run(time.sleep, 2.0)))
     start = time.monotonic()
