@@ -585,6 +585,14 @@ def test_mixed_sync_times_a_mixed_session_and_counts_what_sync_sends() -> None:
     assert 1.0 <= per_round < 1.1, out  # (a SYNC only where a look gave up: a slice)
 
 
+def test_session_modes_times_fresh_sessions_one_after_another() -> None:
+    """benchmarks/session_modes.py: each fresh session's two medians, then their range."""
+    out = _tool("session_modes.py", "--workers", "1", "--sessions", "2", "--seconds", "0.02")
+    pairs = next(x for x in out.splitlines() if x.startswith("dispatch N=1, each session"))
+    assert len(pairs.split(": ", 1)[1].split()) == 2, out
+    assert "dispatch N=1: sessions' medians " in out, out
+
+
 def test_ring_costs_times_each_step_on_both_rings() -> None:
     """benchmarks/ring_costs.py: one row for the C ring and one for the pure-Python one,
     each step's µs (send, recv, a plain reply, its read), the two with a real worker, and
