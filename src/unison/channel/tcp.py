@@ -89,7 +89,7 @@ _CHUNK = 1 << 20
 _SMALL = 1 << 16  # a frame this small is joined to its head and sent in one call
 _DRAIN_EVERY = 1024
 """Sends between two reads of the connections at least: a worker reports at most once per
-frame, so a controller that only calls, never waiting, still reads the reports before its
+command, so a controller that only calls, never waiting, still reads the reports before its
 worker blocks writing one (and reads no command meanwhile)."""
 HEARTBEAT_S = 0.25
 """How often the controller sends each worker an empty frame (see the module's docstring)."""
@@ -189,7 +189,7 @@ class TcpChannel(Channel):
         self._unread = 0
         """Sends since the last drain (_DRAIN_EVERY)."""
         self._progress = [0] * num_workers
-        """Per worker, its last progress word: frames run << 1 | whether it holds errors
+        """Per worker, its last progress word: commands run << 1 | whether it holds errors
         nobody fetched (``settled``)."""
         self._settle_poller: tuple[list[int], select.poll] | None = None
         self._scratch = bytearray(_CHUNK)
