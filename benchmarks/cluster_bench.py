@@ -48,8 +48,7 @@ except ImportError:  # a checkout without unison installed: use its src/ directl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness.report import cpu_model, source_revision
-from unison.launch import SECRET_VAR
-from unison.launch.connect import ConnectLauncher
+from harness.systems.unison_session import UnisonSystem
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT.parent / "shared" / "probes" / "ring.py"
@@ -125,20 +124,15 @@ def unison_ray_shm(n: int) -> Iterator[Callable[[], object]]:
 @contextlib.contextmanager
 def unison_tcp_plain(n: int) -> Iterator[Callable[[], object]]:
     """Workers as plain local processes that join over loopback (``unison worker
-    --connect``, as srun or ssh would start them): the TCP channel without Ray."""
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start(address: str, secret: bytes) -> None:
-        env = {**os.environ, SECRET_VAR: secret.hex()}
-        procs.extend(subprocess.Popen([sys.executable, "-m", "unison", "worker", "--connect",
-                                       address], env=env) for _ in range(n))
-
+    --connect``, as srun or ssh would start them): the TCP channel without Ray, as the
+    harness's ``unison-tcp`` system starts it."""
+    system = UnisonSystem("unison-tcp", "tcp")
+    system.start(n)
     try:
-        with unison.Session(n, launcher=ConnectLauncher(announce=start)) as sess:
-            yield lambda: sess.run(noop)
+        sess = system.session
+        yield lambda: sess.run(noop)
     finally:
-        for p in procs:
-            p.wait(10)
+        system.close()
 
 
 @contextlib.contextmanager

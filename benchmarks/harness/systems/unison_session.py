@@ -67,6 +67,11 @@ class UnisonSystem(System):
         else:
             self._sess = unison.Session(n, channel=self.channel)
 
+    @property
+    def session(self) -> Any:
+        """The open ``unison.Session`` (between ``start`` and ``close``)."""
+        return self._sess
+
     def call(self, fn: Callable[..., object], args: Sequence[Any]) -> None:
         self._sess.call(fn, *args)
         self._sess.sync()
