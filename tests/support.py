@@ -311,3 +311,20 @@ def check_sync_reads_progress(sess: unison.Session, sent: Callable[[], list[int]
         sess.sync()
     sess.call(int)
     sess.sync()  # reported once
+
+
+def join_tcp(chan: Any, secret: bytes) -> tuple[Any, int]:
+    """A worker's end that passed the handshake of TcpChannel ``chan`` as rank 0, in this
+    process: its connected socket and incarnation, once the channel holds the peer."""
+    import pickle
+
+    from unison.channel.tcp import dial
+
+    chan.offer(0, pickle.dumps("init"))
+    sock, incarnation, init, _, _ = dial(chan.address, secret, 0, timeout=10)
+    assert pickle.loads(init) == "init"
+    deadline = time.monotonic() + 10
+    while chan._peers[0] is None:
+        assert time.monotonic() < deadline, "the handshake did not finish"
+        time.sleep(0.001)
+    return sock, incarnation

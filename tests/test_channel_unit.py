@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from support import join_tcp
 from unison import pacing, protocol
 from unison.channel import Channel, Reply
 from unison.channel import shm as shm_channel
@@ -346,12 +347,7 @@ class Reporting:
         else:
             self.chan = tcp.TcpChannel(1, "127.0.0.1", "127.0.0.1", b"s" * 32)
             self.chan.linger = 0.0  # close() need not wait for a worker end that reads nothing
-            self.chan.offer(0, pickle.dumps("init"))
-            sock, inc, _, _, _ = tcp.dial(self.chan.address, b"s" * 32, 0, timeout=10)
-            deadline = time.monotonic() + 10
-            while self.chan._peers[0] is None:
-                assert time.monotonic() < deadline, "the handshake did not finish"
-                time.sleep(0.001)
+            sock, inc = join_tcp(self.chan, b"s" * 32)
             self.worker = tcp.TcpWorkerChannel(sock, inc)
             self.drain_every = tcp._DRAIN_EVERY
             self._report = lambda word: tcp._REPLY.pack(tcp._REPORT_MAGIC, inc, 0, word)

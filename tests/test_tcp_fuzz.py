@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support import join_tcp
 from unison.channel.tcp import (
     _HEAD,
     _MAGIC,
@@ -32,7 +33,6 @@ from unison.channel.tcp import (
     MAX_FRAME,
     TcpChannel,
     TcpWorkerChannel,
-    dial,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -57,14 +57,7 @@ def _join(chan: TcpChannel) -> tuple[socket.socket, int]:
     chan._claimed.clear()
     chan._why.clear()  # (where() says why the first stream of a rank ended)
     chan._sent[0] = chan._progress[0] = 0
-    chan.offer(0, pickle.dumps("init"))
-    sock, incarnation, init, _, _ = dial(chan.address, SECRET, 0, timeout=10)
-    assert pickle.loads(init) == "init"
-    deadline = time.monotonic() + 10
-    while chan._peers[0] is None:
-        assert time.monotonic() < deadline, "the handshake did not finish"
-        time.sleep(0.001)
-    return sock, incarnation
+    return join_tcp(chan, SECRET)
 
 
 def _collect(chan: TcpChannel, until: float) -> list[bytes | None]:
