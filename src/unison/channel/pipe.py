@@ -60,7 +60,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from unison.channel import Channel, Reply, WorkerChannel, drain_fd, write_frame
+from unison.channel import Channel, Reply, WorkerChannel, drain_fd, reported, write_frame
 from unison.pacing import SPIN, Pacer, busy_budget, crowd, spin
 
 if TYPE_CHECKING:
@@ -344,7 +344,7 @@ class PipeChannel(Channel):
                     self._keep(replies)
                     if any(data is None for _, data in replies):
                         return False
-                looked = self._look(ranks)
+                looked = reported(self._sent, self._progress, ranks)
                 if looked:
                     return looked == 1
                 left = end - time.perf_counter()
@@ -355,15 +355,6 @@ class PipeChannel(Channel):
             return False  # this lock): the long way says the session is closed
         finally:
             self._rx.release()
-
-    def _look(self, ranks: Sequence[int]) -> int:
-        """0 while a worker in ``ranks`` has not reported every frame sent to it as run;
-        else 1, or 2 where one holds errors nobody fetched."""
-        sent, progress = self._sent, self._progress
-        for r in ranks:
-            if progress[r] != sent[r] << 1:
-                return 0 if progress[r] >> 1 != sent[r] else 2
-        return 1
 
     def _read_now(self) -> list[tuple[int, bytes | Reply | None]]:
         """The whole replies the reply pipes hold now, without waiting; caller holds the rx

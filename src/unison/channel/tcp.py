@@ -65,6 +65,7 @@ from unison.channel import (
     Reply,
     WorkerChannel,
     drain_fd,
+    reported,
     write_frame,
 )
 from unison.pacing import SPIN, cores, crowd, spin
@@ -562,16 +563,14 @@ class TcpChannel(Channel):
         return self._settle_poller[1]
 
     def _look(self, ranks: Sequence[int]) -> int:
-        """0 while a worker in ``ranks`` has not reported every command sent to it as run
-        (or its stream ended); else 1, or 2 where one holds errors nobody fetched."""
-        sent, progress, peers = self._sent, self._progress, self._peers
+        """``reported``, where every worker in ``ranks`` is still connected; 2 (ask: the
+        long way says what happened) where one is not."""
+        peers = self._peers
         for r in ranks:
             peer = peers[r]
             if peer is None or not peer.open:
-                return 2  # the long way: it says what happened
-            if progress[r] != sent[r] << 1:
-                return 0 if progress[r] >> 1 != sent[r] else 2
-        return 1
+                return 2
+        return reported(self._sent, self._progress, ranks)
 
     def _keep(self, got: list[tuple[int, bytes | Reply | None]]) -> None:
         """Replies read by a wait other than recv: into the backlog, for the next recv.
