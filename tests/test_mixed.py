@@ -7,6 +7,7 @@ said to share another host really does share its memory); so this runs without R
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -118,11 +119,13 @@ def test_a_mixed_session_refuses_shared_arrays_rather_than_copy_them(mixed):
         mixed.empty(10)
 
 
-@pytest.mark.parametrize("waiting", ["gather", "sync"])
+@pytest.mark.parametrize("waiting", ["gather", "await", "sync", "sync_async"])
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_killed_worker_local_or_not_gives_worker_died_within_2_s(mixed, victim, waiting):
     """Whether the controller waits for a reply, or for everything sent to have run (the
-    local workers' done positions, the others' reports)."""
+    local workers' done positions, the others' reports), blocking or from an event loop
+    (which watches the local workers' pidfds too: a local death woke nothing there before
+    the thirty-fourth pass of issue 9, and the await hung)."""
     pids = mixed.run(os.getpid)
     ref = mixed.call(time.sleep, 30)
     start = time.monotonic()
@@ -130,12 +133,20 @@ def test_a_killed_worker_local_or_not_gives_worker_died_within_2_s(mixed, victim
     with pytest.raises(WorkerDied) as info:
         if waiting == "gather":
             ref.gather()
-        else:
+        elif waiting == "await":
+            asyncio.run(_awaited(ref))
+        elif waiting == "sync":
             mixed.sync()
+        else:
+            asyncio.run(mixed.sync_async())
     assert time.monotonic() - start < 2.0
     assert info.value.worker == victim
     mixed.close(timeout=1)
     assert wait_gone(pids, 5.0) == []
+
+
+async def _awaited(ref: unison.Ref) -> Any:
+    return await ref
 
 
 def _boom_on(rank: int) -> None:

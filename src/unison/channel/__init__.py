@@ -170,6 +170,12 @@ class Channel(ABC):
         the launcher says it all)."""
         return ""
 
+    def death_fds(self) -> list[int]:
+        """Fds, beyond the launcher's, that become readable when a worker ends (a mixed
+        session's local workers' pidfds, watched once they joined): an event loop watches
+        them too, or such a death would wake nothing."""
+        return []
+
     def wake_fds(self) -> list[int]:
         """Fds an event loop watches for replies (``loop.add_reader``): each becomes
         readable when a reply may be waiting, while ``async_waiting(True)``; then

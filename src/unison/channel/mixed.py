@@ -99,6 +99,10 @@ class MixedChannel(Channel):
             return self.local[broken]
         return self.tcp.ended()
 
+    def death_fds(self) -> list[int]:
+        with self._lock:
+            return list(self._pidfds.values())
+
     def where(self, rank: int) -> str:
         if rank not in self._index:
             return self.tcp.where(rank)

@@ -722,8 +722,9 @@ class Session(View):
             tracer.write(tracer.path)
 
     def watch_fds(self) -> list[int]:
-        """The fds whose readability means a worker ended (for an event loop to watch)."""
-        return list(self._res.launcher.watch_fds())
+        """The fds whose readability means a worker ended (for an event loop to watch):
+        the launcher's, and the channel's own (a mixed session's local workers)."""
+        return [*self._res.launcher.watch_fds(), *self._chan.death_fds()]
 
     def _sync(self, ranks: tuple[int, ...], timeout: float | None) -> None:
         """Where the channel tracks progress (and no request is in flight to these ranks,
