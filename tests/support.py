@@ -7,6 +7,7 @@ leak checks find this run's processes and never another run's.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import select
@@ -22,6 +23,7 @@ import psutil
 import pytest
 
 import unison
+from unison.protocol import sync_msg
 
 MARKER = "UNISON_TEST_RUN"
 WORKER_CMDLINE = "unison.worker"  # python -c "from unison.worker import main; main()", or the
@@ -293,24 +295,53 @@ def boom() -> None:
     raise ValueError("boom")
 
 
-def check_sync_reads_progress(sess: unison.Session, sent: Callable[[], list[int]]) -> None:
+def check_sync_reads_progress(sess: unison.Session, sent: Callable[[], list[int]] | None,
+                              awaited: bool = False) -> None:
     """Where workers tell their progress without being asked (the pipe and TCP channels'
-    reports, shared memory's done positions), a sync after a quick call sends nothing: 20
-    call-then-sync rounds write 20-29 commands to each worker ``sent`` counts (a SYNC only
-    where a look gave up: a slice, on a crowded host), where SYNC made it 40. An error held
-    still reaches sync, once."""
-    sess.run(nothing)  # defines it
-    before = sent()
-    for _ in range(20):
-        sess.call(nothing)
-        sess.sync()
-    counts = [after - b for after, b in zip(sent(), before)]
-    assert all(20 <= n < 30 for n in counts), counts
-    sess.call(boom)
-    with pytest.raises(unison.WorkerError, match="boom"):
-        sess.sync()
-    sess.call(int)
-    sess.sync()  # reported once
+    reports, shared memory's done positions), a sync after a quick call sends nothing: of
+    20 call-then-sync rounds, fewer than 10 send SYNC (one only where a look gave up: a
+    slice, on a crowded host), where each did before; ``sent``, where given, counts the
+    commands written to each worker: 20-29, where SYNC made it 40. An error held still
+    reaches sync, once. ``awaited``: the same through ``await sess.sync_async()``, each
+    after a 2 ms pause (its look waits a spin at most, 200 us, where a blocking sync's
+    waits a slice: the pause makes the test about the look, not the host's speed)."""
+    loop = asyncio.new_event_loop() if awaited else None
+    asked: list[tuple[int, ...]] = []
+    request = sess._request
+
+    def counting(build: Callable[..., bytes], ref_id: int, ranks: tuple[int, ...],
+                 *rest: Any) -> Any:
+        if build is sync_msg:
+            asked.append(ranks)
+        return request(build, ref_id, ranks, *rest)
+
+    def sync() -> None:
+        if loop is None:
+            sess.sync()
+        else:
+            time.sleep(0.002)
+            loop.run_until_complete(sess.sync_async())
+
+    sess._request = counting  # type: ignore[method-assign]
+    try:
+        sess.run(nothing)  # defines it
+        before = sent() if sent is not None else []
+        for _ in range(20):
+            sess.call(nothing)
+            sync()
+        assert len(asked) < 10, asked
+        if sent is not None:
+            counts = [after - b for after, b in zip(sent(), before)]
+            assert all(20 <= n < 30 for n in counts), counts
+        sess.call(boom)
+        with pytest.raises(unison.WorkerError, match="boom"):
+            sync()
+        sess.call(int)
+        sync()  # reported once
+    finally:
+        del sess._request
+        if loop is not None:
+            loop.close()
 
 
 def join_tcp(chan: Any, secret: bytes) -> tuple[Any, int]:

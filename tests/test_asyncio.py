@@ -13,7 +13,7 @@ import time
 import pytest
 
 import unison
-from support import big_then_stopped
+from support import big_then_stopped, wait_gone
 
 pytestmark = pytest.mark.channels
 
@@ -154,6 +154,43 @@ def test_an_error_behind_a_cancelled_wait_reaches_sync(sess):
         assert isinstance(info.value.__cause__, ZeroDivisionError)
 
     asyncio.run(main())
+
+
+def test_sync_async_waits_for_work_that_outlasts_its_look(sess):
+    """An await of sync_async looks at the workers' progress for a spin at most before it
+    asks (SYNC): work still running past that look is waited for, not skipped, and its
+    timeout still holds."""
+    async def main() -> float:
+        sess.call(time.sleep, 0.3)
+        start = time.monotonic()
+        await sess.sync_async()
+        took = time.monotonic() - start
+        sess.call(time.sleep, 1.0)
+        with pytest.raises(TimeoutError, match="syncing"):
+            await sess.sync_async(timeout=0.1)
+        await sess.sync_async()
+        return took
+
+    assert asyncio.run(main()) >= 0.25
+
+
+def test_sync_async_after_a_worker_died_idle_raises_worker_died(sess):
+    """A worker that ran everything and then died: the look finds nothing left to run, yet
+    the await raises WorkerDied, as a blocking sync does, never a quiet return."""
+    pids = sess.run(os.getpid)
+    sess.call(int)
+    sess.sync()
+    os.kill(pids[1], signal.SIGKILL)
+    assert wait_gone([pids[1]], 5) == []
+
+    async def main() -> None:
+        with pytest.raises(unison.WorkerDied) as info:
+            await sess.sync_async(timeout=10)
+        assert info.value.worker == 1
+
+    start = time.monotonic()
+    asyncio.run(main())
+    assert time.monotonic() - start < 2.0
 
 
 def test_a_death_ends_every_pending_wait(sess):

@@ -154,16 +154,25 @@ def _boom_on(rank: int) -> None:
         raise ValueError(f"boom on {rank}")
 
 
-def test_sync_after_a_quick_call_asks_neither_half(mixed):
-    """The local workers' done positions and the others' reports say all ran: sync sends
-    no SYNC to either half, and an error held on either still reaches it, once."""
-    check_sync_reads_progress(mixed, lambda: [mixed._chan.tcp._sent[1]])
+@pytest.mark.parametrize("awaited", [False, True], ids=["sync", "sync_async"])
+def test_sync_after_a_quick_call_asks_neither_half(mixed, awaited):
+    """The local workers' done positions and the others' reports say all ran: sync (or
+    ``await sync_async``) sends no SYNC to either half, and an error held on either still
+    reaches it, once."""
+    check_sync_reads_progress(mixed, lambda: [mixed._chan.tcp._sent[1]], awaited)
+
+    def sync() -> None:
+        if awaited:
+            asyncio.run(mixed.sync_async())
+        else:
+            mixed.sync()
+
     for rank in (0, 1):  # local, then over TCP
         mixed.call(_boom_on, rank)
         with pytest.raises(unison.WorkerError, match=f"boom on {rank}"):
-            mixed.sync()
+            sync()
         mixed.call(int)
-        mixed.sync()  # reported once
+        sync()  # reported once
 
 
 def test_collectives_in_a_mixed_session_go_through_torch():

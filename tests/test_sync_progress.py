@@ -29,13 +29,22 @@ def test_run_is_one_message_and_sync_none_on_shm(make_session):
     assert chan.mark() - before == 2 * one  # one entry per run, no GET behind it
 
 
+@pytest.mark.parametrize("channel", ["shm"], indirect=True)
+@pytest.mark.parametrize("awaited", [False, True], ids=["sync", "sync_async"])
+def test_sync_after_a_quick_call_sends_nothing_on_shm(make_session, awaited):
+    """The workers' done positions say all ran: neither sync nor ``await sync_async``
+    sends SYNC (the await did, each time, before the thirty-fourth pass of issue 9)."""
+    check_sync_reads_progress(make_session(2), None, awaited)
+
+
 @pytest.mark.parametrize("channel", ["pipe"], indirect=True)
-def test_sync_after_a_quick_call_sends_nothing_on_pipe(make_session):
+@pytest.mark.parametrize("awaited", [False, True], ids=["sync", "sync_async"])
+def test_sync_after_a_quick_call_sends_nothing_on_pipe(make_session, awaited):
     """The pipe channel's workers report what they ran before they wait, so a sync after
     a quick call reads that report instead of sending SYNC; one that finds an error held
     asks, and reports it."""
     sess = make_session(2)
-    check_sync_reads_progress(sess, lambda: list(sess._chan._sent))
+    check_sync_reads_progress(sess, lambda: list(sess._chan._sent), awaited)
 
 
 def test_sync_waits_for_everything_sent(sess):

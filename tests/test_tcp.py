@@ -388,12 +388,13 @@ def test_a_send_that_reaches_some_workers_only_is_partial_never_nothing_sent(tcp
         os.kill(pids[1], signal.SIGCONT)
 
 
-def test_sync_after_a_quick_call_sends_nothing_over_tcp(tcp_session):
+@pytest.mark.parametrize("awaited", [False, True], ids=["sync", "sync_async"])
+def test_sync_after_a_quick_call_sends_nothing_over_tcp(tcp_session, awaited):
     """A TCP worker reports what it ran before it waits, as the pipe channel's does, so a
     sync after a quick call reads that report instead of sending SYNC; one that finds an
     error held asks, and reports it once."""
     sess = tcp_session(2)
-    check_sync_reads_progress(sess, lambda: list(sess._chan._sent))
+    check_sync_reads_progress(sess, lambda: list(sess._chan._sent), awaited)
 
 
 def test_threads_that_sync_and_wait_for_replies_over_tcp_never_wait_for_each_other(

@@ -104,6 +104,17 @@ class Waits:
         finally:
             self._end(slept)
 
+    def settled(self, ranks: tuple[int, ...], timeout: float | None) -> bool:
+        """sync_async's look at the workers' progress (done positions, reports), in place of
+        SYNC: whether every worker in ``ranks`` ran all sent and holds no error nobody
+        fetched. It waits up to the spin a blocking wait spins, and only where the loop has
+        nothing else ready to run (elsewhere one look); False: the caller asks (SYNC)."""
+        busy = getattr(asyncio.get_running_loop(), "_ready", True)
+        wait = 0.0 if busy else SPIN
+        if timeout is not None:
+            wait = min(wait, max(0.0, timeout))
+        return self._chan.settled(ranks, wait)
+
     def prepare(self, req: Request) -> asyncio.Future[None]:
         """A future of the running loop for ``req``, set from whichever thread delivers its
         last reply. Call before sending, and ``wait`` (or ``cancel``) after. A closed
