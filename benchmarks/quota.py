@@ -12,8 +12,8 @@ quick as ever, and the next one waits out the rest of the period, which no round
 shows. ``--hogs`` CPU hogs run inside the cgroup as well, spending the quota. Unison's row
 also gives the share of the quota its controller reckons its sessions spend (median over the
 blocks; pacing.QUOTA_OURS or more: the stalls are our own spinning's) and how many blocks
-had a crowded verdict (pacing.crowd); the end, how many periods the quota stalled the
-cgroup.
+had a crowded verdict (pacing.crowd; standard error says what gave each); the end, how many
+periods the quota stalled the cgroup.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def inside(args: argparse.Namespace) -> int:
         for n in args.workers:
             systems = {name: make_system(name) for name in names}
             blocks: dict[str, list[float]] = {name: [] for name in names}
-            verdicts, shares = 0, []
+            verdicts, shares, whys = 0, [], []
             try:
                 for system in systems.values():
                     system.start(n)
@@ -122,7 +122,9 @@ def inside(args: argparse.Namespace) -> int:
                         blocks[name].append(
                             wall_block(getattr(system, args.workload), args.seconds))
                         if name == "unison":
-                            verdicts += pacing.crowd.until != before
+                            if pacing.crowd.until != before:
+                                verdicts += 1
+                                whys.append(f"block {i}: {pacing.crowd.why}")
                             shares.append(ours_share())
             finally:
                 for system in systems.values():
@@ -134,6 +136,8 @@ def inside(args: argparse.Namespace) -> int:
                          else " | - | -")
                 print(f"| {args.workload} | {n} | {name} | {statistics.median(got):.1f} | "
                       f"{min(got):.1f}-{max(got):.1f}{extra} |", flush=True)
+            for why in whys:
+                print(f"unison N={n}, a crowded verdict in {why}", file=sys.stderr, flush=True)
     return 0
 
 

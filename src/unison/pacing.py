@@ -86,9 +86,10 @@ from typing import Any, TypeVar
 from unison import cgroup
 
 __all__ = [
-    "BUSY", "CROWDED", "CROWD_SHARE", "FIRST_NAP", "LONG_YIELD", "QUOTA_ALPHA", "QUOTA_OURS",
-    "RATE_HALF_LIFE", "SPIN", "STRANGER_LOOKS", "STRANGER_SPELL", "Pacer", "busy_budget", "cores",
-    "crowd", "hand_over", "on_cpu", "pool_cores", "run_delay", "runnable", "spin",
+    "BUSY", "CROWDED", "CROWD_SHARE", "FIRST_NAP", "LONG_YIELD", "QUOTA_ALPHA", "QUOTA_LAG",
+    "QUOTA_OURS", "RATE_HALF_LIFE", "SPIN", "STRANGER_LOOKS", "STRANGER_SPELL", "Pacer",
+    "busy_budget", "cores", "crowd", "hand_over", "on_cpu", "pool_cores", "run_delay",
+    "runnable", "spin",
 ]
 
 _T = TypeVar("_T")
@@ -160,6 +161,15 @@ yield LONG_YIELD, and yield-spinning rounds took 55-63 µs where sleeping at onc
 (and the pipe 33-44: ``python benchmarks/hogs_timeline.py --workers 1``). A look found
 strangers runnable at 100% of the looks beside the hogs, and at 0-3% without them (N = 1, 2,
 4, 8; scratch scripts, docs/benchmarks.md "Issue 9, thirteenth pass"), hence two in a row."""
+QUOTA_LAG = 3 * LOOK
+"""How long (s) a look's time off the core may wait for the quota's stalls to be counted:
+Linux 6.18 counts a stall in cpu.stat only after the stalled tasks run again, at the next
+period (`python benchmarks/quota_lag.py`: 40-60% of the stalls 48-53 or 100 ms late, none
+later, with the default period of 100 ms). Under a quota our own sessions spend, a look that
+finds time off the core and no stall counted leaves its span to the next look, up to this
+long (else such stalls made one crowded verdict in about ten sessions of benchmarks/quota.py:
+issue 9, thirty-fourth pass); a stranger's time off the core is then found this much later."""
+
 STALE_LOOK = 4 * LOOK
 """A look further than this (s) from the last one judges nothing, and only starts afresh:
 the time between holds our sleeps, which dilute the share off the core, and the streak of
@@ -227,12 +237,15 @@ class _Crowd:
     """This process's view of the machine: ``until`` is the time (perf_counter) before which
     waits skip the spin. One per process: every wait of ours meets the same strangers."""
 
-    __slots__ = ("_last_long", "_look_stalls", "_on_crowd", "_on_look", "_seen", "_started",
+    __slots__ = ("_last_long", "_late", "_look_stalls", "_on_crowd", "_on_look", "_seen",
+                 "_started",
                  "_stranger_looks", "_use", "_used", "_yield_stalls", "next_look", "ours",
-                 "rate", "until")
+                 "rate", "until", "why")
 
     def __init__(self) -> None:
         self.until = 0.0
+        self.why = ""
+        """What gave the last crowded verdict, in words (benchmarks report it)."""
         self.rate = 0.0
         self._last_long = 0.0  # when a wait last met a long yield (perf_counter)
         self.next_look = 0.0
@@ -248,6 +261,7 @@ class _Crowd:
         # the quota's stalls (_throttles) when a look, and a long yield, last asked
         self._look_stalls: tuple[int, int] | None = None
         self._yield_stalls: tuple[int, int] | None = None
+        self._late: tuple[int, float, int] | None = None  # a span left to the next look
         self._used: int | None = None  # this thread's ns on the CPU at the last look
         self._use = 1.0  # its recent share of a CPU (_track_use): ours, until seen otherwise
 
@@ -274,9 +288,10 @@ class _Crowd:
         """``fn`` is no longer to be called (its session closed)."""
         self._on_look = tuple(f for f in self._on_look if f is not fn)
 
-    def _crowded(self, now: float) -> None:
-        """The machine is crowded: waits sleep at once until CROWDED from now."""
+    def _crowded(self, now: float, why: str) -> None:
+        """The machine is crowded (``why``): waits sleep at once until CROWDED from now."""
         self.until = now + CROWDED
+        self.why = why
         while self._started and self._on_crowd:
             try:
                 fn = self._on_crowd.pop()
@@ -313,19 +328,28 @@ class _Crowd:
             # sleep and use little: the share our spinning takes is what it is judged by
             self._track_use(now - seen[1] if seen is not None and seen[0] == thread
                             and now >= self.until else 0.0)
+        late, self._late = self._late, None
         if seen is None or seen[0] != thread or spells <= seen[3]:
             return
         if now - seen[1] > STALE_LOOK:  # we slept, or did not wait: judge from the next look
             return
-        off = delay - seen[2]
-        if stalls is not None:
-            off -= self._our_stalls(stalls)
-        if off <= (now - seen[1]) * 1e9 * CROWD_SHARE:
+        off, span, gaps = delay - seen[2], now - seen[1], spells - seen[3]
+        if late is not None:  # the last look's span, left to this one (below)
+            off, span, gaps = off + late[0], span + late[1], gaps + late[2]
+        ours = 0 if stalls is None else self._our_stalls(stalls)
+        if off - ours <= span * 1e9 * CROWD_SHARE:
             self._stranger_looks = 0
             return
-        if off / (spells - seen[3]) > STRANGER_SPELL * 1e9:
-            self._count_long(now)
-            self._crowded(now)  # an average over many spells: no need for a second
+        if (stalls is not None and self._look_stalls is not None and span < QUOTA_LAG
+                and self._look_stalls[0] == stalls[0] and self._quota_is_ours()):
+            self._late = (off, span, gaps)  # judged with the next look's, stalls and all
+            return
+        off -= ours
+        if off / gaps > STRANGER_SPELL * 1e9:
+            self._count_long(now)  # an average over many spells: no need for a second
+            self._crowded(now, f"off the core {off / 1e3:.0f} us of {span * 1e6:.0f} in "
+                               f"{gaps} spells"
+                               + ("" if stalls is None else self._stall_words(stalls, ours)))
             return
         tasks = runnable() if self.ours else None
         if tasks is None or tasks <= max(self.ours, _CPUS):
@@ -334,7 +358,8 @@ class _Crowd:
         self._stranger_looks += 1
         if self._stranger_looks >= STRANGER_LOOKS:
             self._count_long(now)
-            self._crowded(now)
+            self._crowded(now, f"{tasks} runnable tasks at {STRANGER_LOOKS} looks in a row "
+                               f"(ours {self.ours})")
 
     def _track_use(self, span: float) -> None:
         """Keep ``_use``: this thread's recent share of a CPU, a running mean over looks
@@ -357,6 +382,14 @@ class _Crowd:
             return 0
         return now[1] - stalls[1]
 
+    def _stall_words(self, stalls: tuple[int, int], ours: int) -> str:
+        """The quota's side of a verdict, in words (``crowd.why``)."""
+        now = self._look_stalls or stalls
+        share = self.quota_share()
+        return (f"; the quota stalled {now[0] - stalls[0]} times, {(now[1] - stalls[1]) / 1e3:.0f}"
+                f" us, {ours / 1e3:.0f} of it taken as ours (our share of the quota "
+                f"{share if share is None else round(share, 2)})")
+
     def _quota_is_ours(self) -> bool:
         """Whether our own sessions spend the cgroup's quota: QUOTA_OURS of it or more."""
         share = self.quota_share()
@@ -375,7 +408,7 @@ class _Crowd:
         the core in spells of 10 ms); judged so, the session's first half second of calls
         slept on every round."""
         self.until = self.rate = 0.0
-        self._seen = None
+        self._seen = self._late = None
         self._stranger_looks = 0
         self._started = True
 
@@ -396,7 +429,7 @@ class _Crowd:
         self._last_long = now
         self.rate = rate = rate + _ALPHA * (1.0 - rate)
         if rate > CROWDED_RATE:
-            self._crowded(now)
+            self._crowded(now, f"long yields at a rate of {rate:.2f}")
 
 
 crowd = _Crowd()
