@@ -643,3 +643,28 @@ def test_deadlocks_times_each_cycle_to_its_error() -> None:
     assert [r[:2] for r in rows] == [["send", "2"], ["recv", "2"]], out
     for row in rows:
         assert 0 < float(row[2]) <= float(row[3]) < 5, out
+
+
+@pytest.mark.parametrize("channel", ["shm", "pipe"])
+def test_async_bench_times_each_await_beside_its_blocking_form(channel: str) -> None:
+    """benchmarks/async_bench.py: a row per round trip (fetch, run, call then sync), each
+    with both forms' medians and their ratio."""
+    out = _tool("async_bench.py", "--rounds", "100", "--channel", channel)
+    assert f"channel {channel}" in out, out
+    rows = [line for line in out.splitlines() if line.startswith("| `")]
+    assert len(rows) == 3 and "sess.sync_async()" in rows[2], out
+    assert all(row.rstrip(" |").endswith("x") for row in rows), out
+
+
+def test_quota_lag_says_when_the_kernel_counted_each_stall() -> None:
+    """benchmarks/quota_lag.py, where this machine gives a cgroup to make (root, the cpu
+    controller): it finds the quota's stalls and sorts them by when cpu.stat counted them."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quota_lag.py"),
+                           "--seconds", "1"], capture_output=True, text=True, timeout=60,
+                          check=False)
+    if proc.returncode == 3:  # quota.NO_CGROUP
+        pytest.skip(proc.stderr.strip())
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("spells off the core"))
+    total = int(line.split(": ", 1)[1].split(";")[0])
+    assert total > 0 and "at once: " in line and "not by then: " in line, proc.stdout
