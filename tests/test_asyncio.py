@@ -27,6 +27,10 @@ def slow_fail() -> None:
     raise ZeroDivisionError("late")
 
 
+def rank_and(i: int) -> int:
+    return unison.rank() * 1000 + i
+
+
 def big_reply(data: bytes) -> bytes:
     return data[:65536] + bytes([unison.rank()])  # more than a pipe's 64 KiB
 
@@ -152,6 +156,39 @@ def test_an_error_behind_a_cancelled_wait_reaches_sync(sess):
         with pytest.raises(unison.WorkerError) as info:
             await sess.sync_async()
         assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+    asyncio.run(main())
+
+
+def test_run_async_reads_its_replies_in_one_step_where_it_can(sess, channel):
+    """With the loop idle, ``await run_async`` reads and decodes its replies as the blocking
+    run does (one step, no poll, no future), where the channel can (shared memory): of 50
+    awaits, fewer than half poll (one only where the workers took longer than the spin).
+    Where that cannot be (another request's replies come first, an error, the pipe
+    channel), the usual wait still gives each await its own."""
+    polls = []
+    poll = sess._router.poll
+
+    def counting(*args, **kwargs):
+        polls.append(1)
+        return poll(*args, **kwargs)
+
+    async def main() -> None:
+        await sess.run_async(unison.rank)
+        sess._router.poll = counting
+        try:
+            for i in range(50):
+                assert await sess.run_async(rank_and, i) == [i, 1000 + i]
+        finally:
+            del sess._router.poll
+        assert len(polls) < 25 or channel != "shm", len(polls)
+        slow = asyncio.ensure_future(sess.run_async(lambda: time.sleep(0.2) or "slow"))
+        await asyncio.sleep(0.01)  # the slow call is sent first: its replies come first
+        assert await sess.run_async(unison.rank) == [0, 1]
+        assert await slow == ["slow", "slow"]
+        with pytest.raises(unison.WorkerError, match="boom"):
+            await sess.run_async(boom)
+        assert await sess.run_async(unison.rank) == [0, 1]
 
     asyncio.run(main())
 

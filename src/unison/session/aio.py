@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Protocol
+from typing import Any, Protocol
 
 from unison.channel import Channel
 from unison.pacing import SPIN, spin
@@ -77,7 +77,8 @@ class Waits:
                     return not req.remaining
 
                 spin(complete, SPIN)
-            router.poll(clear=False)  # deliver what is in (or a death)
+            if req.remaining:  # (every reply in: a later death is no concern of this one)
+                router.poll(clear=False)  # deliver what is in (or a death)
             if fut.done():  # no flag raised, no trip through the selector
                 fut.result()
                 return
@@ -141,8 +142,20 @@ class Waits:
         req.done = done
         return fut
 
+    def quick(self, req: Request, ranks: tuple[int, ...]) -> list[Any] | None:
+        """run_async's usual case, where the loop has nothing else ready to run: the
+        blocking run's quick path (Router.quick: every reply read and decoded in one step),
+        for the spin a blocking wait spins. The values, and the wait is over; None: ``wait``
+        (a quick path there cost 1.6-1.7x the blocking run: a poll and a delivery a reply)."""
+        if getattr(asyncio.get_running_loop(), "_ready", True):
+            return None
+        values = self._router.quick(req, ranks, SPIN)
+        if values is not None:
+            self.cancel(req)
+        return values
+
     def cancel(self, req: Request) -> None:
-        """``req`` was never sent after ``prepare``."""
+        """``req`` needs no wait after ``prepare``: never sent, or its replies read already."""
         req.done = None
         self._end(False)
 

@@ -111,6 +111,9 @@ class View:
         except BaseException:
             session._waits.cancel(req)
             raise
+        values = session._waits.quick(req, self.workers)
+        if values is not None:
+            return values
         return await session._results_async(req, fut, self.workers, timeout, "running a call")
 
     async def sync_async(self, timeout: float | None = None) -> None:

@@ -160,12 +160,14 @@ class Router:
             self._owner.interrupted()
             raise
 
-    def quick(self, req: Request, ranks: tuple[int, ...]) -> list[Any] | None:
+    def quick(self, req: Request, ranks: tuple[int, ...],
+              timeout: float | None = None) -> list[Any] | None:
         """run's usual case, ``req`` just sent and at the head of each of its ranks' FIFOs
         (so each rank's next reply is its own): the channel waits a little, reads and
         decodes them in one step (Channel.plain_values). None, with nothing delivered,
         where that cannot be (another thread reads, a trace runs, a reply that is not a
-        plain value, not all in within one wait slice): then ``wait`` as ever."""
+        plain value, not all in within one wait slice, or ``timeout``): then ``wait`` as
+        ever."""
         if self.tracer is not None or not self._recv_lock.acquire(False):
             return None
         try:
@@ -180,6 +182,8 @@ class Router:
                 hang, slice_ = self.hang, self.slice
                 if hang is not None:
                     slice_ = min(slice_, hang.interval)
+                if timeout is not None:
+                    slice_ = min(slice_, timeout)
                 values = self._chan.plain_values(ranks, req.req_id, slice_)
                 if values is not None:
                     for r in ranks:
