@@ -303,7 +303,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
             if end is not None:
                 end(ref_id)
             if req_id:  # run: the result goes straight back, nothing is kept
-                if type(value) in _SCALARS:  # nothing out of band, nothing by value
+                if type(value) in _SCALARS or (type(value) in _FLAT and _flat(value)):
                     out = (req_id, OK, value)
                     if not reply_plain(out, PLAIN):
                         chan.reply(dumps_plain(out, PLAIN))
@@ -355,6 +355,15 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
 _MISSING = object()
 _SCALARS = frozenset({type(None), bool, int, float, str, bytes})
 """Results that marshal takes as they are (no buffers, no class to import)."""
+_FLAT = frozenset({tuple, list})
+_FLAT_MAX = 64
+
+
+def _flat(value: tuple[Any, ...] | list[Any]) -> bool:
+    """A short tuple or list of _SCALARS, which marshal takes as it is too: run's replies
+    then take the quick path, as a scalar's (a pair took 15.0 us a run at N=2, an int 9.1)."""
+    return len(value) <= _FLAT_MAX and all(type(v) in _SCALARS for v in value)
+
 _loads = pickle.loads
 
 
