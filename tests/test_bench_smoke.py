@@ -668,3 +668,13 @@ def test_quota_lag_says_when_the_kernel_counted_each_stall() -> None:
     line = next(x for x in proc.stdout.splitlines() if x.startswith("spells off the core"))
     total = int(line.split(": ", 1)[1].split(";")[0])
     assert total > 0 and "at once: " in line and "not by then: " in line, proc.stdout
+
+
+def test_result_shapes_times_each_shape_against_the_int() -> None:
+    """benchmarks/result_shapes.py: a row per result shape, its block medians and its ratio
+    to the int's."""
+    out = _tool("result_shapes.py", "--blocks", "2", "--seconds", "0.02")
+    rows = [line for line in out.splitlines() if "x the int's" in line]
+    assert [row.split(":")[0].strip() for row in rows] == [
+        "int", "pair", "list3", "nested", "dict"], out
+    assert rows[0].endswith("1.00x the int's"), out

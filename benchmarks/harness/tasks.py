@@ -47,3 +47,18 @@ class Small:
 def make_small(x: int = 0) -> Small:
     """The same object made by a module function, for the comparison."""
     return Small(x)
+
+
+def result_of(shape: str) -> Any:
+    """A result of each shape for benchmarks/result_shapes.py: plain (``int``), short and
+    flat (``pair``, ``list3``: marshal too), or not (``nested``, ``dict``: pickle)."""
+    pid = os.getpid()
+    if shape == "int":
+        return pid
+    if shape == "pair":
+        return pid, 1.5
+    if shape == "list3":
+        return [pid, "x", None]
+    if shape == "nested":
+        return (pid, (1.5,))
+    return {"pid": pid}

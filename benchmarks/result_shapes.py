@@ -1,0 +1,58 @@
+"""``sess.run(f)`` by the shape of f's result, block by block (issue 9, thirty-fourth pass).
+
+    python benchmarks/result_shapes.py [--workers 2] [--blocks 6] [--seconds 0.3] [--channel shm]
+
+A run whose result is a plain value (None, bool, int, float, str, bytes), or a short flat
+tuple or list of them, goes back by marshal, and on shared memory the controller reads and
+decodes every worker's reply in one step; any other result is pickled and decoded reply by
+reply. Prints each shape's block medians (µs a run) and its ratio to the int's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import unison
+from harness.measure import Loop, time_loop
+from harness.report import command_line, cpu_model, source_revision
+from harness.tasks import result_of
+
+SHAPES = ("int", "pair", "list3", "nested", "dict")
+
+
+def block(sess: unison.Session, shape: str, seconds: float) -> float:
+    """Median µs of ``sess.run(result_of, shape)`` for ``seconds``."""
+    rounds = time_loop(lambda: sess.run(result_of, shape),
+                       Loop(warmup=20, min_iters=1, max_iters=10**7, budget_s=seconds))
+    return statistics.median(rounds) / 1000
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--blocks", type=int, default=6)
+    p.add_argument("--seconds", type=float, default=0.3)
+    p.add_argument("--channel", default="auto")
+    args = p.parse_args()
+    print(f"CPU: {cpu_model()}; {source_revision()}; command: {command_line(sys.argv[1:])}")
+    medians: dict[str, list[float]] = {shape: [] for shape in SHAPES}
+    with unison.Session(args.workers, channel=args.channel) as sess:
+        for shape in SHAPES:
+            block(sess, shape, 0.05)  # defined, warm
+        for i in range(args.blocks):
+            for shape in SHAPES if i % 2 == 0 else reversed(SHAPES):
+                medians[shape].append(block(sess, shape, args.seconds))
+    base = statistics.median(medians["int"])
+    for shape, got in medians.items():
+        med = statistics.median(got)
+        print(f"{shape:7}: {' '.join(f'{m:.1f}' for m in got)} | median {med:.1f} µs | "
+              f"{med / base:.2f}x the int's")
+
+
+if __name__ == "__main__":
+    main()
