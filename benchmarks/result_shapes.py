@@ -2,10 +2,11 @@
 
     python benchmarks/result_shapes.py [--workers 2] [--blocks 6] [--seconds 0.3] [--channel shm]
 
-A run whose result is a plain value (None, bool, int, float, str, bytes), or a short flat
-tuple or list of them, goes back by marshal, and on shared memory the controller reads and
-decodes every worker's reply in one step; any other result is pickled and decoded reply by
-reply. Prints each shape's block medians (µs a run) and its ratio to the int's.
+A run whose result is a plain value (None, bool, int, float, str, bytes), or a small
+tuple, list or dict of them (nested ones too), goes back by marshal, and on shared memory
+the controller reads and decodes every worker's reply in one step; any other result (an
+object here) is pickled and decoded reply by reply. Prints each shape's block medians (µs
+a run) and its ratio to the int's.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from harness.measure import Loop, time_loop
 from harness.report import command_line, cpu_model, source_revision
 from harness.tasks import result_of
 
-SHAPES = ("int", "pair", "list3", "nested", "dict")
+SHAPES = ("int", "pair", "list3", "nested", "dict", "object")
 
 
 def block(sess: unison.Session, shape: str, seconds: float) -> float:

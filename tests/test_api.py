@@ -47,12 +47,22 @@ def results(kind, r=None):
     """Run's results of each shape: short and flat (marshal, the quick path), or not."""
     r = unison.rank() if r is None else r
     return {"tuple": (r, 1.5, "x", None, True, b"b", 2**70), "list": [r, -0.0, ""],
-            "empty": (), "nested": ((r,), [1]), "long": list(range(r, r + 100)),
-            "subclass": (r, _Str("s"))}[kind]
+            "empty": (), "nested": ((r,), [1, {"k": (2,)}]), "dict": {"r": r, 3: [1.5]},
+            "long": list(range(r, r + 100)), "subclass": (r, _Str("s")),
+            "deep_long": [[r] * 40, [r] * 40]}[kind]
 
 
 class _Str(str):
     pass
+
+
+def _types(value):
+    """``value`` with each item replaced by its type, containers walked (keys too)."""
+    if type(value) in (tuple, list):
+        return type(value), [_types(v) for v in value]
+    if type(value) is dict:
+        return dict, [(_types(k), _types(v)) for k, v in value.items()]
+    return type(value)
 
 
 # -- call / get / gather / run -----------------------------------------------------------------
@@ -84,12 +94,15 @@ def test_run_is_call_then_gather(sess):
     assert sess.run(add, 20, 22) == [42, 42]
 
 
-@pytest.mark.parametrize("kind", ["tuple", "list", "empty", "nested", "long", "subclass"])
-def test_run_returns_tuples_and_lists_exactly(sess, channel, kind):
-    """A short flat tuple or list of plain values comes back as marshal gives it (on shared
-    memory, by the quick path, as a scalar does: a pair took 1.65x an int's run before);
-    one that is not (nested, long, holding a subclass) as pickle gives it: equal, and of
-    the same types, either way."""
+PLAIN_KINDS = ("tuple", "list", "empty", "nested", "dict")
+
+
+@pytest.mark.parametrize("kind", [*PLAIN_KINDS, "long", "subclass", "deep_long"])
+def test_run_returns_containers_exactly(sess, channel, kind):
+    """A small tuple, list or dict of plain values (nested ones too) comes back as marshal
+    gives it (on shared memory, by the quick path, as a scalar does: a pair took 1.65x an
+    int's run before); one that is not (over 64 items, nested ones counted; holding a
+    subclass) as pickle gives it: equal, and of the same types, either way."""
     quick = sess._router.quick
     taken = []
 
@@ -106,10 +119,8 @@ def test_run_returns_tuples_and_lists_exactly(sess, channel, kind):
     want = [results(kind, r) for r in (0, 1)]
     for values in got:
         assert values == want
-        for value, w in zip(values, want):
-            assert type(value) is type(w)
-            assert [type(v) for v in value] == [type(v) for v in w]
-    if channel == "shm" and kind in ("tuple", "list", "empty"):
+        assert _types(values) == _types(want)
+    if channel == "shm" and kind in PLAIN_KINDS:
         assert sum(taken) > 5, taken  # (one may miss: the workers took longer than a slice)
 
 

@@ -50,8 +50,9 @@ def make_small(x: int = 0) -> Small:
 
 
 def result_of(shape: str) -> Any:
-    """A result of each shape for benchmarks/result_shapes.py: plain (``int``), short and
-    flat (``pair``, ``list3``: marshal too), or not (``nested``, ``dict``: pickle)."""
+    """A result of each shape for benchmarks/result_shapes.py: plain (``int``), small
+    containers of plain values (``pair``, ``list3``, ``nested``, ``dict``: marshal too), or
+    not (``object``: pickle)."""
     pid = os.getpid()
     if shape == "int":
         return pid
@@ -61,4 +62,6 @@ def result_of(shape: str) -> Any:
         return [pid, "x", None]
     if shape == "nested":
         return (pid, (1.5,))
-    return {"pid": pid}
+    if shape == "dict":
+        return {"pid": pid, "loss": 0.25}
+    return Small(pid)
