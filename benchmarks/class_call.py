@@ -21,20 +21,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import unison
-from harness.measure import Loop, time_loop
+from harness.measure import block_medians
 from harness.report import command_line, cpu_model, source_revision
 from harness.tasks import Small, make_small
 
 
-def block(sess: unison.Session, fn: Callable[[int], object], seconds: float) -> float:
-    """Median µs of ``call(fn, 1); sync()`` rounds for ``seconds`` (harness.measure's loop)."""
-    def round_trip() -> None:
+def round_trip(sess: unison.Session, fn: Callable[[int], object]) -> Callable[[], None]:
+    """One round: ``call(fn, 1)`` then ``sync()``."""
+    def go() -> None:
         sess.call(fn, 1)
         sess.sync()
 
-    rounds = time_loop(round_trip, Loop(warmup=20, min_iters=1, max_iters=10**7,
-                                        budget_s=seconds))
-    return statistics.median(rounds) / 1000
+    return go
 
 
 def main() -> None:
@@ -45,14 +43,10 @@ def main() -> None:
     p.add_argument("--channel", default="auto")
     args = p.parse_args()
     print(f"CPU: {cpu_model()}; {source_revision()}; command: {command_line(sys.argv[1:])}")
-    medians: dict[str, list[float]] = {"class": [], "function": []}
     with unison.Session(args.workers, channel=args.channel) as sess:
-        for fn in (Small, make_small):
-            block(sess, fn, 0.05)  # defined, warm
-        for i in range(args.blocks):
-            turn = [("class", Small), ("function", make_small)]
-            for name, fn in turn if i % 2 == 0 else reversed(turn):
-                medians[name].append(block(sess, fn, args.seconds))
+        medians = block_medians({"class": round_trip(sess, Small),
+                                 "function": round_trip(sess, make_small)},
+                                args.blocks, args.seconds)
     for name, got in medians.items():
         print(f"{name:8}: {' '.join(f'{m:.1f}' for m in got)} | median "
               f"{statistics.median(got):.1f} µs")

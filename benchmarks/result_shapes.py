@@ -12,6 +12,7 @@ a run) and its ratio to the int's.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 from pathlib import Path
@@ -19,18 +20,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import unison
-from harness.measure import Loop, time_loop
+from harness.measure import block_medians
 from harness.report import command_line, cpu_model, source_revision
 from harness.tasks import result_of
 
 SHAPES = ("int", "pair", "list3", "nested", "dict", "object")
-
-
-def block(sess: unison.Session, shape: str, seconds: float) -> float:
-    """Median µs of ``sess.run(result_of, shape)`` for ``seconds``."""
-    rounds = time_loop(lambda: sess.run(result_of, shape),
-                       Loop(warmup=20, min_iters=1, max_iters=10**7, budget_s=seconds))
-    return statistics.median(rounds) / 1000
 
 
 def main() -> None:
@@ -41,13 +35,10 @@ def main() -> None:
     p.add_argument("--channel", default="auto")
     args = p.parse_args()
     print(f"CPU: {cpu_model()}; {source_revision()}; command: {command_line(sys.argv[1:])}")
-    medians: dict[str, list[float]] = {shape: [] for shape in SHAPES}
     with unison.Session(args.workers, channel=args.channel) as sess:
-        for shape in SHAPES:
-            block(sess, shape, 0.05)  # defined, warm
-        for i in range(args.blocks):
-            for shape in SHAPES if i % 2 == 0 else reversed(SHAPES):
-                medians[shape].append(block(sess, shape, args.seconds))
+        medians = block_medians(
+            {shape: functools.partial(sess.run, result_of, shape) for shape in SHAPES},
+            args.blocks, args.seconds)
     base = statistics.median(medians["int"])
     for shape, got in medians.items():
         med = statistics.median(got)

@@ -234,6 +234,26 @@ def time_loop(op: Callable[[], object], loop: Loop) -> list[int]:
     return samples
 
 
+def block_medians(ops: dict[str, Callable[[], object]], blocks: int,
+                  seconds: float) -> dict[str, list[float]]:
+    """Each op's median µs a round in ``blocks`` blocks of ``seconds`` each, the ops taking
+    turns (their order reversed every other block), after a short block each to warm up:
+    the machine's modes then hit every op alike (benchmarks/class_call.py and
+    result_shapes.py)."""
+    def median_us(op: Callable[[], object], budget: float) -> float:
+        rounds = time_loop(op, Loop(warmup=20, min_iters=1, max_iters=10**7, budget_s=budget))
+        return statistics.median(rounds) / 1000
+
+    for op in ops.values():
+        median_us(op, 0.05)
+    medians: dict[str, list[float]] = {name: [] for name in ops}
+    turn = list(ops.items())
+    for i in range(blocks):
+        for name, op in turn if i % 2 == 0 else reversed(turn):
+            medians[name].append(median_us(op, seconds))
+    return medians
+
+
 def time_pair(op_a: Callable[[], object], op_b: Callable[[], object], loop: Loop,
               block: int = 50) -> tuple[list[int], list[int]]:
     """Like time_loop for two ops whose ratio is the point: they alternate in blocks of
