@@ -12,7 +12,6 @@ sends by name, as it keeps a function; before it did, each call of a class sent 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from collections.abc import Callable
@@ -22,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import unison
 from harness.measure import block_medians
-from harness.report import command_line, cpu_model, source_revision
+from harness.report import blocks_args
 from harness.tasks import Small, make_small
 
 
@@ -36,13 +35,7 @@ def round_trip(sess: unison.Session, fn: Callable[[int], object]) -> Callable[[]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--blocks", type=int, default=8)
-    p.add_argument("--seconds", type=float, default=0.3)
-    p.add_argument("--channel", default="auto")
-    args = p.parse_args()
-    print(f"CPU: {cpu_model()}; {source_revision()}; command: {command_line(sys.argv[1:])}")
+    args = blocks_args(__doc__, 8)
     with unison.Session(args.workers, channel=args.channel) as sess:
         medians = block_medians({"class": round_trip(sess, Small),
                                  "function": round_trip(sess, make_small)},

@@ -11,7 +11,6 @@ a run) and its ratio to the int's.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
 import sys
@@ -21,20 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import unison
 from harness.measure import block_medians
-from harness.report import command_line, cpu_model, source_revision
+from harness.report import blocks_args
 from harness.tasks import result_of
 
 SHAPES = ("int", "pair", "list3", "nested", "dict", "object")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--blocks", type=int, default=6)
-    p.add_argument("--seconds", type=float, default=0.3)
-    p.add_argument("--channel", default="auto")
-    args = p.parse_args()
-    print(f"CPU: {cpu_model()}; {source_revision()}; command: {command_line(sys.argv[1:])}")
+    args = blocks_args(__doc__, 6)
     with unison.Session(args.workers, channel=args.channel) as sess:
         medians = block_medians(
             {shape: functools.partial(sess.run, result_of, shape) for shape in SHAPES},

@@ -3,6 +3,7 @@ that ``--out`` rewrites, the latency plot, and a description of the machine and 
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import math
 import os
@@ -419,3 +420,17 @@ def write_plot(cells: Sequence[Cell], systems: Sequence[str], workers: Sequence[
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def blocks_args(doc: str | None, blocks: int) -> argparse.Namespace:
+    """The options of a script that times ops in turns in one session (``--workers``,
+    ``--blocks``, ``--seconds``, ``--channel``), parsed; the run's header line printed."""
+    p = argparse.ArgumentParser(description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--blocks", type=int, default=blocks)
+    p.add_argument("--seconds", type=float, default=0.3)
+    p.add_argument("--channel", default="auto")
+    args = p.parse_args()
+    print(f"CPU: {cpu_model()}; {source_revision()}; command: {command_line(sys.argv[1:])}")
+    return args
