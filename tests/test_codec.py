@@ -270,3 +270,18 @@ def test_a_truncated_plain_reply_is_refused(cut: int) -> None:
     data = protocol.dumps_plain((41, protocol.OK, 123456789), protocol.PLAIN)
     with pytest.raises((ValueError, EOFError)):
         protocol.read_reply(data[:cut])
+
+
+def test_a_result_is_plain_only_small_and_of_plain_values() -> None:
+    """What a worker sends back by marshal (run's quick path): tuples, lists and dicts of
+    plain values, nested too, 64 items at most over the nesting; a container holding
+    itself runs out of items (pickle, which keeps the cycle), as does anything else."""
+    from unison.worker import _plain
+
+    cyclic: list[Any] = [1]
+    cyclic.append(cyclic)
+    assert _plain((1, "a", None, True, b"x", 1.5)) and _plain({"k": [1.5, (b"x",)], 2: ()})
+    assert _plain([]) and _plain(list(range(64)))
+    assert not _plain(cyclic) and not _plain(list(range(65)))
+    assert not _plain([[0] * 40, [0] * 40])  # 82 over the nesting
+    assert not _plain((1, object())) and not _plain({"k": {1, 2}})

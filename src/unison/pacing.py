@@ -238,9 +238,8 @@ class _Crowd:
     waits skip the spin. One per process: every wait of ours meets the same strangers."""
 
     __slots__ = ("_last_long", "_late", "_look_stalls", "_on_crowd", "_on_look", "_seen",
-                 "_started",
-                 "_stranger_looks", "_use", "_used", "_yield_stalls", "next_look", "ours",
-                 "rate", "until", "why")
+                 "_started", "_stranger_looks", "_use", "_used", "_yield_stalls", "next_look",
+                 "ours", "rate", "until", "why")
 
     def __init__(self) -> None:
         self.until = 0.0

@@ -370,16 +370,16 @@ def _plain(value: Any) -> bool:
         kind = type(item)
         if kind in _SCALARS:
             continue
+        if kind not in _CONTAINERS:
+            return False
+        left -= len(item)
+        if left < 0:  # (before a copy of its items: a long list costs nothing here)
+            return False
         if kind is dict:
             todo += item.keys()
             todo += item.values()
-        elif kind is tuple or kind is list:
-            todo += item
         else:
-            return False
-        left -= len(item)
-        if left < 0:
-            return False
+            todo += item
     return True
 
 
