@@ -16,7 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 import psutil
@@ -295,6 +295,25 @@ def boom() -> None:
     raise ValueError("boom")
 
 
+@contextlib.contextmanager
+def recorded(obj: Any, name: str) -> Iterator[list[tuple[tuple[Any, ...], Any]]]:
+    """The calls of ``obj``'s method ``name`` while the block runs, each (args, result),
+    as a list that grows; the method still does its work."""
+    method = getattr(obj, name)
+    calls: list[tuple[tuple[Any, ...], Any]] = []
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        result = method(*args, **kwargs)
+        calls.append((args, result))
+        return result
+
+    setattr(obj, name, record)
+    try:
+        yield calls
+    finally:
+        delattr(obj, name)
+
+
 def check_sync_reads_progress(sess: unison.Session, sent: Callable[[], list[int]] | None,
                               awaited: bool = False) -> None:
     """Where workers tell their progress without being asked (the pipe and TCP channels'
@@ -306,14 +325,6 @@ def check_sync_reads_progress(sess: unison.Session, sent: Callable[[], list[int]
     after a 2 ms pause (its look waits a spin at most, 200 us, where a blocking sync's
     waits a slice: the pause makes the test about the look, not the host's speed)."""
     loop = asyncio.new_event_loop() if awaited else None
-    asked: list[tuple[int, ...]] = []
-    request = sess._request
-
-    def counting(build: Callable[..., bytes], ref_id: int, ranks: tuple[int, ...],
-                 *rest: Any) -> Any:
-        if build is sync_msg:
-            asked.append(ranks)
-        return request(build, ref_id, ranks, *rest)
 
     def sync() -> None:
         if loop is None:
@@ -322,13 +333,14 @@ def check_sync_reads_progress(sess: unison.Session, sent: Callable[[], list[int]
             time.sleep(0.002)
             loop.run_until_complete(sess.sync_async())
 
-    sess._request = counting  # type: ignore[method-assign]
     try:
         sess.run(nothing)  # defines it
         before = sent() if sent is not None else []
-        for _ in range(20):
-            sess.call(nothing)
-            sync()
+        with recorded(sess, "_request") as requests:
+            for _ in range(20):
+                sess.call(nothing)
+                sync()
+        asked = [args for args, _ in requests if args[0] is sync_msg]
         assert len(asked) < 10, asked
         if sent is not None:
             counts = [after - b for after, b in zip(sent(), before)]
@@ -339,7 +351,6 @@ def check_sync_reads_progress(sess: unison.Session, sent: Callable[[], list[int]
         sess.call(int)
         sync()  # reported once
     finally:
-        del sess._request
         if loop is not None:
             loop.close()
 

@@ -13,6 +13,7 @@ import textwrap
 import pytest
 
 import unison
+from support import recorded
 
 # -- functions the workers run, by reference (this module is importable on the workers) ------
 
@@ -103,24 +104,14 @@ def test_run_returns_containers_exactly(sess, channel, kind):
     gives it (on shared memory, by the quick path, as a scalar does: a pair took 1.65x an
     int's run before); one that is not (over 64 items, nested ones counted; holding a
     subclass) as pickle gives it: equal, and of the same types, either way."""
-    quick = sess._router.quick
-    taken = []
-
-    def counting(*args):
-        got = quick(*args)
-        taken.append(got is not None)
-        return got
-
-    sess._router.quick = counting
-    try:
+    with recorded(sess._router, "quick") as quick:
         got = [sess.run(results, kind) for _ in range(10)]
-    finally:
-        del sess._router.quick
     want = [results(kind, r) for r in (0, 1)]
     for values in got:
         assert values == want
         assert _types(values) == _types(want)
     if channel == "shm" and kind in PLAIN_KINDS:
+        taken = [values is not None for _, values in quick]
         assert sum(taken) > 5, taken  # (one may miss: the workers took longer than a slice)
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import unison
-from support import big_then_stopped, wait_gone
+from support import big_then_stopped, recorded, wait_gone
 
 pytestmark = pytest.mark.channels
 
@@ -166,21 +166,11 @@ def test_run_async_reads_its_replies_in_one_step_where_it_can(sess, channel):
     awaits, fewer than half poll (one only where the workers took longer than the spin).
     Where that cannot be (another request's replies come first, an error, the pipe
     channel), the usual wait still gives each await its own."""
-    polls = []
-    poll = sess._router.poll
-
-    def counting(*args, **kwargs):
-        polls.append(1)
-        return poll(*args, **kwargs)
-
     async def main() -> None:
         await sess.run_async(unison.rank)
-        sess._router.poll = counting
-        try:
+        with recorded(sess._router, "poll") as polls:
             for i in range(50):
                 assert await sess.run_async(rank_and, i) == [i, 1000 + i]
-        finally:
-            del sess._router.poll
         assert len(polls) < 25 or channel != "shm", len(polls)
         slow = asyncio.ensure_future(sess.run_async(lambda: time.sleep(0.2) or "slow"))
         await asyncio.sleep(0.01)  # the slow call is sent first: its replies come first
