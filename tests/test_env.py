@@ -144,7 +144,7 @@ def _verdict_here() -> tuple[list[int], list[int], list[int]]:
     # host a worker may not have waited yet (each command was in before it looked), and
     # until then a verdict is the workers' start, not a crowd (CI, 2026-12-04)
     crowd.forget()
-    crowd._crowded(time.perf_counter())
+    crowd._crowded(time.perf_counter(), "a verdict the test gives")
     crowd.forget()  # waits go on spinning: only the pins were the point
     try:
         return before, affinity(), sorted(os.sched_getaffinity(tid))
@@ -173,7 +173,7 @@ def test_the_controllers_crowded_verdict_lets_go_of_every_spread_worker(
     sess = make_session(3)
     a, b = two_cpus
     assert sess.run(affinity) == [[a], [b], [a]]
-    crowd._crowded(time.perf_counter())
+    crowd._crowded(time.perf_counter(), "a verdict the test gives")
     crowd.forget()
     assert sess.run(affinity) == [two_cpus] * 3
     sess.close()
@@ -206,7 +206,7 @@ def test_a_lone_worker_follows_the_controller_while_the_machine_is_crowded(
     (follow,) = [fn for fn in crowd._on_look if fn not in before]
     assert sess.run(affinity) == [two_cpus]
     try:
-        crowd._crowded(time.perf_counter())
+        crowd._crowded(time.perf_counter(), "a verdict the test gives")
         for cpu in (*two_cpus, two_cpus[0]):  # the controller moves; the worker follows
             os.sched_setaffinity(0, [cpu])
             crowd.look(time.perf_counter())

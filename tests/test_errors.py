@@ -462,10 +462,11 @@ def test_a_function_the_workers_cannot_load_fails_each_call_saying_why(
     assert sess.run(use, 3) == [3, 3]
 
 
-def forge_the_reply() -> list[str]:
+def forge_the_reply() -> set[str]:
     """Worker code that meddles with unison's own channel: the reply this call sends
-    carries another request's id. Its value is not plain, so that the reply goes through
-    ``chan.reply`` (a plain one may take the channel's one-step ``reply_plain``)."""
+    carries another request's id. Its value is not plain (a set; a list of str is), so
+    that the reply goes through ``chan.reply`` (a plain one may take the channel's
+    one-step ``reply_plain``)."""
     import gc
 
     from unison import protocol
@@ -479,7 +480,7 @@ def forge_the_reply() -> list[str]:
         send(protocol.dumps((987654321, protocol.OK, "forged")))
 
     chan.reply = forged  # type: ignore[method-assign]
-    return ["real"]
+    return {"real"}
 
 
 def forge_a_plain_reply() -> str:
