@@ -16,23 +16,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import unison
-from harness.measure import Loop, time_loop
+from harness.measure import block_medians
 from harness.report import command_line, cpu_model, source_revision
 from harness.tasks import noop
 from test_mixed import SpawnLauncher  # type: ignore[import-not-found]
-
-
-def block(op: Callable[[], object], seconds: float) -> float:
-    """Median µs of ``op`` for ``seconds`` (harness.measure's loop)."""
-    rounds = time_loop(op, Loop(warmup=20, min_iters=1, max_iters=10**7, budget_s=seconds))
-    return statistics.median(rounds) / 1000
 
 
 def main() -> None:
@@ -54,9 +47,7 @@ def main() -> None:
             def run() -> None:
                 sess.run(noop)
 
-            ops = {"call+sync": call_sync, "run": run}
-            for op in ops.values():
-                block(op, 0.05)  # defined, warm
+            run()  # defines noop
             tcp = sess._chan.tcp  # type: ignore[attr-defined]
             remote = range(args.local, n)
             sent = sum(tcp._sent[r] for r in remote)
@@ -64,11 +55,8 @@ def main() -> None:
             for _ in range(rounds):
                 call_sync()
             per_round = (sum(tcp._sent[r] for r in remote) - sent) / rounds / args.remote
-            medians: dict[str, list[float]] = {name: [] for name in ops}
-            for i in range(args.blocks):
-                turn = list(ops.items())
-                for name, op in turn if i % 2 == 0 else reversed(turn):
-                    medians[name].append(block(op, args.seconds))
+            medians = block_medians({"call+sync": call_sync, "run": run}, args.blocks,
+                                    args.seconds)
     finally:
         launcher.stop(0)
     print(f"N={n} ({args.local} over shared memory, {args.remote} over TCP)")

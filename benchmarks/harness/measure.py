@@ -238,7 +238,7 @@ def block_medians(ops: dict[str, Callable[[], object]], blocks: int,
                   seconds: float) -> dict[str, list[float]]:
     """Each op's median µs a round in ``blocks`` blocks of ``seconds`` each, the ops taking
     turns (their order reversed every other block), after a short block each to warm up:
-    the machine's modes then hit every op alike (benchmarks/class_call.py and
+    the machine's modes then hit every op alike (benchmarks/class_call.py, mixed_sync.py and
     result_shapes.py)."""
     def median_us(op: Callable[[], object], budget: float) -> float:
         rounds = time_loop(op, Loop(warmup=20, min_iters=1, max_iters=10**7, budget_s=budget))
