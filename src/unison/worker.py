@@ -362,8 +362,9 @@ _PLAIN_ITEMS = 64
 def _plain(value: Any) -> bool:
     """A small tuple, list or dict (64 items at most, nested ones counted) of _SCALARS and
     such containers, which marshal takes as it is too: run's replies then take the quick
-    path, as a scalar's (a pair took 1.6x an int's run at N=2, a dict 1.7x). A container
-    that holds itself runs out of items: pickle then, as for anything else."""
+    path, as a scalar's (by pickle a pair took 1.6x an int's run at N=2, a dict 1.7x:
+    ``python benchmarks/result_shapes.py``). A container that holds itself runs out of
+    items: pickle then, as for anything else."""
     left, todo = _PLAIN_ITEMS, [value]
     while todo:
         item: Any = todo.pop()

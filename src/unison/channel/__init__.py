@@ -278,8 +278,8 @@ def write_frame(send: Callable[[list[memoryview]], int], frame: Sequence[Any], w
 
 def reported(sent: list[int], progress: list[int], ranks: Sequence[int]) -> int:
     """What the progress words in the reply streams (the pipe and TCP channels') say of
-    ``ranks``: 0 while a worker has not reported every frame sent to it as run; else 1,
-    or 2 where one holds errors nobody fetched. A word is frames run << 1 | holding."""
+    ``ranks``: 0 while a worker has not reported every command sent to it as run; else 1,
+    or 2 where one holds errors nobody fetched. A word is commands run << 1 | holding."""
     for r in ranks:
         if progress[r] != sent[r] << 1:
             return 0 if progress[r] >> 1 != sent[r] else 2

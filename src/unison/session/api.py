@@ -665,27 +665,21 @@ class Session(View):
     async def _sync_async(self, ranks: tuple[int, ...], timeout: float | None) -> None:
         """As _sync: where the channel shows progress without a message (done positions,
         reports) and nothing is in flight to ``ranks``, a look first; SYNC only where it
-        does not say all ran with no error held (an await of SYNC cost 2.1x a blocking sync)."""
+        does not say all ran with no error held (an await of SYNC cost 2.1x a blocking sync:
+        ``python benchmarks/async_bench.py``)."""
         chan = self._chan
-        if ((chan.tracks_progress or chan.settles) and self._router.idle(ranks)
+        if not ((chan.tracks_progress or chan.settles) and self._router.idle(ranks)
                 and not self._closed and self._waits.settled(ranks, timeout)):
-            errors = self._errors.pop_earliest(ranks)
-            if errors is not None:
-                raise _worker_error(errors)
-            return
-        req = Request(next(self._ids), len(ranks))
-        fut = self._waits.prepare(req)
-        try:
-            self._request(sync_msg, 0, ranks, _deadline(timeout), req)
-        except BaseException:
-            self._waits.cancel(req)
-            raise
-        await self._waits.wait(req, fut, timeout, "syncing")
-        for rank, (_, errs) in zip(ranks, self._decode(req, ranks)):
-            self._errors.add_all(rank, errs)
-        errors = self._errors.pop_earliest(ranks)
-        if errors is not None:
-            raise _worker_error(errors)
+            req = Request(next(self._ids), len(ranks))
+            fut = self._waits.prepare(req)
+            try:
+                self._request(sync_msg, 0, ranks, _deadline(timeout), req)
+            except BaseException:
+                self._waits.cancel(req)
+                raise
+            await self._waits.wait(req, fut, timeout, "syncing")
+            self._keep_errors(req, ranks)
+        self._raise_held(ranks)
 
     # -- the timeline (unison.trace) ------------------------------------------------------------
 
@@ -771,8 +765,16 @@ class Session(View):
         if ask:
             req = self._request(sync_msg, 0, ranks, deadline)
             self._router.wait(req, deadline, "syncing")
-            for rank, (_, errs) in zip(ranks, self._decode(req, ranks)):
-                self._errors.add_all(rank, errs)
+            self._keep_errors(req, ranks)
+        self._raise_held(ranks)
+
+    def _keep_errors(self, req: Request, ranks: tuple[int, ...]) -> None:
+        """A SYNC's answers: the errors each worker held, kept until raised."""
+        for rank, (_, errs) in zip(ranks, self._decode(req, ranks)):
+            self._errors.add_all(rank, errs)
+
+    def _raise_held(self, ranks: tuple[int, ...]) -> None:
+        """sync's end: WorkerError for the earliest errors held of ``ranks``, if any."""
         errors = self._errors.pop_earliest(ranks)
         if errors is not None:
             raise _worker_error(errors)
