@@ -314,7 +314,7 @@ class ShmChannel(Channel):
         mask = self._masks.get(ranks)
         q[(start >> 3) + 1] = _mask(ranks) if mask is None else mask
         body = start + _ENTRY
-        self._buf[body : body + n] = payload
+        self._mm[body : body + n] = payload
         if descs:
             self._buf[body + n : body + n + len(descs)] = descs
         self._head.wpos = pos = pos + size
@@ -379,10 +379,17 @@ class ShmChannel(Channel):
 
     def _look(self, ranks: Sequence[int], mark: int) -> int:
         """Python's ``_ring.Sender.settled``: 0 while a worker in ``ranks`` has not run
-        everything before ``mark``; else 1, or 2 where one holds errors nobody fetched."""
-        if not self._done(ranks, mark):
-            return 0
-        return 2 if self.unreported(ranks) else 1
+        everything before ``mark``; else 1, or 2 where one holds errors nobody fetched.
+        One frame, not ``_done``'s and ``unreported``'s: each round of sync looks at least
+        twice. A rank's error count is read after its done position, which publishes it."""
+        q, done, unrep = self._q, self._done_idx, self._unrep_idx
+        held = 1
+        for r in ranks:
+            if q[done[r]] < mark:
+                return 0
+            if q[unrep[r]]:
+                held = 2
+        return held
 
     def wait_done(self, ranks: Sequence[int], mark: int, timeout: float) -> bool:
         return self._wait_progress(ranks, mark, timeout) != 0
@@ -525,7 +532,7 @@ class ShmChannel(Channel):
         value) in the ring, or breaks the format; else the values, all consumed. Without
         the rx lock, which cost a quarter of it (benchmarks/ring_costs.py): the router
         lets one thread read at a time, and only ``absorber`` adds another."""
-        q, buf, rw_idx, rings = self._q, self._buf, self._rw_idx, self._lay.reply_ring
+        q, mm, rw_idx, rings = self._q, self._mm, self._rw_idx, self._lay.reply_ring
         found = []
         for r in ranks:
             if partial[r]:  # the next entry is a chunk, not a reply
@@ -549,7 +556,8 @@ class ShmChannel(Channel):
         out = []
         for _, start, n, _ in found:
             try:
-                got, status, value = loads_plain(buf[start : start + n])
+                # from the mmap's own slice: marshal reads a view's bytes at half the speed
+                got, status, value = loads_plain(mm[start : start + n])
             except Exception:  # a pickle, not a marshal of three: the slow path judges
                 return True
             if got != req_id or status != OK:
@@ -792,7 +800,10 @@ class ShmWorkerChannel(WorkerChannel):
         broken TCP stream) where the controller's bytes do."""
         q, base = self._q, self._cmd_base
         pos = self._pos
-        self._progress(pos)  # everything before pos has run
+        q[self._done_idx] = pos  # _progress, inlined: everything before pos has run
+        _fence()
+        if q[_CTL_DONE]:
+            os.eventfd_write(self._done_efd, 1)
         while True:
             end = q[0]
             if end == pos:
@@ -813,8 +824,7 @@ class ShmWorkerChannel(WorkerChannel):
                 pos = _CMD.next_lap(pos)
                 continue
             n, meta = head & 0xFFFFFFFF, head >> 32
-            nbufs = meta & 0xFFFF
-            size = (_ENTRY + 7 + n + _DESC * nbufs) & ~7  # _entry_size, inlined
+            size = (_ENTRY + 7 + n + _DESC * (meta & 0xFFFF)) & ~7  # _entry_size, inlined
             if off + size > CMD_RING or pos + size > end:
                 raise _bad_command(pos, end, f"an entry with header {head:#x}")
             if not q[i + 1] & self._bit:
@@ -823,12 +833,13 @@ class ShmWorkerChannel(WorkerChannel):
                 continue
             body = base + off + _ENTRY
             if not meta:
-                payload: bytes | memoryview = self._buf[body : body + n].tobytes()
+                payload: bytes | memoryview = self._mm[body : body + n]  # a copy, in one step
                 self._pos = q[self._read_idx] = pos + size  # the ring space is free again
                 return payload, _NO_VIEWS
             if meta >> 16 & ~_OOB or (meta >> 16 & _OOB and n != _DESC):
                 raise _bad_command(pos, end, f"an entry with header {head:#x}")
             payload = self._buf[body : body + n].tobytes()
+            nbufs = meta & 0xFFFF
             descs = _unpack_descs(self._buf[body + n : body + n + _DESC * nbufs], nbufs)
             self._pos = q[self._read_idx] = pos + size
             if meta >> 16 & _OOB:
@@ -896,9 +907,22 @@ class ShmWorkerChannel(WorkerChannel):
         """WorkerChannel.reply_plain: C's ``Taker.put_plain`` where built (bound over this
         in ``__init__``), else ``_put`` of its marshal, where no arena is needed."""
         data = dumps_plain(msg, version)
-        if len(data) > _REPLY_INLINE:
+        n = len(data)
+        if n > _REPLY_INLINE:
             return False
-        self._put(data, 0)
+        q = self._q
+        pos = q[self._rw_idx]
+        off, size = pos & _REPLY_MASK, (15 + n) & ~7  # _align8(8 + n), inlined
+        if off + size > REPLY_RING or pos + size - q[self._rr_idx] > REPLY_RING:
+            self._put(data, 0)  # across the ring's end, or waiting for room
+            return True
+        start = self._rbase + off  # _put's steps, inlined: the pure-Python hot path of run
+        q[start >> 3] = n
+        self._mm[start + 8 : start + 8 + n] = data
+        q[self._rw_idx] = pos + size  # publish
+        _fence()
+        if q[_CTL_SLEEP] or q[_CTL_ASYNC]:
+            os.eventfd_write(self._ctl_efd, 1)
         return True
 
     def reply(self, data: bytes, buffers: Sequence[Any] = ()) -> None:
