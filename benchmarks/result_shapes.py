@@ -1,12 +1,13 @@
-"""``sess.run(f)`` by the shape of f's result, block by block (issue 9, thirty-fourth pass).
+"""``sess.run(f)`` by the shape of f's result, block by block (issue 9, thirty-fourth pass),
+then ``ref.gather()`` of a Ref holding such a result (thirty-fifth pass).
 
     python benchmarks/result_shapes.py [--workers 2] [--blocks 6] [--seconds 0.3] [--channel shm]
 
 A run whose result is a plain value (None, bool, int, float, str, bytes), or a small
 tuple, list or dict of them (nested ones too), goes back by marshal, and on shared memory
 the controller reads and decodes every worker's reply in one step; any other result (an
-object here) is pickled and decoded reply by reply. Prints each shape's block medians (µs
-a run) and its ratio to the int's.
+object here) is pickled and decoded reply by reply. A GET's value goes back the same way.
+Prints each row's block medians (µs a run, or a gather) and its ratio to the int's run.
 """
 
 from __future__ import annotations
@@ -24,18 +25,20 @@ from harness.report import blocks_args
 from harness.tasks import result_of
 
 SHAPES = ("int", "pair", "list3", "nested", "dict", "object")
+FETCHED = ("int", "pair", "object")
 
 
 def main() -> None:
     args = blocks_args(__doc__, 6)
     with unison.Session(args.workers, channel=args.channel) as sess:
-        medians = block_medians(
-            {shape: functools.partial(sess.run, result_of, shape) for shape in SHAPES},
-            args.blocks, args.seconds)
+        kinds = {shape: functools.partial(sess.run, result_of, shape) for shape in SHAPES}
+        for shape in FETCHED:  # the same values, kept on the workers and fetched
+            kinds[f"gather {shape}"] = sess.call(result_of, shape).gather
+        medians = block_medians(kinds, args.blocks, args.seconds)
     base = statistics.median(medians["int"])
     for shape, got in medians.items():
         med = statistics.median(got)
-        print(f"{shape:7}: {' '.join(f'{m:.1f}' for m in got)} | median {med:.1f} µs | "
+        print(f"{shape:14}: {' '.join(f'{m:.1f}' for m in got)} | median {med:.1f} µs | "
               f"{med / base:.2f}x the int's")
 
 

@@ -671,10 +671,11 @@ def test_quota_lag_says_when_the_kernel_counted_each_stall() -> None:
 
 
 def test_result_shapes_times_each_shape_against_the_int() -> None:
-    """benchmarks/result_shapes.py: a row per result shape, its block medians and its ratio
-    to the int's."""
+    """benchmarks/result_shapes.py: a row per result shape, then per gather of one, its
+    block medians and its ratio to the int's run."""
     out = _tool("result_shapes.py", "--blocks", "2", "--seconds", "0.02")
     rows = [line for line in out.splitlines() if "x the int's" in line]
     assert [row.split(":")[0].strip() for row in rows] == [
-        "int", "pair", "list3", "nested", "dict", "object"], out
+        "int", "pair", "list3", "nested", "dict", "object", "gather int", "gather pair",
+        "gather object"], out
     assert rows[0].endswith("1.00x the int's"), out

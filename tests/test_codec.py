@@ -229,11 +229,20 @@ def test_a_call_reads_back_exactly(frees: Any, args: Any, ranks: Any) -> None:
         assert [type(a) for a in got[4]] == [type(a) for a in args]  # True stays a bool
 
 
+@pytest.mark.parametrize("frees", [None, (7,), tuple(range(3, 40))])
+def test_a_get_reads_back_exactly(frees: Any) -> None:
+    data = protocol.get_msg(frees, 5, 2**40)
+    assert data[0] != protocol.PICKLED  # marshalled, as a CALL
+    got = _command(data)
+    assert got == (protocol.GET, frees, 5, 2**40)
+    assert protocol.read_get(got) == (5, 2**40)
+
+
 def test_every_other_command_is_a_pickle() -> None:
     """The worker reads a command by its first byte: a pickle's is always PICKLED."""
     for data in (protocol.define_msg(None, 3, b"fn"), protocol.put_msg((1,), 4, b"v"),
-                 protocol.get_msg(None, 5, 4), protocol.sync_msg(None, 6),
-                 protocol.nop_msg((7,)), protocol.shutdown_msg(None, 8)):
+                 protocol.sync_msg(None, 6), protocol.nop_msg((7,)),
+                 protocol.shutdown_msg(None, 8)):
         assert data[0] == protocol.PICKLED
 
 

@@ -23,12 +23,13 @@ anything it cannot take, or that it would send by reference to the controller's 
 (which a worker never imports), goes through cloudpickle, by value. A Ref inside the
 arguments pickles as a lookup in the receiving worker's register file.
 
-A CALL and a reply of a plain value (None, bool, int, float, str, bytes) are encoded with
-marshal instead (version PLAIN): every field they hold is of a type marshal takes, and it
-does the same work as pickle with less set-up (for a CALL, about half the instructions to
-write and 40% fewer to read: docs/benchmarks.md, "Issue 9, seventh pass"). Everything else
-is pickled. A reader tells the two apart by the first byte: a pickle's is always PICKLED
-(its PROTO opcode), a marshalled tuple's never is.
+A CALL, a GET and a reply of a plain value (None, bool, int, float, str, bytes, or a small
+tuple, list or dict of them: worker._plain) are encoded with marshal instead (version
+PLAIN): every field they hold is of a type marshal takes, and it does the same work as
+pickle with less set-up (for a CALL, about half the instructions to write and 40% fewer to
+read: docs/benchmarks.md, "Issue 9, seventh pass"). Everything else is pickled. A reader
+tells the two apart by the first byte: a pickle's is always PICKLED (its PROTO opcode), a
+marshalled tuple's never is.
 """
 
 from __future__ import annotations
@@ -116,8 +117,9 @@ def read_put(msg: tuple[Any, ...]) -> tuple[int, bytes]:
 
 
 def get_msg(frees: tuple[int, ...] | None, req_id: int, ref_id: int) -> bytes:
-    """Reply ``(req_id, OK, value)`` of register ``ref_id``, or ``(req_id, ERR, error)``."""
-    return _dump((GET, frees, req_id, ref_id), 5)
+    """Reply ``(req_id, OK, value)`` of register ``ref_id``, or ``(req_id, ERR, error)``.
+    Marshalled, as a CALL: plain ints only."""
+    return dumps_plain((GET, frees, req_id, ref_id), PLAIN)
 
 
 def read_get(msg: tuple[Any, ...]) -> tuple[int, int]:

@@ -315,7 +315,11 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
         elif op == GET:
             req_id, ref_id = read_get(msg)
             obj = regs.get(ref_id, _MISSING)
-            if isinstance(obj, Failed):
+            if type(obj) in _SCALARS or (type(obj) in _CONTAINERS and _plain(obj)):
+                out = (req_id, OK, obj)  # by marshal, as run's: the controller's quick path
+                if not reply_plain(out, PLAIN):
+                    chan.reply(dumps_plain(out, PLAIN))
+            elif isinstance(obj, Failed):
                 if unreported.pop(ref_id, None) is not None:
                     chan.unreported(len(unreported))
                 chan.reply(dumps((req_id, ERR, obj.error)))

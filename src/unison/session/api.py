@@ -632,8 +632,14 @@ class Session(View):
                              if status != OK})
 
     def _fetch(self, ref: Ref, ranks: tuple[int, ...], deadline: float | None) -> list[Any]:
+        """A GET: without a deadline, by run's quick path first (a plain value comes back
+        by marshal, as run's result does)."""
         self._check_fetch(ref)
         req = self._request(get_msg, ref._id, ranks, deadline)
+        if deadline is None:
+            values = self._router.quick(req, ranks)
+            if values is not None:
+                return values
         return self._results(req, ranks, deadline, "fetching a value")
 
     def _check_fetch(self, ref: Ref) -> None:
@@ -655,6 +661,9 @@ class Session(View):
         except BaseException:
             self._waits.cancel(req)
             raise
+        values = self._waits.quick(req, ranks)  # as run_async's
+        if values is not None:
+            return values
         return await self._results_async(req, fut, ranks, timeout, "fetching a value")
 
     async def _results_async(self, req: Request, fut: Any, ranks: tuple[int, ...],
