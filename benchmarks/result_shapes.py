@@ -13,7 +13,6 @@ Prints each row's block medians (µs a run, or a gather) and its ratio to the in
 from __future__ import annotations
 
 import functools
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import unison
 from harness.measure import block_medians
-from harness.report import blocks_args
+from harness.report import blocks_args, print_block_ratios
 from harness.tasks import result_of
 
 SHAPES = ("int", "pair", "list3", "nested", "dict", "object")
@@ -35,11 +34,7 @@ def main() -> None:
         for shape in FETCHED:  # the same values, kept on the workers and fetched
             kinds[f"gather {shape}"] = sess.call(result_of, shape).gather
         medians = block_medians(kinds, args.blocks, args.seconds)
-    base = statistics.median(medians["int"])
-    for shape, got in medians.items():
-        med = statistics.median(got)
-        print(f"{shape:14}: {' '.join(f'{m:.1f}' for m in got)} | median {med:.1f} µs | "
-              f"{med / base:.2f}x the int's")
+    print_block_ratios(medians, "int", "the int's")
 
 
 if __name__ == "__main__":

@@ -297,9 +297,10 @@ def boom() -> None:
 
 @contextlib.contextmanager
 def recorded(obj: Any, name: str) -> Iterator[list[tuple[tuple[Any, ...], Any]]]:
-    """The calls of ``obj``'s method ``name`` while the block runs, each (args, result),
-    as a list that grows; the method still does its work."""
+    """The calls of ``obj``'s method ``name`` (or a module's function) while the block
+    runs, each (args, result), as a list that grows; the method still does its work."""
     method = getattr(obj, name)
+    own = name in vars(obj)  # a module's function, or set on the instance: put it back
     calls: list[tuple[tuple[Any, ...], Any]] = []
 
     def record(*args: Any, **kwargs: Any) -> Any:
@@ -311,7 +312,10 @@ def recorded(obj: Any, name: str) -> Iterator[list[tuple[tuple[Any, ...], Any]]]
     try:
         yield calls
     finally:
-        delattr(obj, name)
+        if own:
+            setattr(obj, name, method)
+        else:
+            delattr(obj, name)
 
 
 def check_sync_reads_progress(sess: unison.Session, sent: Callable[[], list[int]] | None,

@@ -670,6 +670,16 @@ def test_quota_lag_says_when_the_kernel_counted_each_stall() -> None:
     assert total > 0 and "at once: " in line and "not by then: " in line, proc.stdout
 
 
+def test_ref_args_times_each_kind_of_argument_against_none() -> None:
+    """benchmarks/ref_args.py: a row per kind of argument, its block medians and its ratio
+    to the round without one."""
+    out = _tool("ref_args.py", "--blocks", "2", "--seconds", "0.02")
+    rows = [line for line in out.splitlines() if "x no argument's" in line]
+    assert [row.split(":")[0].strip() for row in rows] == [
+        "no argument", "an int", "a Ref", "a Ref in a list"], out
+    assert rows[0].endswith("1.00x no argument's"), out
+
+
 def test_result_shapes_times_each_shape_against_the_int() -> None:
     """benchmarks/result_shapes.py: a row per result shape, then per gather of one, its
     block medians and its ratio to the int's run."""

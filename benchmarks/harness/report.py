@@ -9,6 +9,7 @@ import math
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -420,6 +421,17 @@ def write_plot(cells: Sequence[Cell], systems: Sequence[str], workers: Sequence[
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def print_block_ratios(medians: dict[str, list[float]], base: str, against: str) -> None:
+    """One row per op of ``block_medians``: its block medians, their median (µs) and its
+    ratio to op ``base``'s, said as "{ratio}x {against}" (result_shapes.py, ref_args.py)."""
+    width = max(len(name) for name in medians)
+    base_median = statistics.median(medians[base])
+    for name, got in medians.items():
+        med = statistics.median(got)
+        print(f"{name:{width}}: {' '.join(f'{m:.1f}' for m in got)} | median {med:.1f} µs | "
+              f"{med / base_median:.2f}x {against}")
 
 
 def blocks_args(doc: str | None, blocks: int) -> argparse.Namespace:

@@ -275,6 +275,11 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                         value = fn()  # type: ignore[misc]
                     elif type(blob) is tuple:  # plain positional values, inside the message
                         value = fn(*blob)  # type: ignore[misc]
+                    elif type(blob) is list:  # ... and Refs: their ids at these positions
+                        args = list(blob[1])
+                        for i in blob[0]:
+                            args[i] = lookup(args[i])
+                        value = fn(*args)  # type: ignore[misc]
                     else:
                         args, kwargs = loads(blob, bufs)
                         value = fn(*args, **kwargs)  # type: ignore[misc]

@@ -469,9 +469,12 @@ class Session(View):
         usual case (a function the workers hold, a few plain arguments, no deadline or
         trace) is sent from this one frame: on a core shared with a worker the steps a round
         touches cost more than their own time (docs/benchmarks.md, "Issue 9, fourth pass",
-        and the fifth on what a bare call costs)."""
+        and the fifth on what a bare call costs). Refs among plain arguments go by id."""
+        blob: Any = args or None
+        if args and not kwargs and not checks.plain_args(args):
+            blob = self._ref_args(ranks, args)  # None: neither plain values nor Refs
         if not (send_by is not None or kwargs or self._send_timeout is not None
-                or self._tracer is not None or (args and not checks.plain_args(args))):
+                or self._tracer is not None or (args and blob is None)):
             lock = self._send_lock
             lock.acquire()
             try:
@@ -497,7 +500,7 @@ class Session(View):
                     if req is not None:
                         self._router.expect(req, ranks)
                     try:
-                        msg = call_msg(frees, ref_id, fn_id, args or None,
+                        msg = call_msg(frees, ref_id, fn_id, blob,
                                        None if everyone else ranks,
                                        0 if req is None else req.req_id)
                         if not self._chan.send_plain(msg, ranks):
@@ -527,7 +530,10 @@ class Session(View):
         blob: Any = None
         bufs = _NO_BUFFERS
         if kwargs or (args and not checks.plain_args(args)):
-            blob, bufs = self._encode_args(ranks, fn, args, kwargs)
+            if not kwargs:
+                blob = self._ref_args(ranks, args)
+            if blob is None:
+                blob, bufs = self._encode_args(ranks, fn, args, kwargs)
         elif args:
             blob = args  # plain values ride inside the message itself: no second pickle
         if deadline is None:  # _lock_send, inlined: the hot path
@@ -988,6 +994,22 @@ class Session(View):
             self._check_ref_arg(ref, ranks)
         return blob, bufs
 
+    def _ref_args(self, ranks: tuple[int, ...], args: tuple[Any, ...]) -> list[Any] | None:
+        """Plain arguments and Refs as a CALL carries them without a pickle: ``[positions,
+        values]``, each Ref's id at its position (the worker puts its object there); None
+        where an argument is neither. Each Ref is checked as a pickled one is. Pickled, a
+        round of ``call(f, ref)`` and sync took 2.26x one without arguments at N=2, by id
+        1.24x (``python benchmarks/ref_args.py``)."""
+        where = checks.ref_positions(args, Ref)
+        if where is None:
+            return None
+        values = list(args)
+        for i in where:
+            ref = args[i]
+            self._check_ref_arg(ref, ranks)
+            values[i] = ref._id
+        return [where, tuple(values)]
+
     def _encode_value(self, value: Any, what: str) -> tuple[bytes, list[pickle.PickleBuffer]]:
         try:
             bufs: list[pickle.PickleBuffer] = []
@@ -1001,7 +1023,7 @@ class Session(View):
             raise ValueError(f"{ref!r} belongs to another session{state}: pass it only to its own")
         if ref._freed:
             raise ValueError(f"{ref!r} was freed and cannot be passed to a call")
-        missing = sorted(set(ranks) - set(ref.workers))
+        missing = () if ref.workers == ranks else sorted(set(ranks) - set(ref.workers))
         if missing:
             raise ValueError(
                 f"{ref!r} is not held by workers {missing} that this call runs on: call on a "

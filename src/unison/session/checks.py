@@ -10,8 +10,8 @@ from typing import Any
 
 from unison import placement
 
-__all__ = ["as_rank", "check_env", "check_sizes", "cpu_plan", "plain_args", "shape",
-           "values_per_worker"]
+__all__ = ["as_rank", "check_env", "check_sizes", "cpu_plan", "plain_args", "ref_positions",
+           "shape", "values_per_worker"]
 
 
 def check_sizes(num_workers: object, num_groups: object) -> None:
@@ -111,6 +111,21 @@ def plain_args(args: tuple[Any, ...]) -> bool:
         if t not in plain or (t is str and len(a) > 256):
             return False
     return True
+
+
+def ref_positions(args: tuple[Any, ...], ref: type) -> tuple[int, ...] | None:
+    """Where the arguments of type ``ref`` (unison.Ref) sit, where every other one is as
+    ``plain_args`` takes it; None where one is neither (the arguments are pickled then)."""
+    if len(args) > 8:
+        return None
+    plain, where = _PLAIN, []
+    for i, a in enumerate(args):
+        t = type(a)
+        if t is ref:
+            where.append(i)
+        elif t not in plain or (t is str and len(a) > 256):
+            return None
+    return tuple(where)
 
 
 def shape(value: object) -> tuple[int, ...]:
