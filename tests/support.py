@@ -300,7 +300,7 @@ def recorded(obj: Any, name: str) -> Iterator[list[tuple[tuple[Any, ...], Any]]]
     """The calls of ``obj``'s method ``name`` (or a module's function) while the block
     runs, each (args, result), as a list that grows; the method still does its work."""
     method = getattr(obj, name)
-    own = name in vars(obj)  # a module's function, or set on the instance: put it back
+    own = name in getattr(obj, "__dict__", {})  # a module's function, or the instance's own
     calls: list[tuple[tuple[Any, ...], Any]] = []
 
     def record(*args: Any, **kwargs: Any) -> Any:
