@@ -308,23 +308,20 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
             if end is not None:
                 end(ref_id)
             if req_id:  # run: the result goes straight back, nothing is kept
+                # _reply_value's plain case, inlined: a frame less on run's hot path
                 if type(value) in _SCALARS or (type(value) in _CONTAINERS and _plain(value)):
                     out = (req_id, OK, value)
                     if not reply_plain(out, PLAIN):
                         chan.reply(dumps_plain(out, PLAIN))
                 else:
-                    _reply_value(chan, req_id, f"the result of {_name(fn)}", value)
+                    _reply_value(chan, req_id, value, fn)
             else:
                 regs[ref_id] = value
             value = None
         elif op == GET:
             req_id, ref_id = read_get(msg)
             obj = regs.get(ref_id, _MISSING)
-            if type(obj) in _SCALARS or (type(obj) in _CONTAINERS and _plain(obj)):
-                out = (req_id, OK, obj)  # by marshal, as run's: the controller's quick path
-                if not reply_plain(out, PLAIN):
-                    chan.reply(dumps_plain(out, PLAIN))
-            elif isinstance(obj, Failed):
+            if isinstance(obj, Failed):
                 if unreported.pop(ref_id, None) is not None:
                     chan.unreported(len(unreported))
                 chan.reply(dumps((req_id, ERR, obj.error)))
@@ -332,7 +329,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                 err = protocol.pack_error(LookupError(f"Ref #{ref_id} is not held here"), "get")
                 chan.reply(dumps((req_id, ERR, err)))
             else:
-                _reply_value(chan, req_id, f"the value of Ref #{ref_id}", obj)
+                _reply_value(chan, req_id, obj, ref_id=ref_id)
             obj = None
         elif op in (SYNC, SHUTDOWN):
             # SHUTDOWN too: the controller warns about errors nobody fetched
@@ -396,11 +393,19 @@ def _plain(value: Any) -> bool:
 _loads = pickle.loads
 
 
-def _reply_value(chan: WorkerChannel, req_id: int, what: str, obj: object) -> None:
-    """Reply with a value, its large buffers out of band where the channel takes them (one
-    copy into shared memory). A value that cannot be pickled, even by a BaseException from
-    its ``__reduce__`` (KeyboardInterrupt, SystemExit), or that does not fit in shared
-    memory, becomes an error for the controller instead of a dead worker."""
+def _reply_value(chan: WorkerChannel, req_id: int, obj: object, fn: object = None,
+                 ref_id: int = 0) -> None:
+    """Reply with a value: a plain one (``_plain``) by marshal, which the controller reads in
+    one step (Router.quick); any other pickled, its large buffers out of band where the
+    channel takes them (one copy into shared memory). A value that cannot be pickled, even
+    by a BaseException from its ``__reduce__`` (KeyboardInterrupt, SystemExit), or that
+    does not fit in shared memory, becomes an error for the controller instead of a dead
+    worker, naming run's ``fn`` or the GET's ``ref_id``."""
+    if type(obj) in _SCALARS or (type(obj) in _CONTAINERS and _plain(obj)):
+        out: Any = (req_id, OK, obj)  # plain: marshal takes it
+        if not chan.reply_plain(out, PLAIN):
+            chan.reply(dumps_plain(out, PLAIN))
+        return
     bufs: list[pickle.PickleBuffer] | None = [] if chan.oob_replies else None
     try:
         data = protocol.dumps((req_id, OK, obj), bufs)
@@ -412,6 +417,7 @@ def _reply_value(chan: WorkerChannel, req_id: int, what: str, obj: object) -> No
             return
         except MemoryError as exc:
             problem = f"does not fit in the shared memory for replies: {exc}"
+    what = f"the value of Ref #{ref_id}" if fn is None else f"the result of {_name(fn)}"
     err = TypeError(
         f"{what} ({type(obj).__qualname__}) {problem}. Keep it on the worker, or return "
         "something picklable."

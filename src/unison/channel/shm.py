@@ -370,17 +370,10 @@ class ShmChannel(Channel):
     def mark(self) -> int:
         return self._head.wpos
 
-    def _done(self, ranks: Sequence[int], mark: int) -> bool:
-        q, idx = self._q, self._done_idx
-        for r in ranks:  # noqa: SIM110 (a plain loop: the hot path)
-            if q[idx[r]] < mark:
-                return False
-        return True
-
     def _look(self, ranks: Sequence[int], mark: int) -> int:
         """Python's ``_ring.Sender.settled``: 0 while a worker in ``ranks`` has not run
         everything before ``mark``; else 1, or 2 where one holds errors nobody fetched.
-        One frame, not ``_done``'s and ``unreported``'s: each round of sync looks at least
+        One frame, where it called a loop for each: each round of sync looks at least
         twice. A rank's error count is read after its done position, which publishes it."""
         q, done, unrep = self._q, self._done_idx, self._unrep_idx
         held = 1
@@ -446,7 +439,7 @@ class ShmChannel(Channel):
         try:
             q[_CTL_DONE] = 1
             _fence()
-            if not self._done(ranks, mark):
+            if not self._look(ranks, mark):
                 wait = max(0.0, timeout - (time.perf_counter() - start))
                 ready = select.select([self._done_efd, *self._watch], [], [], wait)[0]
                 if self._done_efd in ready:

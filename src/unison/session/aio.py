@@ -142,11 +142,11 @@ class Waits:
         return fut
 
     def quick(self, req: Request, ranks: tuple[int, ...]) -> list[Any] | None:
-        """run_async's usual case, where the loop has nothing else ready to run: the
-        blocking run's quick path (Router.quick: every reply read and decoded in one step),
-        for the spin a blocking wait spins. The values, and the wait is over; None: ``wait``
-        (which costs a poll and a delivery a reply: 1.66x the blocking run at N=2, against
-        1.30x this way, ``python benchmarks/async_bench.py``)."""
+        """An awaited run's or fetch's usual case, where the loop has nothing else ready to
+        run: the blocking one's quick path (Router.quick: every reply read and decoded in
+        one step), for the spin a blocking wait spins. The values, and the wait is over;
+        None: ``wait`` (which costs a poll and a delivery a reply: 1.66x the blocking run at
+        N=2, against 1.30x this way, ``python benchmarks/async_bench.py``)."""
         if not _loop_idle():
             return None
         values = self._router.quick(req, ranks, SPIN)
