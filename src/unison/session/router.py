@@ -335,6 +335,8 @@ class Router:
         if not self._recv_lock.acquire(False):
             return
         try:
+            if self.closed:  # the channel is gone: the waits were failed with the reason
+                return
             if clear:
                 self._chan.clear_wake()
             for rank, data in self._chan.recv(0.0):
