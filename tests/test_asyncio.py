@@ -252,6 +252,59 @@ def test_close_from_another_thread_ends_pending_waits(sess):
     asyncio.run(main())
 
 
+def _close_inside(sess, name: str) -> list[str]:
+    """Make the first call of the session channel's ``name`` close the session from another
+    thread, all of it, before that call goes on: a close landing in the middle of a look
+    that runs without the router's lock. Returns what the call then said, for the test to
+    check: False or None, never the released mapping's or a closed fd's error."""
+    chan, said = sess._chan, []
+    real = getattr(chan, name)
+
+    def once(*args):
+        if not said:
+            said.append("closing")
+            closer = threading.Thread(target=sess.close, kwargs={"timeout": 0})
+            closer.start()
+            closer.join(10)
+            try:
+                said.append(repr(real(*args)))
+            except BaseException as exc:
+                said.append(repr(exc))
+                raise
+            return False
+        return real(*args)
+
+    setattr(chan, name, once)
+    return said
+
+
+def test_a_close_landing_inside_an_awaits_look_ends_it_with_session_closed(sess):
+    """Issue 9's thirty-fifth pass: an await's poll between the channel's close and
+    fail_all raised 'operation forbidden on released memoryview object'. The spin's look
+    (``pending``) runs outside the router's lock; a closed channel answers 'nothing
+    pending', and the wait ends with the close's SessionClosed."""
+    said = _close_inside(sess, "pending")
+
+    async def main() -> None:
+        with pytest.raises(unison.SessionClosed):
+            await asyncio.wait_for(sess.run_async(time.sleep, 30), 10)
+
+    asyncio.run(main())
+    assert said == ["closing", "False"], said
+
+
+def test_a_close_landing_inside_sync_async_s_look_ends_it_with_session_closed(sess):
+    """The same for sync_async's look at the workers' progress (Channel.settled)."""
+    said = _close_inside(sess, "settled")
+
+    async def main() -> None:
+        with pytest.raises(unison.SessionClosed):
+            await asyncio.wait_for(sess.sync_async(), 10)
+
+    asyncio.run(main())
+    assert said == ["closing", "False"], said
+
+
 def _beside_blocking_runs(sess, main, *args) -> None:
     """Run the coroutine ``main()`` while another thread calls ``sess.run(*args)`` over and
     over; every blocking run must give each worker's rank."""

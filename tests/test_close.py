@@ -163,6 +163,24 @@ def test_close_from_another_thread_wakes_a_waiter_with_session_closed(sess):
     assert isinstance(outcome.get("exc"), SessionClosed), outcome
 
 
+def test_a_closed_channels_looks_answer_nothing_and_raise_nothing(sess):
+    """The looks an await or a sync makes without the router's lock, on a channel another
+    thread closed: 'nothing pending', 'not settled' (the caller's long way then says the
+    session closed), and no flag to raise; never the released mapping's ValueError or a
+    closed fd's OSError."""
+    chan = sess._chan
+    sess.run(os.getpid)
+    sess.close()
+    assert chan.pending() is False
+    assert chan.settled(sess.workers, 0.01) is False
+    assert chan.async_waiting(True) is None
+    assert chan.async_waiting(False) is None
+    if chan.tracks_progress:
+        assert chan.wait_done(sess.workers, 0, 0.01) is False
+    with pytest.raises(SessionClosed):
+        sess.sync()
+
+
 @pytest.mark.parametrize("channel", ["auto", "pipe"])
 def test_garbage_collection_closes_the_session(channel):
     sess = unison.Session(2, channel=channel)

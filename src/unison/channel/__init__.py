@@ -100,7 +100,8 @@ class Channel(ABC):
         """``wait_done`` for everything sent so far, then ``not unreported``, in one call
         (sync's usual case): True when the workers in ``ranks`` ran it all within
         ``timeout`` and hold no error nobody fetched. False tells nothing more: the caller
-        goes the long way (where ``tracks_progress`` or ``settles``)."""
+        goes the long way (where ``tracks_progress`` or ``settles``), as it does where
+        another thread closed the channel, before or during the call."""
         raise NotImplementedError
 
     @abstractmethod
@@ -183,7 +184,8 @@ class Channel(ABC):
         raise NotImplementedError
 
     def pending(self) -> bool:
-        """Whether a reply is waiting to be read: a cheap look, for polling."""
+        """Whether a reply is waiting to be read: a cheap look, for polling. False once
+        closed, even where another thread closes it in the middle of the look."""
         raise NotImplementedError
 
     def async_waiting(self, on: bool) -> None:

@@ -87,6 +87,7 @@ they fill (a worker blocked writing a report would read no command)."""
 
 class PipeChannel(Channel):
     def __init__(self, num_workers: int, name: str = "unison") -> None:
+        self._closed = False
         self._cmd: list[int] = []
         self._replies: list[Connection] = []
         self._child_fds: list[tuple[int, int]] = []
@@ -474,13 +475,21 @@ class PipeChannel(Channel):
         return [*(c.fileno() for c in self._open), self._wake_r]
 
     def pending(self) -> bool:
-        return bool(self._backlog) or (
-            bool(self._open) and bool(select.select(self._open, [], [], 0)[0]))
+        """Channel.pending; False once closed, by another thread too, in the middle of
+        the look (an await's spin looks without the router's lock)."""
+        try:
+            return bool(self._backlog) or (
+                bool(self._open) and bool(select.select(self._open, [], [], 0)[0]))
+        except (OSError, ValueError):  # a connection closed meanwhile
+            if self._closed:
+                return False
+            raise
 
     def clear_wake(self) -> None:
         drain_fd(self._wake_r)
 
     def close(self) -> None:
+        self._closed = True
         for fd in self._cmd:
             _close_fd(fd)
         self._cmd = []

@@ -385,12 +385,24 @@ class ShmChannel(Channel):
         return held
 
     def wait_done(self, ranks: Sequence[int], mark: int, timeout: float) -> bool:
-        return self._wait_progress(ranks, mark, timeout) != 0
+        try:
+            return self._wait_progress(ranks, mark, timeout) != 0
+        except (ValueError, OSError):
+            if self._closed:  # by another thread meanwhile: the caller's check says why
+                return False
+            raise
 
     def settled(self, ranks: Sequence[int], timeout: float) -> bool:
         """Channel.settled, the unreported errors read with the done positions: sync's hot
-        path, where each function the round runs after the last worker finishes costs."""
-        return self._wait_progress(ranks, self._head.wpos, timeout) == 1
+        path, where each function the round runs after the last worker finishes costs.
+        A close from another thread, even in the middle: False, the long way, which says
+        the session closed (not the released mapping's ValueError)."""
+        try:
+            return self._wait_progress(ranks, self._head.wpos, timeout) == 1
+        except (ValueError, OSError):
+            if self._closed:
+                return False
+            raise
 
     def _wait_progress(self, ranks: Sequence[int], mark: int, timeout: float) -> int:
         """See Channel.wait_done: spin 200 us, then sleep on the done eventfd and the watch
@@ -461,11 +473,23 @@ class ShmChannel(Channel):
         return [self._ctl_efd]
 
     def pending(self) -> bool:
-        return self._has_reply()
+        """Channel.pending; False once closed, by another thread too, in the middle of
+        the look (an await's spin looks without the router's lock)."""
+        try:
+            return not self._closed and self._has_reply()
+        except ValueError:  # the mapping released meanwhile
+            if self._closed:
+                return False
+            raise
 
     def async_waiting(self, on: bool) -> None:
-        self._q[_CTL_ASYNC] = 1 if on else 0
-        _fence()  # the caller polls next: a reply published before the flag is seen then
+        try:
+            if not self._closed:
+                self._q[_CTL_ASYNC] = 1 if on else 0
+                _fence()  # the caller polls next: a reply published before the flag is seen
+        except ValueError:  # closed meanwhile: nobody to signal any more
+            if not self._closed:
+                raise
 
     def clear_wake(self) -> None:
         _drain_eventfd(self._ctl_efd)
@@ -591,8 +615,9 @@ class ShmChannel(Channel):
             self._backlog.extend(self._collect())
 
     def _has_reply(self) -> bool:
-        if self._fast is not None and not self._broken:  # in C
-            return self._fast.pending(self._reply_pos) or bool(self._backlog)
+        fast = self._fast  # once: close() sets it to None
+        if fast is not None and not self._broken:  # in C
+            return fast.pending(self._reply_pos) or bool(self._backlog)
         q, pos = self._q, self._reply_pos
         for r, i in enumerate(self._rw_idx):
             if q[i] != pos[r] and r not in self._broken:

@@ -668,8 +668,16 @@ class TcpChannel(Channel):
         return [p.fd for p in self._peers if p is not None and p.open] + [self._wake_r]
 
     def pending(self) -> bool:
-        fds = [p.sock for p in self._peers if p is not None and p.open]
-        return bool(self._backlog) or (bool(fds) and bool(select.select(fds, [], [], 0)[0]))
+        """Channel.pending; False once closed, by another thread too, in the middle of
+        the look (an await's spin looks without the router's lock)."""
+        try:
+            fds = [p.sock for p in self._peers if p is not None and p.open]
+            return bool(self._backlog) or (
+                bool(fds) and bool(select.select(fds, [], [], 0)[0]))
+        except (OSError, ValueError):  # a socket closed meanwhile
+            if self._closed:
+                return False
+            raise
 
     def _wake(self) -> None:
         try:
