@@ -58,10 +58,20 @@ def append_to(items, item, times=1):
 def results(kind, r=None):
     """Run's results of each shape: short and flat (marshal, the quick path), or not."""
     r = unison.rank() if r is None else r
+    twice = [r]
     return {"tuple": (r, 1.5, "x", None, True, b"b", 2**70), "list": [r, -0.0, ""],
             "empty": (), "nested": ((r,), [1, {"k": (2,)}]), "dict": {"r": r, 3: [1.5]},
             "long": list(range(r, r + 100)), "subclass": (r, _Str("s")),
-            "deep_long": [[r] * 40, [r] * 40]}[kind]
+            "deep_long": [[r] * 40, [r] * 40], "shared": (twice, twice)}[kind]
+
+
+NOT_PLAIN_KINDS = ("long", "subclass", "deep_long", "shared")
+"""Pickled: over 64 items (nested ones counted), a subclass inside, a list met twice (one
+object to pickle, two to marshal)."""
+
+
+def one_object_twice(value):
+    return value[0] is value[1]
 
 
 class _Str(str):
@@ -109,24 +119,27 @@ def test_run_is_call_then_gather(sess):
 PLAIN_KINDS = ("tuple", "list", "empty", "nested", "dict")
 
 
-@pytest.mark.parametrize("kind", [*PLAIN_KINDS, "long", "subclass", "deep_long"])
+@pytest.mark.parametrize("kind", [*PLAIN_KINDS, *NOT_PLAIN_KINDS])
 def test_run_returns_containers_exactly(sess, channel, kind):
     """A small tuple, list or dict of plain values (nested ones too) comes back as marshal
     gives it (on shared memory, by the quick path, as a scalar does: a pair took 1.65x an
     int's run before); one that is not (over 64 items, nested ones counted; holding a
-    subclass) as pickle gives it: equal, and of the same types, either way."""
+    subclass; holding one list twice, which marshal would make two) as pickle gives it:
+    equal, of the same types, and one object where the worker had one, either way."""
     with recorded(sess._router, "quick") as quick:
         got = [sess.run(results, kind) for _ in range(10)]
     want = [results(kind, r) for r in (0, 1)]
     for values in got:
         assert values == want
         assert _types(values) == _types(want)
+        if kind == "shared":
+            assert [one_object_twice(v) for v in values] == [True, True]
     if channel == "shm" and kind in PLAIN_KINDS:
         taken = [values is not None for _, values in quick]
         assert sum(taken) > 5, taken  # (one may miss: the workers took longer than a slice)
 
 
-@pytest.mark.parametrize("kind", [*PLAIN_KINDS, "long", "subclass", "deep_long"])
+@pytest.mark.parametrize("kind", [*PLAIN_KINDS, *NOT_PLAIN_KINDS])
 def test_gather_and_get_return_values_exactly(sess, channel, kind):
     """A Ref's value comes back as run's result does: a plain one by marshal (on shared
     memory, by run's quick path, awaited or not: an int's gather took 1.6-1.8x an int's
@@ -138,6 +151,8 @@ def test_gather_and_get_return_values_exactly(sess, channel, kind):
     for values in got:
         assert values == want
         assert _types(values) == _types(want)
+        if kind == "shared":
+            assert [one_object_twice(v) for v in values] == [True, True]
     one = ref.get(worker=1)
     assert (one, _types(one)) == (want[1], _types(want[1]))
 
@@ -164,6 +179,23 @@ def test_kwargs_reach_the_function(sess):
 
 def test_a_function_with_no_arguments(sess):
     assert sess.run(unison.world_size) == [2, 2]
+
+
+@pytest.mark.parametrize("kind", [*PLAIN_KINDS, *NOT_PLAIN_KINDS])
+def test_put_and_scatter_keep_values_exactly(sess, kind):
+    """A plain value (protocol.is_plain) rides inside a marshalled PUT, with no pickle (a
+    put of an int then sync took 1.35x a call's round at N=2 with its pickle); any other is
+    pickled. Equal, of the same types, and one object where the controller had one, on
+    every worker, either way."""
+    values = [results(kind, 0), results(kind, 1)]
+    with recorded(protocol, "dumps") as pickled:
+        put, scattered = sess.put(values[0]), sess.scatter(values)
+    assert len(pickled) == (0 if kind in PLAIN_KINDS else 3)
+    for ref, want in ((put, [values[0]] * 2), (scattered, values)):
+        got = ref.gather()
+        assert (got, _types(got)) == (want, _types(want))
+        if kind == "shared":
+            assert sess.run(one_object_twice, ref) == [True, True]
 
 
 def test_put_places_the_same_value_on_every_worker(sess):

@@ -680,6 +680,16 @@ def test_ref_args_times_each_kind_of_argument_against_none() -> None:
     assert rows[0].endswith("1.00x no argument's"), out
 
 
+def test_put_values_times_each_kind_of_value_against_a_call() -> None:
+    """benchmarks/put_values.py: a row per kind of value put (and a scatter), its block
+    medians and its ratio to a call's round."""
+    out = _tool("put_values.py", "--blocks", "2", "--seconds", "0.02")
+    rows = [line for line in out.splitlines() if "x the call's" in line]
+    assert [row.split(":")[0].strip() for row in rows] == [
+        "call", "put int", "put pair", "put dict", "put object", "scatter ints"], out
+    assert rows[0].endswith("1.00x the call's"), out
+
+
 def test_result_shapes_times_each_shape_against_the_int() -> None:
     """benchmarks/result_shapes.py: a row per result shape, then per gather of one, its
     block medians and its ratio to the int's run."""

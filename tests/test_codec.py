@@ -238,6 +238,47 @@ def test_a_get_reads_back_exactly(frees: Any) -> None:
     assert protocol.read_get(got) == (5, 2**40)
 
 
+@pytest.mark.parametrize("value", [7, None, -0.0, "✓", b"\x80", (1, [2.5, {"k": ()}]), [],
+                                   {"a": (1, 2), 3: None}])
+def test_a_put_of_a_plain_value_is_marshalled_and_reads_back_exactly(value: Any) -> None:
+    data = protocol.put_msg((4,), 9, (value,))
+    assert data[0] != protocol.PICKLED
+    ref_id, got = protocol.read_put(_command(data))
+    assert ref_id == 9 and type(got) is tuple and len(got) == 1
+    assert repr(got[0]) == repr(value) and type(got[0]) is type(value)  # -0.0 stays -0.0
+
+
+class _Int(int):
+    pass
+
+
+def _holds_itself() -> list[Any]:
+    x: list[Any] = [1]
+    x.append(x)
+    return x
+
+
+_twice = [1]
+
+
+@pytest.mark.parametrize(("value", "plain"), [
+    (None, True), (True, True), (2**80, True), (math.nan, True), ("s" * 10_000, True),
+    (b"", True), ((), True), ((1, (2, (3,))), True), ({"k": [1, 2.5]}, True),
+    (list(range(64)), True), (list(range(65)), False), ([[0] * 40, [0] * 40], False),
+    ((_twice, _twice), False), ({"a": _twice, "b": _twice}, False), (_holds_itself(), False),
+    ((("t",),) * 2, True),  # a tuple met twice: it cannot change, so two copies read the same
+    (_Int(3), False), ((1, _Int(3)), False), (complex(1, 2), False), ({1, 2}, False),
+    (np.int64(3), False), (range(3), False),
+])
+def test_is_plain_takes_what_marshal_carries_as_pickle_would(value: Any, plain: bool) -> None:
+    """What goes by marshal (a CALL's arguments aside): exact types only, 64 items at most,
+    and no list or dict met twice, whose one object pickle keeps and marshal would split."""
+    assert protocol.is_plain(value) is plain
+    if plain:
+        got = protocol.loads_plain(protocol.dumps_plain(value, protocol.PLAIN))
+        assert repr(got) == repr(value)
+
+
 def test_every_other_command_is_a_pickle() -> None:
     """The worker reads a command by its first byte: a pickle's is always PICKLED."""
     for data in (protocol.define_msg(None, 3, b"fn"), protocol.put_msg((1,), 4, b"v"),

@@ -8,6 +8,7 @@
                  with a req_id (run): reply (req_id, OK | ERR, result) instead, keep nothing
     (DEFINE, frees, fn_id, fn_pickle)           -> fns[fn_id] = loads(fn_pickle)
     (PUT,   frees, ref_id, value)               -> regs[ref_id] = value
+                 (value: its pickle, or (value,) for a plain value, marshalled in place)
     (GET,   frees, req_id, ref_id)              -> reply (req_id, OK, regs[ref_id])
     (SYNC,  frees, req_id)                      -> reply (req_id, OK, [unreported errors])
     (NOP,   frees)                              -> nothing (carries frees to every worker)
@@ -24,8 +25,8 @@ anything it cannot take, or that it would send by reference to the controller's 
 arguments pickles as a lookup in the receiving worker's register file (one among plain
 positional arguments goes by its id inside the CALL, with no pickle: see call_msg).
 
-A CALL, a GET and a reply of a plain value (None, bool, int, float, str, bytes, or a small
-tuple, list or dict of them: worker._plain) are encoded with marshal instead (version
+A CALL, a GET, and a PUT or a reply of a plain value (None, bool, int, float, str, bytes, or
+a small tuple, list or dict of them: is_plain) are encoded with marshal instead (version
 PLAIN): every field they hold is of a type marshal takes, and it does the same work as
 pickle with less set-up (for a CALL, about half the instructions to write and 40% fewer to
 read: docs/benchmarks.md, "Issue 9, seventh pass"). Everything else is pickled. A reader
@@ -65,6 +66,47 @@ _dump = pickle.dumps
 # -- messages: each kind is built and read here, and nowhere else ------------------------------
 # The controller builds one with the frees it batches (None for none); the worker unpickles it
 # once, reads (op, frees) = msg[0], msg[1], then the rest with the reader of that op.
+
+
+SCALARS = frozenset({type(None), bool, int, float, str, bytes})
+"""Values that marshal takes as they are (no buffers, no class to import)."""
+CONTAINERS = frozenset({tuple, list, dict})
+PLAIN_ITEMS = 64
+
+
+def is_plain(value: Any) -> bool:
+    """Whether marshal carries ``value`` exactly as pickle would: one of SCALARS (exact
+    types: a subclass is pickled), or a small tuple, list or dict (PLAIN_ITEMS items at
+    most, nested ones counted) of such values. A list or dict met twice is not plain:
+    marshal (version PLAIN) would make two of it where pickle keeps one object, whose
+    change through one name shows through the other; nor is a container that holds
+    itself. A long container costs nothing here: its length is read before its items."""
+    kind = type(value)
+    if kind in SCALARS:
+        return True
+    if kind not in CONTAINERS:
+        return False
+    left, todo, seen = PLAIN_ITEMS, [value], set()
+    while todo:
+        item: Any = todo.pop()
+        kind = type(item)
+        if kind in SCALARS:
+            continue
+        if kind not in CONTAINERS:
+            return False
+        left -= len(item)
+        if left < 0:
+            return False
+        if kind is not tuple:  # (a tuple cannot change: two copies of it read the same)
+            if id(item) in seen:
+                return False
+            seen.add(id(item))
+        if kind is dict:
+            todo += item.keys()
+            todo += item.values()
+        else:
+            todo += item
+    return True
 
 
 PICKLED = pickle.PROTO[0]  # 0x80: the first byte of every pickle; marshal's is another
@@ -109,14 +151,20 @@ def read_define(msg: tuple[Any, ...]) -> tuple[int, bytes]:
     return fn_id, fn_pickle
 
 
-def put_msg(frees: tuple[int, ...] | None, ref_id: int, value_pickle: bytes) -> bytes:
-    """Load a value (with the message's out-of-band buffers) into register ``ref_id``."""
-    return _dump((PUT, frees, ref_id, value_pickle), 5)
+def put_msg(frees: tuple[int, ...] | None, ref_id: int, value: bytes | tuple[Any]) -> bytes:
+    """Keep a value in register ``ref_id``. ``value``: its pickle (loaded with the
+    message's out-of-band buffers), or ``(value,)`` for a plain value (``is_plain``): then
+    the message is marshalled, the value inside it, one encoding each way where a pickle
+    inside a pickle took two (put of an int then sync: 1.3x a call's round at N=2)."""
+    if type(value) is tuple:
+        return dumps_plain((PUT, frees, ref_id, value), PLAIN)
+    return _dump((PUT, frees, ref_id, value), 5)
 
 
-def read_put(msg: tuple[Any, ...]) -> tuple[int, bytes]:
-    _, _, ref_id, value_pickle = msg
-    return ref_id, value_pickle
+def read_put(msg: tuple[Any, ...]) -> tuple[int, bytes | tuple[Any]]:
+    """A PUT's ``(ref_id, value)``: the value's pickle (bytes), or ``(value,)``."""
+    _, _, ref_id, value = msg
+    return ref_id, value
 
 
 def get_msg(frees: tuple[int, ...] | None, req_id: int, ref_id: int) -> bytes:

@@ -348,9 +348,12 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
             except BaseException as exc:
                 fns[fn_id] = _Unloaded(protocol.pack_error(exc, "loading a function"))
         elif op == PUT:
-            ref_id, value_pickle = read_put(msg)
+            ref_id, value = read_put(msg)
+            if isinstance(value, tuple):  # a plain value, marshalled inside the message
+                regs[ref_id] = value[0]
+                continue
             try:
-                regs[ref_id] = loads(value_pickle, bufs)
+                regs[ref_id] = loads(value, bufs)
             except BaseException as exc:
                 err = protocol.pack_error(exc, "loading a put value")
                 regs[ref_id] = Failed(err)
@@ -359,35 +362,8 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
 
 
 _MISSING = object()
-_SCALARS = frozenset({type(None), bool, int, float, str, bytes})
-"""Results that marshal takes as they are (no buffers, no class to import)."""
-_CONTAINERS = frozenset({tuple, list, dict})
-_PLAIN_ITEMS = 64
-
-
-def _plain(value: Any) -> bool:
-    """A small tuple, list or dict (64 items at most, nested ones counted) of _SCALARS and
-    such containers, which marshal takes as it is too: run's replies then take the quick
-    path, as a scalar's (by pickle a pair took 1.6x an int's run at N=2, a dict 1.7x:
-    ``python benchmarks/result_shapes.py``). A container that holds itself runs out of
-    items: pickle then, as for anything else."""
-    left, todo = _PLAIN_ITEMS, [value]
-    while todo:
-        item: Any = todo.pop()
-        kind = type(item)
-        if kind in _SCALARS:
-            continue
-        if kind not in _CONTAINERS:
-            return False
-        left -= len(item)
-        if left < 0:  # (before a copy of its items: a long list costs nothing here)
-            return False
-        if kind is dict:
-            todo += item.keys()
-            todo += item.values()
-        else:
-            todo += item
-    return True
+_SCALARS, _CONTAINERS, _plain = protocol.SCALARS, protocol.CONTAINERS, protocol.is_plain
+"""Bound here: run's hot path tests a scalar's type before it calls ``_plain``."""
 
 
 _loads = pickle.loads
@@ -395,8 +371,8 @@ _loads = pickle.loads
 
 def _reply_value(chan: WorkerChannel, req_id: int, obj: object, fn: object = None,
                  ref_id: int = 0) -> None:
-    """Reply with a value: a plain one (``_plain``) by marshal, which the controller reads in
-    one step (Router.quick); any other pickled, its large buffers out of band where the
+    """Reply with a value: a plain one (protocol.is_plain) by marshal, which the controller
+    reads in one step (Router.quick); any other pickled, its large buffers out of band where the
     channel takes them (one copy into shared memory). A value that cannot be pickled, even
     by a BaseException from its ``__reduce__`` (KeyboardInterrupt, SystemExit), or that
     does not fit in shared memory, becomes an error for the controller instead of a dead

@@ -52,6 +52,7 @@ from unison.protocol import (
     call_msg,
     define_msg,
     get_msg,
+    is_plain,
     nop_msg,
     put_msg,
     shutdown_msg,
@@ -570,7 +571,8 @@ class Session(View):
         if self._closed:
             self.check_open()
         deadline = self._send_deadline()
-        blobs = [self._encode_value(v, what) for v, what in _labelled(values)]
+        blobs = [((v,), _NO_BUFFERS) if is_plain(v) else self._encode_value(v, what)
+                 for v, what in _labelled(values)]  # plain: inside the message (put_msg)
         self._lock_send(deadline)
         try:
             ref_id = next(self._ids)  # under the send lock, as a call's
