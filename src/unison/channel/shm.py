@@ -263,16 +263,42 @@ class ShmChannel(Channel):
             return
         self._publish(data, b"", 0, ranks, deadline)
 
-    def send_plain(self, data: bytes, ranks: tuple[int, ...]) -> bool:
+    def send_plain(self, data: bytes, ranks: tuple[int, ...], descs: bytes = b"",
+                   meta: int = 0) -> bool:
         """Channel.send_plain: C's ``_ring.Sender.send`` where built (bound over this in
-        ``__init__``), else these same steps in Python. False, with nothing written,
-        where the entry would cross the ring's end or wait for room; ``send`` then does."""
+        ``__init__``), else this. False, with nothing written, where the entry would cross
+        the ring's end or wait for room; ``send`` then makes room (``_make_room``) and
+        writes it here (``_write``, this function whichever ring: then with the descriptors
+        of its buffers, ``descs``, and their count and flags, ``meta``). Written in one
+        frame: the pure-Python ring's hot path. Publishes the entry and wakes the targets
+        that sleep."""
         head, n = self._head, len(data)
-        pos, size = head.wpos, (_ENTRY + 7 + n) & ~7  # _entry_size, inlined
-        if (pos & _CMD_MASK) + size > CMD_RING or pos + size > head.limit or n > _INLINE_MAX:
+        pos = head.wpos
+        size = (_ENTRY + 7 + n + len(descs)) & ~7  # _entry_size, inlined
+        off = pos & _CMD_MASK
+        if off + size > CMD_RING or pos + size > head.limit or n > _INLINE_MAX:
             return False
-        self._write(pos, size, data, b"", 0, ranks)
+        q = self._q
+        start = self._cmd_base + off
+        i = start >> 3
+        q[i] = n | (meta << 32)
+        mask = self._masks.get(ranks)
+        q[i + 1] = _mask(ranks) if mask is None else mask
+        start += _ENTRY
+        self._mm[start : start + n] = data
+        if descs:
+            self._mm[start + n : start + n + len(descs)] = descs
+        head.wpos = pos = pos + size
+        q[0] = pos  # publish: the entry is complete before its position is seen
+        _fence()  # between publishing and reading the sleeping flags
+        sleep_idx = self._sleep_idx
+        for r in ranks:
+            if q[sleep_idx[r]]:
+                os.eventfd_write(self._efd[r], 1)
         return True
+
+    _write = send_plain
+    """The Python writer, where ``send_plain`` is C's: an entry with buffers, after room."""
 
     def _send_large(self, data: bytes, ranks: tuple[int, ...], buffers: Sequence[Any],
                     deadline: float | None) -> None:
@@ -288,46 +314,24 @@ class ShmChannel(Channel):
         self._publish(data, _pack_descs(descs), len(descs) | (flags << 16), ranks, None)
 
     def _room(self, size: int, deadline: float | None) -> None:
-        """Wait until an entry of ``size`` bytes fits at the ring's head."""
+        """Wait until an entry of ``size`` bytes fits at the ring's head (past a wrap)."""
         pos = self._head.wpos
-        off = pos & _CMD_MASK
-        if off + size > CMD_RING or pos + size > self._head.limit:
-            self._make_room(pos, off, size, deadline)
+        if (pos & _CMD_MASK) + size > CMD_RING or pos + size > self._head.limit:
+            self._make_room(pos, size, deadline)
 
     def _publish(self, payload: bytes, descs: bytes, meta: int, ranks: tuple[int, ...],
                  deadline: float | None) -> None:
         """Write one entry at the ring's head, after making room, and make it visible."""
-        size = _entry_size(len(payload), len(descs) // _DESC)
-        pos = self._head.wpos
-        off = pos & _CMD_MASK
-        if off + size > CMD_RING or pos + size > self._head.limit:
-            pos, off = self._make_room(pos, off, size, deadline)
-        self._write(pos, size, payload, descs, meta, ranks)
+        if not self._write(payload, ranks, descs, meta):
+            self._make_room(self._head.wpos, _entry_size(len(payload), len(descs) // _DESC),
+                            deadline)
+            if not self._write(payload, ranks, descs, meta):  # (room made: it fits)
+                raise AssertionError("the command ring had no room after _make_room")
 
-    def _write(self, pos: int, size: int, payload: bytes, descs: bytes, meta: int,
-               ranks: tuple[int, ...]) -> None:
-        """Write an entry of ``size`` bytes at ``pos`` (room there), publish it, and wake the
-        targets that sleep."""
-        q, n = self._q, len(payload)
-        start = self._cmd_base + (pos & _CMD_MASK)
-        q[start >> 3] = n | (meta << 32)
-        mask = self._masks.get(ranks)
-        q[(start >> 3) + 1] = _mask(ranks) if mask is None else mask
-        body = start + _ENTRY
-        self._mm[body : body + n] = payload
-        if descs:
-            self._buf[body + n : body + n + len(descs)] = descs
-        self._head.wpos = pos = pos + size
-        q[0] = pos  # publish: the entry is complete before its position is seen
-        _fence()  # between publishing and reading the sleeping flags
-        sleep_idx = self._sleep_idx
-        for r in ranks:
-            if q[sleep_idx[r]]:
-                os.eventfd_write(self._efd[r], 1)
-
-    def _make_room(self, pos: int, off: int, size: int,
-                   deadline: float | None) -> tuple[int, int]:
-        """Skip to the ring's start if the entry would cross its end, and wait for space."""
+    def _make_room(self, pos: int, size: int, deadline: float | None) -> None:
+        """Skip to the ring's start if an entry of ``size`` bytes at ``pos`` would cross its
+        end, and wait for space: then it fits at the head. The skip moves the head past a
+        wrap mark nobody sees until the next entry is published after it."""
         wrap = _CMD.skip(pos, size)
         end = pos + wrap + size
         if end > self._head.limit:
@@ -336,9 +340,8 @@ class ShmChannel(Channel):
                 self._wait_space(end, deadline)
                 self._head.limit = self._slowest() + CMD_RING
         if wrap:
-            self._q[(self._cmd_base + off) >> 3] = _WRAP  # past the published head: unseen
-            return pos + wrap, 0
-        return pos, off
+            self._q[(self._cmd_base + (pos & _CMD_MASK)) >> 3] = _WRAP  # past the published head
+            self._head.wpos = pos + wrap
 
     def _slowest(self) -> int:
         q = self._q
