@@ -184,13 +184,15 @@ def test_a_function_with_no_arguments(sess):
 @pytest.mark.parametrize("kind", [*PLAIN_KINDS, *NOT_PLAIN_KINDS])
 def test_put_and_scatter_keep_values_exactly(sess, kind):
     """A plain value (protocol.is_plain) rides inside a marshalled PUT, with no pickle (a
-    put of an int then sync took 1.35x a call's round at N=2 with its pickle); any other is
-    pickled. Equal, of the same types, and one object where the controller had one, on
-    every worker, either way."""
+    put of an int then sync took 1.35x a call's round at N=2 with its pickle), and a
+    scatter of plain values is one message, each worker keeping its own; any other value
+    is pickled, and a scatter of them sends one message a worker. Equal, of the same types,
+    and one object where the controller had one, on every worker, either way."""
     values = [results(kind, 0), results(kind, 1)]
-    with recorded(protocol, "dumps") as pickled:
+    with recorded(protocol, "dumps") as pickled, recorded(sess._chan, "send") as sent:
         put, scattered = sess.put(values[0]), sess.scatter(values)
     assert len(pickled) == (0 if kind in PLAIN_KINDS else 3)
+    assert len(sent) == (2 if kind in PLAIN_KINDS else 3)  # the scatter in one, or one each
     for ref, want in ((put, [values[0]] * 2), (scattered, values)):
         got = ref.gather()
         assert (got, _types(got)) == (want, _types(want))

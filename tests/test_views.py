@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 import unison
+from support import recorded
 
 
 def identity():
@@ -101,6 +102,30 @@ def test_put_scatter_and_sync_on_views(sess4):
     sess4[0].call(plus, 1, 2)
     assert sess4[0].sync() is None
     assert sess4.group(1).sync() is None
+
+
+class Box:
+    def __init__(self, x):
+        self.x = x
+
+
+def unbox(value):
+    return value.x if isinstance(value, Box) else value
+
+
+def test_a_scatter_lands_each_value_on_its_worker_in_one_message_or_one_each(sess4):
+    """Plain values go in one message to the view's workers, each keeping its own by its
+    rank; where one is not plain, each worker gets a message of its own (that one pickled,
+    the plain ones marshalled)."""
+    for view, ranks in ((sess4, [0, 1, 2, 3]), (sess4[1:3], [1, 2]), (sess4.group(1), [2, 3])):
+        sess4.run(unison.rank)  # carries any frees, which a view's message would send first
+        with recorded(sess4._chan, "send") as sent:
+            plain = view.scatter([f"r{r}" for r in ranks])
+        assert len(sent) == 1, sent
+        assert plain.gather() == [f"r{r}" for r in ranks]
+        assert view.run(unison.rank) == ranks
+        mixed = view.scatter([Box(r) if r % 2 else r for r in ranks])
+        assert view.run(unbox, mixed) == ranks
 
 
 def test_scatter_on_a_view_needs_one_value_per_worker_of_the_view(sess4):

@@ -8,7 +8,7 @@
                  with a req_id (run): reply (req_id, OK | ERR, result) instead, keep nothing
     (DEFINE, frees, fn_id, fn_pickle)           -> fns[fn_id] = loads(fn_pickle)
     (PUT,   frees, ref_id, value)               -> regs[ref_id] = value
-                 (value: its pickle, or (value,) for a plain value, marshalled in place)
+                 (value: its pickle; or, marshalled in place, (value,) or {rank: value})
     (GET,   frees, req_id, ref_id)              -> reply (req_id, OK, regs[ref_id])
     (SYNC,  frees, req_id)                      -> reply (req_id, OK, [unreported errors])
     (NOP,   frees)                              -> nothing (carries frees to every worker)
@@ -151,18 +151,21 @@ def read_define(msg: tuple[Any, ...]) -> tuple[int, bytes]:
     return fn_id, fn_pickle
 
 
-def put_msg(frees: tuple[int, ...] | None, ref_id: int, value: bytes | tuple[Any]) -> bytes:
+def put_msg(frees: tuple[int, ...] | None, ref_id: int,
+            value: bytes | tuple[Any] | dict[int, Any]) -> bytes:
     """Keep a value in register ``ref_id``. ``value``: its pickle (loaded with the
-    message's out-of-band buffers), or ``(value,)`` for a plain value (``is_plain``): then
-    the message is marshalled, the value inside it, one encoding each way where a pickle
-    inside a pickle took two (put of an int then sync: 1.3x a call's round at N=2)."""
-    if type(value) is tuple:
-        return dumps_plain((PUT, frees, ref_id, value), PLAIN)
-    return _dump((PUT, frees, ref_id, value), 5)
+    message's out-of-band buffers); or, for plain values (``is_plain``), ``(value,)``, the
+    same for every worker, or ``{rank: value}``, each worker's own (a scatter, in one
+    message where it took one a worker and a NOP for the frees). Plain ones ride inside the
+    marshalled message: one encoding each way, where a pickle inside a pickle took two (a
+    put of an int then sync took 1.35x a call's round at N=2 that way)."""
+    if type(value) is bytes:
+        return _dump((PUT, frees, ref_id, value), 5)
+    return dumps_plain((PUT, frees, ref_id, value), PLAIN)
 
 
-def read_put(msg: tuple[Any, ...]) -> tuple[int, bytes | tuple[Any]]:
-    """A PUT's ``(ref_id, value)``: the value's pickle (bytes), or ``(value,)``."""
+def read_put(msg: tuple[Any, ...]) -> tuple[int, bytes | tuple[Any] | dict[int, Any]]:
+    """A PUT's ``(ref_id, value)``, ``value`` as ``put_msg`` took it."""
     _, _, ref_id, value = msg
     return ref_id, value
 

@@ -352,6 +352,9 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
             if isinstance(value, tuple):  # a plain value, marshalled inside the message
                 regs[ref_id] = value[0]
                 continue
+            if isinstance(value, dict):  # every worker's plain value: ours by our rank
+                regs[ref_id] = value[me]
+                continue
             try:
                 regs[ref_id] = loads(value, bufs)
             except BaseException as exc:

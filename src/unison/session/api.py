@@ -571,8 +571,12 @@ class Session(View):
         if self._closed:
             self.check_open()
         deadline = self._send_deadline()
-        blobs = [((v,), _NO_BUFFERS) if is_plain(v) else self._encode_value(v, what)
-                 for v, what in _labelled(values)]  # plain: inside the message (put_msg)
+        blobs: list[tuple[Any, list[pickle.PickleBuffer]]]
+        if len(values) > 1 and is_plain(values):  # a scatter in one message (put_msg)
+            blobs = [(dict(zip(ranks, values)), _NO_BUFFERS)]
+        else:  # plain: inside the message; else pickled, one message a worker for scatter
+            blobs = [((v,), _NO_BUFFERS) if is_plain(v) else self._encode_value(v, what)
+                     for v, what in _labelled(values)]
         self._lock_send(deadline)
         try:
             ref_id = next(self._ids)  # under the send lock, as a call's
