@@ -118,6 +118,31 @@ def test_commands_straddling_the_ring_end_arrive_whole_lap_after_lap(
     assert sent > 10 * shm_channel.CMD_RING  # many laps, so many wraps
 
 
+def test_commands_with_buffers_or_a_large_body_straddling_the_ring_end_arrive_whole(
+    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]],
+) -> None:
+    """send's slow way (buffers in the arena, or a body over a quarter of the ring: the
+    entry holds their descriptors, written once ``_make_room`` moved the head past a wrap
+    mark) among plain entries, lap after lap: each arrives whole, its buffers too."""
+    chan, workers = shm_pair
+    rng = random.Random(10)
+    for i in range(300):
+        body = _payload(i, rng.choice([1, 9, 4096, 200_000, rng.randrange(1, 300_000)]))
+        buffers: list[bytes] = []
+        if i % 3 == 1:
+            buffers = [_payload(i + 1, rng.choice([1, 70_000])), _payload(i + 2, 5)]
+        elif i % 3 == 2:
+            body = _payload(i, shm_channel._INLINE_MAX + 1 + rng.randrange(100_000))
+        chan.send(body, (0, 1), buffers)
+        for w in workers:
+            got = w.recv()
+            assert got is not None
+            data, views = got
+            assert bytes(data) == body
+            assert [bytes(v) for v in views] == buffers
+            del data, views, got  # the arena's blocks are done once their views are gone
+
+
 def test_replies_straddling_the_ring_end_arrive_whole_and_in_order(
     shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]],
 ) -> None:
