@@ -351,8 +351,14 @@ def test_a_value_that_cannot_be_unpickled_on_the_controller_fails_at_get_saying_
 def test_a_value_that_cannot_be_pickled_back_fails_at_get_saying_so(sess):
     ref = sess.call(threading.Lock)
     assert sess.sync() is None  # the call itself succeeded
-    with pytest.raises((WorkerError, TypeError), match=r"(?i)cannot be pickled"):
+    with pytest.raises((WorkerError, TypeError), match=r"(?i)cannot be pickled") as got:
         ref.get()
+    said = str(got.value) + str(got.value.__cause__)
+    assert f"Ref #{ref._id}" in said and "pass the Ref to the calls that use it" in said, said
+    with pytest.raises((WorkerError, TypeError), match=r"(?i)cannot be pickled") as got:
+        sess.run(threading.Lock)
+    said = str(got.value) + str(got.value.__cause__)
+    assert "the result of" in said and "sess.call gives a Ref" in said, said
     # The object is still on the workers and usable there.
     assert sess.run(lambda lock: lock.acquire(blocking=False), ref) == [True, True]
     assert sess.run(unison.rank) == [0, 1]

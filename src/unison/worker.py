@@ -396,11 +396,15 @@ def _reply_value(chan: WorkerChannel, req_id: int, obj: object, fn: object = Non
             return
         except MemoryError as exc:
             problem = f"does not fit in the shared memory for replies: {exc}"
-    what = f"the value of Ref #{ref_id}" if fn is None else f"the result of {_name(fn)}"
-    err = TypeError(
-        f"{what} ({type(obj).__qualname__}) {problem}. Keep it on the worker, or return "
-        "something picklable."
-    )
+    if fn is None:
+        what, advice = (f"the value of Ref #{ref_id}", "Keep it on the worker and pass the "
+                        "Ref to the calls that use it, or fetch what you need of it "
+                        "(sess.run(f, ref))")
+    else:
+        what, advice = (f"the result of {_name(fn)}", "Keep it on the worker (sess.call "
+                        "gives a Ref to pass to later calls), or return a picklable value "
+                        "that fits")
+    err = TypeError(f"{what} ({type(obj).__qualname__}) {problem}. {advice}.")
     chan.reply(protocol.dumps((req_id, ERR, protocol.pack_error(err, "get"))))
 
 
