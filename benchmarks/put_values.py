@@ -6,7 +6,8 @@ without arguments then sync (issue 9, thirty-sixth pass).
 A plain value (None, bool, int, float, str, bytes, or a small tuple, list or dict of them:
 protocol.is_plain) rides inside a marshalled PUT; any other (an object here) is pickled,
 and the PUT carries its pickle. Each round drops its Ref, freed with the next message, as
-the dispatch workload's call does. ``scatter ints`` sends one marshalled PUT per worker.
+the dispatch workload's call does. ``scatter ints`` sends one marshalled PUT to all the
+workers, ``{rank: value}``, each keeping its own.
 Prints each row's block medians (µs a round) and its ratio to the call's.
 """
 

@@ -287,6 +287,18 @@ def test_refs_among_plain_arguments_travel_by_id_without_a_pickle(sess):
     assert len(pickled) == 2
 
 
+def test_a_call_that_leaves_the_quick_send_checks_its_refs_once(make_session):
+    """A first call of a function, or any call of a session with a send timeout, leaves
+    the quick send for the long one: the Refs among its arguments are checked and put by
+    id there once, not again."""
+    sess = make_session(2, send_timeout=5.0)
+    box = sess.call(fresh_list)
+    with recorded(sess, "_check_ref_arg") as checked, recorded(sess, "_send_call") as slow:
+        assert sess.run(append_to, box, "x") == [1, 1]
+    assert len(slow) == 1 and len(checked) == 1, (slow, checked)
+    assert box.gather() == [["x"], ["x"]]
+
+
 def test_a_ref_not_held_by_every_worker_of_the_call_is_refused(sess):
     only_1 = sess[1].put(7)
     with pytest.raises(ValueError, match=r"not held by workers \[0\]"):

@@ -326,7 +326,8 @@ class ShmChannel(Channel):
             self._make_room(self._head.wpos, _entry_size(len(payload), len(descs) // _DESC),
                             deadline)
             if not self._write(payload, ranks, descs, meta):  # (room made: it fits)
-                raise AssertionError("the command ring had no room after _make_room")
+                raise AssertionError("the command ring had no room after _make_room: a "
+                                     "bug in unison, please report it")
 
     def _make_room(self, pos: int, size: int, deadline: float | None) -> None:
         """Skip to the ring's start if an entry of ``size`` bytes at ``pos`` would cross its
@@ -388,24 +389,12 @@ class ShmChannel(Channel):
         return held
 
     def wait_done(self, ranks: Sequence[int], mark: int, timeout: float) -> bool:
-        try:
-            return self._wait_progress(ranks, mark, timeout) != 0
-        except (ValueError, OSError):
-            if self._closed:  # by another thread meanwhile: the caller's check says why
-                return False
-            raise
+        return self._wait_progress(ranks, mark, timeout) != 0
 
     def settled(self, ranks: Sequence[int], timeout: float) -> bool:
         """Channel.settled, the unreported errors read with the done positions: sync's hot
-        path, where each function the round runs after the last worker finishes costs.
-        A close from another thread, even in the middle: False, the long way, which says
-        the session closed (not the released mapping's ValueError)."""
-        try:
-            return self._wait_progress(ranks, self._head.wpos, timeout) == 1
-        except (ValueError, OSError):
-            if self._closed:
-                return False
-            raise
+        path, where each function the round runs after the last worker finishes costs."""
+        return self._wait_progress(ranks, self._head.wpos, timeout) == 1
 
     def _wait_progress(self, ranks: Sequence[int], mark: int, timeout: float) -> int:
         """See Channel.wait_done: spin 200 us, then sleep on the done eventfd and the watch
@@ -417,7 +406,11 @@ class ShmChannel(Channel):
         Workers done before we look: 0 if a watch fd is readable (the caller looks for a
         death, so a sync with nothing left to wait for still notices one). Workers that
         finish while we wait were alive to do it: no look then (a syscall on dispatch's hot
-        path, about 2.5 us a round: docs/benchmarks.md)."""
+        path, about 2.5 us a round: docs/benchmarks.md).
+
+        Closed by another thread, before or in the middle (the released mapping's
+        ValueError, a closed fd's OSError): 0, and the caller's long way says the session
+        closed."""
         fast = self._fast
         look: Callable[[Any, int], int]
         key: Any  # a rank mask for C, the ranks for Python
@@ -426,14 +419,19 @@ class ShmChannel(Channel):
             look, key = fast.settled, (_mask(ranks) if mask is None else mask)
         else:
             look, key = self._look, ranks
-        got = look(key, mark)
-        if got:
-            return 0 if self._death_seen() else got
-        got = spin(look, min(SPIN, timeout), self._busy, key, mark)
-        if not got:
-            self._sleep_done(ranks, mark, timeout)
+        try:
             got = look(key, mark)
-        return got
+            if got:
+                return 0 if self._death_seen() else got
+            got = spin(look, min(SPIN, timeout), self._busy, key, mark)
+            if not got:
+                self._sleep_done(ranks, mark, timeout)
+                got = look(key, mark)
+            return got
+        except (ValueError, OSError):
+            if self._closed:
+                return 0
+            raise
 
     def _death_seen(self) -> bool:
         """Whether a watched fd is readable: one epoll_wait on a set made once (a select
