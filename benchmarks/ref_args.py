@@ -4,8 +4,9 @@
     python benchmarks/ref_args.py [--workers 2] [--blocks 6] [--seconds 0.3] [--channel shm]
 
 The rows: no argument (``noop``, the base), a plain int, a Ref (its id rides inside the
-CALL, and the worker puts its own object there), and the same Ref inside a list (pickled,
-the Ref as a lookup that the worker's unpickle makes: how every Ref argument went before).
+CALL, and the worker puts its own object there), the int and the Ref by keyword (``x=``),
+and the same Ref inside a list (pickled, the Ref as a lookup that the worker's unpickle
+makes: how every Ref argument went before).
 ``f`` is ``harness.tasks.make_small``, which takes any one argument. Prints each row's block
 medians (µs a round) and its ratio to the no-argument round's.
 """
@@ -29,13 +30,16 @@ def main() -> None:
     args = blocks_args(__doc__, 6)
     with unison.Session(args.workers, channel=args.channel) as sess:
         ref = sess.put(1)
-        kinds: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {
-            "no argument": (noop, ()), "an int": (make_small, (1,)),
-            "a Ref": (make_small, (ref,)), "a Ref in a list": (make_small, ([ref],))}
+        kinds: dict[str, tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = {
+            "no argument": (noop, (), {}), "an int": (make_small, (1,), {}),
+            "an int by keyword": (make_small, (), {"x": 1}),
+            "a Ref": (make_small, (ref,), {}), "a Ref by keyword": (make_small, (), {"x": ref}),
+            "a Ref in a list": (make_small, ([ref],), {})}
 
-        def round_trip(fn: Callable[..., Any], call_args: tuple[Any, ...]) -> Callable[[], None]:
+        def round_trip(fn: Callable[..., Any], call_args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> Callable[[], None]:
             def go() -> None:
-                sess.call(fn, *call_args)
+                sess.call(fn, *call_args, **kwargs)
                 sess.sync()
 
             return go

@@ -218,6 +218,8 @@ def _command(data: bytes) -> tuple[Any, ...]:
 
 @pytest.mark.parametrize("frees", [None, (7,), tuple(range(3, 40))])
 @pytest.mark.parametrize("args", [None, (1, -(2**70), 2.5, "s✓\ud800", None, True, 1 + 2j),
+                                  [(0,), (9, "s")], {"a": 1, "b": True},
+                                  [(0,), (9, 2.5), {"c": 9, "d": None}, ("c",)],
                                   b"the pickle of (args, kwargs)"])
 @pytest.mark.parametrize("ranks", [None, (1, 3)])
 def test_a_call_reads_back_exactly(frees: Any, args: Any, ranks: Any) -> None:
@@ -227,6 +229,8 @@ def test_a_call_reads_back_exactly(frees: Any, args: Any, ranks: Any) -> None:
     assert got == (protocol.CALL, frees, 5, 3, args, ranks, 12)
     if type(args) is tuple:
         assert [type(a) for a in got[4]] == [type(a) for a in args]  # True stays a bool
+    if type(args) is dict:
+        assert [type(a) for a in got[4].values()] == [int, bool]
 
 
 @pytest.mark.parametrize("frees", [None, (7,), tuple(range(3, 40))])

@@ -23,7 +23,8 @@ Encoding is pickle protocol 5. The standard pickler is tried first, as it is the
 anything it cannot take, or that it would send by reference to the controller's ``__main__``
 (which a worker never imports), goes through cloudpickle, by value. A Ref inside the
 arguments pickles as a lookup in the receiving worker's register file (one among plain
-positional arguments goes by its id inside the CALL, with no pickle: see call_msg).
+arguments, positional or keyword, goes by its id inside the CALL, with no pickle: see
+call_msg).
 
 A CALL, a GET, and a PUT or a reply of a plain value (None, bool, int, float, str, bytes, or
 a small tuple, list or dict of them: is_plain) are encoded with marshal instead (version
@@ -122,8 +123,9 @@ def call_msg(frees: tuple[int, ...] | None, ref_id: int, fn_id: int, args: Any,
              ranks: tuple[int, ...] | None, req_id: int = 0) -> bytes:
     """Run function ``fn_id`` into register ``ref_id``. ``args``: None, a tuple of plain
     values, a list ``[positions, values]``: plain values with the ids of Ref arguments at
-    those positions, or the pickle of ``(args, kwargs)``; ``ranks``: the call's workers if
-    not all;
+    those positions, ``[positions, values, kwargs, names]``: the same with the keyword
+    arguments, the ids of Refs under ``names``, a dict: plain keyword values alone, or the
+    pickle of ``(args, kwargs)``; ``ranks``: the call's workers if not all;
     ``req_id``: reply with the result (or error) at once, keeping nothing (``run``).
     Marshalled, not pickled; worker.serve unpacks the seven fields in place: the hot path."""
     return dumps_plain((CALL, frees, ref_id, fn_id, args, ranks, req_id), PLAIN)

@@ -279,7 +279,15 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                         args = list(blob[1])
                         for i in blob[0]:
                             args[i] = lookup(args[i])
-                        value = fn(*args)  # type: ignore[misc]
+                        if len(blob) == 2:
+                            value = fn(*args)  # type: ignore[misc]
+                        else:  # keyword arguments, and the names of Refs among them
+                            kwargs = blob[2]  # a fresh dict, as marshal makes each
+                            for k in blob[3]:
+                                kwargs[k] = lookup(kwargs[k])
+                            value = fn(*args, **kwargs)  # type: ignore[misc]
+                    elif type(blob) is dict:  # plain keyword values alone
+                        value = fn(**blob)  # type: ignore[misc]
                     else:
                         args, kwargs = loads(blob, bufs)
                         value = fn(*args, **kwargs)  # type: ignore[misc]

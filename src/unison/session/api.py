@@ -469,10 +469,10 @@ class Session(View):
         touches cost more than their own time (docs/benchmarks.md, "Issue 9, fourth pass",
         and the fifth on what a bare call costs). Refs among plain arguments go by id."""
         blob: Any = args or None
-        if args and not kwargs and not checks.plain_args(args):
-            blob = self._ref_args(ranks, args)  # None: neither plain values nor Refs
-        if not (send_by is not None or kwargs or self._send_timeout is not None
-                or self._tracer is not None or (args and blob is None)):
+        if kwargs or (args and not checks.plain_args(args)):
+            blob = self._ref_args(ranks, args, kwargs)  # None: neither plain values nor Refs
+        if not (send_by is not None or self._send_timeout is not None
+                or self._tracer is not None or (blob is None and (args or kwargs))):
             lock = self._send_lock
             lock.acquire()
             try:
@@ -514,7 +514,7 @@ class Session(View):
                 lock.release()
         return self._send_call(ranks, fn, args, kwargs,
                                self._send_deadline() if send_by is None else send_by, req,
-                               None if kwargs else blob)
+                               blob)
 
     def _send_call(
         self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
@@ -986,7 +986,7 @@ class Session(View):
         """The arguments as a CALL carries them (see protocol.call_msg): None, plain values
         inside the message, Refs among them by id, else the pickle; and its buffers."""
         if kwargs or (args and not checks.plain_args(args)):
-            blob = None if kwargs else self._ref_args(ranks, args)
+            blob = self._ref_args(ranks, args, kwargs)
             if blob is None:
                 return self._encode_args(ranks, fn, args, kwargs)
             return blob, _NO_BUFFERS
@@ -1010,21 +1010,35 @@ class Session(View):
             self._check_ref_arg(ref, ranks)
         return blob, bufs
 
-    def _ref_args(self, ranks: tuple[int, ...], args: tuple[Any, ...]) -> list[Any] | None:
-        """Plain arguments and Refs as a CALL carries them without a pickle: ``[positions,
-        values]``, each Ref's id at its position (the worker puts its object there); None
-        where an argument is neither. Each Ref is checked as a pickled one is. Pickled, a
-        round of ``call(f, ref)`` and sync took 2.26x one without arguments at N=2, by id
-        1.24x (``python benchmarks/ref_args.py``)."""
-        where = checks.ref_positions(args, Ref)
+    def _ref_args(self, ranks: tuple[int, ...], args: tuple[Any, ...],
+                  kwargs: dict[str, Any] | None = None) -> Any:
+        """Plain arguments and Refs as a CALL carries them without a pickle (see
+        protocol.call_msg), each Ref's id where it sits (the worker puts its object there);
+        None where an argument is neither. Each Ref is checked as a pickled one is. Pickled,
+        a round of ``call(f, ref)`` and sync took 2.26x one without arguments at N=2, by id
+        1.24x; ``call(f, x=1)`` 1.55x (``python benchmarks/ref_args.py``)."""
+        where = checks.ref_positions(args, Ref) if args else ()
         if where is None:
             return None
-        values = list(args)
-        for i in where:
-            ref = args[i]
-            self._check_ref_arg(ref, ranks)
-            values[i] = ref._id
-        return [where, tuple(values)]
+        names = checks.ref_names(kwargs, Ref) if kwargs else ()
+        if names is None:
+            return None
+        if kwargs and not args and not names:
+            return kwargs  # plain keyword values alone: the dict (this call's own)
+        if where:
+            held = list(args)
+            for i in where:
+                self._check_ref_arg(args[i], ranks)
+                held[i] = args[i]._id
+            args = tuple(held)
+        if not kwargs:
+            return [where, args]
+        if names:
+            kwargs = dict(kwargs)
+            for k in names:
+                self._check_ref_arg(kwargs[k], ranks)
+                kwargs[k] = kwargs[k]._id
+        return [where, args, kwargs, names]
 
     def _encode_value(self, value: Any, what: str) -> tuple[bytes, list[pickle.PickleBuffer]]:
         try:

@@ -10,8 +10,8 @@ from typing import Any
 
 from unison import placement
 
-__all__ = ["as_rank", "check_env", "check_sizes", "cpu_plan", "plain_args", "ref_positions",
-           "shape", "values_per_worker"]
+__all__ = ["as_rank", "check_env", "check_sizes", "cpu_plan", "plain_args", "ref_names",
+           "ref_positions", "shape", "values_per_worker"]
 
 
 def check_sizes(num_workers: object, num_groups: object) -> None:
@@ -116,13 +116,22 @@ def plain_args(args: tuple[Any, ...]) -> bool:
 def ref_positions(args: tuple[Any, ...], ref: type) -> tuple[int, ...] | None:
     """Where the arguments of type ``ref`` (unison.Ref) sit, where every other one is as
     ``plain_args`` takes it; None where one is neither (the arguments are pickled then)."""
-    if len(args) > 8:
+    return _refs_among(enumerate(args), len(args), ref)
+
+
+def ref_names(kwargs: dict[str, Any], ref: type) -> tuple[str, ...] | None:
+    """``ref_positions`` of keyword arguments: the names of those that are Refs."""
+    return _refs_among(kwargs.items(), len(kwargs), ref)
+
+
+def _refs_among(items: Iterable[tuple[Any, Any]], count: int, ref: type) -> tuple[Any, ...] | None:
+    if count > 8:
         return None
     plain, where = _PLAIN, []
-    for i, a in enumerate(args):
+    for key, a in items:
         t = type(a)
         if t is ref:
-            where.append(i)
+            where.append(key)
         elif t not in plain or (t is str and len(a) > 256):
             return None
     return tuple(where)
