@@ -353,7 +353,8 @@ class Chaos:
     def op_call(self) -> None:
         assert self.sess is not None
         x = self._value()
-        self._keep(self.sess.call(affine, x), [x * 10 + r for r in self._workers()])
+        ref = self.sess.call(affine, x=x) if self.rng.integers(2) else self.sess.call(affine, x)
+        self._keep(ref, [x * 10 + r for r in self._workers()])
 
     def op_run(self) -> None:
         assert self.sess is not None
@@ -403,7 +404,9 @@ class Chaos:
                 or isinstance(picked[1].expected[0], tuple)):
             return self.op_call()
         held = picked[1]
-        self._keep(self.sess.call(plus_one, held.ref), [v + 1 for v in held.expected])
+        ref = (self.sess.call(plus_one, value=held.ref) if self.rng.integers(2)
+               else self.sess.call(plus_one, held.ref))  # by keyword, or by position
+        self._keep(ref, [v + 1 for v in held.expected])
 
     def op_allreduce(self) -> None:
         assert self.sess is not None
