@@ -271,6 +271,9 @@ _twice = [1]
     (list(range(64)), True), (list(range(65)), False), ([[0] * 40, [0] * 40], False),
     ((_twice, _twice), False), ({"a": _twice, "b": _twice}, False), (_holds_itself(), False),
     ((("t",),) * 2, True),  # a tuple met twice: it cannot change, so two copies read the same
+    (b"b" * protocol.PLAIN_BYTES, True), (b"b" * (protocol.PLAIN_BYTES + 1), False),
+    ([b"b" * 40_000, b"c" * 40_000], False),  # PLAIN_BYTES in all: pickled, out of band
+    ({b"k" * 40_000: b"v" * 40_000}, False), ("s" * (protocol.PLAIN_BYTES + 1), True),
     (_Int(3), False), ((1, _Int(3)), False), (complex(1, 2), False), ({1, 2}, False),
     (np.int64(3), False), (range(3), False),
 ])
@@ -339,3 +342,30 @@ def test_a_result_is_plain_only_small_and_of_plain_values() -> None:
     assert not _plain(cyclic) and not _plain(list(range(65)))
     assert not _plain([[0] * 40, [0] * 40])  # 82 over the nesting
     assert not _plain((1, object())) and not _plain({"k": {1, 2}})
+
+
+@pytest.mark.parametrize("shape", ["alone", "in a tuple", "twice in a tuple", "in a list"])
+def test_large_bytes_are_pickled_out_of_band_and_read_back_exactly(shape: str) -> None:
+    """pickle writes a bytes object into its stream, whatever its size; ``dumps`` with
+    buffers sends a large one beside it (one copy into shared memory), alone or as an item
+    of a tuple (a reply's value), one buffer for one object held twice. In a list it
+    stays in the stream: a list rebuilt would not be the one another part may hold."""
+    big = bytes(range(256)) * (protocol.OOB_MIN // 256)
+    other = b"\x80" * (protocol.OOB_MIN + 7)
+    value: Any = {"alone": big, "in a tuple": (1, big, other, b"small"),
+                  "twice in a tuple": (big, big), "in a list": [big]}[shape]
+    bufs: list[pickle.PickleBuffer] = []
+    data = protocol.dumps(value, bufs)
+    got = pickle.loads(data, buffers=[bytes(b.raw()) for b in bufs])
+    assert got == value and type(got) is type(value)
+    if shape == "in a list":
+        assert bufs == [] and len(data) > len(big)
+        return
+    assert len(data) < 200 and [b.raw().nbytes for b in bufs] == {
+        "alone": [len(big)], "in a tuple": [len(big), len(other)],
+        "twice in a tuple": [len(big)]}[shape]
+    if shape == "twice in a tuple":
+        assert got[0] is got[1]
+    if type(got) is tuple:
+        assert [type(v) for v in got] == [type(v) for v in value]
+    assert protocol.dumps(value) == pickle.dumps(value, protocol=5)  # no buffers: as before

@@ -26,8 +26,8 @@ arguments pickles as a lookup in the receiving worker's register file (one among
 arguments, positional or keyword, goes by its id inside the CALL, with no pickle: see
 call_msg).
 
-A CALL, a GET, and a PUT or a reply of a plain value (None, bool, int, float, str, bytes, or
-a small tuple, list or dict of them: is_plain) are encoded with marshal instead (version
+A CALL, a GET, and a PUT or a reply of a plain value (None, bool, int, float, str, short
+bytes, or a small tuple, list or dict of them: is_plain) are encoded with marshal instead (version
 PLAIN): every field they hold is of a type marshal takes, and it does the same work as
 pickle with less set-up (for a CALL, about half the instructions to write and 40% fewer to
 read: docs/benchmarks.md, "Issue 9, seventh pass"). Everything else is pickled. A reader
@@ -46,7 +46,7 @@ import threading
 import traceback
 import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import cloudpickle
 
@@ -69,29 +69,42 @@ _dump = pickle.dumps
 # once, reads (op, frees) = msg[0], msg[1], then the rest with the reader of that op.
 
 
-SCALARS = frozenset({type(None), bool, int, float, str, bytes})
+SCALARS = frozenset({type(None), bool, int, float, str})
 """Values that marshal takes as they are (no buffers, no class to import)."""
 CONTAINERS = frozenset({tuple, list, dict})
 PLAIN_ITEMS = 64
+PLAIN_BYTES = 1 << 16
+"""Longer bytes take the pickle's way, out of band (``dumps``): one copy into shared memory,
+where marshal wrote them twice on a run's reply and read them once. A 32 MiB bytes value
+gathered from 2 workers took 87 ms that way, 50 this way; put, 40 and 24 (``python
+benchmarks/large_reply.py``)."""
 
 
 def is_plain(value: Any) -> bool:
-    """Whether marshal carries ``value`` exactly as pickle would: one of SCALARS (exact
-    types: a subclass is pickled), or a small tuple, list or dict (PLAIN_ITEMS items at
-    most, nested ones counted) of such values. A list or dict met twice is not plain:
-    marshal (version PLAIN) would make two of it where pickle keeps one object, whose
-    change through one name shows through the other; nor is a container that holds
-    itself. A long container costs nothing here: its length is read before its items."""
+    """Whether marshal carries ``value`` exactly as pickle would, and cheaply: one of
+    SCALARS, bytes (exact types: a subclass is pickled), or a small tuple, list or dict
+    (PLAIN_ITEMS items at most, nested ones counted) of such values, with PLAIN_BYTES of
+    bytes at most in all. A list or dict met twice is not plain: marshal (version PLAIN)
+    would make two of it where pickle keeps one object, whose change through one name
+    shows through the other; nor is a container that holds itself. A long container costs
+    nothing here: its length is read before its items."""
     kind = type(value)
     if kind in SCALARS:
         return True
+    if kind is bytes:
+        return len(value) <= PLAIN_BYTES
     if kind not in CONTAINERS:
         return False
-    left, todo, seen = PLAIN_ITEMS, [value], set()
+    left, size, todo, seen = PLAIN_ITEMS, PLAIN_BYTES, [value], set()
     while todo:
         item: Any = todo.pop()
         kind = type(item)
         if kind in SCALARS:
+            continue
+        if kind is bytes:
+            size -= len(item)
+            if size < 0:
+                return False
             continue
         if kind not in CONTAINERS:
             return False
@@ -213,13 +226,28 @@ OOB_MIN = 1 << 16
 so do smaller ones that lie in a shared array (``sess.empty``)."""
 
 
+class _LargeBytes:
+    """A bytes object that pickles as a buffer (pickle writes bytes into the stream, which
+    it cannot be told otherwise): out of band, it is copied into shared memory once."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        return bytes, (pickle.PickleBuffer(self.data),)
+
+
 def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None) -> bytes:
     """Pickle for the other side: plain pickle where it is right, cloudpickle where needed.
 
-    With ``buffers``, large pickle-5 buffers are appended there instead of copied in."""
+    With ``buffers``, large pickle-5 buffers are appended there instead of copied in; so
+    is a large bytes object, ``obj`` or an item of it where it is a tuple."""
     callback = None
     if buffers is not None:
         start = len(buffers)
+        obj = _bytes_apart(obj)
 
         def callback(pb: pickle.PickleBuffer) -> bool:
             raw = pb.raw()
@@ -246,6 +274,21 @@ def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None) -> byte
         refs.clear()  # the retry sees every Ref again
     out: bytes = cloudpickle.dumps(obj, protocol=5, buffer_callback=callback)
     return out
+
+
+def _bytes_apart(obj: Any) -> Any:
+    """``obj`` with a large bytes object wrapped to go out of band: ``obj`` itself (a value
+    put), or an item of it where it is a tuple (a reply's value). Only there: a list
+    rebuilt would not be the object another part of ``obj`` may hold. One wrapper for each
+    bytes object, so that one held twice still arrives as one object."""
+    if type(obj) is tuple:
+        for v in obj:
+            if type(v) is bytes and len(v) >= OOB_MIN:
+                wrapped: dict[int, _LargeBytes] = {}
+                return tuple(wrapped.setdefault(id(v), _LargeBytes(v))
+                             if type(v) is bytes and len(v) >= OOB_MIN else v for v in obj)
+        return obj
+    return _LargeBytes(obj) if type(obj) is bytes and len(obj) >= OOB_MIN else obj
 
 
 def _dumps_with_tensors(obj: object, callback: Any) -> bytes:

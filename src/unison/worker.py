@@ -317,7 +317,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                 end(ref_id)
             if req_id:  # run: the result goes straight back, nothing is kept
                 # _reply_value's plain case, inlined: a frame less on run's hot path
-                if type(value) in _SCALARS or (type(value) in _CONTAINERS and _plain(value)):
+                if type(value) in _SCALARS or (type(value) in _OTHERS and _plain(value)):
                     out = (req_id, OK, value)
                     if not reply_plain(out, PLAIN):
                         chan.reply(dumps_plain(out, PLAIN))
@@ -373,7 +373,8 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
 
 
 _MISSING = object()
-_SCALARS, _CONTAINERS, _plain = protocol.SCALARS, protocol.CONTAINERS, protocol.is_plain
+_SCALARS, _plain = protocol.SCALARS, protocol.is_plain
+_OTHERS = protocol.CONTAINERS | {bytes}
 """Bound here: run's hot path tests a scalar's type before it calls ``_plain``."""
 
 
@@ -388,7 +389,7 @@ def _reply_value(chan: WorkerChannel, req_id: int, obj: object, fn: object = Non
     by a BaseException from its ``__reduce__`` (KeyboardInterrupt, SystemExit), or that
     does not fit in shared memory, becomes an error for the controller instead of a dead
     worker, naming run's ``fn`` or the GET's ``ref_id``."""
-    if type(obj) in _SCALARS or (type(obj) in _CONTAINERS and _plain(obj)):
+    if type(obj) in _SCALARS or (type(obj) in _OTHERS and _plain(obj)):
         out: Any = (req_id, OK, obj)  # plain: marshal takes it
         if not chan.reply_plain(out, PLAIN):
             chan.reply(dumps_plain(out, PLAIN))
