@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -676,8 +677,19 @@ def test_ref_args_times_each_kind_of_argument_against_none() -> None:
     out = _tool("ref_args.py", "--blocks", "2", "--seconds", "0.02")
     rows = [line for line in out.splitlines() if "x no argument's" in line]
     assert [row.split(":")[0].strip() for row in rows] == [
-        "no argument", "an int", "a Ref", "a Ref in a list"], out
+        "no argument", "an int", "an int by keyword", "a Ref", "a Ref by keyword",
+        "a Ref in a list"], out
     assert rows[0].endswith("1.00x no argument's"), out
+
+
+def test_large_reply_times_each_kind_both_ways() -> None:
+    """benchmarks/large_reply.py: a line per kind and size, its gather and its put."""
+    out = _tool("large_reply.py", "--kinds", "bytes", "str", "array", "--mib", "1",
+                "--rounds", "1")
+    rows = [line for line in out.splitlines() if line.startswith("shm: ")]
+    assert [row.split(" of ")[0] for row in rows] == ["shm: bytes", "shm: str", "shm: array"]
+    assert all(re.search(r"gather from 2 workers [\d.]+ ms, put to them [\d.]+ ms", row)
+               for row in rows), out
 
 
 def test_put_values_times_each_kind_of_value_against_a_call() -> None:
