@@ -228,6 +228,11 @@ def test_large_bytes_go_out_of_band_both_ways_and_arrive_exactly(sess, n):
         assert pickled == []
     assert put.gather() == [value, value] and sess.run(kinds, put) == ["bytes", "bytes"]
     assert sess.run(bytes_of, n, 1) == [bytes_of(n, 1)] * 2
+    with recorded(protocol, "dumps") as pickled:  # an argument: out of band too
+        assert sess.run(bytes.__add__, value, b"!") == [value + b"!"] * 2
+    if n > protocol.PLAIN_BYTES:
+        (args, data), = pickled
+        assert len(data) < 300 and [b.raw().nbytes for b in args[1]] == [n]
     assert sess.scatter([value, b"x"]).gather() == [value, b"x"]
     pair = sess.put((value, value))  # one object held twice stays one, both ways
     assert sess.run(is_bytes_pair, pair) == [True, True]

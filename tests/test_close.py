@@ -238,7 +238,7 @@ def test_close_is_not_held_up_by_a_thread_blocked_sending_to_a_busy_worker(
     def flood():
         try:
             for _ in range(300):  # 30 MB: more than any channel buffers
-                sess.put(b"x" * 100_000)
+                sess.put("x" * 100_000)  # a str: in-band, inside the PUT
         except BaseException as exc:
             outcome["exc"] = exc
 

@@ -347,15 +347,16 @@ def test_a_result_is_plain_only_small_and_of_plain_values() -> None:
 @pytest.mark.parametrize("shape", ["alone", "in a tuple", "twice in a tuple", "in a list"])
 def test_large_bytes_are_pickled_out_of_band_and_read_back_exactly(shape: str) -> None:
     """pickle writes a bytes object into its stream, whatever its size; ``dumps`` with
-    buffers sends a large one beside it (one copy into shared memory), alone or as an item
-    of a tuple (a reply's value), one buffer for one object held twice. In a list it
-    stays in the stream: a list rebuilt would not be the one another part may hold."""
+    buffers sends a large one that ``bytes_apart`` wrapped beside it (one copy into shared
+    memory), alone or as an item of a tuple (a result, a call's arguments), one buffer for
+    one object held twice. In a list it stays in the stream: a list rebuilt would not be
+    the one another part may hold."""
     big = bytes(range(256)) * (protocol.OOB_MIN // 256)
     other = b"\x80" * (protocol.OOB_MIN + 7)
     value: Any = {"alone": big, "in a tuple": (1, big, other, b"small"),
                   "twice in a tuple": (big, big), "in a list": [big]}[shape]
     bufs: list[pickle.PickleBuffer] = []
-    data = protocol.dumps(value, bufs)
+    data = protocol.dumps(protocol.bytes_apart(value), bufs)
     got = pickle.loads(data, buffers=[bytes(b.raw()) for b in bufs])
     assert got == value and type(got) is type(value)
     if shape == "in a list":

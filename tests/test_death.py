@@ -193,7 +193,7 @@ def test_a_death_while_the_controller_is_blocked_sending_to_a_busy_worker(sess):
     killed, _ = _kill_later(pids[0], 0.3)
     with pytest.raises(WorkerDied) as info:
         for _ in range(300):  # 30 MB: more than any channel buffers
-            sess.put(b"x" * 100_000)
+            sess.put("x" * 100_000)  # a str: in-band, inside the PUT
         sess.sync()
     assert time.monotonic() - killed["t"] < DETECT
     assert (info.value.worker, info.value.exitcode) == (0, -9)

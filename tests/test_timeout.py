@@ -173,7 +173,7 @@ def test_an_error_behind_a_timed_out_run_surfaces_at_sync(sess):
 
 # -- a timeout bounds the whole method, even behind a sender blocked on a full queue ----------
 
-BLOB = b"x" * 400_000  # in-band: five of these fill the shared-memory command ring
+BLOB = "x" * 400_000  # in-band (a str rides inside the PUT): five of these fill the command ring
 
 
 def _fill_until_blocked(sess, worker, stop_at):

@@ -242,12 +242,11 @@ class _LargeBytes:
 def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None) -> bytes:
     """Pickle for the other side: plain pickle where it is right, cloudpickle where needed.
 
-    With ``buffers``, large pickle-5 buffers are appended there instead of copied in; so
-    is a large bytes object, ``obj`` or an item of it where it is a tuple."""
+    With ``buffers``, large pickle-5 buffers are appended there instead of copied in (and
+    large bytes objects that ``bytes_apart`` wrapped)."""
     callback = None
     if buffers is not None:
         start = len(buffers)
-        obj = _bytes_apart(obj)
 
         def callback(pb: pickle.PickleBuffer) -> bool:
             raw = pb.raw()
@@ -276,11 +275,12 @@ def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None) -> byte
     return out
 
 
-def _bytes_apart(obj: Any) -> Any:
-    """``obj`` with a large bytes object wrapped to go out of band: ``obj`` itself (a value
-    put), or an item of it where it is a tuple (a reply's value). Only there: a list
-    rebuilt would not be the object another part of ``obj`` may hold. One wrapper for each
-    bytes object, so that one held twice still arrives as one object."""
+def bytes_apart(obj: Any) -> Any:
+    """``obj`` with a large bytes object wrapped to go out of band in ``dumps`` with
+    buffers: ``obj`` itself (a value put, a result), or an item of it where it is a tuple
+    (a call's positional arguments, a result). Only there: a list rebuilt would not be the
+    object another part of ``obj`` may hold. One wrapper for each bytes object, so that one
+    held twice still arrives as one object."""
     if type(obj) is tuple:
         for v in obj:
             if type(v) is bytes and len(v) >= OOB_MIN:
@@ -377,9 +377,15 @@ def ref_reduce(ref: Ref) -> tuple[object, tuple[int]]:
             "use ref.get() or ref.gather() to fetch its value"
         )
     refs.append(ref)
-    from unison.worker import lookup  # the receiving worker's register file
+    global _lookup
+    if _lookup is None:  # once: an import statement took 0.6 us for each Ref pickled
+        from unison.worker import lookup  # the receiving worker's register file
 
-    return (lookup, (ref._id,))
+        _lookup = lookup
+    return (_lookup, (ref._id,))
+
+
+_lookup: Callable[[int], Any] | None = None
 
 
 # -- errors across the process boundary -------------------------------------------------------

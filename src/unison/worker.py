@@ -394,9 +394,12 @@ def _reply_value(chan: WorkerChannel, req_id: int, obj: object, fn: object = Non
         if not chan.reply_plain(out, PLAIN):
             chan.reply(dumps_plain(out, PLAIN))
         return
-    bufs: list[pickle.PickleBuffer] | None = [] if chan.oob_replies else None
+    sent = obj  # (obj itself names its type in the errors below)
+    bufs: list[pickle.PickleBuffer] | None = None
+    if chan.oob_replies:
+        sent, bufs = protocol.bytes_apart(obj), []
     try:
-        data = protocol.dumps((req_id, OK, obj), bufs)
+        data = protocol.dumps((req_id, OK, sent), bufs)
     except BaseException as exc:
         problem = f"cannot be pickled back to the controller: {type(exc).__name__}: {exc}"
     else:

@@ -997,7 +997,7 @@ class Session(View):
         kwargs: dict[str, Any],
     ) -> tuple[bytes, list[pickle.PickleBuffer]]:
         try:
-            blob, bufs, refs = protocol.dumps_with_refs((args, kwargs))
+            blob, bufs, refs = protocol.dumps_with_refs((protocol.bytes_apart(args), kwargs))
         except Exception as exc:
             for what, value in [*((f"argument {i}", a) for i, a in enumerate(args)),
                                 *((f"keyword argument {k!r}", v) for k, v in kwargs.items())]:
@@ -1043,7 +1043,7 @@ class Session(View):
     def _encode_value(self, value: Any, what: str) -> tuple[bytes, list[pickle.PickleBuffer]]:
         try:
             bufs: list[pickle.PickleBuffer] = []
-            return protocol.dumps(value, bufs), bufs
+            return protocol.dumps(protocol.bytes_apart(value), bufs), bufs
         except Exception as exc:
             raise _unpicklable(what, value, exc) from exc
 
