@@ -677,7 +677,7 @@ def test_ref_args_times_each_kind_of_argument_against_none() -> None:
     out = _tool("ref_args.py", "--blocks", "2", "--seconds", "0.02")
     rows = [line for line in out.splitlines() if "x no argument's" in line]
     assert [row.split(":")[0].strip() for row in rows] == [
-        "no argument", "an int", "an int by keyword", "a Ref", "a Ref by keyword",
+        "no argument", "an int", "a tuple", "an int by keyword", "a Ref", "a Ref by keyword",
         "a Ref in a list"], out
     assert rows[0].endswith("1.00x no argument's"), out
 

@@ -1018,11 +1018,11 @@ class Session(View):
         a round of ``call(f, ref)`` and sync took 2.26x one without arguments at N=2, by id
         1.24x; ``call(f, x=1)`` 1.55x (``python benchmarks/ref_args.py``)."""
         where = checks.ref_positions(args, Ref) if args else ()
-        if where is None:
-            return None
         names = checks.ref_names(kwargs, Ref) if kwargs else ()
-        if names is None:
-            return None
+        if where is None or names is None:  # no Ref then, but containers may be plain
+            if not kwargs or not is_plain((args, kwargs)):
+                return None
+            where = names = ()
         if kwargs and not args and not names:
             return kwargs  # plain keyword values alone: the dict (this call's own)
         if where:

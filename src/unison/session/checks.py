@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from unison import placement
+from unison.protocol import CONTAINERS, is_plain
 
 __all__ = ["as_rank", "check_env", "check_sizes", "cpu_plan", "plain_args", "ref_names",
            "ref_positions", "shape", "values_per_worker"]
@@ -102,14 +103,16 @@ _PLAIN = frozenset({int, float, bool, type(None), str, complex})
 
 
 def plain_args(args: tuple[Any, ...]) -> bool:
-    """Arguments that pickle small and alike everywhere (numbers, short strings)."""
+    """Arguments that pickle small and alike everywhere: numbers, short strings, and small
+    tuples, lists and dicts of plain values (``protocol.is_plain`` of all the arguments
+    as one: no list or dict among them twice, which pickle would keep as one object)."""
     if len(args) > 8:
         return False
     plain = _PLAIN
     for a in args:
         t = type(a)
         if t not in plain or (t is str and len(a) > 256):
-            return False
+            return t in CONTAINERS and is_plain(args)
     return True
 
 
