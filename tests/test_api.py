@@ -367,6 +367,8 @@ _shared = [1, 2]
 
 @pytest.mark.parametrize("args, kwargs, plain", [
     (((1024, 1024),), {}, True),
+    ((b"key", 1), {"salt": b"\x00"}, True),
+    ((b"x" * (protocol.PLAIN_BYTES + 1),), {}, False),  # out of band instead
     (([0.5, None], {"k": (b"x", True)}, 3), {}, True),
     ((), {"shape": (2, 3), "names": ["a", "b"]}, True),
     (((2, 3),), {"scale": 2.5}, True),
@@ -377,8 +379,9 @@ _shared = [1, 2]
     (([1], object()), {}, False),
 ])
 def test_small_containers_of_plain_values_travel_inside_the_call(sess, args, kwargs, plain):
-    """A tuple, list or dict of plain values (``protocol.is_plain`` of all the arguments
-    together) rides inside the CALL as an int does: ``call(f, (1024, 1024))`` then sync
+    """Short bytes, and a tuple, list or dict of plain values (``protocol.is_plain`` of all
+    the arguments together) ride inside the CALL as an int does: ``call(f, (1024, 1024))``
+    then sync
     took 1.62x a call without arguments at N=2 with its pickle, 1.19x without (``python
     benchmarks/ref_args.py``). Any list or dict among the arguments twice is pickled, so
     the worker gets one object where the controller had one, as before."""

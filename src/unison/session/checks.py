@@ -103,16 +103,17 @@ _PLAIN = frozenset({int, float, bool, type(None), str, complex})
 
 
 def plain_args(args: tuple[Any, ...]) -> bool:
-    """Arguments that pickle small and alike everywhere: numbers, short strings, and small
-    tuples, lists and dicts of plain values (``protocol.is_plain`` of all the arguments
-    as one: no list or dict among them twice, which pickle would keep as one object)."""
+    """Arguments that pickle small and alike everywhere: numbers, short strings, and short
+    bytes and small tuples, lists and dicts of plain values (``protocol.is_plain`` of all
+    the arguments as one: no list or dict among them twice, which pickle would keep as
+    one object)."""
     if len(args) > 8:
         return False
     plain = _PLAIN
     for a in args:
         t = type(a)
         if t not in plain or (t is str and len(a) > 256):
-            return t in CONTAINERS and is_plain(args)
+            return (t in CONTAINERS or t is bytes) and is_plain(args)
     return True
 
 
