@@ -66,6 +66,11 @@ def affine(x: int) -> int:
     return x * 10 + unison.rank()
 
 
+def affine_of(xs: tuple[int, list[int]]) -> int:
+    """``affine`` of a container: the CALL carries it as plain values too."""
+    return affine(xs[0] + sum(xs[1]))
+
+
 def plus_one(value: Any) -> Any:
     return value + 1
 
@@ -353,7 +358,9 @@ class Chaos:
     def op_call(self) -> None:
         assert self.sess is not None
         x = self._value()
-        ref = self.sess.call(affine, x=x) if self.rng.integers(2) else self.sess.call(affine, x)
+        how = int(self.rng.integers(3))  # by position, by keyword, inside a container
+        ref = (self.sess.call(affine, x) if how == 0 else self.sess.call(affine, x=x)
+               if how == 1 else self.sess.call(affine_of, (x - 1, [1])))
         self._keep(ref, [x * 10 + r for r in self._workers()])
 
     def op_run(self) -> None:
