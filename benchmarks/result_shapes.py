@@ -6,7 +6,9 @@ then ``ref.gather()`` of a Ref holding such a result (thirty-fifth pass).
 A run whose result is a plain value (None, bool, int, float, str, bytes), or a small
 tuple, list or dict of them (nested ones too), goes back by marshal, and on shared memory
 the controller reads and decodes every worker's reply in one step; any other result (an
-object here) is pickled and decoded reply by reply. A GET's value goes back the same way.
+object here) is pickled and decoded reply by reply. A small numpy array or scalar goes by
+marshal as its dtype, shape and bytes (thirty-seventh pass). A GET's value goes back the
+same way.
 Prints each row's block medians (µs a run, or a gather) and its ratio to the int's run.
 """
 
@@ -23,8 +25,8 @@ from harness.measure import block_medians
 from harness.report import blocks_args, print_block_ratios
 from harness.tasks import result_of
 
-SHAPES = ("int", "pair", "list3", "nested", "dict", "object")
-FETCHED = ("int", "pair", "object")
+SHAPES = ("int", "pair", "list3", "nested", "dict", "array", "float64", "object")
+FETCHED = ("int", "pair", "array", "object")
 
 
 def main() -> None:

@@ -708,6 +708,6 @@ def test_result_shapes_times_each_shape_against_the_int() -> None:
     out = _tool("result_shapes.py", "--blocks", "2", "--seconds", "0.02")
     rows = [line for line in out.splitlines() if "x the int's" in line]
     assert [row.split(":")[0].strip() for row in rows] == [
-        "int", "pair", "list3", "nested", "dict", "object", "gather int", "gather pair",
-        "gather object"], out
+        "int", "pair", "list3", "nested", "dict", "array", "float64", "object", "gather int",
+        "gather pair", "gather array", "gather object"], out
     assert rows[0].endswith("1.00x the int's"), out

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 from support import join_tcp
@@ -1174,6 +1175,29 @@ def test_plain_values_reads_a_runs_replies_only_once_all_are_in_each_plain_and_i
         assert chan.plain_values(both, 10, 0.0) is None, pair
         got = chan.recv(0.0)  # nothing was read: recv hands both over, as they were
         assert sorted((r, bytes(d)) for r, d in got) == list(enumerate(pair)), pair
+
+
+@pytest.mark.parametrize("ring", ["C", "pure"])
+def test_plain_values_makes_a_small_numpy_values_array_or_leaves_a_bad_one_to_recv(
+    shm_pair: tuple[ShmChannel, list[ShmWorkerChannel]], ring: str,
+) -> None:
+    """An ARRAY reply (a small numpy array or scalar, protocol.array_payload) is read on
+    run's quick path too, its value made by protocol.array_value; one it cannot make is
+    left in the ring, with the other rank's, for recv and the router's decode to judge."""
+    chan, workers = shm_pair
+    _ring(chan, ring)
+    arr, scalar = np.arange(6, dtype=np.int32).reshape(2, 3), np.float16(1.5)
+    for w, v in zip(workers, (arr, scalar)):
+        w.reply(_run_reply(3, protocol.array_payload(v), protocol.ARRAY))
+    got = chan.plain_values((0, 1), 3, 0.0)
+    assert got is not None and chan.recv(0.0) == []
+    assert got[0].dtype == arr.dtype and got[0].shape == (2, 3) and (got[0] == arr).all()
+    assert type(got[1]) is np.float16 and got[1] == scalar
+    bad = [_run_reply(4, 1), _run_reply(4, ("<f8", (2,), b"short"), protocol.ARRAY)]
+    for w, data in zip(workers, bad):
+        w.reply(data)
+    assert chan.plain_values((0, 1), 4, 0.0) is None
+    assert sorted((r, bytes(d)) for r, d in chan.recv(0.0)) == list(enumerate(bad))
 
 
 @pytest.mark.parametrize("ring", ["C", "pure"])

@@ -370,3 +370,43 @@ def test_large_bytes_are_pickled_out_of_band_and_read_back_exactly(shape: str) -
     if type(got) is tuple:
         assert [type(v) for v in got] == [type(v) for v in value]
     assert protocol.dumps(value) == pickle.dumps(value, protocol=5)  # no buffers: as before
+
+
+class _Sub(np.ndarray):
+    pass
+
+
+@pytest.mark.parametrize("value", [
+    np.arange(12, dtype=np.float64).reshape(3, 4), np.array([True, False]),
+    np.array([1 + 2j], dtype=np.complex64), np.arange(5, dtype=">i4"),  # big-endian kept
+    np.array([1.5, -0.0, np.nan], dtype=np.float16), np.zeros((0, 3), dtype=np.uint8),
+    np.array(7.25), np.array(["2026-12-06T08:00"], dtype="datetime64[ns]"),
+    np.float64(-0.0), np.int8(-3), np.bool_(True), np.complex128(1j), np.uint64(2**64 - 1),
+    np.datetime64("2026-12-06", "D"), np.timedelta64(5, "ms"),
+])
+def test_a_small_numpy_value_reads_back_exactly_from_its_array_payload(value: Any) -> None:
+    """A run's or GET's reply of a small numpy array or scalar goes by marshal as
+    (dtype, shape, bytes), status ARRAY: the same type, dtype (byte order and unit too),
+    shape and bits; an array of its own, writable, as pickle's would be."""
+    payload = protocol.array_payload(value)
+    assert payload is not None
+    data = protocol.dumps_plain((5, protocol.ARRAY, payload), protocol.PLAIN)
+    got_id, status, got = protocol.read_reply(data)
+    assert (got_id, status) == (5, protocol.OK)
+    assert type(got) is type(value) and got.dtype == value.dtype
+    assert got.tobytes() == value.tobytes() and np.shape(got) == np.shape(value)
+    if type(got) is np.ndarray:
+        assert got.flags.writeable and got.flags.owndata and got.flags.c_contiguous
+        got[...] = 0  # its own: the reply's bytes are not behind it
+
+
+@pytest.mark.parametrize("value", [
+    np.zeros(protocol.OOB_MIN // 8), np.arange(12.0).reshape(3, 4)[:, ::2],
+    np.asfortranarray(np.arange(6.0).reshape(2, 3)), np.array([{}, 1], dtype=object),
+    np.zeros(2, dtype=[("a", "<i4"), ("b", "<f8")]), np.zeros(2).view(_Sub),
+    np.array(["ab"]), np.void(b"ab"), 1.5, [np.float64(1)],
+])
+def test_other_numpy_values_are_left_to_pickle(value: Any) -> None:
+    """Large arrays (out of band instead), arrays not in C order, objects, records,
+    strings, subclasses, and anything not numpy's: no array payload."""
+    assert protocol.array_payload(value) is None

@@ -101,6 +101,7 @@ def test_the_c_ring_tells_an_ok_reply_by_the_protocols_code() -> None:
     from unison import protocol
 
     assert unison._ring.OK == protocol.OK
+    assert unison._ring.ARRAY == protocol.ARRAY
 
 
 def test_the_fence_is_one_c_call_where_built_and_a_locked_flush_otherwise() -> None:

@@ -51,9 +51,14 @@ def make_small(x: int = 0) -> Small:
 
 def result_of(shape: str) -> Any:
     """A result of each shape for benchmarks/result_shapes.py: plain (``int``), small
-    containers of plain values (``pair``, ``list3``, ``nested``, ``dict``: marshal too), or
+    containers of plain values (``pair``, ``list3``, ``nested``, ``dict``: marshal too), a
+    small numpy array or scalar (``array``, ``float64``: marshal as protocol.ARRAY), or
     not (``object``: pickle)."""
     pid = os.getpid()
+    if shape in ("array", "float64"):
+        import numpy as np
+
+        return np.full(4, pid, dtype=np.float64) if shape == "array" else np.float64(pid)
     if shape == "int":
         return pid
     if shape == "pair":

@@ -37,6 +37,7 @@
 #define DESC 24
 #define MAX_WORKERS 64
 #define STATUS_OK 0  /* protocol.OK, as the module's OK: a test checks that they agree */
+#define STATUS_ARRAY 2  /* protocol.ARRAY, likewise: a small numpy value, made by array_value */
 
 static inline void wake(int fd) {
     uint64_t one = 1;
@@ -56,9 +57,10 @@ typedef struct {
     int n;
     int efd[MAX_WORKERS];
     Py_ssize_t sleep_idx[MAX_WORKERS];
-    /* the workers' reply rings (set by replies()) */
+    /* the workers' reply rings (set by replies()), and what makes an ARRAY reply's value */
     uint64_t rring;
     Py_ssize_t rbase[MAX_WORKERS], rw_idx[MAX_WORKERS], rr_idx[MAX_WORKERS];
+    PyObject *array_value;
     /* how far each worker has run, and whether it holds unreported errors (progress()) */
     Py_ssize_t done_idx[MAX_WORKERS], unrep_idx[MAX_WORKERS];
     /* the ring's head: where the next entry goes, and how far it may grow without a look
@@ -68,6 +70,7 @@ typedef struct {
 
 static void Sender_dealloc(Sender *self) {
     if (self->view.obj) PyBuffer_Release(&self->view);
+    Py_CLEAR(self->array_value);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -176,15 +179,17 @@ static int indices(PyObject *seq, int n, Py_ssize_t *out) {
     return 0;
 }
 
-/* replies(rbases, rw_indices, rr_indices, ring_size): where each worker's reply ring is */
+/* replies(rbases, rw_indices, rr_indices, ring_size, array_value=None): where each worker's
+ * reply ring is, and the callable that makes an ARRAY reply's value (None: the slow path) */
 static PyObject *Sender_replies(Sender *self, PyObject *args) {
-    PyObject *rb, *rw, *rr;
+    PyObject *rb, *rw, *rr, *array_value = Py_None;
     unsigned long long ring;
-    if (!PyArg_ParseTuple(args, "OOOK", &rb, &rw, &rr, &ring)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOOK|O", &rb, &rw, &rr, &ring, &array_value)) return NULL;
     if (indices(rb, self->n, self->rbase) < 0 || indices(rw, self->n, self->rw_idx) < 0 ||
         indices(rr, self->n, self->rr_idx) < 0)
         return NULL;
     self->rring = ring;
+    Py_XSETREF(self->array_value, array_value == Py_None ? NULL : Py_NewRef(array_value));
     Py_RETURN_NONE;
 }
 
@@ -358,17 +363,24 @@ static PyObject *Sender_values(Sender *self, PyObject *const *args, Py_ssize_t n
         PyObject *reply = PyMarshal_ReadObjectFromString(body[i], (Py_ssize_t)len[i]);
         if (!reply) { PyErr_Clear(); goto slow; }  /* a pickle, or bytes the slow path judges */
         int overflow;
+        long status = -1;
         if (!PyTuple_CheckExact(reply) || PyTuple_GET_SIZE(reply) != 3 ||
             !PyLong_CheckExact(PyTuple_GET_ITEM(reply, 0)) ||
             PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(reply, 0), &overflow) != want ||
             overflow || !PyLong_CheckExact(PyTuple_GET_ITEM(reply, 1)) ||
-            PyLong_AsLong(PyTuple_GET_ITEM(reply, 1)) != STATUS_OK) {
+            ((status = PyLong_AsLong(PyTuple_GET_ITEM(reply, 1))) != STATUS_OK &&
+             (status != STATUS_ARRAY || !self->array_value))) {
             PyErr_Clear();
             Py_DECREF(reply);
             goto slow;
         }
         PyObject *value = PyTuple_GET_ITEM(reply, 2);
-        Py_INCREF(value);
+        if (status == STATUS_ARRAY) {  /* its value made here (a bad one: the slow path says) */
+            value = PyObject_CallOneArg(self->array_value, value);
+            if (!value) { PyErr_Clear(); Py_DECREF(reply); goto slow; }
+        } else {
+            Py_INCREF(value);
+        }
         PyList_SET_ITEM(out, i, value);
         Py_DECREF(reply);
     }
@@ -738,6 +750,7 @@ PyMODINIT_FUNC PyInit__ring(void) {
     Py_INCREF(&TakerType);
     Py_INCREF(&MarkType);
     if (PyModule_AddIntConstant(m, "OK", STATUS_OK) < 0 ||
+        PyModule_AddIntConstant(m, "ARRAY", STATUS_ARRAY) < 0 ||
         PyModule_AddObject(m, "Sender", (PyObject *)&SenderType) < 0 ||
         PyModule_AddObject(m, "Taker", (PyObject *)&TakerType) < 0 ||
         PyModule_AddObject(m, "Mark", (PyObject *)&MarkType) < 0) {

@@ -1,9 +1,10 @@
 """Types of the C fast path of the shm channel's command ring (_ring.c)."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 OK: int  # protocol.OK
+ARRAY: int  # protocol.ARRAY
 
 class Sender:
     def __init__(self, buffer: Any, cmd_base: int, ring_size: int, efds: Sequence[int],
@@ -12,7 +13,8 @@ class Sender:
     limit: int
     def send(self, payload: bytes, ranks: tuple[int, ...]) -> bool: ...
     def replies(self, rbases: Sequence[int], rw_indices: Sequence[int],
-                rr_indices: Sequence[int], ring_size: int) -> None: ...
+                rr_indices: Sequence[int], ring_size: int,
+                array_value: Callable[[Any], Any] | None = None) -> None: ...
     def pending(self, positions: list[int]) -> bool: ...
     def progress(self, done_indices: Sequence[int], unreported_indices: Sequence[int]) -> None: ...
     def settled(self, rankmask: int, mark: int) -> int: ...

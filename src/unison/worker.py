@@ -49,6 +49,7 @@ from unison.debug import logs as _debug_logs
 from unison.debug import stacks as _debug_stacks
 from unison.errors import EXIT_CONTROLLER_GONE
 from unison.protocol import (
+    ARRAY,
     CALL,
     DEFINE,
     ERR,
@@ -391,6 +392,12 @@ def _reply_value(chan: WorkerChannel, req_id: int, obj: object, fn: object = Non
     worker, naming run's ``fn`` or the GET's ``ref_id``."""
     if type(obj) in _SCALARS or (type(obj) in _OTHERS and _plain(obj)):
         out: Any = (req_id, OK, obj)  # plain: marshal takes it
+        if not chan.reply_plain(out, PLAIN):
+            chan.reply(dumps_plain(out, PLAIN))
+        return
+    array = protocol.array_payload(obj)
+    if array is not None:  # a small numpy array or scalar: marshalled too
+        out = (req_id, ARRAY, array)
         if not chan.reply_plain(out, PLAIN):
             chan.reply(dumps_plain(out, PLAIN))
         return

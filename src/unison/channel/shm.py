@@ -93,7 +93,7 @@ from unison.pacing import (
     hand_over,
     spin,
 )
-from unison.protocol import OK, dumps_plain, loads_plain
+from unison.protocol import ARRAY, OK, array_value, dumps_plain, loads_plain
 
 _ring = _native.load("_ring")  # the C fast paths (unison/_ring.c), or None
 NATIVE = _ring is not None
@@ -204,7 +204,8 @@ class ShmChannel(Channel):
         # without a look at the workers' read positions; the C ring's own where it is built
         self._head = _Head() if self._fast is None else cast(_Head, self._fast)  # same fields
         if self._fast is not None:
-            self._fast.replies(lay.reply_ring, self._rw_idx, self._rr_idx, REPLY_RING)
+            self._fast.replies(lay.reply_ring, self._rw_idx, self._rr_idx, REPLY_RING,
+                               array_value)
             self._fast.progress(self._done_idx, self._unrep_idx)
             self.send_plain = self._fast.send  # type: ignore[method-assign]
         self._values: Callable[..., list[Any] | bool | None] = (
@@ -547,7 +548,8 @@ class ShmChannel(Channel):
                    partial: list[list[bytes]]) -> list[Any] | bool | None:
         """Python's ``_ring.Sender.values``, the same answers: None while a rank's reply is
         not in; True (nothing read) where one is anything but a plain reply of (req_id, OK,
-        value) in the ring, or breaks the format; else the values, all consumed. Without
+        value) (or ARRAY: its value made by array_value) in the ring, or breaks the format;
+        else the values, all consumed. Without
         the rx lock, which cost a quarter of it (benchmarks/ring_costs.py): the router
         lets one thread read at a time, and only ``absorber`` adds another."""
         q, mm, rw_idx, rings = self._q, self._mm, self._rw_idx, self._lay.reply_ring
@@ -579,7 +581,12 @@ class ShmChannel(Channel):
             except Exception:  # a pickle, not a marshal of three: the slow path judges
                 return True
             if got != req_id or status != OK:
-                return True
+                if got != req_id or status != ARRAY:
+                    return True
+                try:
+                    value = array_value(value)
+                except Exception:  # the slow path says what is wrong with it
+                    return True
             out.append(value)
         rr_idx = self._rr_idx
         for r, _, _, at in found:  # all read: consume them

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from unison.channel import Channel, Reply
-from unison.protocol import OK, PICKLED, loads_plain, read_reply
+from unison.protocol import ARRAY, OK, PICKLED, array_value, loads_plain, read_reply
 from unison.session.unreported import UnreportedErrors
 
 if TYPE_CHECKING:
@@ -201,8 +201,9 @@ class Router:
 
     def values(self, req: Request, ranks: Sequence[int]) -> list[Any] | None:
         """A completed GET's or run's values in ``ranks`` order where every reply is a plain
-        OK one for it: run's usual case, in one loop. None otherwise: ``decode`` then says
-        what each reply is, and raises where one is wrong."""
+        OK one for it (or a small numpy array's or scalar's: protocol.ARRAY): run's usual
+        case, in one loop. None otherwise: ``decode`` then says what each reply is, and
+        raises where one is wrong."""
         replies, want = req.replies, req.req_id
         out = []
         try:
@@ -212,7 +213,9 @@ class Router:
                     return None
                 got, status, value = loads_plain(raw)
                 if got != want or status != OK:
-                    return None
+                    if got != want or status != ARRAY:
+                        return None
+                    value = array_value(value)
                 out.append(value)
         except Exception:
             return None
@@ -237,6 +240,8 @@ class Router:
                 got_id, status, payload = (  # read_reply, its plain case inlined: run's
                     loads_plain(raw) if type(raw) is bytes and raw[0] != PICKLED
                     else read_reply(raw))
+                if status == ARRAY:  # (read_reply's too: a small numpy array or scalar)
+                    status, payload = OK, array_value(payload)
             except Exception as exc:
                 raise TypeError(
                     f"the reply of worker {r} cannot be unpickled on the controller: {exc}. "
