@@ -4,8 +4,9 @@ without arguments then sync (issue 9, thirty-sixth pass).
     python benchmarks/put_values.py [--workers 2] [--blocks 6] [--seconds 0.3] [--channel shm]
 
 A plain value (None, bool, int, float, str, bytes, or a small tuple, list or dict of them:
-protocol.is_plain) rides inside a marshalled PUT; any other (an object here) is pickled,
-and the PUT carries its pickle. Each round drops its Ref, freed with the next message, as
+protocol.is_plain) rides inside a marshalled PUT, a small numpy value as its dtype, shape
+and bytes (protocol.array_payload: thirty-seventh pass); any other (an object here) is
+pickled, and the PUT carries its pickle. Each round drops its Ref, freed with the next message, as
 the dispatch workload's call does. ``scatter ints`` sends one marshalled PUT to all the
 workers, ``{rank: value}``, each keeping its own.
 Prints each row's block medians (µs a round) and its ratio to the call's.
@@ -20,13 +21,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import numpy as np
+
 import unison
 from harness.measure import block_medians
 from harness.report import blocks_args, print_block_ratios
 from harness.tasks import Small, noop
 
 VALUES: dict[str, Any] = {"put int": 7, "put pair": (7, 1.5),
-                          "put dict": {"a": 1, "b": [2, 3]}, "put object": Small(7)}
+                          "put dict": {"a": 1, "b": [2, 3]}, "put numpy": np.float32(7),
+                          "put object": Small(7)}
 
 
 def main() -> None:

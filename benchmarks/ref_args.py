@@ -4,7 +4,8 @@
     python benchmarks/ref_args.py [--workers 2] [--blocks 6] [--seconds 0.3] [--channel shm]
 
 The rows: no argument (``noop``, the base), a plain int, a tuple of ints (a shape: plain
-values inside the CALL as an int, since the thirty-seventh pass), a Ref (its id rides inside the
+values inside the CALL as an int, since the thirty-seventh pass), a numpy scalar (inside the
+CALL as its dtype and bytes, likewise), a Ref (its id rides inside the
 CALL, and the worker puts its own object there), the int and the Ref by keyword (``x=``),
 and the same Ref inside a list (pickled, the Ref as a lookup that the worker's unpickle
 makes: how every Ref argument went before).
@@ -21,6 +22,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import numpy as np
+
 import unison
 from harness.measure import block_medians
 from harness.report import blocks_args, print_block_ratios
@@ -34,6 +37,7 @@ def main() -> None:
         kinds: dict[str, tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = {
             "no argument": (noop, (), {}), "an int": (make_small, (1,), {}),
             "a tuple": (make_small, ((1024, 1024),), {}),
+            "a numpy scalar": (make_small, (np.float32(0.5),), {}),
             "an int by keyword": (make_small, (), {"x": 1}),
             "a Ref": (make_small, (ref,), {}), "a Ref by keyword": (make_small, (), {"x": ref}),
             "a Ref in a list": (make_small, ([ref],), {})}

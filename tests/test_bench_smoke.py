@@ -677,7 +677,8 @@ def test_ref_args_times_each_kind_of_argument_against_none() -> None:
     out = _tool("ref_args.py", "--blocks", "2", "--seconds", "0.02")
     rows = [line for line in out.splitlines() if "x no argument's" in line]
     assert [row.split(":")[0].strip() for row in rows] == [
-        "no argument", "an int", "a tuple", "an int by keyword", "a Ref", "a Ref by keyword",
+        "no argument", "an int", "a tuple", "a numpy scalar", "an int by keyword", "a Ref",
+        "a Ref by keyword",
         "a Ref in a list"], out
     assert rows[0].endswith("1.00x no argument's"), out
 
@@ -698,7 +699,7 @@ def test_put_values_times_each_kind_of_value_against_a_call() -> None:
     out = _tool("put_values.py", "--blocks", "2", "--seconds", "0.02")
     rows = [line for line in out.splitlines() if "x the call's" in line]
     assert [row.split(":")[0].strip() for row in rows] == [
-        "call", "put int", "put pair", "put dict", "put object", "scatter ints"], out
+        "call", "put int", "put pair", "put dict", "put numpy", "put object", "scatter ints"], out
     assert rows[0].endswith("1.00x the call's"), out
 
 

@@ -220,6 +220,7 @@ def _command(data: bytes) -> tuple[Any, ...]:
 @pytest.mark.parametrize("args", [None, (1, -(2**70), 2.5, "s✓\ud800", None, True, 1 + 2j),
                                   [(0,), (9, "s")], {"a": 1, "b": True},
                                   [(0,), (9, 2.5), {"c": 9, "d": None}, ("c",)],
+                                  [(), (("<f4", None, b"\x00\x00\xc0?"),), {}, (), (0,)],
                                   b"the pickle of (args, kwargs)"])
 @pytest.mark.parametrize("ranks", [None, (1, 3)])
 def test_a_call_reads_back_exactly(frees: Any, args: Any, ranks: Any) -> None:

@@ -9,7 +9,8 @@
                  with a req_id (run): reply (req_id, OK | ERR, result) instead, keep nothing
     (DEFINE, frees, fn_id, fn_pickle)           -> fns[fn_id] = loads(fn_pickle)
     (PUT,   frees, ref_id, value)               -> regs[ref_id] = value
-                 (value: its pickle; or, marshalled in place, (value,) or {rank: value})
+                 (value: its pickle; or, marshalled in place, (value,), {rank: value}, or
+                  [a small numpy value's array payload])
     (GET,   frees, req_id, ref_id)              -> reply (req_id, OK, regs[ref_id])
     (SYNC,  frees, req_id)                      -> reply (req_id, OK, [unreported errors])
     (NOP,   frees)                              -> nothing (carries frees to every worker)
@@ -141,8 +142,10 @@ def call_msg(frees: tuple[int, ...] | None, ref_id: int, fn_id: int, args: Any,
     """Run function ``fn_id`` into register ``ref_id``. ``args``: None, a tuple of plain
     values, a list ``[positions, values]``: plain values with the ids of Ref arguments at
     those positions, ``[positions, values, kwargs, names]``: the same with the keyword
-    arguments, the ids of Refs under ``names``, a dict: plain keyword values alone, or the
-    pickle of ``(args, kwargs)``; ``ranks``: the call's workers if not all;
+    arguments, the ids of Refs under ``names``, ``[positions, values, kwargs, names,
+    keys]``: the same with small numpy values as ``array_payload`` made them at ``keys``
+    (positions and names), a dict: plain keyword values alone, or the pickle of ``(args,
+    kwargs)``; ``ranks``: the call's workers if not all;
     ``req_id``: reply with the result (or error) at once, keeping nothing (``run``).
     Marshalled, not pickled; worker.serve unpacks the seven fields in place: the hot path."""
     return dumps_plain((CALL, frees, ref_id, fn_id, args, ranks, req_id), PLAIN)
@@ -212,11 +215,12 @@ def read_define(msg: tuple[Any, ...]) -> tuple[int, bytes]:
 
 
 def put_msg(frees: tuple[int, ...] | None, ref_id: int,
-            value: bytes | tuple[Any] | dict[int, Any]) -> bytes:
+            value: bytes | tuple[Any] | dict[int, Any] | list[Any]) -> bytes:
     """Keep a value in register ``ref_id``. ``value``: its pickle (loaded with the
     message's out-of-band buffers); or, for plain values (``is_plain``), ``(value,)``, the
     same for every worker, or ``{rank: value}``, each worker's own (a scatter, in one
-    message where it took one a worker and a NOP for the frees). Plain ones ride inside the
+    message where it took one a worker and a NOP for the frees); or ``[payload]``, a small
+    numpy value as ``array_payload`` made it. Plain ones ride inside the
     marshalled message: one encoding each way, where a pickle inside a pickle took two (a
     put of an int then sync took 1.35x a call's round at N=2 that way, 1.08x this way:
     ``python benchmarks/put_values.py``)."""
@@ -225,7 +229,8 @@ def put_msg(frees: tuple[int, ...] | None, ref_id: int,
     return dumps_plain((PUT, frees, ref_id, value), PLAIN)
 
 
-def read_put(msg: tuple[Any, ...]) -> tuple[int, bytes | tuple[Any] | dict[int, Any]]:
+def read_put(msg: tuple[Any, ...]
+             ) -> tuple[int, bytes | tuple[Any] | dict[int, Any] | list[Any]]:
     """A PUT's ``(ref_id, value)``, ``value`` as ``put_msg`` took it."""
     _, _, ref_id, value = msg
     return ref_id, value

@@ -60,6 +60,7 @@ from unison.protocol import (
     PUT,
     SHUTDOWN,
     SYNC,
+    array_value,
     dumps_plain,
     loads_plain,
     read_define,
@@ -286,6 +287,12 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                             kwargs = blob[2]  # a fresh dict, as marshal makes each
                             for k in blob[3]:
                                 kwargs[k] = lookup(kwargs[k])
+                            if len(blob) > 4:  # small numpy values: where, by position or name
+                                for k in blob[4]:
+                                    if type(k) is int:
+                                        args[k] = array_value(args[k])
+                                    else:
+                                        kwargs[k] = array_value(kwargs[k])
                             value = fn(*args, **kwargs)  # type: ignore[misc]
                     elif type(blob) is dict:  # plain keyword values alone
                         value = fn(**blob)  # type: ignore[misc]
@@ -363,6 +370,15 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                 continue
             if isinstance(value, dict):  # every worker's plain value: ours by our rank
                 regs[ref_id] = value[me]
+                continue
+            if isinstance(value, list):  # a small numpy value, as array_payload made it
+                try:
+                    regs[ref_id] = array_value(value[0])
+                except Exception as exc:
+                    err = protocol.pack_error(exc, "loading a put value")
+                    regs[ref_id] = Failed(err)
+                    unreported[ref_id] = err
+                    chan.unreported(len(unreported))
                 continue
             try:
                 regs[ref_id] = loads(value, bufs)

@@ -70,6 +70,7 @@ from unison.trace import Stats, Trace
 __all__ = ["Session", "View"]
 
 _NO_BUFFERS: list[pickle.PickleBuffer] = []
+_PICKLED = object()  # arguments _send_quick found that only a pickle carries
 _FN_CACHE = 512  # functions kept defined on the workers; older ones are freed
 _names = itertools.count()
 _live: weakref.WeakSet[Session] = weakref.WeakSet()
@@ -470,9 +471,11 @@ class Session(View):
         and the fifth on what a bare call costs). Refs among plain arguments go by id."""
         blob: Any = args or None
         if kwargs or (args and not checks.plain_args(args)):
-            blob = self._ref_args(ranks, args, kwargs)  # None: neither plain values nor Refs
+            blob = self._ref_args(ranks, args, kwargs)
+            if blob is None:
+                blob = _PICKLED  # (for _send_call: no second look at them)
         if not (send_by is not None or self._send_timeout is not None
-                or self._tracer is not None or (blob is None and (args or kwargs))):
+                or self._tracer is not None or blob is _PICKLED):
             lock = self._send_lock
             lock.acquire()
             try:
@@ -523,8 +526,8 @@ class Session(View):
     ) -> int:
         """Send a CALL; its ref id. With ``req`` (run), the workers reply with the result at
         once and keep nothing. ``blob``: the arguments as the CALL carries them where
-        ``_send_quick`` made them already (plain values, or Refs by id, checked); None:
-        made here."""
+        ``_send_quick`` made them already (plain values, or Refs by id, checked), _PICKLED
+        where it found they must be pickled; None: made here."""
         if self._closed:
             self.check_open()
         if not callable(fn):
@@ -532,6 +535,8 @@ class Session(View):
         bufs = _NO_BUFFERS
         if blob is None:
             blob, bufs = self._call_args(ranks, fn, args, kwargs)
+        elif blob is _PICKLED:
+            blob, bufs = self._encode_args(ranks, fn, args, kwargs)
         if deadline is None:  # _lock_send, inlined: the hot path
             self._send_lock.acquire()
         else:
@@ -572,9 +577,15 @@ class Session(View):
         blobs: list[tuple[Any, list[pickle.PickleBuffer]]]
         if len(values) > 1 and is_plain(values):  # a scatter in one message (put_msg)
             blobs = [(dict(zip(ranks, values)), _NO_BUFFERS)]
-        else:  # plain: inside the message; else pickled, one message a worker for scatter
-            blobs = [((v,), _NO_BUFFERS) if is_plain(v) else self._encode_value(v, what)
-                     for v, what in _labelled(values)]
+        else:  # inside the message where plain, or a small numpy value's array payload;
+            blobs = []  # else pickled; one message a worker for scatter
+            for v, what in _labelled(values):
+                if is_plain(v):
+                    blobs.append(((v,), _NO_BUFFERS))
+                elif (array := protocol.array_payload(v)) is not None:
+                    blobs.append(([array], _NO_BUFFERS))
+                else:
+                    blobs.append(self._encode_value(v, what))
         self._lock_send(deadline)
         try:
             ref_id = next(self._ids)  # under the send lock, as a call's
@@ -1012,18 +1023,21 @@ class Session(View):
 
     def _ref_args(self, ranks: tuple[int, ...], args: tuple[Any, ...],
                   kwargs: dict[str, Any] | None = None) -> Any:
-        """Plain arguments and Refs as a CALL carries them without a pickle (see
-        protocol.call_msg), each Ref's id where it sits (the worker puts its object there);
-        None where an argument is neither. Each Ref is checked as a pickled one is. Pickled,
-        a round of ``call(f, ref)`` and sync took 2.26x one without arguments at N=2, by id
-        1.24x; ``call(f, x=1)`` 1.55x (``python benchmarks/ref_args.py``)."""
+        """Arguments as a CALL carries them without a pickle (see protocol.call_msg): plain
+        values, each Ref's id where it sits (the worker puts its object there), small numpy
+        values as their array payloads; None where one must be pickled. Each Ref is checked
+        as a pickled one is. Pickled, a round of ``call(f, ref)`` and sync took 2.26x one
+        without arguments at N=2, by id 1.24x; ``call(f, x=1)`` 1.55x; ``call(f,
+        np.float32(1))`` 2.9x (``python benchmarks/ref_args.py``)."""
         where = checks.ref_positions(args, Ref) if args else ()
         names = checks.ref_names(kwargs, Ref) if kwargs else ()
-        if where is None or names is None:  # no Ref then, but containers may be plain
-            if not kwargs or not is_plain((args, kwargs)):
+        arrays: tuple[int | str, ...] = ()
+        if where is None or names is None:  # containers, numpy values: one look at them all
+            parts = checks.call_parts(args, kwargs or {}, Ref)
+            if parts is None:
                 return None
-            where = names = ()
-        if kwargs and not args and not names:
+            args, kwargs, where, names, arrays = parts
+        if kwargs and not args and not names and not arrays:
             return kwargs  # plain keyword values alone: the dict (this call's own)
         if where:
             held = list(args)
@@ -1031,14 +1045,17 @@ class Session(View):
                 self._check_ref_arg(args[i], ranks)
                 held[i] = args[i]._id
             args = tuple(held)
-        if not kwargs:
+        if not kwargs and not arrays:
             return [where, args]
         if names:
-            kwargs = dict(kwargs)
+            kwargs = dict(kwargs or {})  # (a copy: call_parts may have made none)
             for k in names:
                 self._check_ref_arg(kwargs[k], ranks)
                 kwargs[k] = kwargs[k]._id
-        return [where, args, kwargs, names]
+        blob = [where, args, kwargs or {}, names]
+        if arrays:
+            blob.append(arrays)
+        return blob
 
     def _encode_value(self, value: Any, what: str) -> tuple[bytes, list[pickle.PickleBuffer]]:
         try:

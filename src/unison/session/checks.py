@@ -3,16 +3,17 @@ says what to do, and no worker is started, nothing is sent, nothing is marked cl
 
 from __future__ import annotations
 
+import itertools
 import operator
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from unison import placement
-from unison.protocol import CONTAINERS, is_plain
+from unison.protocol import CONTAINERS, array_payload, is_plain
 
-__all__ = ["as_rank", "check_env", "check_sizes", "cpu_plan", "plain_args", "ref_names",
-           "ref_positions", "shape", "values_per_worker"]
+__all__ = ["as_rank", "call_parts", "check_env", "check_sizes", "cpu_plan", "plain_args",
+           "ref_names", "ref_positions", "shape", "values_per_worker"]
 
 
 def check_sizes(num_workers: object, num_groups: object) -> None:
@@ -146,6 +147,51 @@ def ref_names(kwargs: dict[str, Any], ref: type) -> tuple[str, ...] | None:
         elif t not in plain or (t is str and len(a) > 256):
             return None
     return tuple(where)
+
+
+def call_parts(args: tuple[Any, ...], kwargs: dict[str, Any], ref: type
+               ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[int, ...], tuple[str, ...],
+                          tuple[int | str, ...]] | None:
+    """The arguments as a CALL carries them without a pickle, where ``ref_positions`` or
+    ``ref_names`` met one of another kind: ``(args, kwargs, Ref positions, Ref names,
+    numpy keys)``, each small numpy array or scalar replaced by its
+    ``protocol.array_payload`` (the keys say where: positions and names); tuples, lists,
+    dicts, bytes and long strings as ``protocol.is_plain`` takes them, each and all
+    together (no list among them twice). None, at the first that must be pickled."""
+    if len(args) > 8 or len(kwargs) > 8:
+        return None
+    where: list[int] = []
+    names: list[str] = []
+    arrays: list[int | str] = []
+    loose = []
+    values: list[Any] | None = None
+    kw: dict[str, Any] | None = None
+    key: Any
+    for key, a in itertools.chain(enumerate(args), kwargs.items()):
+        t = type(a)
+        if t is ref:
+            (where if type(key) is int else names).append(key)
+        elif t in _PLAIN and (t is not str or len(a) <= 256):
+            continue
+        elif t in CONTAINERS or t is bytes or t is str:
+            if not is_plain(a):
+                return None
+            loose.append(a)
+        else:
+            payload = array_payload(a)
+            if payload is None:
+                return None
+            arrays.append(key)
+            if type(key) is int:
+                values = list(args) if values is None else values
+                values[key] = payload
+            else:
+                kw = dict(kwargs) if kw is None else kw
+                kw[key] = payload
+    if len(loose) > 1 and not is_plain(tuple(loose)):
+        return None
+    return (args if values is None else tuple(values), kwargs if kw is None else kw,
+            tuple(where), tuple(names), tuple(arrays))
 
 
 def shape(value: object) -> tuple[int, ...]:
