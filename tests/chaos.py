@@ -358,9 +358,10 @@ class Chaos:
     def op_call(self) -> None:
         assert self.sess is not None
         x = self._value()
-        how = int(self.rng.integers(3))  # by position, by keyword, inside a container
-        ref = (self.sess.call(affine, x) if how == 0 else self.sess.call(affine, x=x)
-               if how == 1 else self.sess.call(affine_of, (x - 1, [1])))
+        how = int(self.rng.integers(4))  # by position, by keyword, inside a container,
+        ref = (self.sess.call(affine, x) if how == 0 else self.sess.call(affine, x=x)  # numpy
+               if how == 1 else self.sess.call(affine_of, (x - 1, [1])) if how == 2
+               else self.sess.call(affine, np.int64(x)))  # (its result numpy's too)
         self._keep(ref, [x * 10 + r for r in self._workers()])
 
     def op_run(self) -> None:
