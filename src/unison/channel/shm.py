@@ -549,9 +549,9 @@ class ShmChannel(Channel):
         """Python's ``_ring.Sender.values``, the same answers: None while a rank's reply is
         not in; True (nothing read) where one is anything but a plain reply of (req_id, OK,
         value) (or ARRAY: its value made by array_value) in the ring, or breaks the format;
-        else the values, all consumed. Without
-        the rx lock, which cost a quarter of it (benchmarks/ring_costs.py): the router
-        lets one thread read at a time, and only ``absorber`` adds another."""
+        else the values, all consumed. Without the rx lock, which cost a quarter of it
+        (benchmarks/ring_costs.py): the router lets one thread read at a time, and only
+        ``absorber`` adds another."""
         q, mm, rw_idx, rings = self._q, self._mm, self._rw_idx, self._lay.reply_ring
         found = []
         for r in ranks:
