@@ -174,13 +174,16 @@ def array_payload(value: Any) -> tuple[str, tuple[int, ...] | None, bytes] | Non
     None: a scalar); None for anything else, which is pickled. Pickle took 5.5 us to write
     an array of 4 floats and 2.9 to read it, a run of one 36-41 us at N=2 against an
     int's 8.6 (``python benchmarks/result_shapes.py``). Only exact types, C order, under
-    OOB_MIN bytes (larger ones go out of band), and dtypes that are their bytes alone."""
+    OOB_MIN bytes (larger ones go out of band), not in a shared array, and dtypes that
+    are their bytes alone."""
     np = sys.modules.get("numpy")
     if np is None:  # (not imported: the value is no array)
         return None
     if type(value) is np.ndarray:
         if value.nbytes >= OOB_MIN or not value.flags.c_contiguous:
             return None
+        if _arena._shared_ranges and _arena.is_shared(memoryview(value).cast("B")):
+            return None  # a shared array (sess.empty) goes by reference, or writes are lost
         shape: tuple[int, ...] | None = value.shape
     elif isinstance(value, np.generic) and type(value) is value.dtype.type:
         shape = None
