@@ -14,6 +14,7 @@ import pytest
 
 from unison import protocol
 from unison.channel import Reply
+from unison.channel import arena as arena_module
 from unison.errors import RemoteError
 from unison.refs import Ref
 
@@ -385,10 +386,16 @@ class _Sub(np.ndarray):
     np.float64(-0.0), np.int8(-3), np.bool_(True), np.complex128(1j), np.uint64(2**64 - 1),
     np.datetime64("2026-12-06", "D"), np.timedelta64(5, "ms"),
 ])
-def test_a_small_numpy_value_reads_back_exactly_from_its_array_payload(value: Any) -> None:
+@pytest.mark.parametrize("shared_arrays", [False, True])
+def test_a_small_numpy_value_reads_back_exactly_from_its_array_payload(
+        value: Any, shared_arrays: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run's or GET's reply of a small numpy array or scalar goes by marshal as
     (dtype, shape, bytes), status ARRAY: the same type, dtype (byte order and unit too),
-    shape and bits; an array of its own, writable, as pickle's would be."""
+    shape and bits; an array of its own, writable, as pickle's would be. Where this
+    process holds shared arrays, each array is first looked for among them (an empty one,
+    a time's: no memoryview of them is needed for that)."""
+    if shared_arrays:  # one elsewhere, alive
+        monkeypatch.setattr(arena_module, "_shared_ranges", ((8, 16, lambda: True),))
     payload = protocol.array_payload(value)
     assert payload is not None
     data = protocol.dumps_plain((5, protocol.ARRAY, payload), protocol.PLAIN)
@@ -411,3 +418,14 @@ def test_other_numpy_values_are_left_to_pickle(value: Any) -> None:
     """Large arrays (out of band instead), arrays not in C order, objects, records,
     strings, subclasses, and anything not numpy's: no array payload."""
     assert protocol.array_payload(value) is None
+
+
+def test_an_array_in_a_shared_array_is_left_to_pickle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small array that lies in a shared array (sess.empty, or a slice of one) travels
+    by reference, in the pickle: by value, the workers' writes to it would be lost."""
+    whole = np.zeros(16)
+    start = whole.__array_interface__["data"][0]
+    monkeypatch.setattr(arena_module, "_shared_ranges",
+                        ((start, start + whole.nbytes, lambda: whole),))
+    assert protocol.array_payload(whole) is None and protocol.array_payload(whole[4:8]) is None
+    assert protocol.array_payload(np.zeros(16)) is not None  # another array's memory

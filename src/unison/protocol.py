@@ -182,7 +182,8 @@ def array_payload(value: Any) -> tuple[str, tuple[int, ...] | None, bytes] | Non
     if type(value) is np.ndarray:
         if value.nbytes >= OOB_MIN or not value.flags.c_contiguous:
             return None
-        if _arena._shared_ranges and _arena.is_shared(memoryview(value).cast("B")):
+        if _arena._shared_ranges and _arena.lies_in_shared(
+                value.__array_interface__["data"][0], value.nbytes):
             return None  # a shared array (sess.empty) goes by reference, or writes are lost
         shape: tuple[int, ...] | None = value.shape
     elif isinstance(value, np.generic) and type(value) is value.dtype.type:

@@ -391,8 +391,12 @@ def is_shared(mv: memoryview) -> bool:
     if not _shared_ranges:
         return False
     addr = _address(mv)
-    if addr is None:
-        return False
-    end = addr + mv.nbytes
+    return addr is not None and lies_in_shared(addr, mv.nbytes)
+
+
+def lies_in_shared(addr: int, nbytes: int) -> bool:
+    """``is_shared`` of the ``nbytes`` at ``addr`` (an array's memory, read from its
+    ``__array_interface__``: no view needed, which some dtypes refuse)."""
+    end = addr + nbytes
     return any(start <= addr and end <= stop and alive() is not None
                for start, stop, alive in _shared_ranges)
