@@ -413,10 +413,12 @@ def test_a_small_numpy_value_reads_back_exactly_from_its_array_payload(
     np.asfortranarray(np.arange(6.0).reshape(2, 3)), np.array([{}, 1], dtype=object),
     np.zeros(2, dtype=[("a", "<i4"), ("b", "<f8")]), np.zeros(2).view(_Sub),
     np.array(["ab"]), np.void(b"ab"), 1.5, [np.float64(1)],
+    np.zeros(2, dtype=np.dtype(np.float64, metadata={"unit": "m"})),
 ])
 def test_other_numpy_values_are_left_to_pickle(value: Any) -> None:
     """Large arrays (out of band instead), arrays not in C order, objects, records,
-    strings, subclasses, and anything not numpy's: no array payload."""
+    strings, subclasses, a dtype with metadata, and anything not numpy's: no array
+    payload."""
     assert protocol.array_payload(value) is None
 
 

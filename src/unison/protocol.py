@@ -191,8 +191,8 @@ def array_payload(value: Any) -> tuple[str, tuple[int, ...] | None, bytes] | Non
     else:
         return None
     dtype = value.dtype
-    if dtype.kind not in _ARRAY_KINDS or dtype.fields is not None:
-        return None
+    if dtype.kind not in _ARRAY_KINDS or dtype.fields is not None or dtype.metadata:
+        return None  # (its str would leave the fields or the metadata out)
     return dtype.str, shape, value.tobytes()
 
 
