@@ -172,10 +172,10 @@ _ARRAY_KINDS = frozenset("biufcmM")  # bool, integers, floats, complex, times: b
 def array_payload(value: Any) -> tuple[str, tuple[int, ...] | None, bytes] | None:
     """A small numpy array or scalar as marshal carries it, ``(dtype, shape, bytes)`` (shape
     None: a scalar); None for anything else, which is pickled. Pickle took 5.5 us to write
-    an array of 4 floats and 2.9 to read it, a run of one 36-41 us at N=2 against an
-    int's 8.6 (``python benchmarks/result_shapes.py``). Only exact types, C order, under
-    OOB_MIN bytes (larger ones go out of band), not in a shared array, and dtypes that
-    are their bytes alone."""
+    an array of 4 floats and 2.9 to read it (``timeit``): a run of one took 4.0-4.3x an
+    int's run at N=2 that way, 1.8x this way (``python benchmarks/result_shapes.py``,
+    the row ``array``). Only exact types, C order, under OOB_MIN bytes (larger ones go
+    out of band), not in a shared array, and dtypes that are their bytes alone."""
     np = sys.modules.get("numpy")
     if np is None:  # (not imported: the value is no array)
         return None

@@ -371,17 +371,9 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
             if isinstance(value, dict):  # every worker's plain value: ours by our rank
                 regs[ref_id] = value[me]
                 continue
-            if isinstance(value, list):  # a small numpy value, as array_payload made it
-                try:
-                    regs[ref_id] = array_value(value[0])
-                except Exception as exc:
-                    err = protocol.pack_error(exc, "loading a put value")
-                    regs[ref_id] = Failed(err)
-                    unreported[ref_id] = err
-                    chan.unreported(len(unreported))
-                continue
-            try:
-                regs[ref_id] = loads(value, bufs)
+            try:  # its pickle, or a small numpy value as array_payload made it
+                regs[ref_id] = (array_value(value[0]) if isinstance(value, list)
+                                else loads(value, bufs))
             except BaseException as exc:
                 err = protocol.pack_error(exc, "loading a put value")
                 regs[ref_id] = Failed(err)
@@ -406,14 +398,12 @@ def _reply_value(chan: WorkerChannel, req_id: int, obj: object, fn: object = Non
     by a BaseException from its ``__reduce__`` (KeyboardInterrupt, SystemExit), or that
     does not fit in shared memory, becomes an error for the controller instead of a dead
     worker, naming run's ``fn`` or the GET's ``ref_id``."""
+    out: Any = None
     if type(obj) in _SCALARS or (type(obj) in _OTHERS and _plain(obj)):
-        out: Any = (req_id, OK, obj)  # plain: marshal takes it
-        if not chan.reply_plain(out, PLAIN):
-            chan.reply(dumps_plain(out, PLAIN))
-        return
-    array = protocol.array_payload(obj)
-    if array is not None:  # a small numpy array or scalar: marshalled too
-        out = (req_id, ARRAY, array)
+        out = (req_id, OK, obj)  # plain: marshal takes it
+    elif (array := protocol.array_payload(obj)) is not None:
+        out = (req_id, ARRAY, array)  # a small numpy array or scalar: marshalled too
+    if out is not None:
         if not chan.reply_plain(out, PLAIN):
             chan.reply(dumps_plain(out, PLAIN))
         return

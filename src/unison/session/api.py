@@ -521,21 +521,19 @@ class Session(View):
 
     def _send_call(
         self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
-        kwargs: dict[str, Any], deadline: float | None, req: Request | None = None,
-        blob: Any = None,
+        kwargs: dict[str, Any], deadline: float | None, req: Request | None,
+        blob: Any,
     ) -> int:
         """Send a CALL; its ref id. With ``req`` (run), the workers reply with the result at
-        once and keep nothing. ``blob``: the arguments as the CALL carries them where
-        ``_send_quick`` made them already (plain values, or Refs by id, checked), _PICKLED
-        where it found they must be pickled; None: made here."""
+        once and keep nothing. ``blob``: the arguments as ``_send_quick`` made them for the
+        CALL (None for none, plain values, Refs by id, checked), or _PICKLED where it found
+        that only a pickle carries them: pickled here."""
         if self._closed:
             self.check_open()
         if not callable(fn):
             raise TypeError(f"call needs a callable first, got {type(fn).__name__}")
         bufs = _NO_BUFFERS
-        if blob is None:
-            blob, bufs = self._call_args(ranks, fn, args, kwargs)
-        elif blob is _PICKLED:
+        if blob is _PICKLED:
             blob, bufs = self._encode_args(ranks, fn, args, kwargs)
         if deadline is None:  # _lock_send, inlined: the hot path
             self._send_lock.acquire()
@@ -989,19 +987,6 @@ class Session(View):
         self._send(define_msg, (fn_id, blob), self.workers, _NO_BUFFERS, deadline)
         self._frees.extend(self._fns.store(fn, fn_id, blob))
         return fn_id, self._fns.cacheable(fn)
-
-    def _call_args(
-        self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> tuple[Any, list[pickle.PickleBuffer]]:
-        """The arguments as a CALL carries them (see protocol.call_msg): None, plain values
-        inside the message, Refs among them by id, else the pickle; and its buffers."""
-        if kwargs or (args and not checks.plain_args(args)):
-            blob = self._ref_args(ranks, args, kwargs)
-            if blob is None:
-                return self._encode_args(ranks, fn, args, kwargs)
-            return blob, _NO_BUFFERS
-        return args or None, _NO_BUFFERS  # plain values ride inside the message itself
 
     def _encode_args(
         self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
