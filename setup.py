@@ -4,6 +4,7 @@ small allreduce's steps (src/unison/_coll.c). Everything else is in pyproject.to
 uses pure Python instead (channel/shm.py and collective/shm.py pick it automatically)."""
 
 import compileall
+import hashlib
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -26,10 +27,19 @@ class BuildExt(build_ext):
                                    quiet=1)
 
 
+def source(path: str) -> list[tuple[str, str]]:
+    """``SOURCE``, the start of the C file's sha256 (unison._native.source_digest, which
+    setup.py cannot import before the install): unison refuses a module built from another
+    version of its file, as after a ``git pull`` without a rebuild."""
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    return [("UNISON_SOURCE", f'"{digest}"')]
+
+
 setup(cmdclass={"build_ext": BuildExt}, ext_modules=[
     Extension("unison._ring", ["src/unison/_ring.c"], optional=True,
-              extra_compile_args=["-O2"]),
+              define_macros=source("src/unison/_ring.c"), extra_compile_args=["-O2"]),
     # no fused multiply-add: every rank's reduction must give numpy's bits
     Extension("unison._coll", ["src/unison/_coll.c"], optional=True,
+              define_macros=source("src/unison/_coll.c"),
               extra_compile_args=["-O3", "-ffp-contract=off"]),
 ])

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import io
 import os
+import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -198,6 +200,68 @@ def test_a_workers_mark_on_the_board(native: bool, monkeypatch: pytest.MonkeyPat
     if native:
         with pytest.raises(ValueError, match="closed"):
             mark.enter(1)
+
+
+STALE = r"""
+import warnings
+warnings.simplefilter("always")
+import numpy as np, unison
+from unison.channel import shm
+from unison.collective import shm as coll
+with unison.Session(2) as sess:
+    assert sess.run(lambda x: x + unison.rank(), 40) == [40, 41]
+    out = sess.run(lambda: unison.allreduce(np.full(8, 1.0 + unison.rank())).tolist())
+    assert out == [[3.0] * 8] * 2, out
+    print("native", shm.NATIVE, coll._coll is not None, "ok")
+    print("from", unison.__file__.rpartition("/")[0])
+"""
+
+
+@pytest.mark.parametrize("edit", [False, True], ids=["as-built", "stale"])
+def test_a_module_built_from_another_source_is_refused_with_how_to_rebuild(
+        tmp_path: Path, edit: bool) -> None:
+    """An editable install after a ``git pull`` without a rebuild: the C file changed, the
+    built module did not. The thirty-seventh pass's session then failed at start (replies()
+    took another argument); a layout change could misread memory. Both extensions carry
+    their file's digest (setup.py); one that differs from the file beside it is refused
+    with a warning that says how to rebuild, and the session runs on pure Python. A copy of
+    the package with the built modules: as built, it runs in C; with the C files edited, in
+    Python, right."""
+    if not _built() or _native.load("_coll") is None:
+        pytest.skip("the extensions are not built here")
+    root = Path(__file__).resolve().parent.parent / "src" / "unison"
+    shutil.copytree(root, tmp_path / "unison", ignore=shutil.ignore_patterns("__pycache__"))
+    if edit:
+        for name in ("_ring.c", "_coll.c"):
+            with open(tmp_path / "unison" / name, "a") as f:
+                f.write("/* a change after the build */\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env.pop("UNISON_PURE", None)
+    proc = subprocess.run([sys.executable, "-c", STALE], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=100)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said
+    assert f"from {tmp_path / 'unison'}" in proc.stdout, said  # the copy ran
+    if not edit:
+        assert "native True True ok" in proc.stdout, said
+        assert "RuntimeWarning" not in said, said
+        return
+    assert "native False False ok" in proc.stdout, said
+    for name in ("_ring", "_coll"):
+        assert re.search(rf"RuntimeWarning: unison\.{name} .* was built from another "
+                         rf"{name}\.c than the one beside it .* Rebuild it: `pip install "
+                         r"-e \.`", said), said
+
+
+def test_each_built_module_records_the_digest_of_its_source() -> None:
+    """The other half of the check above: a fresh build carries its file's digest, so a
+    right build is never refused."""
+    for name in ("_ring", "_coll"):
+        module = _native.load(name)
+        if module is None:
+            pytest.skip("the extensions are not built here")
+        source = Path(module.__file__).with_name(name + ".c")
+        assert (module.SOURCE, name) == (_native.source_digest(source), name)
 
 
 def test_without_a_compiler_the_build_goes_on_and_builds_nothing(tmp_path: Path) -> None:

@@ -45,6 +45,12 @@
 #include <string.h>
 #include <time.h>
 
+/* The start of this file's sha256, set by setup.py; unison._native refuses a module whose
+   SOURCE differs from the file beside it (a stale build). */
+#ifndef UNISON_SOURCE
+#define UNISON_SOURCE ""
+#endif
+
 /* words of a worker's record, as collective/shm.py's _GEN_W .. _DESC (checked at import) */
 enum { GEN_W, GEN_G, LEFT, PID, NBYTES, SIG, DESC };
 enum { DONE = 0, MEET = 1, MISMATCH = 2, DEPART = 3, PASS = 4, LONG = 16 };
@@ -508,7 +514,8 @@ PyMODINIT_FUNC PyInit__coll(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&ReducerType);
-    if (PyModule_AddObject(m, "Reducer", (PyObject *)&ReducerType) < 0 ||
+    if (PyModule_AddStringConstant(m, "SOURCE", UNISON_SOURCE) < 0 ||
+        PyModule_AddObject(m, "Reducer", (PyObject *)&ReducerType) < 0 ||
         PyModule_AddObject(m, "RECORD", Py_BuildValue("(iiiiiii)", GEN_W, GEN_G, LEFT, PID,
                                                       NBYTES, SIG, DESC)) < 0) {
         Py_DECREF(m);

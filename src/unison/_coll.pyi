@@ -4,6 +4,7 @@ from collections.abc import Sequence
 from typing import Any
 
 RECORD: tuple[int, int, int, int, int, int, int]
+SOURCE: str  # the start of the C file's sha256 (setup.py)
 
 # (code, sig, desc, which, ranks, pauses, long_ns): collective/shm.py's _plan
 Plan = tuple[int, int, int, int, tuple[int, ...], int, int]

@@ -4,11 +4,14 @@ protocol, so a missing extension only costs speed."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import io
 import os
 import platform
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 _YES, _NO = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
@@ -48,14 +51,56 @@ def unordered_why(what: str) -> str:
 
 
 def load(name: str) -> Any:
-    """``unison.<name>`` (e.g. "_ring"), or None where it did not build or UNISON_PURE asks
-    for pure Python."""
+    """``unison.<name>`` (e.g. "_ring"), or None where it did not build, UNISON_PURE asks
+    for pure Python, or it was built from another source than the one beside it (a
+    warning says how to rebuild)."""
     if pure_asked():
         return None
     try:
-        return importlib.import_module(f"unison.{name}")
+        module = importlib.import_module(f"unison.{name}")
     except ImportError:
         return None
+    why = _stale(module)
+    if why:
+        _warn_once(why)
+        return None
+    return module
+
+
+def source_digest(path: Path) -> str:
+    """What setup.py compiles into each extension as ``SOURCE``: the start of its C file's
+    sha256."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def _stale(module: Any) -> str:
+    """Why ``module`` must not be used, or "". An editable install keeps its C file beside
+    the built module, and a ``git pull`` changes the file but not the module: the Python
+    side would then drive code of another version (a TypeError at a session's start at
+    best, a misread layout at worst). A wheel ships no C file, so it is trusted."""
+    built = Path(module.__file__)
+    source = built.with_name(module.__name__.rpartition(".")[2] + ".c")
+    try:
+        digest = source_digest(source)
+    except OSError:
+        return ""
+    had = getattr(module, "SOURCE", "")
+    if had == digest:
+        return ""
+    return (f"{module.__name__} ({built.name}) was built from another {source.name} than "
+            f"the one beside it (built from {had or 'an unrecorded version'}, the file is "
+            f"now {digest}). Rebuild it: `pip install -e .` in the project (or `python "
+            "setup.py build_ext --inplace`). Until then unison uses pure Python: the same "
+            "results, slower.")
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(why: str) -> None:
+    if why not in _WARNED:  # load() runs once a module that uses an extension
+        _WARNED.add(why)
+        warnings.warn(why, RuntimeWarning, stacklevel=3)
 
 
 def _locked_flush() -> Callable[[], None]:

@@ -32,6 +32,12 @@
 #include <string.h>
 #include <unistd.h>
 
+/* The start of this file's sha256, set by setup.py; unison._native refuses a module whose
+   SOURCE differs from the file beside it (a stale build). */
+#ifndef UNISON_SOURCE
+#define UNISON_SOURCE ""
+#endif
+
 #define WRAP UINT64_MAX
 #define ENTRY 16
 #define DESC 24
@@ -751,6 +757,7 @@ PyMODINIT_FUNC PyInit__ring(void) {
     Py_INCREF(&MarkType);
     if (PyModule_AddIntConstant(m, "OK", STATUS_OK) < 0 ||
         PyModule_AddIntConstant(m, "ARRAY", STATUS_ARRAY) < 0 ||
+        PyModule_AddStringConstant(m, "SOURCE", UNISON_SOURCE) < 0 ||
         PyModule_AddObject(m, "Sender", (PyObject *)&SenderType) < 0 ||
         PyModule_AddObject(m, "Taker", (PyObject *)&TakerType) < 0 ||
         PyModule_AddObject(m, "Mark", (PyObject *)&MarkType) < 0) {

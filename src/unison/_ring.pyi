@@ -5,6 +5,7 @@ from typing import Any
 
 OK: int  # protocol.OK
 ARRAY: int  # protocol.ARRAY
+SOURCE: str  # the start of the C file's sha256 (setup.py)
 
 class Sender:
     def __init__(self, buffer: Any, cmd_base: int, ring_size: int, efds: Sequence[int],
