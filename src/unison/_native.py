@@ -4,6 +4,7 @@ protocol, so a missing extension only costs speed."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import io
@@ -73,11 +74,13 @@ def source_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
+@functools.cache  # a process loads _ring three times (channel, board, fence)
 def _stale(module: Any) -> str:
     """Why ``module`` must not be used, or "". An editable install keeps its C file beside
     the built module, and a ``git pull`` changes the file but not the module: the Python
     side would then drive code of another version (a TypeError at a session's start at
-    best, a misread layout at worst). A wheel ships no C file, so it is trusted."""
+    best, a misread layout at worst). A wheel carries the file it was built from, so the
+    two agree; where no file is beside the module, it is trusted."""
     built = Path(module.__file__)
     source = built.with_name(module.__name__.rpartition(".")[2] + ".c")
     try:
@@ -94,13 +97,9 @@ def _stale(module: Any) -> str:
             "results, slower.")
 
 
-_WARNED: set[str] = set()
-
-
+@functools.cache  # once a process, where three modules load the same extension
 def _warn_once(why: str) -> None:
-    if why not in _WARNED:  # load() runs once a module that uses an extension
-        _WARNED.add(why)
-        warnings.warn(why, RuntimeWarning, stacklevel=3)
+    warnings.warn(why, RuntimeWarning, stacklevel=3)
 
 
 def _locked_flush() -> Callable[[], None]:
