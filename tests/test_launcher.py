@@ -8,6 +8,7 @@ import dataclasses
 import os
 import select
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -17,7 +18,7 @@ import psutil
 import pytest
 
 import unison
-from support import autogroup
+from support import autogroup, wait_dead
 from unison import channel as channels
 from unison.launch import DeathReport, Launcher, create, zygote
 from unison.launch.local import LocalLauncher
@@ -179,3 +180,71 @@ def test_a_session_takes_a_launcher_instance() -> None:
     with unison.Session(2, launcher=launcher) as sess:
         assert sess.run(unison.rank) == [0, 1]
     assert _CountingLauncher.starts == 1
+
+
+_LAST_PID = "/proc/sys/kernel/ns_last_pid"
+
+
+def _stranger_at(pid: int) -> subprocess.Popen[bytes]:
+    """Another program, leading a process group whose number is ``pid``: the kernel's next
+    pid set through ns_last_pid (as CRIU does), tried until no other fork came between."""
+    if not os.access(_LAST_PID, os.W_OK):
+        pytest.skip(f"{_LAST_PID} is not writable here (root in the pid namespace needed)")
+    for _ in range(100):
+        with open(_LAST_PID, "w") as f:
+            f.write(str(pid - 1))
+        proc = subprocess.Popen(["sleep", "60"], process_group=0)
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+    raise AssertionError(f"pid {pid} is still taken, or other forks came first each time")
+
+
+@pytest.mark.parametrize("launched", ["forked", "apart"], indirect=True)
+def test_an_ended_workers_number_given_to_another_program_is_left_alone(
+        launched: tuple[Launcher, channels.Channel]) -> None:
+    """A worker's keeper leads a process group of its number. Once it is reaped, and its
+    group empty, the number is free, and the kernel gives it out again (pid_max is 32,768
+    on many machines: a busy one comes round in minutes). The launcher killed that number's
+    group on every death() and stop(), so it SIGKILLed another program's group when the
+    death came to be read after the number was given out. Now only the reaper ends the
+    group, before its reap."""
+    launcher, _ = launched
+    keeper = _keeper(launcher, 1)
+    below = keeper.children()
+    keeper.children()[0].kill()  # the worker: its keeper then ends
+    assert _wait_ended(launcher) == 1  # seen to end: reaped (by us or by the zygote)
+    for proc in [keeper, *below]:
+        wait_dead(proc.pid)
+    stranger = _stranger_at(keeper.pid)
+    try:
+        report = launcher.death(1, grace=1.0)
+        assert report.exitcode == -9
+        launcher.stop(0.5)
+        time.sleep(0.1)
+        assert stranger.poll() is None, "unison killed another program's process group"
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+@pytest.mark.parametrize("launched", ["forked", "apart"], indirect=True)
+def test_a_keeper_killed_outright_takes_its_workers_children_along(
+        launched: tuple[Launcher, channels.Channel]) -> None:
+    """The other side of the test above: a keeper killed with SIGKILL cannot kill what lies
+    below it, and its worker's children stay in its group. The reaper ends that group before
+    the reap: the zygote, or the launcher's exitcode()."""
+    launcher, _ = launched
+    keeper = _keeper(launcher, 1)
+    worker = keeper.children()[0]
+    # stands in for what the worker started: in its group, but not below the keeper
+    child = subprocess.Popen(["sleep", "60"], process_group=keeper.pid)
+    try:
+        keeper.kill()
+        assert _wait_ended(launcher) == 1
+        assert child.wait(10) == -signal.SIGKILL
+        wait_dead(worker.pid)  # (with its keeper: PR_SET_PDEATHSIG)
+    finally:
+        child.kill()
+        child.wait()

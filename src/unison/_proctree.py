@@ -45,9 +45,14 @@ def kill_tree(root: int, include_root: bool = True) -> list[int]:
     pids = descendants(root)
     if include_root:
         pids.insert(0, root)
+    kill_all(pids)
+    return pids
+
+
+def kill_all(pids: list[int]) -> None:
+    """SIGKILL each of ``pids``, where it is still there."""
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-    return pids

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import os
 import pickle
+import select
 import selectors
 import signal
 import subprocess
@@ -91,24 +92,53 @@ class WorkerProcess:
             self.pidfd = None
 
     def exitcode(self) -> int | None:
-        return self.popen.poll()
+        """Its exit status once it has ended, else None. The zygote reaps a forked keeper;
+        we reap one we started, and end its group first (``_reap``)."""
+        popen = self.popen
+        if isinstance(popen, Forked) or popen.returncode is not None:
+            return popen.poll()
+        return self._reap()
 
-    def wait_exit(self, timeout: float) -> int | None:
+    def _reap(self) -> int | None:
+        """Reap our own keeper once it has ended, killing what is left in its process group
+        while its zombie still holds the number (zygote._end_group says why)."""
         try:
-            return self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def kill(self) -> None:
-        """SIGKILL the worker and every process below it (even those that left its process
-        group), collected while it is alive."""
-        if self.popen.poll() is None:
-            self.killed = True
-            _proctree.kill_tree(self.pid)
+            if os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                return None
+        except ChildProcessError:  # reaped by another (a SIGCHLD of SIG_IGN): the number
+            return self.popen.poll()  # may be another's, so its group is left alone
         try:
             os.killpg(self.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        return self.popen.poll()
+
+    def wait_exit(self, timeout: float) -> int | None:
+        """``exitcode()`` within ``timeout`` seconds, else None."""
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self.exitcode()
+            left = deadline - time.monotonic()
+            if code is not None or left <= 0:
+                return code
+            if self.pidfd is None:  # no pidfd_open here: look again shortly
+                time.sleep(min(left, 0.005))
+            else:
+                select.select([self.pidfd], [], [], left)
+
+    def kill(self) -> None:
+        """SIGKILL the worker and every process below it (even those that left its process
+        group), collected while it is alive, and its process group. Only while it has not
+        ended: a reaped keeper's number may belong to another program's group by now, and
+        its own group was ended before the reap (zygote._end_group, ``_reap``)."""
+        if self.exitcode() is None:
+            self.killed = True
+            below = _proctree.descendants(self.pid)  # read while the tree is whole
+            try:  # the keeper's own number while it runs: it is reaped only after its end,
+                os.killpg(self.pid, signal.SIGKILL)  # and its reaper ends the group first
+            except (ProcessLookupError, PermissionError):
+                pass
+            _proctree.kill_all(below)
         try:
             self.popen.kill()
         except OSError:

@@ -277,13 +277,31 @@ def main(controller: int) -> None:
     os.closerange(sock.fileno() + 1, 65536)
     while True:
         try:
-            pid, raw = os.waitpid(-1, 0)
+            ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)  # not reaped yet
         except ChildProcessError:
             os._exit(0)  # every keeper has ended
+        assert ended is not None  # (None only with WNOHANG)
+        pid = ended.si_pid
+        _end_group(pid)
+        _, raw = os.waitpid(pid, 0)
         try:
             sock.sendall(_REPORT.pack(pid, raw))
         except OSError:
             pass  # the controller is gone: its keepers follow it
+
+
+def _end_group(keeper: int) -> None:
+    """Kill what is left in an ended keeper's process group (its number), before it is
+    reaped. Until then its zombie holds the number; once reaped, and the group empty, the
+    number is free, and a later ``killpg`` of it could reach another program's group (with
+    pid_max at 32,768 a busy machine comes round to it in minutes). So the controller never
+    signals a group whose keeper has ended (local.WorkerProcess.kill); this is that group's
+    end. The keeper, a subreaper, killed what it saw below it; a keeper killed outright
+    leaves its worker's children here."""
+    try:
+        os.killpg(keeper, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _go_on_as_worker(in_fd: int, out_fd: int, err_fd: int, keep: Sequence[int],
