@@ -374,3 +374,22 @@ def join_tcp(chan: Any, secret: bytes) -> tuple[Any, int]:
         assert time.monotonic() < deadline, "the handshake did not finish"
         time.sleep(0.001)
     return sock, incarnation
+
+
+_LAST_PID = "/proc/sys/kernel/ns_last_pid"
+
+
+def stranger_at(pid: int) -> subprocess.Popen[bytes]:
+    """Another program, leading a process group whose number is ``pid``: the kernel's next
+    pid set through ns_last_pid (as CRIU does), tried until no other fork came between."""
+    if not os.access(_LAST_PID, os.W_OK):
+        pytest.skip(f"{_LAST_PID} is not writable here (root in the pid namespace needed)")
+    for _ in range(100):
+        with open(_LAST_PID, "w") as f:
+            f.write(str(pid - 1))
+        proc = subprocess.Popen(["sleep", "60"], process_group=0)
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+    raise AssertionError(f"pid {pid} is still taken, or other forks came first each time")

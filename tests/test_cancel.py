@@ -6,12 +6,14 @@ the session stays intact."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import signal
 import time
 
 import pytest
 
 import unison
+from support import stranger_at, wait_gone
 from unison.cancel import SIGNAL
 
 pytestmark = pytest.mark.channels
@@ -183,3 +185,37 @@ def test_hundreds_of_cancelled_queued_calls_are_all_skipped(sess):
     assert ran == []
     busy.gather(timeout=30)
     assert sess.run(ident, 7) == [7, 7]
+
+
+def die_inside() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)  # its board word stays: inside this call
+
+
+def test_cancel_of_a_call_its_worker_died_in_signals_no_stranger(make_session):
+    """A worker killed inside a call leaves its word on the board saying so, and cancel
+    signalled every worker its word showed inside, by pid. By the time the cancel came, the
+    kernel may have given that pid to another program: the cancellation signal's default
+    action ends a process. Now a pid is signalled only while it is the process that started
+    then (its start time, read at the session's start), and the cancel raises WorkerDied,
+    where it reported the dead worker as stuck in C code."""
+    sess = make_session(2)
+    worker = sess[1].run(os.getpid)[0]
+    ref = sess[1].call(die_inside)
+    wait_gone([worker], 10.0)
+    deadline = time.monotonic() + 10.0
+    while True:  # its keeper reaps it: only then is the number free
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "the dead worker was never reaped"
+        time.sleep(0.01)
+    stranger = stranger_at(worker)
+    try:
+        with pytest.raises(unison.WorkerDied) as info:
+            ref.cancel(timeout=0.3)
+        assert info.value.worker == 1
+        assert stranger.poll() is None, "the cancellation signal reached another program"
+    finally:
+        stranger.kill()
+        stranger.wait()

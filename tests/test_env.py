@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from unison import cgroup, pacing
+from unison import _proctree, cgroup, pacing, placement
 from unison.pacing import crowd
 from unison.session import checks
 
@@ -187,6 +188,26 @@ def test_a_closed_sessions_workers_are_no_longer_let_go(make_session, two_cpus):
     (let_go,) = [fn for fn in crowd._on_crowd if fn not in before]
     sess.close()
     assert let_go not in crowd._on_crowd  # its pids may be another process's by now
+
+
+@needs_two_cpus
+def test_a_pid_that_changed_hands_keeps_its_cpus(two_cpus):
+    """placement changes a worker's CPUs by pid, while its session is open, and a worker
+    may have died unseen meanwhile: its pid may be another program's. A pid is changed only
+    while it is the process that started then (_proctree.started)."""
+    a, _ = two_cpus
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        start = _proctree.started(other.pid)
+        assert start is not None
+        placement._set(other.pid, start + 1, [a])  # as if another process had its pid
+        assert sorted(os.sched_getaffinity(other.pid)) == two_cpus
+        placement._set(other.pid, start, [a])
+        assert sorted(os.sched_getaffinity(other.pid)) == [a]
+    finally:
+        other.kill()
+        other.wait()
+    assert _proctree.started(other.pid) is None  # reaped: no process of that pid
 
 
 @needs_two_cpus

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 import unison
-from support import autogroup, wait_dead
+from support import autogroup, stranger_at, wait_dead
 from unison import channel as channels
 from unison.launch import DeathReport, Launcher, create, zygote
 from unison.launch.local import LocalLauncher
@@ -182,25 +182,6 @@ def test_a_session_takes_a_launcher_instance() -> None:
     assert _CountingLauncher.starts == 1
 
 
-_LAST_PID = "/proc/sys/kernel/ns_last_pid"
-
-
-def _stranger_at(pid: int) -> subprocess.Popen[bytes]:
-    """Another program, leading a process group whose number is ``pid``: the kernel's next
-    pid set through ns_last_pid (as CRIU does), tried until no other fork came between."""
-    if not os.access(_LAST_PID, os.W_OK):
-        pytest.skip(f"{_LAST_PID} is not writable here (root in the pid namespace needed)")
-    for _ in range(100):
-        with open(_LAST_PID, "w") as f:
-            f.write(str(pid - 1))
-        proc = subprocess.Popen(["sleep", "60"], process_group=0)
-        if proc.pid == pid:
-            return proc
-        proc.kill()
-        proc.wait()
-    raise AssertionError(f"pid {pid} is still taken, or other forks came first each time")
-
-
 @pytest.mark.parametrize("launched", ["forked", "apart"], indirect=True)
 def test_an_ended_workers_number_given_to_another_program_is_left_alone(
         launched: tuple[Launcher, channels.Channel]) -> None:
@@ -217,7 +198,7 @@ def test_an_ended_workers_number_given_to_another_program_is_left_alone(
     assert _wait_ended(launcher) == 1  # seen to end: reaped (by us or by the zygote)
     for proc in [keeper, *below]:
         wait_dead(proc.pid)
-    stranger = _stranger_at(keeper.pid)
+    stranger = stranger_at(keeper.pid)
     try:
         report = launcher.death(1, grace=1.0)
         assert report.exitcode == -9

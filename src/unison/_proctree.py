@@ -56,3 +56,23 @@ def kill_all(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot: /proc stat's 22nd field), or
+    None where there is no such process. With its pid it names one process for good: the
+    pid alone is handed out again once the process is reaped (pid_max is 32,768 on many
+    machines), so a signal sent by pid later needs ``same`` first."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rpartition(b")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def same(pid: int, start: int | None) -> bool:
+    """Whether ``pid`` is still the process that started at ``start`` (``started``). An
+    unknown ``start`` (no /proc when it was read) is taken as the same. The pid can only
+    change hands between this look and a signal if the process ends, is reaped, and the
+    kernel comes round to its number in that moment."""
+    return start is None or started(pid) == start

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from unison import _native
+from unison import _native, _proctree
 from unison._native import fence as _fence
 from unison.channel.arena import sealed_memfd
 
@@ -112,9 +112,11 @@ class Board:
         return int(self._q[_RUNNING + _LINE * rank])
 
     def stop(self, call_id: int, ranks: Sequence[int], pids: Sequence[int],
-             timeout: float) -> list[int]:
+             starts: Sequence[int | None], timeout: float) -> list[int]:
         """Post ``call_id``, signal each worker of ``ranks`` seen inside it (``pids`` by
-        rank), and wait up to ``timeout`` for them to leave it; the ranks still inside."""
+        rank, each the process that started at ``starts``: a worker that died inside the
+        call leaves its word set, and its pid may be another program's by now), and wait up
+        to ``timeout`` for them to leave it; the ranks still inside."""
         self.post(call_id)
         signalled: dict[int, float] = {}  # rank -> when we last signalled it
         end = time.monotonic() + timeout
@@ -130,6 +132,8 @@ class Board:
                     signalled[r] = now
                     if pids[r] == os.getpid():  # worker 0 inline in us: never signal ourself
                         continue
+                    if not _proctree.same(pids[r], starts[r]):
+                        continue  # it ended: the session hears of it on its next wait
                     try:
                         signal_main_thread(pids[r], SIGNAL)
                     except ProcessLookupError:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 
+from unison import _proctree
 from unison.pacing import crowd
 
 
@@ -57,18 +58,19 @@ def round_robin(ranks: range) -> dict[int, list[int]]:
     return {r: [usable[r % len(usable)]] for r in ranks}
 
 
-def keep(pids: Sequence[int], plan: Mapping[int, list[int]], *, children: bool,
-         inline: bool = False) -> Callable[[], None] | None:
+def keep(pids: Sequence[int], starts: Sequence[int | None], plan: Mapping[int, list[int]],
+         *, children: bool, inline: bool = False) -> Callable[[], None] | None:
     """In the controller of a session with the default ``cpu_affinity``, once its workers
-    (``pids`` by rank) are up: the spread workers of ``plan`` are let go at the first
-    crowded verdict; a lone local worker follows the controller while crowded. Returns
-    what unregisters that at close (a closed session's pids may be another's by then), or
-    None where there is nothing to keep."""
+    (``pids`` by rank, started at ``starts``: _proctree.started) are up: the spread workers
+    of ``plan`` are let go at the first crowded verdict; a lone local worker follows the
+    controller while crowded. Returns what unregisters that at close (a closed session's
+    pids may be another's by then), or None where there is nothing to keep. A worker that
+    has ended is left alone: its pid may be another program's already."""
     if plan:
-        let_go = let_go_when_crowded([pids[r] for r in plan])
+        let_go = let_go_when_crowded([(pids[r], starts[r]) for r in plan])
         return lambda: crowd.off_crowd(let_go)
     if len(pids) == 1 and children and not inline:
-        follow = together_when_crowded(pids[0])
+        follow = together_when_crowded(pids[0], starts[0])
         if follow is not None:
             return lambda: crowd.off_look(follow)
     return None
@@ -79,24 +81,25 @@ def hold(cpus: Sequence[int]) -> None:
     verdict."""
     allowed = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, cpus)
-    crowd.on_crowd(lambda: _set(os.getpid(), allowed))
+    crowd.on_crowd(lambda: _set(os.getpid(), None, allowed))
 
 
-def let_go_when_crowded(pids: Sequence[int]) -> Callable[[], None]:
-    """In the controller, once the workers ``pids`` are up: at its first crowded verdict,
-    let each of them use every CPU this process may use. Returns the registration, for
-    ``crowd.off_crowd`` at close (a closed session's pids may be another's by then)."""
+def let_go_when_crowded(workers: Sequence[tuple[int, int | None]]) -> Callable[[], None]:
+    """In the controller, once the ``workers`` (pid, start time) are up: at its first
+    crowded verdict, let each of them use every CPU this process may use. Returns the
+    registration, for ``crowd.off_crowd`` at close (a closed session's pids may be
+    another's by then)."""
     allowed = sorted(os.sched_getaffinity(0))
 
     def let_go() -> None:
-        for pid in pids:
-            _set(pid, allowed)
+        for pid, start in workers:
+            _set(pid, start, allowed)
 
     crowd.on_crowd(let_go)
     return let_go
 
 
-def together_when_crowded(pid: int) -> Callable[[bool], None] | None:
+def together_when_crowded(pid: int, start: int | None) -> Callable[[bool], None] | None:
     """In the controller of a session whose one worker is the local process ``pid``: while
     the machine is crowded, keep the worker on the CPU the controller's waiting thread last
     ran on (see the module's docstring); once calm, let it use every CPU this process may.
@@ -113,7 +116,7 @@ def together_when_crowded(pid: int) -> Callable[[bool], None] | None:
             return
         cpu = last_cpu() if crowded else None
         if cpu != held:
-            _set(pid, allowed if cpu is None else [cpu])
+            _set(pid, start, allowed if cpu is None else [cpu])
             held = cpu
 
     crowd.on_look(follow)
@@ -131,9 +134,12 @@ def last_cpu(pid: int | None = None) -> int | None:
         return None
 
 
-def _set(pid: int, cpus: Sequence[int]) -> None:
-    """Every thread of process ``pid`` (those there now) to ``cpus``; one that is gone, or
-    not ours to change, is left."""
+def _set(pid: int, start: int | None, cpus: Sequence[int]) -> None:
+    """Every thread of process ``pid`` (those there now) to ``cpus``, if it is still the one
+    that started at ``start`` (None: ourselves); one that is gone, or not ours to change,
+    is left."""
+    if not _proctree.same(pid, start):
+        return
     try:
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except OSError:

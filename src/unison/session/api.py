@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from unison import _native, collective, placement, protocol
+from unison import _native, _proctree, collective, placement, protocol
 from unison import channel as channels
 from unison import trace as _trace
 from unison.cancel import Cancelled
@@ -244,8 +244,12 @@ class Session(View):
             self._router.wait(ready, start_deadline, "starting")
             crowd.forget()  # the workers' start was no crowd of strangers
             self._pids = [pid for _, pid in self._router.decode(ready, self.workers)]
+            # with the pids, their start times: a pid signalled later must still be ours
+            self._starts = [_proctree.started(pid) if the_launcher.children else None
+                            for pid in self._pids]
             if spread:
-                self._placed = placement.keep(self._pids, cpus, inline=inline_worker0,
+                self._placed = placement.keep(self._pids, self._starts, cpus,
+                                              inline=inline_worker0,
                                               children=the_launcher.children)
             if hang_timeout is not None and hang_timeout != math.inf:
                 self._router.hang = Watchdog(hang_timeout, self._pids)
@@ -848,8 +852,9 @@ class Session(View):
         if ref._session is not self:
             raise ValueError(f"{ref!r} belongs to another session")
         self.check_open()
-        stuck = board.stop(ref._id, ref.workers, self._pids, timeout)
+        stuck = board.stop(ref._id, ref.workers, self._pids, self._starts, timeout)
         if stuck:
+            self.check_alive("cancelling")  # a worker that died inside it: WorkerDied
             raise TimeoutError(
                 f"worker(s) {stuck} are still inside the call of {ref!r} {timeout} s after it "
                 "was cancelled: they are stuck in C code that does not return to Python (the "
