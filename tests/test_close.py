@@ -4,6 +4,7 @@ after it every use raises SessionClosed."""
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import subprocess
@@ -333,3 +334,50 @@ def test_interpreter_exit_warns_about_an_error_nobody_fetched(controller):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert "RuntimeWarning" in err and "boom raised KeyError" in err, err
+
+
+_KEPT: list = []
+
+
+def keep_open(base: str) -> None:
+    """A file written and kept open in a global, never flushed nor closed by the user."""
+    f = open(f"{base}-kept-{unison.rank()}", "w")  # noqa: SIM115 (kept open on purpose)
+    f.write("every word\n" * 100)
+    _KEPT.append(f)
+
+
+def write_at_exit(base: str, seconds: float = 0.0) -> None:
+    def ending() -> None:
+        time.sleep(seconds)
+        with open(f"{base}-atexit-{unison.rank()}", "w") as f:
+            f.write("ran")
+
+    atexit.register(ending)
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["own-interpreter", "forked"])
+def test_a_workers_end_runs_its_atexit_functions_and_loses_no_write(make_session, tmp_path,
+                                                                    n):
+    """A worker ends as a Python program ends: its atexit functions run (logging's flush
+    among them) and a file it kept open keeps its writes. Before, a lone worker (an
+    interpreter of its own) ran atexit but lost the file's buffered text, and forked
+    workers (N > 1) lost both."""
+    base = str(tmp_path / "w")
+    sess = make_session(n)
+    sess.run(keep_open, base)
+    sess.run(write_at_exit, base)
+    sess.close()  # returns once the workers have exited
+    for rank in range(n):
+        assert (tmp_path / f"w-kept-{rank}").read_text() == "every word\n" * 100
+        assert (tmp_path / f"w-atexit-{rank}").read_text() == "ran"
+
+
+def test_an_atexit_function_that_hangs_is_cut_off_by_the_grace(make_session, tmp_path):
+    sess = make_session(2)
+    pids = sess.run(os.getpid)
+    sess.run(write_at_exit, str(tmp_path / "w"), 60.0)
+    start = time.monotonic()
+    sess.close(timeout=0.5)
+    assert time.monotonic() - start < 3.0
+    assert wait_gone(pids, 2.0) == []
+    assert not list(tmp_path.iterdir())
