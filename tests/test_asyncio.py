@@ -376,3 +376,34 @@ def test_an_await_after_the_session_died_raises_session_closed(sess):
 
     got = asyncio.run(main())
     assert got[0] in ("WorkerDied", "SessionClosed") and got[1:] == ["SessionClosed"] * 2, got
+
+
+def test_a_close_from_another_thread_returns_once_the_loop_watches_none_of_its_fds(sess):
+    """close() in another thread asked the event loop to stop watching the session's fds,
+    then closed them at once. Until the loop got round to it, a file opened meanwhile with
+    one of those numbers (another session's, on this loop) could lose its reader to the
+    late remove_reader, or fail its own add_reader on the stale entry. Now close() waits
+    (up to a second) for the loop to let go first. The loop is kept busy here while the
+    close runs, so the old close returned with the fds still watched."""
+    seen: list[set[int]] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        wait = asyncio.ensure_future(sess.run_async(time.sleep, 30))
+        await asyncio.sleep(0.1)
+        watched = set(sess._waits._fds) | set(sess._waits._watch)
+        assert watched and watched <= set(loop._selector.get_map())  # type: ignore[attr-defined]
+
+        def close() -> None:
+            sess.close(timeout=0)
+            seen.append(watched & set(loop._selector.get_map()))  # type: ignore[attr-defined]
+
+        closer = threading.Thread(target=close)
+        closer.start()
+        time.sleep(0.3)  # the loop is busy while the close runs
+        with pytest.raises(unison.SessionClosed):
+            await asyncio.wait_for(wait, 5)
+        await asyncio.get_running_loop().run_in_executor(None, closer.join)
+
+    asyncio.run(main())
+    assert seen == [set()]

@@ -219,3 +219,33 @@ def test_the_c_steps_take_each_generation_as_next_does() -> None:
     assert runs[0] == runs[1]
     assert runs[0][1] == ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [2, 0], [None, None])
     assert runs[0][5][1:] == ([1, 0], [None, None])
+
+
+def test_a_peers_pid_word_that_changes_to_an_ended_process_closes_its_pidfd_once():
+    """``_gone`` keeps a pidfd per peer's pid word. Where the word changed to a pid that had
+    ended already, it closed the old pidfd but kept it in its table, and the call's end
+    closed that number again: by then another file's."""
+    import subprocess
+    import sys
+
+    fd, _ = shm.create("unison-test-gone", 2, 1)
+    coll = shm.ShmCollectives(fd, 0, 2, 1, watch_peers=True)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    other = None
+    try:
+        coll._q[coll._w[1] + shm._PID] = live.pid
+        assert coll._gone(1) is False
+        ended = subprocess.Popen(["true"])
+        ended.wait()
+        coll._q[coll._w[1] + shm._PID] = ended.pid
+        assert coll._gone(1) is True
+        other = os.pipe()  # another file takes the number closed just now
+        coll.close()
+        for each in other:
+            os.fstat(each)  # still open (EBADF before)
+    finally:
+        live.kill()
+        live.wait()
+        for each in other or ():
+            os.close(each)
+        os.close(fd)

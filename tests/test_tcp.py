@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import select
 import signal
 import socket
 import struct
@@ -448,3 +449,90 @@ def test_workers_on_a_crowded_controller_host_sleep_rather_than_spin(monkeypatch
     assert advice(cpus, host="another-host") is True
     if cpus > 1:
         assert advice(cpus - 1) is True
+
+
+def test_close_from_another_thread_leaves_no_read_on_a_reused_fd_number():
+    """A settled (a sync waiting for progress reports) in one thread polls the wake-up
+    pipes by number; close() in another thread closed them under it, and a file opened
+    next took a number: settled drained that file's bytes, then blocked in its read. Now
+    close() wakes the reader and closes the pipes only once it has let go, and sets them
+    to -1."""
+    from unison.channel.tcp import TcpChannel, _Peer
+
+    chan = TcpChannel(2, "127.0.0.1", "127.0.0.1", SECRET)
+    far = []
+    for rank in range(2):  # two workers' connections, both silent
+        near, end = socket.socketpair()
+        near.setblocking(False)
+        peer = chan._peers[rank] = _Peer(rank, near, 12345, "host", 0)
+        chan._epoll.register(peer.fd, select.EPOLLIN)
+        far.append(end)
+    chan._sent = [1, 1]  # so settled waits for reports that never come
+    result: dict[str, bool] = {}
+    waiter = threading.Thread(target=lambda: result.update(
+        settled=chan.settled([0, 1], 3.0)), daemon=True)
+    waiter.start()
+    time.sleep(0.2)
+    yield_r = chan._yield_r
+    chan.linger = 0.0
+    chan.close()
+    user_r, user_w = os.pipe()  # another file, opened right after
+    try:
+        os.write(user_w, b"user data")
+        os.dup2(user_r, yield_r)  # on the number a closed pipe had
+        for end in far:
+            end.close()
+        waiter.join(2.0)
+        assert not waiter.is_alive(), "settled blocked reading another file"
+        assert result == {"settled": False}
+        os.set_blocking(yield_r, False)
+        assert os.read(yield_r, 64) == b"user data"  # nobody took its bytes
+        assert chan._yield_r == chan._wake_r == chan._wake_w == chan._yield_w == -1
+    finally:
+        for fd in {yield_r, user_r, user_w}:  # (the pipe may have taken that number itself)
+            os.close(fd)
+
+
+def test_a_local_worker_joining_as_the_session_closes_gets_no_fd(tmp_path):
+    """A worker on this host is handed its shared memory's fds once its handshake passes.
+    A handshake that passed as the session closed sent them after close(), when their
+    owners had closed them and another file could hold the numbers: the worker got that
+    file. Now the fds go under the lock close() takes, or not at all."""
+    from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+
+    from unison.channel.tcp import _HELLO, TcpChannel
+
+    fd = -1
+    chan = TcpChannel(1, "127.0.0.1", "127.0.0.1", SECRET, local=frozenset({0}))
+    seg = os.memfd_create("unison-test-segment")  # stands for the session's memfd
+    chan.offer(0, b"spec", [seg])
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect("\0" + chan.unix)
+    conn = Connection(os.dup(sock.fileno()))
+    try:
+        answer_challenge(conn, SECRET)
+        deliver_challenge(conn, SECRET)
+        time.sleep(0.2)  # the channel waits for our hello
+        chan.linger = 0.0
+        chan.close()
+        os.close(seg)  # its owner closes it: the number is free
+        other = tmp_path / "other"
+        other.write_bytes(b"someone else's file")
+        opened = os.open(other, os.O_RDONLY)
+        fd = os.dup2(opened, seg)  # on the number the session's fd had
+        os.close(opened)
+        conn.send_bytes(_HELLO.pack(0, os.getpid()) + b"host")
+        conn.recv_bytes()  # the welcome
+        sock.settimeout(3.0)
+        try:
+            _, got, _, _ = socket.recv_fds(sock, 1, 4)
+        except (OSError, TimeoutError):
+            got = []
+        for each in got:
+            os.close(each)
+        assert got == [], "a joining worker was handed a file that is not its session's"
+    finally:
+        conn.close()
+        sock.close()
+        if fd >= 0:
+            os.close(fd)

@@ -85,6 +85,9 @@ MAX_FRAME = 1 << 32
 _MAX_BUFFERS = 1 << 16
 _HELLO = struct.Struct("<iq")  # rank wanted (-1: any), pid; then the host name
 _HANDSHAKE_S = 5.0
+_LET_GO_S = 2.0
+"""How long close() waits for a thread still reading the connections to let go of them
+(woken, it does at once)."""
 """How long a peer has to pass the handshake before it is dropped."""
 _CHUNK = 1 << 20
 _SMALL = 1 << 16  # a frame this small is joined to its head and sent in one call
@@ -304,14 +307,14 @@ class TcpChannel(Channel):
     def _admit_local(self, rank: int, sock: socket.socket) -> None:
         """A worker on this host: hand it the fds of its shared memory, keep the connection
         as its keeper's lifeline, and say who it is (the kernel's word for its pid)."""
-        socket.send_fds(sock, [b"F"], self._fds.get(rank, []))
         pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                   struct.calcsize("3i")))[0]
-        _timeouts(sock, 0)
-        with self._lock:
-            if self._closed:
+        with self._lock:  # close() sets _closed under it, then its owners close the fds:
+            if self._closed:  # sent after that, their numbers could be another file's
                 raise OSError("the session closed")
+            socket.send_fds(sock, [b"F"], self._fds.get(rank, []))  # (handshake timeouts)
             self._lifelines.append(sock)
+        _timeouts(sock, 0)
         if self._on_local is not None:
             self._on_local(rank, pid)
         log.debug("worker %d joined on this host (pid %d)", rank, pid)
@@ -682,7 +685,7 @@ class TcpChannel(Channel):
     def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"\0")
-        except OSError:
+        except OSError:  # full, or closed (-1)
             pass
 
     def close(self) -> None:
@@ -707,8 +710,33 @@ class TcpChannel(Channel):
         self._listener.close()
         if self._unix is not None:
             self._unix.close()
+        # A recv or settled in another thread may be reading the connections, or polling
+        # the pipes by number: closed under it, those numbers go to the next file opened,
+        # whose bytes it would take. Wake it, and go on once it has let go of them.
+        self._wake()
+        try:
+            os.write(self._yield_w, b"x")
+        except OSError:
+            pass
+        if not self._rx.acquire(timeout=_LET_GO_S):
+            log.warning("unison: a thread kept reading the closed session's connections; "
+                        "they are left open")
+            return
+        try:
+            self._hang_up()
+            self._epoll.close()
+            for fd in (self._wake_r, self._wake_w, self._yield_r, self._yield_w):
+                os.close(fd)
+            self._wake_r = self._wake_w = self._yield_r = self._yield_w = -1
+            self._watch = []
+        finally:
+            self._rx.release()
+
+    def _hang_up(self) -> None:
+        """Close every connection (close() holds the rx lock): first hang up, giving each
+        worker ``linger`` seconds to end on its own."""
         peers = [p for p in self._peers if p is not None and p.open]
-        for peer in peers:  # hang up, then give each worker a moment to end on its own
+        for peer in peers:
             try:
                 peer.sock.shutdown(socket.SHUT_WR)
             except OSError:
@@ -728,10 +756,6 @@ class TcpChannel(Channel):
         for line in self._lifelines:
             line.close()
         self._lifelines = []
-        self._epoll.close()
-        for fd in (self._wake_r, self._wake_w, self._yield_r, self._yield_w):
-            os.close(fd)
-        self._watch = []
 
 
 def _nothing(*_: object) -> None:

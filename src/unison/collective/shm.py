@@ -376,6 +376,7 @@ class ShmCollectives(CallScope, Collectives):
         known = self._pidfds.get(j)
         if known is None or known[0] != pid:
             if known is not None:
+                del self._pidfds[j]  # before the close: never closed twice
                 os.close(known[1])
             try:
                 known = self._pidfds[j] = (pid, os.pidfd_open(pid))

@@ -216,8 +216,8 @@ def fork_workers(ranks: Sequence[int], fds: Mapping[int, Sequence[int]],
         theirs.close()
         for _, in_r, out_w, err_w, _, _ in plan:
             for fd in (in_r, out_w, err_w):
-                os.close(fd)
-                made.remove(fd)
+                made.remove(fd)  # first: an interrupt between the two leaks it, where the
+                os.close(fd)  # other order had the cleanup below close its number again
         reports = _Reports(ours)
         ours.settimeout(_FORKING)
         while len(forked) < len(plan):
@@ -233,10 +233,10 @@ def fork_workers(ranks: Sequence[int], fds: Mapping[int, Sequence[int]],
                     "container's pids.max or memory limit): raise it, or start fewer workers")
             rank, pid = pickle.loads(msg)
             in_w, out_r, err_r = pipes[rank]
+            for fd in (in_w, out_r, err_r):
+                made.remove(fd)  # the file objects' below, which close them (as above)
             forked[rank] = Forked(pid, got_fds[0], os.fdopen(in_w, "wb"),
                                   os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"), reports)
-            for fd in (in_w, out_r, err_r):
-                made.remove(fd)
         ours.settimeout(None)
         return Zygote(zygote, reports), [forked[rank] for rank in ranks]
     except BaseException:

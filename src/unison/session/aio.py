@@ -30,6 +30,10 @@ from unison.channel import Channel
 from unison.pacing import SPIN, spin
 from unison.session.router import Request, Router
 
+_DETACH_S = 1.0
+"""How long a close in another thread waits for the event loop to stop watching the
+session's fds (a running loop does it at its next turn)."""
+
 __all__ = ["Waits"]
 
 
@@ -219,10 +223,22 @@ class Waits:
         if threading.get_ident() == self._thread:
             self._detach(loop)
             return
-        try:  # the loop forgets the fds soon; the selector tolerates them closed by then
-            loop.call_soon_threadsafe(self._detach, loop)
+        # The fds close right after this: the loop must forget them first, or a file opened
+        # meanwhile with one of their numbers (another session's, on this loop) would lose
+        # its reader to our late remove_reader, or fail its add_reader on our stale entry.
+        detached = threading.Event()
+
+        def detach() -> None:
+            try:
+                self._detach(loop)
+            finally:
+                detached.set()
+
+        try:
+            loop.call_soon_threadsafe(detach)
         except RuntimeError:
-            pass  # the loop is closed: its selector went with it
+            return  # the loop is closed: its selector went with it
+        detached.wait(_DETACH_S)  # a loop held by a long callback keeps the old way
 
     def _death(self) -> None:
         """A watched fd is readable: a worker ended. The session closes and fails every
