@@ -3,6 +3,7 @@ worker), and its workers are gone."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -150,3 +151,109 @@ def test_ctrl_c_in_a_wait_lets_go_of_the_sessions_memory_while_its_traceback_liv
         timer.cancel()
     assert caught.value.__traceback__ is not None  # held here, as a REPL would
     assert _held(sess.name) == []
+
+
+def ident(x):
+    return x
+
+
+def _ctrl_c_after(obj, name):
+    """Make ``obj.name`` raise Ctrl-C's KeyboardInterrupt right after it returns, once: where
+    CPython checks for a signal after a C call (the real one, delivered at that point)."""
+    real = getattr(obj, name)
+
+    def once(*args, **kwargs):
+        setattr(obj, name, real)
+        got = real(*args, **kwargs)
+        signal.raise_signal(signal.SIGINT)
+        return got
+
+    setattr(obj, name, once)
+
+
+def _closed_and_gone(sess, pids):
+    assert sess.closed
+    assert wait_gone(pids, 2.0) == []
+    with pytest.raises(unison.SessionClosed):
+        sess.run(ident, 2, timeout=3)
+
+
+@pytest.mark.parametrize("where", ["sent", "expected", "fetched", "synced"])
+def test_ctrl_c_inside_a_send_closes_the_session(make_session, where):
+    """Ctrl-C inside the session's own steps, outside a wait: after the message went out
+    (the request was then forgotten, and the next run raised "answered request 4 where 6
+    was expected"), after a reply was expected but before the send (the next run on that
+    worker waited for ever), or between a GET's or SYNC's send and its wait (their errors
+    went nowhere). Whether the workers got the message is not known there, so the session
+    closes, as for a Ctrl-C in a wait."""
+    sess = make_session(2)
+    pids = sess.run(ident, 0) and sess.run(os.getpid)
+    if where == "sent":
+        _ctrl_c_after(sess._chan, "send_plain")
+        go = lambda: sess.run(ident, 1)
+    elif where == "expected":
+        _ctrl_c_after(sess._router, "expect")
+        go = lambda: sess.run(ident, 1)
+    elif where == "fetched":
+        ref = sess.call(ident, 1)
+        _ctrl_c_after(sess, "_request")
+        go = ref.gather
+    else:
+        sess.call(ident, None, 1)  # a TypeError: the sync asks for it (a SYNC request)
+        _ctrl_c_after(sess, "_request")
+        go = sess.sync
+    with contextlib.ExitStack() as stack:
+        if where == "synced":  # the error it asked for is not fetched: the close says so
+            stack.enter_context(pytest.warns(RuntimeWarning, match="nobody fetched"))
+        with pytest.raises(KeyboardInterrupt):
+            go()
+    _closed_and_gone(sess, pids)
+
+
+def test_ctrl_c_in_an_event_loops_reader_closes_the_session(make_session, monkeypatch):
+    """An event loop that does not turn Ctrl-C into a task's cancellation
+    (``run_until_complete``, as IPython's): the KeyboardInterrupt came out of the reader
+    that delivers replies, after they were read and before they were delivered, and the
+    session stayed open with those replies lost (the next run took another's slot)."""
+    import asyncio
+
+    import unison.session.aio as aio
+
+    monkeypatch.setattr(aio, "_loop_idle", lambda: False)  # a busy loop: no quick path
+    sess = make_session(2)
+    pids = sess.run(ident, 0) and sess.run(os.getpid)
+    _ctrl_c_after(sess._chan, "recv")
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_until_complete(sess.run_async(ident, 1))
+    finally:
+        loop.close()
+    _closed_and_gone(sess, pids)
+
+
+class _SlowToLoad:
+    def __reduce__(self):
+        return (_made_slowly, ())
+
+
+def _made_slowly():
+    time.sleep(0.5)
+    return _SlowToLoad()
+
+
+def test_inline_worker0_hands_ctrl_c_on_while_it_loads(make_session):
+    """Worker 0 inline runs in the controller: a Ctrl-C while it unpickled a function or a
+    put value was stored as that function's or value's error, and the session went on as
+    if nothing had been pressed."""
+    sess = make_session(2, inline_worker0=True)
+    pids = sess.run(os.getpid)[1:]
+    captured = _SlowToLoad()
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sess.run(lambda: type(captured).__name__)  # by value: its pickle holds captured
+    finally:
+        timer.cancel()
+    _closed_and_gone(sess, pids)

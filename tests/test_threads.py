@@ -214,6 +214,12 @@ def test_a_call_held_up_before_it_is_sent_never_overtakes_with_a_lower_id(make_s
         def release(self):
             return plain.release()
 
+        def __enter__(self):  # the send's with-statement (_send_quick)
+            return self.acquire()
+
+        def __exit__(self, *exc):
+            self.release()
+
     got = {}
 
     def a():

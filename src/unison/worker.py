@@ -177,6 +177,7 @@ _board: Board | None = None
 
 
 _forked = [False]  # set in a child that a worker's function forks (os.register_at_fork)
+_inline = [False]  # serving as worker 0 inside the controller: a KeyboardInterrupt is Ctrl-C
 
 
 def _end_fork() -> NoReturn:
@@ -237,6 +238,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
     call is recorded as its error and raised on (worker 0 inline: Ctrl-C is the
     controller's, which closes the session)."""
     regs = registers
+    _inline[0] = interrupts
     me = _identity.get("rank", 0)
     _forked[0] = False  # this process serves: only a fork from here on is a stranger
     loop = loop or Loop()
@@ -365,6 +367,8 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
             try:
                 fns[fn_id] = loads(fn_pickle)
             except BaseException as exc:
+                if interrupts and isinstance(exc, KeyboardInterrupt):
+                    raise  # worker 0 inline: the controller's Ctrl-C, never the function's
                 fns[fn_id] = _Unloaded(protocol.pack_error(exc, "loading a function"))
         elif op == PUT:
             ref_id, value = read_put(msg)
@@ -378,6 +382,8 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                 regs[ref_id] = (array_value(value[0]) if isinstance(value, list)
                                 else loads(value, bufs))
             except BaseException as exc:
+                if interrupts and isinstance(exc, KeyboardInterrupt):
+                    raise  # (as in DEFINE)
                 err = protocol.pack_error(exc, "loading a put value")
                 regs[ref_id] = Failed(err)
                 unreported[ref_id] = err
@@ -417,6 +423,8 @@ def _reply_value(chan: WorkerChannel, req_id: int, obj: object, fn: object = Non
     try:
         data = protocol.dumps((req_id, OK, sent), bufs)
     except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt) and _inline[0]:
+            raise  # worker 0 inline: the controller's Ctrl-C (serve's ``interrupts``)
         problem = f"cannot be pickled back to the controller: {type(exc).__name__}: {exc}"
     else:
         try:

@@ -480,45 +480,45 @@ class Session(View):
                 blob = _PICKLED  # (for _send_call: no second look at them)
         if not (send_by is not None or self._send_timeout is not None
                 or self._tracer is not None or blob is _PICKLED):
-            lock = self._send_lock
-            lock.acquire()
-            try:
-                fns = self._fns
-                plan = fns.last_plan  # see FunctionCache.last
-                fn_id = (0 if self._closed  # closed: under the lock
-                         else fns.last_id if fn is fns.last and (plan is None or plan.holds())
-                         else fns.lookup(fn)[0])
-                everyone = ranks == self.workers
-                if fn_id and (everyone or not self._frees):
-                    ref_id = next(self._ids)  # under the send lock: see _send_call
-                    if req is not None:
-                        req.ref_id = ref_id
-                    # frees must reach every worker: a call to some leaves any that came in
-                    # since the test above to the next send (the slow way: a NOP to all)
-                    frees = None
-                    if everyone and self._frees:  # _take_frees, inlined: each dispatch round
-                        # frees the Ref before (benchmarks/session_parts.py: "+ take_frees")
-                        pop, waiting, taken = self._frees.popleft, self._frees, []
-                        while waiting:
-                            taken.append(pop())
-                        frees = tuple(taken)
-                    if req is not None:
-                        self._router.expect(req, ranks)
-                    try:
-                        msg = call_msg(frees, ref_id, fn_id, blob,
-                                       None if everyone else ranks,
-                                       0 if req is None else req.req_id)
-                        if not self._chan.send_plain(msg, ranks):
-                            self._chan.send(msg, ranks)
-                        if self._pump is not None:
-                            self._run_inline()
-                    except BaseException as exc:
+            try:  # Ctrl-C anywhere in here closes the session, as during a wait: whether
+                with self._send_lock:  # the workers got the message is not known (and
+                    fns = self._fns  # a with has no check for a signal before its body)
+                    plan = fns.last_plan  # see FunctionCache.last
+                    fn_id = (0 if self._closed  # closed: under the lock
+                             else fns.last_id if fn is fns.last and (plan is None or plan.holds())
+                             else fns.lookup(fn)[0])
+                    everyone = ranks == self.workers
+                    if fn_id and (everyone or not self._frees):
+                        ref_id = next(self._ids)  # under the send lock: see _send_call
                         if req is not None:
-                            self._router.forget(req, ranks)
-                        raise self._send_failed(exc, frees, ranks)  # noqa: B904 (cause: there)
-                    return ref_id
-            finally:
-                lock.release()
+                            req.ref_id = ref_id
+                        # frees must reach every worker: a call to some leaves any that came
+                        # in since the test above to the next send (the slow way: a NOP to all)
+                        frees = None
+                        if everyone and self._frees:  # _take_frees, inlined: each dispatch
+                            # round frees the Ref before (benchmarks/session_parts.py)
+                            pop, waiting, taken = self._frees.popleft, self._frees, []
+                            while waiting:
+                                taken.append(pop())
+                            frees = tuple(taken)
+                        try:
+                            if req is not None:
+                                self._router.expect(req, ranks)
+                            msg = call_msg(frees, ref_id, fn_id, blob,
+                                           None if everyone else ranks,
+                                           0 if req is None else req.req_id)
+                            if not self._chan.send_plain(msg, ranks):
+                                self._chan.send(msg, ranks)
+                            if self._pump is not None:
+                                self._run_inline()
+                        except BaseException as exc:
+                            if req is not None:
+                                self._router.forget(req, ranks)
+                            raise self._send_failed(exc, frees, ranks)  # noqa: B904 (there)
+                        return ref_id
+            except KeyboardInterrupt:
+                self.interrupted()
+                raise
         return self._send_call(ranks, fn, args, kwargs,
                                self._send_deadline() if send_by is None else send_by, req,
                                blob)
@@ -539,38 +539,42 @@ class Session(View):
         bufs = _NO_BUFFERS
         if blob is _PICKLED:
             blob, bufs = self._encode_args(ranks, fn, args, kwargs)
-        if deadline is None:  # _lock_send, inlined: the hot path
-            self._send_lock.acquire()
-        else:
-            self._lock_send(deadline)
-        try:
-            # taken under the send lock, so that ids grow in the order calls reach the
-            # workers: a worker's collectives tell calls apart by their ids, and a call that
-            # overtook a lower one made its peers think they had left (several threads)
-            ref_id = next(self._ids)
-            if req is not None:
-                req.ref_id = ref_id
-            fn_id, fresh = self._fns.lookup(fn)
-            cached = True
-            if not fn_id:
-                fn_id, cached = self._define(fn, fresh, deadline)
-            if req is not None:
-                self._router.expect(req, ranks)
+        try:  # Ctrl-C in here closes the session (see _send_quick)
+            if deadline is None:  # _lock_send, inlined: the hot path
+                self._send_lock.acquire()
+            else:
+                self._lock_send(deadline)
             try:
-                self._send(call_msg, (ref_id, fn_id, blob,
-                                      None if ranks == self.workers else ranks,
-                                      0 if req is None else req.req_id),
-                           ranks, bufs, deadline)
-            except BaseException:
+                # taken under the send lock, so that ids grow in the order calls reach the
+                # workers: a worker's collectives tell calls apart by their ids, and a call that
+                # overtook a lower one made its peers think they had left (several threads)
+                ref_id = next(self._ids)
                 if req is not None:
-                    self._router.forget(req, ranks)
-                raise
+                    req.ref_id = ref_id
+                fn_id, fresh = self._fns.lookup(fn)
+                cached = True
+                if not fn_id:
+                    fn_id, cached = self._define(fn, fresh, deadline)
+                try:
+                    if req is not None:
+                        self._router.expect(req, ranks)
+                    self._send(call_msg, (ref_id, fn_id, blob,
+                                          None if ranks == self.workers else ranks,
+                                          0 if req is None else req.req_id),
+                               ranks, bufs, deadline)
+                except BaseException:
+                    if req is not None:
+                        self._router.forget(req, ranks)
+                    raise
+                finally:
+                    if not cached:
+                        self._frees.append(fn_id)  # dropped with the next message, after this call
             finally:
-                if not cached:
-                    self._frees.append(fn_id)  # dropped with the next message, after this call
-        finally:
-            self._send_lock.release()
-        return ref_id
+                self._send_lock.release()
+            return ref_id
+        except KeyboardInterrupt:
+            self.interrupted()
+            raise
 
     def _put(self, ranks: tuple[int, ...], values: list[Any]) -> Ref:
         if self._closed:
@@ -588,20 +592,24 @@ class Session(View):
                     blobs.append(([array], _NO_BUFFERS))
                 else:
                     blobs.append(self._encode_value(v, what))
-        self._lock_send(deadline)
-        try:
-            ref_id = next(self._ids)  # under the send lock, as a call's
-            if len(blobs) == 1:
-                self._send(put_msg, (ref_id, blobs[0][0]), ranks, blobs[0][1], deadline)
-            else:
-                for rank, (blob, bufs) in zip(ranks, blobs):
-                    self._send(put_msg, (ref_id, blob), (rank,), bufs, deadline)
-        except TimeoutError:
-            self._frees.append(ref_id)  # the workers that got their value drop it again
+        try:  # Ctrl-C in here closes the session (see _send_quick)
+            self._lock_send(deadline)
+            try:
+                ref_id = next(self._ids)  # under the send lock, as a call's
+                if len(blobs) == 1:
+                    self._send(put_msg, (ref_id, blobs[0][0]), ranks, blobs[0][1], deadline)
+                else:
+                    for rank, (blob, bufs) in zip(ranks, blobs):
+                        self._send(put_msg, (ref_id, blob), (rank,), bufs, deadline)
+            except TimeoutError:
+                self._frees.append(ref_id)  # the workers that got their value drop it again
+                raise
+            finally:
+                self._send_lock.release()
+            return Ref(self, ref_id, ranks)
+        except KeyboardInterrupt:
+            self.interrupted()
             raise
-        finally:
-            self._send_lock.release()
-        return Ref(self, ref_id, ranks)
 
     def _run(
         self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],
@@ -612,16 +620,19 @@ class Session(View):
         session's send timeout, if any). ``_results``, its quick path inlined: a frame less
         on gather_small's round (0.2-0.3 µs at N=2, ``python benchmarks/result_shapes.py``)."""
         req = Request(next(self._ids), len(ranks))  # its ref id: when sent
-        self._send_quick(ranks, fn, args, kwargs, req, deadline)
-        router = self._router
-        if deadline is None:
-            values = router.quick(req, ranks)
-            if values is not None:
-                return values
-        try:
+        try:  # Ctrl-C between the send and the wait, too, closes the session (_send_quick)
+            self._send_quick(ranks, fn, args, kwargs, req, deadline)
+            router = self._router
+            if deadline is None:
+                values = router.quick(req, ranks)
+                if values is not None:
+                    return values
             router.wait(req, deadline, "running a call")
         except TimeoutError as exc:  # name the function (here: no cost unless it times out)
             exc.args = (f"run({_fn_name(fn)}): {exc.args[0]}", *exc.args[1:])
+            raise
+        except KeyboardInterrupt:
+            self.interrupted()
             raise
         return self._values(req, ranks)
 
@@ -659,8 +670,12 @@ class Session(View):
 
     def _fetch(self, ref: Ref, ranks: tuple[int, ...], deadline: float | None) -> list[Any]:
         self._check_fetch(ref)
-        req = self._request(get_msg, ref._id, ranks, deadline)
-        return self._results(req, ranks, deadline, "fetching a value")
+        try:  # Ctrl-C between the send and the wait, too, closes the session (_send_quick)
+            req = self._request(get_msg, ref._id, ranks, deadline)
+            return self._results(req, ranks, deadline, "fetching a value")
+        except KeyboardInterrupt:
+            self.interrupted()
+            raise
 
     def _check_fetch(self, ref: Ref) -> None:
         self.check_open()
@@ -772,31 +787,28 @@ class Session(View):
         not say all is done; else send SYNC."""
         chan, router = self._chan, self._router
         deadline = None if timeout is None else _deadline(timeout)
-        if chan.tracks_progress and router.idle(ranks):
-            try:  # the usual case, done within one slice and no error: one call (see _send_quick)
+        try:  # Ctrl-C in here closes the session, as in a wait (see _send_quick)
+            if chan.tracks_progress and router.idle(ranks):
+                # the usual case, done within one slice and no error: one call (see _send_quick)
                 ask = not (deadline is None and not self._closed
                            and chan.settled(ranks, router.slice))
-            except KeyboardInterrupt:
-                self.interrupted()
-                raise
-            if ask:  # the long way
-                self._wait_done(ranks, deadline)
-                ask = chan.unreported(ranks)
-        elif chan.settles and router.idle(ranks):  # reports in the reply streams: look
-            left = router.slice  # for a slice at most: SYNC's wait watches for hangs
-            if deadline is not None:
-                left = min(left, deadline - time.monotonic())
-            try:
+                if ask:  # the long way
+                    self._wait_done(ranks, deadline)
+                    ask = chan.unreported(ranks)
+            elif chan.settles and router.idle(ranks):  # reports in the reply streams: look
+                left = router.slice  # for a slice at most: SYNC's wait watches for hangs
+                if deadline is not None:
+                    left = min(left, deadline - time.monotonic())
                 ask = not (left > 0 and not self._closed and chan.settled(ranks, left))
-            except KeyboardInterrupt:
-                self.interrupted()
-                raise
-        else:
-            ask = True
-        if ask:
-            req = self._request(sync_msg, 0, ranks, deadline)
-            self._router.wait(req, deadline, "syncing")
-            self._keep_errors(req, ranks)
+            else:
+                ask = True
+            if ask:
+                req = self._request(sync_msg, 0, ranks, deadline)
+                self._router.wait(req, deadline, "syncing")
+                self._keep_errors(req, ranks)
+        except KeyboardInterrupt:
+            self.interrupted()
+            raise
         self._raise_held(ranks)
 
     def _keep_errors(self, req: Request, ranks: tuple[int, ...]) -> None:
@@ -873,20 +885,24 @@ class Session(View):
         if req is None:
             req = Request(next(self._ids), len(ranks), ref_id)
         fields = (req.req_id, ref_id) if ref_id else (req.req_id,)
-        router = self._router
-        self._lock_send(deadline)
-        try:
-            if self._closed:
-                self.check_open()
-            router.expect(req, ranks)
+        try:  # Ctrl-C in here closes the session (see _send_quick)
+            router = self._router
+            self._lock_send(deadline)
             try:
-                self._send(build, fields, ranks, _NO_BUFFERS, deadline)
-            except BaseException:
-                router.forget(req, ranks)
-                raise
-        finally:
-            self._send_lock.release()
-        return req
+                if self._closed:
+                    self.check_open()
+                try:
+                    router.expect(req, ranks)
+                    self._send(build, fields, ranks, _NO_BUFFERS, deadline)
+                except BaseException:
+                    router.forget(req, ranks)
+                    raise
+            finally:
+                self._send_lock.release()
+            return req
+        except KeyboardInterrupt:
+            self.interrupted()
+            raise
 
     def _decode(self, req: Request, ranks: tuple[int, ...], values: bool = False
                 ) -> list[tuple[int, Any]]:

@@ -168,9 +168,9 @@ class Router:
         where that cannot be (another thread reads, a trace runs, a reply that is not a
         plain value, not all in within one wait slice, or ``timeout``): then ``wait`` as
         ever."""
-        if self.tracer is not None or not self._recv_lock.acquire(False):
-            return None
         try:
+            if self.tracer is not None or not self._recv_lock.acquire(False):
+                return None
             try:
                 if self.closed:
                     return None
@@ -337,26 +337,30 @@ class Router:
         fails every waiting request (through the owner, which closes the session).
         ``clear``: empty the wake fd first (a syscall; a spinning wait skips it, and the
         poll that ends the spin empties it)."""
-        if not self._recv_lock.acquire(False):
-            return
         try:
-            if self.closed:  # the channel is gone: the waits were failed with the reason
+            if not self._recv_lock.acquire(False):
                 return
-            if clear:
-                self._chan.clear_wake()
-            for rank, data in self._chan.recv(0.0):
-                if data is None:
-                    self.fail_all(self._owner.died("waiting for replies", rank))
+            try:
+                if self.closed:  # the channel is gone: the waits were failed with the reason
                     return
-                if not self._expect[rank]:
-                    self.fail_all(self._owner.out_of_step(rank))
-                    return
-                self._deliver(rank, data)
-        finally:
-            self._recv_lock.release()
-            if self._followers:
-                with self._cv:
-                    self._cv.notify_all()
+                if clear:
+                    self._chan.clear_wake()
+                for rank, data in self._chan.recv(0.0):
+                    if data is None:
+                        self.fail_all(self._owner.died("waiting for replies", rank))
+                        return
+                    if not self._expect[rank]:
+                        self.fail_all(self._owner.out_of_step(rank))
+                        return
+                    self._deliver(rank, data)
+            finally:
+                self._recv_lock.release()
+                if self._followers:
+                    with self._cv:
+                        self._cv.notify_all()
+        except KeyboardInterrupt:  # (an event loop's reader: run_until_complete raises it
+            self._owner.interrupted()  # here) replies may be read and not delivered, as
+            raise  # in wait: the session closes
 
     def fail_all(self, exc: BaseException) -> None:
         """The session is over: end every wait that has a ``done`` callback with ``exc``."""
