@@ -712,3 +712,11 @@ def test_result_shapes_times_each_shape_against_the_int() -> None:
         "int", "pair", "list3", "nested", "dict", "array", "float64", "object", "gather int",
         "gather pair", "gather array", "gather object"], out
     assert rows[0].endswith("1.00x the int's"), out
+
+
+def test_close_time_prints_a_median_per_size() -> None:
+    """benchmarks/close_time.py: a line per number of workers, its close's median in ms."""
+    out = _tool("close_time.py", "--workers", "1", "2", "--sessions", "1")
+    rows = [line for line in out.splitlines() if line.startswith("N=")]
+    assert [row.split(":")[0] for row in rows] == ["N=1", "N=2"], out
+    assert all(re.search(r"close [\d.]+ ms \(median of 1; ", row) for row in rows), out
