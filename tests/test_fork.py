@@ -73,3 +73,84 @@ def test_a_child_forked_by_a_call_ends_where_the_call_ends(make_session, how):
     time.sleep(0.5)  # the children have come back by now
     for _ in range(3):
         assert sess.run(unison.rank, timeout=30) == [0, 1]
+
+
+def big(value):
+    import numpy as np
+
+    return np.full(1 << 16, float(value))  # 512 KiB: on a reply block, not in the ring
+
+
+def keep(a):
+    _KEPT.append(a)
+
+
+def kept_values():
+    return float(_KEPT[-1].min()), float(_KEPT[-1].max())
+
+
+def drop_in_a_child():
+    """Fork a child that drops its copy of the kept arrays and leaves (as a worker's
+    function may, for a helper process)."""
+    pid = os.fork()
+    if pid == 0:
+        _KEPT.clear()
+        import gc
+
+        gc.collect()
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+
+_KEPT: list = []
+
+
+@FORKS_ON_PURPOSE
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_that_drops_a_fetched_array_leaves_the_parents_intact(sess):
+    """A fetched array lies on its worker's reply block, which goes back to the worker
+    once the array is unmapped. A forked child inherits the mapping and its finalizer: it
+    counted the block done when it dropped its copy, so the worker wrote its next replies
+    over the parent's array, which changed with no error."""
+    a = sess.call(big, 1).get(0)
+    pid = os.fork()
+    if pid == 0:
+        del a
+        import gc
+
+        gc.collect()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    for i in range(10):
+        sess.run(big, 100 + i)
+    assert (float(a.min()), float(a.max())) == (1.0, 1.0)
+
+
+@FORKS_ON_PURPOSE
+def test_a_child_a_worker_forks_that_drops_an_argument_leaves_the_workers_intact(sess):
+    """The same on a worker: an argument array it keeps lies on the command arena; a child
+    it forked dropped its copy and counted the block, and a later argument landed under the
+    kept array."""
+    import numpy as np
+
+    sess.run(keep, np.full(1 << 16, 1.0))
+    sess.run(np.sum, np.zeros(1 << 16))  # (the loop holds a call's arguments until the next)
+    sess.run(drop_in_a_child)
+    for i in range(5):
+        sess.run(np.sum, np.full(1 << 16, 50.0 + i))
+    assert sess.run(kept_values) == [(1.0, 1.0)] * 2
+
+
+def test_another_sessions_shared_array_is_refused_not_copied(make_session):
+    """A sess.empty array travels by reference to its own session's workers. Passed to
+    another session, it went as a copy, and the workers' writes were lost in silence."""
+    import numpy as np
+
+    first, second = make_session(2), make_session(2)
+    shared = first.empty(1 << 14)
+    shared[:] = 0
+    with pytest.raises(ValueError, match="another session"):
+        second.run(np.copyto, shared, 7.0)
+    assert second.run(square, 3) == [9, 9]  # the session goes on
+    first.run(np.copyto, shared, 7.0)
+    assert shared[0] == 7.0

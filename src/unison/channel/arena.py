@@ -91,8 +91,10 @@ class Arena:
     new one named ``name``."""
 
     def __init__(self, name: str, num_readers: int, fd: int | None = None,
-                 keep: int = KEEP) -> None:
+                 keep: int = KEEP, commands: bool = False) -> None:
         self.fd = create_file(name, num_readers) if fd is None else fd
+        self._commands = commands
+        """A session's arena for its commands: the one whose shared arrays its workers write."""
         self.size = os.fstat(self.fd).st_size
         self._n = num_readers
         self._keep = keep
@@ -113,7 +115,8 @@ class Arena:
     def place(self, buffers: Sequence[Any], ranks: Sequence[int]) -> list[tuple[int, int, int]]:
         """Put each buffer (a PickleBuffer, or any contiguous buffer) in the arena for
         ``ranks``: descriptors (offset, length, slot | flags) that a reader turns back into
-        memory. All or nothing: on MemoryError (the arena is full) nothing is counted."""
+        memory. All or nothing: on MemoryError (the arena is full), or ValueError (a buffer
+        in another session's shared array), nothing is counted."""
         views = [_raw(b) for b in buffers]
         spots: list[tuple[_Block, int, int]] = []
         try:
@@ -122,12 +125,13 @@ class Arena:
                 if found is not None:
                     spots.append((found[0], found[1], WRITABLE))
                 else:
+                    self._check_not_anothers(mv)
                     block = self.alloc(mv.nbytes)
                     # not counted until below: held, or the next buffer's alloc would
                     # reclaim it (sent == done) and place that buffer on the same block
                     block.held = True
                     spots.append((block, block.offset, 0))
-        except MemoryError:
+        except BaseException:  # full (MemoryError), or another session's array
             for block, _, flags in spots:  # never counted: they go back at the next reclaim
                 if not flags:
                     block.held = False
@@ -149,6 +153,7 @@ class Arena:
         mv = _raw(buffer)
         found = self._find_shared(mv)
         if found is None:
+            self._check_not_anothers(mv)
             return None
         block, offset = found
         self._count(block.slot, ranks)
@@ -189,6 +194,16 @@ class Arena:
         _register(entry[:3])
         weakref.finalize(mm, _unhold, block)
         return mm
+
+    def _check_not_anothers(self, mv: memoryview) -> None:
+        """Raise where a command's buffer lies in another session's shared array: it would
+        go as a copy, and the workers' writes to it would be lost in silence."""
+        if self._commands and is_shared(mv):
+            raise ValueError(
+                "an array passed to this session lies in the shared memory of another "
+                "session (made by that session's empty()): this session's workers would "
+                "write to a copy, and their writes would be lost. Pass it to the session "
+                "that made it, or copy it first (np.array(a)) to send its values")
 
     def _find_shared(self, mv: memoryview) -> tuple[_Block, int] | None:
         if not self._shared:
@@ -342,13 +357,18 @@ def map_block(fd: int, offset: int, length: int, shared: bool,
         err = ctypes.get_errno()
         raise OSError(err, f"mapping {size} bytes of shared memory: {os.strerror(err)}")
     holder = (ctypes.c_ubyte * size).from_address(addr)
-    weakref.finalize(holder, _unmap, addr, size, then)
+    weakref.finalize(holder, _unmap, addr, size, then, os.getpid())
     return memoryview(holder).cast("B")[offset - start :]
 
 
-def _unmap(addr: int, size: int, then: tuple[Callable[[int], None], int] | None) -> None:
+def _unmap(addr: int, size: int, then: tuple[Callable[[int], None], int] | None,
+           owner: int) -> None:
+    """Unmap a block; count it done (``then``) only in the process that mapped it. A
+    forked child inherits the mapping and its finalizer: had it counted the block when it
+    dropped its copy (or at its exit), the writer would have reused the block under the
+    parent's array, which then changed with no error."""
     _libc.munmap(addr, size)
-    if then is not None:
+    if then is not None and os.getpid() == owner:
         then[0](then[1])
 
 

@@ -106,7 +106,7 @@ class PipeChannel(Channel):
             if hasattr(os, "memfd_create"):
                 from unison.channel.arena import Arena
 
-                self.arena = Arena(f"{name}-arena", num_workers)
+                self.arena = Arena(f"{name}-arena", num_workers, commands=True)
         except BaseException:
             self.close()
             raise

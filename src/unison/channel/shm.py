@@ -167,7 +167,7 @@ class ShmChannel(Channel):
         self._mm = mmap.mmap(self._fd, lay.size)
         self._buf = memoryview(self._mm)
         self._q = self._buf.cast("Q")
-        self.arena: Arena = Arena(f"{name}-arena", num_workers)
+        self.arena: Arena = Arena(f"{name}-arena", num_workers, commands=True)
         self._reply_fds = [create_file(f"{name}-reply{r}", 1) for r in range(num_workers)]
         self._readers = [ArenaReader(fd, 0, 1, shared=True) for fd in self._reply_fds]
         self._efd = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(num_workers)]

@@ -970,6 +970,10 @@ class Session(View):
         """What a failed send of a message carrying ``frees`` to ``ranks`` raises (the
         channel's own error as its cause only where it says more than ours)."""
         err: BaseException
+        if isinstance(exc, ValueError):  # refused before anything was sent (an arena's
+            if frees:  # check of a buffer): the frees ride on the next message
+                self._frees.extend(frees)
+            return exc
         if isinstance(exc, TimeoutError):
             if frees:
                 self._frees.extend(frees)  # they ride on the next message instead
