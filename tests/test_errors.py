@@ -518,3 +518,64 @@ def test_a_run_whose_reply_carries_another_id_closes_the_session(make_session, f
     with pytest.raises(unison.SessionClosed, match=says):
         sess.run(forge)
     assert sess.closed
+
+
+def fail_late():
+    import time
+
+    time.sleep(0.2 + 0.2 * unison.rank())
+    raise ValueError(f"boom on worker {unison.rank()}")
+
+
+def test_a_get_of_one_worker_leaves_the_others_late_error_for_sync(sess):
+    """A get of worker 0 timed out: its late error is kept for the next sync. Then a get of
+    worker 1 raised worker 1's error and forgot the call's errors on every worker, so no
+    sync ever raised worker 0's, and the close said nothing of it."""
+    ref = sess.call(fail_late)
+    with pytest.raises(TimeoutError):
+        ref.get(worker=0, timeout=0.05)
+    with pytest.raises(WorkerError) as got:
+        ref.get(worker=1)
+    assert got.value.worker == 1
+    with pytest.raises(WorkerError, match="boom on worker 0") as synced:
+        sess.sync()
+    assert synced.value.worker == 0
+    sess.sync()  # raised once
+
+
+def fail_now():
+    raise ValueError("B's call failed")
+
+
+def test_a_sync_raises_no_error_of_a_call_sent_after_it_began(sess, monkeypatch):
+    """Thread A's sync is under way when thread B sends a call that fails, then syncs. A's
+    sync raised B's error (the earliest held), and B's own sync returned quietly: B never
+    learned its call failed. Here B's call goes out from inside A's sync, where A asks the
+    workers for their errors (the shm channel's count, or a SYNC)."""
+    sess.run(unison.rank)
+    chan = sess._chan
+    sent: list[unison.Ref] = []
+
+    def b_sends() -> None:
+        if not sent:
+            sent.append(sess.call(fail_now))  # thread B, in the middle of A's sync
+            sess.run(unison.rank)  # (B's call has run)
+
+    def before(obj, name):
+        real = getattr(obj, name)
+
+        def first_b(*args, **kwargs):
+            b_sends()
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(obj, name, first_b)
+
+    before(chan, "unreported")
+    before(sess, "_request")
+    monkeypatch.setattr(chan, "settled", lambda ranks, timeout: False)  # A asks
+    sess.call(unison.rank)
+    sess.sync()  # A's: B's call was sent after it began
+    monkeypatch.undo()
+    assert sent
+    with pytest.raises(WorkerError, match="B's call failed"):
+        sess.sync()  # B's

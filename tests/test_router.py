@@ -152,7 +152,7 @@ def test_a_timeout_abandons_the_request_and_a_late_error_is_kept():
     chan.reply(0, 5, ERR, error("late failure"))  # the abandoned GET's reply comes first
     chan.ack(0)
     router.wait(later, None, "testing")
-    kept = errors.pop_earliest((0, 1))
+    kept = errors.pop_earliest((0, 1), 1 << 30)
     assert kept is not None and kept[0][2] == "late failure"
 
 
@@ -167,7 +167,7 @@ def test_a_late_value_of_an_abandoned_request_is_not_an_error():
     chan.reply(0, 5, OK, "fine")
     chan.ack(0)
     router.wait(later, None, "testing")
-    assert errors.pop_earliest((0, 1)) is None
+    assert errors.pop_earliest((0, 1), 1 << 30) is None
 
 
 def test_an_abandoned_sync_keeps_every_error_it_carries():
@@ -178,8 +178,8 @@ def test_an_abandoned_sync_keeps_every_error_it_carries():
         router.wait(req, time.monotonic() + 0.05, "syncing")
     chan.reply(0, 7, OK, [(3, error("three")), (4, error("four"))])
     router.drain()
-    assert errors.pop_earliest((0, 1))[0][2] == "three"
-    assert errors.pop_earliest((0, 1))[0][2] == "four"
+    assert errors.pop_earliest((0, 1), 1 << 30)[0][2] == "three"
+    assert errors.pop_earliest((0, 1), 1 << 30)[0][2] == "four"
 
 
 def test_an_ended_stream_is_a_death():
@@ -297,24 +297,24 @@ def test_the_unreported_store_reports_each_error_once_earliest_first():
     errors = UnreportedErrors()
     errors.add(7, 1, error("seven on 1"))
     errors.add_all(0, [(3, error("three on 0")), (7, error("seven on 0"))])
-    errors.forget(99)
-    first = errors.pop_earliest((0, 1))
+    errors.forget(99, (0, 1))
+    first = errors.pop_earliest((0, 1), 1 << 30)
     assert sorted(first) == [0] and first[0][2] == "three on 0"
-    second = errors.pop_earliest((0, 1))
+    second = errors.pop_earliest((0, 1), 1 << 30)
     assert sorted(second) == [0, 1]
-    assert errors.pop_earliest((0, 1)) is None
+    assert errors.pop_earliest((0, 1), 1 << 30) is None
     errors.add(5, 1, error("five on 1"))
     errors.add(6, 0, error("six on 0"))
     errors.add(6, 1, error("six on 1"))
     # a view's sync takes its workers' errors only, earliest first; the rest stay
-    assert [(r, e[2]) for r, e in errors.pop_earliest((0,)).items()] == [(0, "six on 0")]
-    assert [(r, e[2]) for r, e in errors.pop_earliest((1,)).items()] == [(1, "five on 1")]
-    assert [(r, e[2]) for r, e in errors.pop_earliest((0, 1)).items()] == [(1, "six on 1")]
-    assert errors.pop_earliest((0, 1)) is None
+    assert [(r, e[2]) for r, e in errors.pop_earliest((0,), 1 << 30).items()] == [(0, "six on 0")]
+    assert [(r, e[2]) for r, e in errors.pop_earliest((1,), 1 << 30).items()] == [(1, "five on 1")]
+    assert [(r, e[2]) for r, e in errors.pop_earliest((0, 1), 1 << 30).items()] == [(1, "six on 1")]
+    assert errors.pop_earliest((0, 1), 1 << 30) is None
     errors.add(8, 0, error("lost"))
     with pytest.warns(RuntimeWarning, match=r"call #8 of f raised ValueError: lost"):
         errors.warn_all("a session")
-    assert errors.pop_earliest((0, 1)) is None
+    assert errors.pop_earliest((0, 1), 1 << 30) is None
 
 
 def _send_an_extra_ack() -> int:
@@ -393,3 +393,59 @@ def test_ctrl_c_in_the_quick_path_stops_the_workers():
         router.quick(req, (0,))
     assert owner.interrupts == 1
     assert router.recv_lock.acquire(False)  # released
+
+
+class _AbandonedOnItsLastReply(Request):
+    """An await whose wait_for times out just as its last reply is delivered: reading its
+    count of 0 abandons it (what the event loop's thread does at that moment)."""
+
+    __slots__ = ("_left", "router")
+
+    def __init__(self, req_id: int, count: int, router: Router) -> None:
+        self.router = router
+        super().__init__(req_id, count)
+
+    @property  # type: ignore[override]
+    def remaining(self) -> int:
+        if self._left == 0 and self.done is not None:
+            self.router.abandon(self)
+        return self._left
+
+    @remaining.setter
+    def remaining(self, value: int) -> None:
+        self._left = value
+
+
+def test_an_await_abandoned_as_its_reply_is_delivered_leaves_the_others_whole():
+    """The reading thread checked the await's ``done``, the loop's timeout cleared it, and
+    the reader then called None: its own blocking run raised TypeError, and the rest of
+    the batch it had read was dropped, so one worker's replies were a request behind for
+    good. Now ``done`` is read once."""
+    router, chan, _, _ = make(1)
+    called: list[object] = []
+    awaited = _AbandonedOnItsLastReply(1, 1, router)
+    awaited.ref_id = 7  # a run's (its call's id)
+    awaited.done = called.append
+    blocking = Request(2, 1)
+    router.expect(awaited, (0,))
+    router.expect(blocking, (0,))
+    chan.reply(0, 1, OK, "the await's")
+    chan.reply(0, 2, OK, "mine")
+    router.wait(blocking, time.monotonic() + 5, "testing")
+    assert blocking.remaining == 0 and 0 in blocking.replies
+    assert called == [None]  # the stale callback: harmless (a cancelled future ignores it)
+
+
+def test_the_unreported_store_forgets_only_the_ranks_a_get_raised_and_syncs_take_their_own():
+    """A get of one worker that raised forgot the call's errors on every worker, so a
+    timed-out get's late error there never reached a sync; and a sync raised the earliest
+    error held even of a call sent after it began (another thread's), whose own sync then
+    returned quietly."""
+    errors = UnreportedErrors()
+    errors.add(5, 0, error("late on 0"))
+    errors.add(5, 1, error("on 1"))
+    errors.forget(5, (1,))  # get(worker=1) raised worker 1's
+    assert [(r, e[2]) for r, e in errors.pop_earliest((0, 1), 6).items()] == [(0, "late on 0")]
+    errors.add(9, 0, error("a later call's"))
+    assert errors.pop_earliest((0, 1), 9) is None  # a sync that began before call 9
+    assert errors.pop_earliest((0, 1), 10)[0][2] == "a later call's"

@@ -664,7 +664,7 @@ class Session(View):
             values.append(payload)
         else:
             return values
-        self._errors.forget(req.ref_id)
+        self._errors.forget(req.ref_id, ranks)
         raise _worker_error({rank: payload for rank, (status, payload) in zip(ranks, decoded)
                              if status != OK})
 
@@ -714,6 +714,7 @@ class Session(View):
         does not say all ran with no error held (an await of SYNC cost 2.1x a blocking sync:
         ``python benchmarks/async_bench.py``)."""
         chan = self._chan
+        floor = next(self._ids)  # the calls this sync covers: those sent before it
         if not ((chan.tracks_progress or chan.settles) and self._router.idle(ranks)
                 and not self._closed and self._waits.settled(ranks, timeout)):
             req = Request(next(self._ids), len(ranks))
@@ -725,7 +726,7 @@ class Session(View):
                 raise
             await self._waits.wait(req, fut, timeout, "syncing")
             self._keep_errors(req, ranks)
-        self._raise_held(ranks)
+        self._raise_held(ranks, floor)
 
     # -- the timeline (unison.trace) ------------------------------------------------------------
 
@@ -787,6 +788,7 @@ class Session(View):
         not say all is done; else send SYNC."""
         chan, router = self._chan, self._router
         deadline = None if timeout is None else _deadline(timeout)
+        floor = next(self._ids)  # the calls this sync covers: those sent before it
         try:  # Ctrl-C in here closes the session, as in a wait (see _send_quick)
             if chan.tracks_progress and router.idle(ranks):
                 # the usual case, done within one slice and no error: one call (see _send_quick)
@@ -809,16 +811,17 @@ class Session(View):
         except KeyboardInterrupt:
             self.interrupted()
             raise
-        self._raise_held(ranks)
+        self._raise_held(ranks, floor)
 
     def _keep_errors(self, req: Request, ranks: tuple[int, ...]) -> None:
         """A SYNC's answers: the errors each worker held, kept until raised."""
         for rank, (_, errs) in zip(ranks, self._decode(req, ranks)):
             self._errors.add_all(rank, errs)
 
-    def _raise_held(self, ranks: tuple[int, ...]) -> None:
-        """sync's end: WorkerError for the earliest errors held of ``ranks``, if any."""
-        errors = self._errors.pop_earliest(ranks)
+    def _raise_held(self, ranks: tuple[int, ...], floor: int) -> None:
+        """sync's end: WorkerError for the earliest errors held of ``ranks`` among the calls
+        sent before the sync began (their ids below ``floor``), if any."""
+        errors = self._errors.pop_earliest(ranks, floor)
         if errors is not None:
             raise _worker_error(errors)
 

@@ -309,8 +309,9 @@ class Router:
                     tracer.on_reply(p.req_id, rank, data)
                 if p.abandoned:
                     self._salvage(p, rank)
-                if p.done is not None and not p.remaining:
-                    p.done(None)
+                done = p.done  # read once: an event loop's timeout may abandon it meanwhile
+                if done is not None and not p.remaining:
+                    done(None)
             if self._followers:
                 with self._cv:
                     self._cv.notify_all()
@@ -326,8 +327,9 @@ class Router:
             self.tracer.on_reply(p.req_id, rank, data)
         if p.abandoned:
             self._salvage(p, rank)
-        if p.done is not None and not p.remaining:
-            p.done(None)
+        done = p.done  # (read once, as in _pump)
+        if done is not None and not p.remaining:
+            done(None)
 
     # -- an event loop's wait ---------------------------------------------------------------------
 
@@ -366,9 +368,10 @@ class Router:
         """The session is over: end every wait that has a ``done`` callback with ``exc``."""
         for fifo in self._expect:
             for p in list(fifo):
-                if p.done is not None and p.remaining:
-                    done, p.done = p.done, None
-                    done(exc)
+                if p.remaining:
+                    done, p.done = p.done, None  # (abandon() may clear it meanwhile)
+                    if done is not None:
+                        done(exc)
 
     def abandon(self, req: Request) -> None:
         """A wait gave up (timeout, cancellation): keep the errors its replies bring."""
@@ -426,9 +429,11 @@ class Router:
         if not raw:
             return
         try:
-            _, status, payload = read_reply(raw)
+            got, status, payload = read_reply(raw)
         except Exception:
             return  # a value that cannot be unpickled here carries no error
+        if got != req.req_id:  # another call's reply: never read as this one's errors
+            raise self._owner.out_of_step(rank)
         if req.ref_id and status != OK:
             self._errors.add(req.ref_id, rank, payload)
         elif not req.ref_id:

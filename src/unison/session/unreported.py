@@ -36,19 +36,29 @@ class UnreportedErrors:
             for ref_id, error in errors:
                 self._errors.setdefault(ref_id, {})[rank] = error
 
-    def forget(self, ref_id: int) -> None:
-        """That call's error was just raised to the user."""
+    def forget(self, ref_id: int, ranks: tuple[int, ...]) -> None:
+        """That call's errors on ``ranks`` were just raised to the user (a get of one
+        worker leaves the others' for a sync: a late error of a timed-out get among them)."""
         with self._lock:
-            self._errors.pop(ref_id, None)
+            errors = self._errors.get(ref_id)
+            if errors is not None:
+                for r in ranks:
+                    errors.pop(r, None)
+                if not errors:
+                    del self._errors[ref_id]
 
-    def pop_earliest(self, ranks: tuple[int, ...]) -> dict[int, Error] | None:
-        """The errors on ``ranks`` of the earliest call that has any there, by rank, or
-        None. A view's sync takes only its workers' errors: others' stay for a sync that
-        covers them."""
+    def pop_earliest(self, ranks: tuple[int, ...], below: int) -> dict[int, Error] | None:
+        """The errors on ``ranks`` of the earliest call below id ``below`` that has any
+        there, by rank, or None. A view's sync takes only its workers' errors, and a sync
+        only those of calls sent before it began: others stay for a sync that covers them
+        (a thread's sync raised another thread's later call's error, whose own sync then
+        returned quietly)."""
         if not self._errors:  # one read, no lock: an error added meanwhile is the next one's
             return None
         with self._lock:
             for ref_id in sorted(self._errors):
+                if ref_id >= below:
+                    return None
                 errors = self._errors[ref_id]
                 mine = {r: errors.pop(r) for r in ranks if r in errors}
                 if mine:
