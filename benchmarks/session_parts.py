@@ -22,7 +22,8 @@ and reverses from one round to the next (the first turn after a switch runs slow
                       (Session._take_frees), ``call_msg`` (protocol.call_msg), ``send``
                       (ShmChannel.send in place of the C ring's send_plain), ``settled``
                       (ShmChannel.settled in place of the look and spin),
-                      ``pop_earliest`` (Unreported.pop_earliest)
+                      ``pop_earliest`` (Unreported.pop_earliest, below the id the
+                      sync takes at its start)
     run               ``sess.run(noop)``
     lean run          run's quick path in this one frame: ids, the CALL, the C send, the
                       core handed over, then the C look that reads and decodes every reply
@@ -119,8 +120,8 @@ def lean_dispatch(sess: unison.Session, piece: str = "") -> Callable[[], None]:
                 sess.check_alive("waiting in benchmarks/session_parts.py")
             if got != 1:
                 raise RuntimeError("a worker holds an error nobody fetched")
-        if piece == "pop_earliest":
-            if errors.pop_earliest(ranks) is not None:
+        if piece == "pop_earliest":  # with the floor the sync takes at its start
+            if errors.pop_earliest(ranks, next(ids)) is not None:
                 raise RuntimeError("a worker reported an error")
         elif errors._errors:
             raise RuntimeError("a worker reported an error")
