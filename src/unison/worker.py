@@ -615,8 +615,9 @@ def _end() -> NoReturn:
         run_exitfuncs()  # (each error printed, as at exit)
     registers.clear()
     files = gc.get_objects() if _own_files() else (sys.stdout, sys.stderr)
-    for obj in files:  # a look at every object: 4-6 ms a worker, so only where one may be
-        if type(obj) in _FILES:  # a file (an isinstance of io.IOBase, an ABC: 5x slower)
+    for obj in files:  # a look at every object: 5.3 ms, so only where a file may be
+        if type(obj) in _FILES:  # (an isinstance of io.IOBase, an ABC: 8.0 ms; the command
+            # is in docs/benchmarks.md, "Issue 9, thirty-eighth pass", item 2)
             try:
                 obj.flush()
             except Exception:  # closed, or read-only

@@ -973,13 +973,10 @@ class Session(View):
         """What a failed send of a message carrying ``frees`` to ``ranks`` raises (the
         channel's own error as its cause only where it says more than ours)."""
         err: BaseException
-        if isinstance(exc, ValueError):  # refused before anything was sent (an arena's
-            if frees:  # check of a buffer): the frees ride on the next message
-                self._frees.extend(frees)
-            return exc
+        if frees and isinstance(exc, (TimeoutError, ValueError)):  # nothing of it was sent
+            self._frees.extend(frees)  # (a deadline, or a buffer the arena refused): the
+            # frees ride on the next message instead
         if isinstance(exc, TimeoutError):
-            if frees:
-                self._frees.extend(frees)  # they ride on the next message instead
             err = TimeoutError(
                 "the workers did not take the message by the deadline (their command queue is "
                 "full: a worker is busy or stuck). Nothing of it was sent: wait for the workers "

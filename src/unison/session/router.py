@@ -236,12 +236,8 @@ class Router:
                         "session was closed. Open a new Session to go on, and please report this.")
                 out.append((OK, ()))
                 continue
-            try:
-                got_id, status, payload = (  # read_reply, its plain case inlined: run's
-                    loads_plain(raw) if type(raw) is bytes and raw[0] != PICKLED
-                    else read_reply(raw))
-                if status == ARRAY:  # (read_reply's too: a small numpy array or scalar)
-                    status, payload = OK, array_value(payload)
+            try:  # (not run's usual case: ``values`` reads that)
+                got_id, status, payload = read_reply(raw)
             except Exception as exc:
                 raise TypeError(
                     f"the reply of worker {r} cannot be unpickled on the controller: {exc}. "
