@@ -257,3 +257,60 @@ def test_inline_worker0_hands_ctrl_c_on_while_it_loads(make_session):
     finally:
         timer.cancel()
     _closed_and_gone(sess, pids)
+
+
+class _CtrlCAfterAcquire:
+    """The session's send lock, with Ctrl-C landing once just after the main thread's
+    acquire returns: before the try that would release it."""
+
+    def __init__(self, lock):
+        self.lock, self.armed = lock, True
+
+    def acquire(self, *args, **kwargs):
+        got = self.lock.acquire(*args, **kwargs)
+        if got and self.armed and threading.current_thread() is threading.main_thread():
+            self.armed = False
+            signal.raise_signal(signal.SIGINT)
+        return got
+
+    def release(self):
+        self.lock.release()
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+@pytest.mark.parametrize("how", ["call", "call-by-deadline", "put", "gather"])
+def test_ctrl_c_just_after_taking_the_send_lock_never_blocks_another_thread(make_session,
+                                                                            how):
+    """Ctrl-C between the send lock's acquire and the try that releases it closes the
+    session with the lock still held by the main thread. Another thread's call then waited
+    for that lock for ever; now it sees the close and raises SessionClosed."""
+    sess = make_session(2)
+    pids = sess.run(ident, 0) and sess.run(os.getpid)
+    ref = sess.call(ident, 1)
+    sess._send_lock = _CtrlCAfterAcquire(sess._send_lock)
+    go = {"call": lambda: sess.call(ident, 1),
+          "call-by-deadline": lambda: sess.run(ident, 1, timeout=5),
+          "put": lambda: sess.put(1),
+          "gather": ref.gather}[how]
+    with pytest.raises(KeyboardInterrupt):
+        go()
+    assert not sess._send_lock.armed
+    got = []
+
+    def other():
+        try:
+            sess.call(ident, 2)
+        except BaseException as exc:
+            got.append(exc)
+
+    thread = threading.Thread(target=other, daemon=True)
+    thread.start()
+    thread.join(5)
+    assert not thread.is_alive(), "a thread's call waited for a lock a Ctrl-C left held"
+    assert len(got) == 1 and isinstance(got[0], unison.SessionClosed)
+    _closed_and_gone(sess, pids)

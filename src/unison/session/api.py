@@ -72,6 +72,8 @@ __all__ = ["Session", "View"]
 _NO_BUFFERS: list[pickle.PickleBuffer] = []
 _PICKLED = object()  # arguments _send_quick found that only a pickle carries
 _FN_CACHE = 512  # functions kept defined on the workers; older ones are freed
+_CLOSED_LOOK_S = 0.1
+"""How often a thread waiting for the send lock looks whether the session was closed."""
 _names = itertools.count()
 _live: weakref.WeakSet[Session] = weakref.WeakSet()
 
@@ -364,9 +366,12 @@ class Session(View):
                 "lacks (its platform has no memfd, or some of its workers join over TCP): "
                 "send the array with put/scatter and fetch the workers' results instead"
             )
-        with self._send_lock:
+        self._lock_send(None)
+        try:
             self.check_open()
             mm = arena.shared_array(count * dt.itemsize)
+        finally:
+            self._send_lock.release()
         return np.frombuffer(mm, dt, count).reshape(shape_t)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -480,9 +485,15 @@ class Session(View):
                 blob = _PICKLED  # (for _send_call: no second look at them)
         if not (send_by is not None or self._send_timeout is not None
                 or self._tracer is not None or blob is _PICKLED):
-            try:  # Ctrl-C anywhere in here closes the session, as during a wait: whether
-                with self._send_lock:  # the workers got the message is not known (and
-                    fns = self._fns  # a with has no check for a signal before its body)
+            # Ctrl-C anywhere in here closes the session, as during a wait: whether the
+            # workers got the message is not known. (One that lands between the acquire and
+            # the try leaves the lock held: then waiters see the close, see _lock_send.)
+            try:
+                lock = self._send_lock
+                if not lock.acquire(False):
+                    self._lock_send(None)
+                try:
+                    fns = self._fns
                     plan = fns.last_plan  # see FunctionCache.last
                     fn_id = (0 if self._closed  # closed: under the lock
                              else fns.last_id if fn is fns.last and (plan is None or plan.holds())
@@ -516,6 +527,8 @@ class Session(View):
                                 self._router.forget(req, ranks)
                             raise self._send_failed(exc, frees, ranks)  # noqa: B904 (there)
                         return ref_id
+                finally:
+                    lock.release()
             except KeyboardInterrupt:
                 self.interrupted()
                 raise
@@ -540,9 +553,7 @@ class Session(View):
         if blob is _PICKLED:
             blob, bufs = self._encode_args(ranks, fn, args, kwargs)
         try:  # Ctrl-C in here closes the session (see _send_quick)
-            if deadline is None:  # _lock_send, inlined: the hot path
-                self._send_lock.acquire()
-            else:
+            if not self._send_lock.acquire(False):  # _lock_send's first step, inlined
                 self._lock_send(deadline)
             try:
                 # taken under the send lock, so that ids grow in the order calls reach the
@@ -923,15 +934,24 @@ class Session(View):
 
     def _lock_send(self, deadline: float | None) -> None:
         """Take the send lock, or raise TimeoutError at ``deadline`` (another thread holds
-        it while it waits for room to send)."""
-        if deadline is None:
-            self._send_lock.acquire()
-        elif not self._send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise TimeoutError(
-                "another thread was still sending to the workers at the deadline (their command "
-                "queue is full: a worker is busy or stuck). Nothing was sent: wait for the "
-                "workers (sync) or close the session."
-            )
+        it while it waits for room to send), or SessionClosed once the session is closed:
+        a Ctrl-C that lands just after a thread's acquire closes the session with the lock
+        still held, so a waiter looks for the close every ``_CLOSED_LOOK_S``."""
+        lock = self._send_lock
+        if lock.acquire(False):
+            return
+        while True:
+            left = _CLOSED_LOOK_S if deadline is None else deadline - time.monotonic()
+            if lock.acquire(timeout=max(0.0, min(left, _CLOSED_LOOK_S))):
+                return
+            if self._closed:
+                self.check_open()
+            if deadline is not None and left <= _CLOSED_LOOK_S:
+                raise TimeoutError(
+                    "another thread was still sending to the workers at the deadline (their "
+                    "command queue is full: a worker is busy or stuck). Nothing was sent: "
+                    "wait for the workers (sync) or close the session."
+                )
 
     def _send(
         self, build: Callable[..., bytes], fields: tuple[Any, ...], ranks: tuple[int, ...],
