@@ -5,6 +5,7 @@ after it every use raises SessionClosed."""
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import gc
 import os
 import subprocess
@@ -370,6 +371,47 @@ def test_a_workers_end_runs_its_atexit_functions_and_loses_no_write(make_session
     for rank in range(n):
         assert (tmp_path / f"w-kept-{rank}").read_text() == "every word\n" * 100
         assert (tmp_path / f"w-atexit-{rank}").read_text() == "ran"
+
+
+def write_later(base: str, seconds: float) -> None:
+    """A non-daemon thread and a thread pool's queued job, each writing a file a while
+    after the call returned."""
+    def later(what: str) -> None:
+        time.sleep(seconds)
+        with open(f"{base}-{what}-{unison.rank()}", "w") as f:
+            f.write("ran")
+
+    threading.Thread(target=later, args=("thread",)).start()
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    pool.submit(time.sleep, seconds)
+    pool.submit(later, "pool")  # queued behind the first
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["own-interpreter", "forked"])
+def test_a_workers_end_waits_for_its_non_daemon_threads(make_session, tmp_path, n):
+    """As a Python program (and a multiprocessing child) ends: the user's non-daemon
+    threads finish, a thread pool's queued work among them, within the close's grace.
+    Before, the worker ended at once and they were cut off without a word."""
+    base = str(tmp_path / "w")
+    sess = make_session(n)
+    sess.run(write_later, base, 0.3)
+    start = time.monotonic()
+    sess.close(timeout=10)
+    assert time.monotonic() - start < 5.0
+    for rank in range(n):
+        assert (tmp_path / f"w-thread-{rank}").read_text() == "ran"
+        assert (tmp_path / f"w-pool-{rank}").read_text() == "ran"
+
+
+def test_a_non_daemon_thread_that_never_ends_is_cut_off_by_the_grace(make_session, tmp_path):
+    sess = make_session(2)
+    pids = sess.run(os.getpid)
+    sess.run(write_later, str(tmp_path / "w"), 60.0)
+    start = time.monotonic()
+    sess.close(timeout=0.5)
+    assert time.monotonic() - start < 3.0
+    assert wait_gone(pids, 2.0) == []
+    assert not list(tmp_path.iterdir())
 
 
 def test_an_atexit_function_that_hangs_is_cut_off_by_the_grace(make_session, tmp_path):

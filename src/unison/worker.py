@@ -39,6 +39,7 @@ import resource
 import select
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -606,10 +607,14 @@ def _end() -> NoReturn:
     in a global loses no write (left to the collector, as a cycle through the function's
     globals, CPython may close its buffer before its text layer flushes: bpo-17852).
     Before, a lone worker (an interpreter of its own) ran atexit functions but lost such
-    writes, and forked workers (os._exit) lost both. Not the interpreter's finalization: a
-    lone worker's close took 32 ms with it, 5 without (benchmarks/close_time.py), and a
-    non-daemon thread of the user's would hold the worker until the close's grace ran out
-    (multiprocessing's forked children end with os._exit too)."""
+    writes, and forked workers (os._exit) lost both. First, as at a program's end (and a
+    multiprocessing child's), the user's non-daemon threads are waited for, a thread pool's
+    queued work among them: the close's grace bounds that, as it bounds a call still
+    running. Not the interpreter's finalization: a lone worker's close took 32 ms with it,
+    5 without (benchmarks/close_time.py)."""
+    shutdown = getattr(threading, "_shutdown", None)  # CPython's, since 3.0
+    if shutdown is not None and threading.current_thread() is threading.main_thread():
+        shutdown()  # joins the non-daemon threads (before, they were cut off unfinished)
     run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)  # CPython's, since 3.0
     if run_exitfuncs is not None:
         run_exitfuncs()  # (each error printed, as at exit)
