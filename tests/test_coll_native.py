@@ -249,3 +249,83 @@ def test_a_peers_pid_word_that_changes_to_an_ended_process_closes_its_pidfd_once
         for each in other or ():
             os.close(each)
         os.close(fd)
+
+
+MAX_INDEX, MAX_CALL = 1 << 24, 1 << 38  # collectives per call and scope; call ids below
+
+
+def near_the_index_limit(kind: str) -> tuple[bool, list[Any]]:
+    """As if this call had run all but 3 of the collectives a call may run in a scope, then
+    allreduces of values that change every step (rank 1 a little late, so a fast rank may
+    meet a stale record): whether the C steps ran, and each result or the error that ends
+    them."""
+    r, n = unison.rank(), unison.world_size()
+    coll = unison.collective._shm
+    assert coll is not None
+    unison.barrier()  # the backends learn of the call
+    unison.barrier(group=True)
+    coll._index[0] = coll._index[1] = MAX_INDEX - 3
+    got: list[Any] = []
+    for i in range(6):
+        if r == 1:
+            time.sleep(0.002)
+        try:
+            if kind == "barrier":
+                unison.barrier()
+                got.append(None)
+            else:
+                x = np.array([1000.0 * i + r + 1])
+                res = unison.allreduce(x, group=kind == "group")
+                got.append(float(res[0]) - sum(1000.0 * i + k + 1 for k in range(n)))
+        except unison.CollectiveError as exc:
+            got.append(str(exc))
+            break
+    return coll._c is not None, got
+
+
+@pytest.mark.parametrize("kind", ["allreduce", "group", "barrier"])
+@pytest.mark.parametrize("pure", [False, True], ids=["native", "pure"])
+def test_a_call_past_its_collectives_per_scope_raises_instead_of_mixing_them(
+        kind: str, pure: bool) -> None:
+    """The generation word holds 2**24 collectives per call and scope. Past 2**22 the index
+    spilled into the call id: a fast rank counted a stale peer as arrived and reduced its
+    previous data (no error), or saw a bogus "left the call". Now the last ones run right
+    and the next raises on every rank, before it publishes anything."""
+    if pure is False and shm._coll is None:
+        pytest.skip("the C steps did not build")
+    env = {r: {"UNISON_PURE": "1" if pure else ""} for r in range(2)}
+    with unison.Session(2, env=env) as sess:
+        for _ in range(2):  # an odd call id and an even one: they failed differently
+            got = sess.run(near_the_index_limit, kind, timeout=30)
+            ok = None if kind == "barrier" else 0.0
+            assert [native for native, _ in got] == [not pure] * 2
+            for _, each in got:
+                assert each[:3] == [ok] * 3, got
+                assert len(each) == 4 and "at most 16,777,216 collectives" in each[3], got
+        assert sess.run(lambda: unison.allreduce(np.ones(2)).tolist(),
+                        timeout=30) == [[2.0, 2.0]] * 2  # the next call starts again
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["native", "pure"])
+def test_a_call_id_past_the_generation_word_raises(pure: bool) -> None:
+    """Call ids take the word's top 38 bits: the last one still runs collectives, a later
+    one raises (nothing published) rather than wrapping onto call 0's generations."""
+    if pure is False and shm._coll is None:
+        pytest.skip("the C steps did not build")
+    fd, _ = shm.create("unison-test-call-limit", 1, 1)
+    try:
+        coll = shm.ShmCollectives(fd, 0, 1, 1)
+    finally:
+        os.close(fd)
+    if pure:
+        coll._c = None
+    x = np.arange(4.0)
+    coll.begin(MAX_CALL - 1, None)
+    assert coll.allreduce(x, "sum", False).tolist() == x.tolist()
+    coll.barrier(True)
+    coll.end(MAX_CALL - 1)
+    coll.begin(MAX_CALL, None)
+    for run in (lambda: coll.allreduce(x, "sum", False), lambda: coll.barrier()):
+        with pytest.raises(unison.CollectiveError, match="open a new Session"):
+            run()
+    assert coll._index == [0, 0]

@@ -24,6 +24,8 @@
  *   MISMATCH 2    some peer called something else or passed other data: the caller raises
  *   DEPART 3      out holds the result; some peer has not passed generation | 1 yet
  *   PASS 4        (small) nothing done: the caller settles what is owed, or copies a, first
+ *   FULL 5        (small) nothing done: the generation would not fit its word (the index
+ *                 or the call id past its bits); the caller raises
  *   | LONG 16     a yield took longer than long_ns (the machine may be crowded)
  *
  * And end(call_id), which the worker loop calls after every call (most run no collective):
@@ -53,7 +55,13 @@
 
 /* words of a worker's record, as collective/shm.py's _GEN_W .. _DESC (checked at import) */
 enum { GEN_W, GEN_G, LEFT, PID, NBYTES, SIG, DESC };
-enum { DONE = 0, MEET = 1, MISMATCH = 2, DEPART = 3, PASS = 4, LONG = 16 };
+enum { DONE = 0, MEET = 1, MISMATCH = 2, DEPART = 3, PASS = 4, FULL = 5, LONG = 16 };
+/* a generation: call << CALL_SHIFT | index << 2 | phase, as shm.py's _CALL_SHIFT, _MAX_INDEX
+   and _MAX_CALL (checked at import): at most MAX_INDEX collectives per call and scope, call
+   ids below MAX_CALL */
+#define CALL_SHIFT 26
+#define MAX_INDEX (1LL << (CALL_SHIFT - 2))
+#define MAX_CALL (1ULL << (64 - CALL_SHIFT))
 /* what reduces how: (op << 4) | type */
 enum { T_F32, T_F64, T_I32, T_I64, T_U32, T_U64 };
 enum { OP_SUM, OP_PROD, OP_MIN, OP_MAX };
@@ -324,7 +332,8 @@ static int steps(Reducer *self, const Py_buffer *a, const Py_buffer *out, const 
         q[me + DESC + 4 * which + 2 * parity] = p->desc;
         q[me + DESC + 4 * which + 2 * parity + 1] = 0;
         store(&q[me + which], gen);
-        uint64_t top = ((gen >> 24) + 1) << 24; /* a meeting counts this call's arrivals only */
+        uint64_t next = (gen >> CALL_SHIFT) + 1; /* a meeting counts this call's arrivals only */
+        uint64_t top = next < MAX_CALL ? next << CALL_SHIFT : UINT64_MAX;
         if (!await_short(self, p->ranks, m, which, gen, top, &p->spin, &long_seen))
             return MEET | (long_seen ? LONG : 0);
     }
@@ -366,7 +375,8 @@ static int owes(PyObject *owe, Py_ssize_t k, uint64_t call) {
 
 /* small(a, out, plan, call, budget_ns) -> status (see the top of this file), or PASS with
  * nothing done: where a is not C-contiguous, or where something is owed that shm.py's
- * _settle waits for or raises on. The caller then settles, copies and calls again.
+ * _settle waits for or raises on. The caller then settles, copies and calls again. FULL,
+ * with nothing done, where the generation would not fit (as _next raises).
  *
  * Otherwise it takes the collective's generation as shm.py's _next does (the owner's
  * _index and _owe), in call ``call``, and runs the steps, its waits yield-spinning for at
@@ -388,6 +398,9 @@ static PyObject *Reducer_small(Reducer *self, PyObject *const *args, Py_ssize_t 
     p.spin.budget_ns = PyLong_AsLongLong(args[4]);
     if (PyErr_Occurred()) return NULL;
     if (owes(self->owe, 0, call) || owes(self->owe, 1, call)) return PyLong_FromLong(PASS);
+    Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(self->index, p.which));
+    if (i == -1 && PyErr_Occurred()) return NULL;
+    if (i >= MAX_INDEX || call >= MAX_CALL) return PyLong_FromLong(FULL);
     Py_buffer a, out;
     if (PyObject_GetBuffer(args[0], &a, PyBUF_C_CONTIGUOUS) < 0) {
         PyErr_Clear(); /* not C-contiguous: the caller copies */
@@ -399,14 +412,13 @@ static PyObject *Reducer_small(Reducer *self, PyObject *const *args, Py_ssize_t 
     }
     PyObject *result = NULL;
     /* _next: take the generation */
-    Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(self->index, p.which));
     PyObject *next = i < 0 ? NULL : PyLong_FromSsize_t(i + 1);
     if (!next) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "_index: a negative count");
         goto finally;
     }
     PyList_SetItem(self->index, p.which, next); /* steals next */
-    uint64_t gen = (call << 24) | ((uint64_t)i << 2);
+    uint64_t gen = (call << CALL_SHIFT) | ((uint64_t)i << 2);
     self->last_gen = gen;
     int status = steps(self, &a, &out, &p, gen, 0);
     PyObject *owed = Py_None;
@@ -517,7 +529,10 @@ PyMODINIT_FUNC PyInit__coll(void) {
     if (PyModule_AddStringConstant(m, "SOURCE", UNISON_SOURCE) < 0 ||
         PyModule_AddObject(m, "Reducer", (PyObject *)&ReducerType) < 0 ||
         PyModule_AddObject(m, "RECORD", Py_BuildValue("(iiiiiii)", GEN_W, GEN_G, LEFT, PID,
-                                                      NBYTES, SIG, DESC)) < 0) {
+                                                      NBYTES, SIG, DESC)) < 0 ||
+        PyModule_AddObject(m, "GENERATION", Py_BuildValue("(iLK)", CALL_SHIFT,
+                                                          (long long)MAX_INDEX,
+                                                          (unsigned long long)MAX_CALL)) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -12,7 +12,11 @@
                                               ring[s][d]: one queue per ordered pair, for send
 
 Synchronisation is by generations: each worker publishes, per scope (world or its group),
-the last barrier it reached as ``(call id << 24) | (index in call << 2) | phase``. Tying the
+the last barrier it reached as ``(call id << 26) | (index in call << 2) | phase``: one
+64-bit word, so a call may run at most 2**24 (16,777,216) collectives in each scope and call
+ids stay below 2**38. A collective that would take a generation past either raises
+CollectiveError before it publishes anything: an index that spilled into the call bits
+would count a stale peer as arrived, and reduce its previous data. Tying the
 generation to the controller's call id makes every call start aligned, even after a call
 that failed half-way through a collective on some workers.
 
@@ -98,6 +102,12 @@ RING = 64  # messages in flight per ordered pair before a send waits for the rec
 _LINE = 64
 _REC = 2 * _LINE  # one worker's record: see Layout
 _NEVER = 1 << 64  # above any generation
+# a generation: call << _CALL_SHIFT | index << 2 | phase (as _coll.c's CALL_SHIFT, MAX_INDEX,
+# MAX_CALL; checked at import)
+_INDEX_BITS = 24
+_CALL_SHIFT = _INDEX_BITS + 2
+_MAX_INDEX = 1 << _INDEX_BITS  # collectives per call and scope
+_MAX_CALL = 1 << (64 - _CALL_SHIFT)  # call ids below this
 _SPIN = 1e-3
 _CHECK = 0.002  # while sleeping, re-check the peers this often (s)
 _LOOK = 0.05  # with watch_peers, look whether the awaited peers still live this often (s)
@@ -120,7 +130,7 @@ _TAG_NAMES = ("send", "scatter", "gather")
 # module's Pacer takes over: checks a pause apart (only where every participant can hold a
 # core: at N=4 on 2 cores 256 of them doubled a 4 KiB allreduce's time, and at N=2 saved 1 us
 # of 7), then yields for at most _C_SPIN_NS; and which (op, dtype) it reduces, by code
-_C_MEET, _C_MISMATCH, _C_DEPART, _C_PASS, _C_LONG = 1, 2, 3, 4, 16  # and 0: done
+_C_MEET, _C_MISMATCH, _C_DEPART, _C_PASS, _C_FULL, _C_LONG = 1, 2, 3, 4, 5, 16  # and 0: done
 _C_PAUSES = 128
 _C_SPIN_NS = 100_000
 _CORES = cores()
@@ -155,7 +165,9 @@ def _steps_in_c() -> Any:
     UNISON_PURE=1 is set, or they were built for another record layout (a stale build):
     then numpy and Python."""
     native = _native.load("_coll")
-    if native is None or native.RECORD != (_GEN_W, _GEN_G, _LEFT, _PID, _NBYTES, _SIG, _DESC):
+    if (native is None
+            or native.RECORD != (_GEN_W, _GEN_G, _LEFT, _PID, _NBYTES, _SIG, _DESC)
+            or getattr(native, "GENERATION", None) != (_CALL_SHIFT, _MAX_INDEX, _MAX_CALL)):
         return None
     return native
 
@@ -288,10 +300,24 @@ class ShmCollectives(CallScope, Collectives):
             self._settle(1, owe[1], desc)
         index = self._index
         i = index[which]
+        if i >= _MAX_INDEX or call >= _MAX_CALL:
+            raise self._full(which, desc)
         index[which] = i + 1
-        gen = (call << 24) | (i << 2)
+        gen = (call << _CALL_SHIFT) | (i << 2)
         owe[which] = (call, gen | last, ranks, True)  # until it succeeds
         return gen
+
+    def _full(self, which: int, desc: int) -> CollectiveError:
+        """The error for a collective whose generation would not fit its word (see the
+        module's docstring): nothing of it was published."""
+        if self._call >= _MAX_CALL:
+            why = (f"this session ran {_MAX_CALL:,} calls, as many as its collectives can "
+                   "tell apart: open a new Session")
+        else:
+            why = (f"a call may run at most {_MAX_INDEX:,} collectives in each scope (world, "
+                   "group): split the loop across several calls")
+        return CollectiveError(f"{describe(desc)} on worker {self.rank} "
+                               f"({'group' if which else 'world'}): {why}")
 
     def _settle(self, scope: int, owe: tuple[int, int, tuple[int, ...], bool],
                 desc: int) -> None:
@@ -334,7 +360,7 @@ class ShmCollectives(CallScope, Collectives):
         met us there waits, in _next, until we passed), and what it shows is that call's.
         At a later phase a peer in a later call passed it."""
         q, w = self._q, self._w
-        top = _NEVER if gen & 3 else (self._call + 1) << 24
+        top = _NEVER if gen & 3 else (self._call + 1) << _CALL_SHIFT
         waiting = [j for j in ranks if not gen <= q[w[j] + which] < top]
         if not waiting:
             return
@@ -387,7 +413,7 @@ class ShmCollectives(CallScope, Collectives):
     def _check(self, waiting: Sequence[int], which: int, gen: int, what: str | int) -> None:
         q, w = self._q, self._w
         self._check_abort(what, waiting)
-        top = _NEVER if gen & 3 else (self._call + 1) << 24
+        top = _NEVER if gen & 3 else (self._call + 1) << _CALL_SHIFT
         for j in waiting:
             left = q[w[j] + _LEFT]  # before its generation: a peer arrives, then leaves
             reached = q[w[j] + which]
@@ -581,6 +607,8 @@ class ShmCollectives(CallScope, Collectives):
             if status == _C_PASS:
                 raise CollectiveError(f"{describe(desc)} on worker {self.rank}: the C steps "
                                       f"refused it twice; {_BUG}")
+        if status == _C_FULL:
+            raise self._full(which, desc)
         gen = c.last_gen
         if status & _C_LONG:
             crowd.met_long_yield(time.perf_counter())
