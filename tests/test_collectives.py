@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -393,6 +394,37 @@ def test_allreduce_of_python_numbers(shared):
     # mean of Python ints: a Python float, as numpy's mean of integers is a float64
     got = sess.run(do_allreduce, sess.scatter([1, 2, 4]), "mean", timeout=QUICK)
     assert got == [7 / 3] * 3 and all(type(g) is float for g in got)
+
+
+def test_allreduce_of_python_ints_is_exact_and_of_bools_counts(shared):
+    """Python ints were reduced as int64: a sum or product past 2**63 wrapped, and came back
+    as a wrong Python int with no error (2**63 itself became a uint64); bools summed as a
+    logical or. Now every op is Python's own, on values of any size."""
+    sess = shared(3)
+    big = [2 ** 62, 2 ** 63, -(10 ** 30)]
+    for values, op in [
+        (big, "sum"), (big, "prod"), (big, "min"), (big, "max"), (big, "mean"),
+        ([2 ** 31] * 3, "prod"), ([-(2 ** 62)] * 3, "sum"),
+        ([True, True, False], "sum"), ([True, True, True], "prod"),
+        ([True, False, True], "min"), ([False, True, False], "max"),
+        ([True, True, False], "mean"),
+    ]:
+        want = {"sum": sum, "prod": math.prod, "min": min, "max": max,
+                "mean": lambda v: sum(v) / len(v)}[op](values)
+        got = sess.run(do_allreduce, sess.scatter(values), op, timeout=QUICK)
+        assert got == [want] * 3, (values, op, got)
+        assert all(type(g) is type(want) for g in got), (values, op, [type(g) for g in got])
+
+
+def test_allreduce_of_a_python_int_against_another_kind_raises_on_every_rank(shared):
+    sess = shared(2)
+    for other in (1.0, np.int64(1), True):
+        with pytest.raises(WorkerError) as info:
+            sess.run(do_allreduce, sess.scatter([1, other]), timeout=QUICK)
+        errors = info.value.errors
+        assert sorted(errors) == [0, 1], errors
+        assert all(isinstance(e, CollectiveError) for e in errors.values()), errors
+    assert sess.run(do_allreduce, 2 ** 63, timeout=QUICK) == [2 ** 64] * 2  # still usable
 
 
 def test_allreduce_of_cpu_torch_tensors(shared):

@@ -66,6 +66,7 @@ anything a call can return, a collective can carry.
 from __future__ import annotations
 
 import functools
+import math
 import mmap
 import os
 import select
@@ -89,6 +90,7 @@ from unison.collective.checks import (
     descriptor,
     into,
     member,
+    shape_signature,
 )
 from unison.errors import CollectiveError
 from unison.pacing import LONG_YIELD, Pacer, cores, crowd
@@ -112,6 +114,8 @@ _SPIN = 1e-3
 _CHECK = 0.002  # while sleeping, re-check the peers this often (s)
 _LOOK = 0.05  # with watch_peers, look whether the awaited peers still live this often (s)
 
+_PYTHON_SIGS = {t: shape_signature((), f"python {t.__name__}") << 8 for t in (int, bool)}
+# what an allreduce of Python ints or bools passes (_allreduce_python), unlike any array
 _UFUNCS: dict[str, Callable[..., Any]] = {
     "sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "mean": np.add,
 }
@@ -511,8 +515,31 @@ class ShmCollectives(CallScope, Collectives):
                     res = _mean(res, len(plan[4]), dtype)
                 return res if out is None or res is out else into(out, res)  # (no call: hot)
         check_op(op)
-        res = self._allreduce(x, op, group, descriptor("allreduce", op), out)
-        return res if out is None else into(out, res)
+        if type(x) is int or type(x) is bool:
+            result: Any = self._allreduce_python(x, op, group)
+        else:
+            result = self._allreduce(x, op, group, descriptor("allreduce", op), out)
+        return result if out is None else into(out, result)
+
+    def _allreduce_python(self, x: int, op: str, group: bool) -> int | float:
+        """An allreduce of Python ints (or bools): Python's own sum, product, min, max or
+        mean of every rank's value, exact at any size, where numpy's int64 would wrap (and
+        sum bools as a logical or). The values move as objects; their signature tells an int
+        from a bool and from any other data, so a rank that passes another kind raises on
+        every rank."""
+        which, ranks = self.scope(group)
+        got = self._exchange(which, ranks, _encode(x), ranks, descriptor("allreduce", op),
+                             _PYTHON_SIGS[type(x)])
+        values: list[int] = [_decode(got[j]) for j in ranks]
+        if op == "sum":
+            return sum(values)
+        if op == "prod":
+            return math.prod(values)
+        if op == "min":
+            return min(values)
+        if op == "max":
+            return max(values)
+        return sum(values) / len(values)  # mean: a float, as numpy's mean of integers
 
     def _small_plan(self, op: str, x: np.ndarray, group: bool) -> Plan | tuple[()]:
         """How the C steps reduce ``x`` by ``op`` in ``group``'s scope (see _plan), or ()
