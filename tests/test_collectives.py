@@ -257,6 +257,30 @@ def allreduce_into(x: np.ndarray, op: str, how: str) -> tuple[np.ndarray, bool, 
     return got, got is out, unison.allreduce(x, op)
 
 
+def allreduce_into_overlap(n: int, shift: int, slot: int) -> list[int]:
+    """allreduce(x, out=o) where o is x's buffer ``shift`` elements on (not x itself), for
+    an x of more than one slot (shm.SLOT made ``slot`` bytes here): how many elements came
+    out wrong, for a shift forward, backward and none (o a new view of x)."""
+    from unison.collective import shm
+
+    unison.barrier()  # the call's first collective takes a path that ignores out
+    r, size = unison.rank(), unison.world_size()
+    want = size * (np.arange(n) % 1000) + sum(range(size))
+    kept, shm.SLOT = shm.SLOT, slot
+    try:
+        wrong = []
+        for lo, hi in ((0, shift), (shift, 0), (0, 0)):
+            buf = np.zeros(n + shift)
+            x = buf[lo : lo + n]
+            x[:] = np.arange(n) % 1000 + r
+            out = buf[hi : hi + n]
+            got = unison.allreduce(x, out=out)
+            wrong.append(int((got != want).sum()) + (got is not out))
+        return wrong
+    finally:
+        shm.SLOT = kept
+
+
 def allreduce_into_wrong(x: np.ndarray, bad: dict[int, str], first: bool) -> Any:
     """Ranks in ``bad`` pass a wrong out (that kind), in the call's first collective or after
     another (which takes the shortest path); every rank then reduces once more, to show the
@@ -394,6 +418,16 @@ def test_allreduce_of_python_numbers(shared):
     # mean of Python ints: a Python float, as numpy's mean of integers is a float64
     got = sess.run(do_allreduce, sess.scatter([1, 2, 4]), "mean", timeout=QUICK)
     assert got == [7 / 3] * 3 and all(type(g) is float for g in got)
+
+
+@pytest.mark.parametrize("n_workers", [2, 3])
+def test_allreduce_into_an_out_that_overlaps_its_input_at_an_offset(shared, n_workers):
+    """An input of more than one slot reduces in rounds, each writing its share of out: an
+    out over the input at an offset was read back as a later round's input (wrong elements,
+    no error). Now it reduces into a new array, then copies into out, as numpy's ufuncs do."""
+    sess = shared(n_workers)
+    got = sess.run(allreduce_into_overlap, 10_000, 3, 16384, timeout=QUICK)  # > SMALL too
+    assert got == [[0, 0, 0]] * n_workers
 
 
 def test_allreduce_of_python_ints_is_exact_and_of_bools_counts(shared):

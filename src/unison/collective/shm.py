@@ -575,6 +575,10 @@ class ShmCollectives(CallScope, Collectives):
                                  out if flat else out.reshape(-1), ufunc, which, ranks, sig,
                                  desc)
         else:
+            if out is not arr and np.may_share_memory(out, arr):
+                # each round writes its share of out before the next copies its share of
+                # arr: an out over arr at an offset would feed results back as inputs
+                out = np.empty_like(out)  # (the caller copies the result into dest)
             flat_in, flat_out = arr.reshape(-1), out.reshape(-1)
             step = SLOT // arr.itemsize
             for lo in range(0, flat_in.size, step):
