@@ -94,6 +94,49 @@ def test_every_rank_raises_naming_both_operations(shared, specs, names):
     assert sess.run(allreduce_ranks, timeout=QUICK) == [[3.0], [3.0]]  # still usable
 
 
+def in_scope(kind: str, groups: list[bool]) -> tuple[str, str]:
+    """Rank r runs ``kind`` with group=groups[r]; returns as ``mismatched`` does."""
+    r = unison.rank()
+    group = groups[r]
+    try:
+        if kind == "allreduce":
+            return "ok", repr(unison.allreduce(np.full(4, r + 1.0), group=group))
+        if kind == "allgather":
+            return "ok", repr(unison.allgather(r, group=group))
+        return "ok", repr(unison.barrier(group=group))
+    except CollectiveError as exc:
+        return "CollectiveError", str(exc)
+
+
+@pytest.mark.parametrize("kind", ["allreduce", "allgather", "barrier"])
+@pytest.mark.parametrize("pure", [False, True], ids=["native", "pure"])
+def test_ranks_that_disagree_on_group_raise_instead_of_hanging(make_session, kind, pure):
+    """With one group, the group holds every rank but keeps a counter of its own: a rank
+    that called with group=True waited at the group's meeting for a peer that waited at
+    the world's for it, for good. Each now sees the other wait at a meeting of the other
+    scope that includes it, and raises naming both."""
+    sess = make_session(2, env={r: {"UNISON_PURE": "1" if pure else ""} for r in range(2)})
+    for groups in ([False, True], [True, False]):
+        started = time.monotonic()
+        got = sess.run(in_scope, kind, groups, timeout=QUICK)
+        assert time.monotonic() - started < 5, got
+        for r, (outcome, message) in enumerate(got):
+            assert outcome == "CollectiveError", f"worker {r} returned {message} silently"
+            assert "group=True" in message and "group=False" in message, (r, message)
+            assert f"{kind}(" in message, (r, message)
+    assert sess.run(allreduce_ranks, timeout=QUICK) == [[3.0], [3.0]]  # still usable
+
+
+def test_a_rank_that_calls_its_group_among_world_callers_raises_every_rank(shared):
+    """Four ranks in two groups: worker 1 calls group=True, the others the world's. Worker 0
+    (in its group) and worker 1 wait for each other; workers 2 and 3 for worker 1."""
+    sess = shared(4, num_groups=2)
+    got = sess.run(in_scope, "allreduce", [False, True, False, False], timeout=QUICK)
+    assert [outcome for outcome, _ in got] == ["CollectiveError"] * 4, got
+    assert all("group=True" in m for _, m in got[:2]), got
+    assert all("worker 1 left the call" in m for _, m in got[2:]), got
+
+
 def test_three_ranks_where_one_differs(shared):
     sess = shared(3)
     specs = [("allreduce", "sum"), ("allreduce", "sum"), ("allgather",)]

@@ -39,7 +39,10 @@ A waiter never hangs on a peer that will not come, nor takes a later call's data
 one's: a peer that finished the current call (``left >= call id``) without arriving, or
 that shows a later call's generation at a meeting (one that met us there would be waiting
 for us, as above), makes the collective raise CollectiveError, within milliseconds; so
-does the controller's abort flag, set when a worker dies. A segment the
+does the controller's abort flag, set when a worker dies. So does a peer that waits at a
+meeting of the other scope that includes this worker, which it has not reached, the same in
+two looks _LOOK apart: ranks that disagree on group= (with one group, the group holds every
+rank but keeps its own counter), which would wait for each other for good. A segment the
 controller cannot reach (made by a worker on another host: collective/rendezvous.py) has
 no abort flag that anyone sets, so its waiters watch their peers' pids instead
 (``watch_peers``: a pidfd per peer, looked at every _LOOK seconds of a wait).
@@ -369,12 +372,46 @@ class ShmCollectives(CallScope, Collectives):
         if not waiting:
             return
         pacer = _Pacer()
+        look, seen = time.monotonic() + _LOOK, None
         while True:
             waiting = [j for j in waiting if not gen <= q[w[j] + which] < top]
             if not waiting:
                 return
             self._check(waiting, which, gen, what)
+            if not gen & 3 and time.monotonic() >= look:
+                look = time.monotonic() + _LOOK
+                crossed = self._crossed(waiting, which, gen)
+                if crossed and crossed == seen:
+                    raise self._crossed_error(crossed[0], which, what)
+                seen = crossed
             pacer.pause()
+
+    def _crossed(self, waiting: Sequence[int], which: int,
+                 gen: int) -> tuple[tuple[int, int, int], ...]:
+        """The peers of ``waiting`` that wait at a meeting of the other scope that includes
+        this worker, which it has not reached (one rank called with group=True, another
+        without): neither can go on. (peer, its generation there, ours there), each."""
+        q, w, other = self._q, self._w, 1 - which
+        mine = q[w[self.rank] + other]
+        out = []
+        for j in waiting:
+            theirs = q[w[j] + other]  # before the word of ``which``: a peer arrives there first
+            if (not theirs & 3 and theirs >> _CALL_SHIFT == self._call and mine < theirs
+                    and (other == 0 or j // self.gsize == self.rank // self.gsize)
+                    and q[w[j] + which] < gen):
+                out.append((j, theirs, mine))
+        return tuple(out)
+
+    def _crossed_error(self, crossed: tuple[int, int, int], which: int,
+                       what: str | int) -> CollectiveError:
+        j, theirs, _ = crossed
+        called = describe(self._q[self._desc_at(j, 1 - which, theirs)])
+        scopes = ("the world (group=False)", "its group (group=True)")
+        return CollectiveError(
+            f"mismatched collectives: worker {self.rank} called {_named(what)} in "
+            f"{scopes[which]} but worker {j} called {called} in {scopes[1 - which]}, so each "
+            "waited for the other; every worker must call the same collectives, with the same "
+            "group=, in the same order", peer=j)
 
     def _check_abort(self, what: str | int, peers: Sequence[int] = ()) -> None:
         """The controller saw a worker die, or (``watch_peers``) one of ``peers`` is gone:
@@ -422,6 +459,9 @@ class ShmCollectives(CallScope, Collectives):
             left = q[w[j] + _LEFT]  # before its generation: a peer arrives, then leaves
             reached = q[w[j] + which]
             if reached >= top or (left >= self._call and reached < gen):
+                crossed = () if gen & 3 else self._crossed((j,), which, gen)
+                if crossed:  # it gave up on us first, over the same mismatch: name it
+                    raise self._crossed_error(crossed[0], which, what)
                 raise CollectiveError(
                     f"{_named(what)} on worker {self.rank} gave up: worker {j} left the call "
                     "without joining it (it raised, returned early, or ran a different "
