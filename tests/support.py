@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
@@ -393,3 +394,62 @@ def stranger_at(pid: int) -> subprocess.Popen[bytes]:
         proc.kill()
         proc.wait()
     raise AssertionError(f"pid {pid} is still taken, or other forks came first each time")
+
+
+def nap_then_rank(seconds: float) -> int:
+    """Worker code: this worker's rank, ``seconds`` from now."""
+    time.sleep(seconds)
+    return unison.rank()
+
+
+def await_beside_a_reader_that_empties_the_wake(
+    sess: unison.Session, monkeypatch: pytest.MonkeyPatch, reply_first: bool,
+) -> Any:
+    """What ``await sess.run_async(...)`` of every worker's rank gets (within 5 s, else
+    asyncio.TimeoutError) while a blocking run in another thread holds the router's lock in
+    its quick path (Router.quick, then Channel.plain_values), turning away the await's last
+    poll, and empties the wake fds (``clear_wake``, as shm's sleep empties its eventfd)
+    once the await's replies are in, before it reads its own. ``reply_first``: the await's
+    replies come before it raises the flag (so nothing signals them: its suspend waits for
+    them), else after (signalled, then emptied)."""
+    assert sess.run(nap_then_rank, 0.0) == list(range(sess.num_workers))  # (imported there)
+    chan, waits = sess._chan, sess._waits
+    real_values, real_suspend = chan.plain_values, waits._suspend
+    reader: list[threading.Thread] = []
+    holding = threading.Event()
+
+    def plain_values(ranks: tuple[int, ...], req_id: int, timeout: float) -> Any:
+        if threading.current_thread() not in reader:
+            return real_values(ranks, req_id, timeout)
+        holding.set()
+        deadline = time.monotonic() + 10
+        while not waits._asleep and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.1)  # the await's last poll is turned away; its replies come in
+        chan.clear_wake()
+        return real_values(ranks, req_id, timeout)
+
+    def suspend() -> None:
+        if reply_first:
+            time.sleep(0.05)
+        real_suspend()
+
+    monkeypatch.setattr(chan, "plain_values", plain_values)
+    monkeypatch.setattr(waits, "_suspend", suspend)
+    got: list[Any] = []
+    reader.append(threading.Thread(target=lambda: got.append(sess.run(unison.rank))))
+
+    async def main() -> Any:
+        reader[0].start()
+        holding.wait(10)
+        call = sess.run_async(unison.rank) if reply_first else sess.run_async(nap_then_rank,
+                                                                                0.02)
+        try:
+            return await asyncio.wait_for(call, 5)
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, reader[0].join, 10)
+
+    try:
+        return asyncio.run(main())
+    finally:
+        assert got == [list(range(sess.num_workers))], got

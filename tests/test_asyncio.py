@@ -13,7 +13,12 @@ import time
 import pytest
 
 import unison
-from support import big_then_stopped, recorded, wait_gone
+from support import (
+    await_beside_a_reader_that_empties_the_wake,
+    big_then_stopped,
+    recorded,
+    wait_gone,
+)
 
 pytestmark = pytest.mark.channels
 
@@ -350,6 +355,21 @@ def test_blocking_runs_longer_than_their_spin_beside_awaits_lose_no_wake_up(sess
             assert got == [0, 1]
 
     _beside_blocking_runs(sess, main, _nap_then_rank, 0.0005)
+
+
+@pytest.mark.parametrize("reply_first", [False, True], ids=["reply_after_flag",
+                                                            "reply_before_flag"])
+def test_an_await_turned_away_by_a_reader_that_empties_the_wake_fd_still_wakes(
+        sess, monkeypatch, reply_first):
+    """A blocking run in another thread holds the router's lock in its quick path (shm:
+    sleeping on the eventfd the event loop sleeps on, as it checked the await flag before
+    the await raised it): the await's last poll is turned away, the run's sleep empties the
+    eventfd, and it reads only its own replies. The await's replies sat in the channel and
+    the loop slept for good. Now the turned-away poll is noted, and whoever lets go of the
+    lock re-arms the wake fd: the loop polls again. Either way round: the await's replies
+    signalled, then emptied; or in before the flag, never signalled."""
+    assert await_beside_a_reader_that_empties_the_wake(sess, monkeypatch, reply_first) == [0, 1]
+    assert sess.run(unison.rank) == [0, 1]
 
 
 def test_a_second_event_loop_after_the_first_is_done(sess):

@@ -243,6 +243,37 @@ def test_a_poll_does_not_look_at_the_watched_fds_so_it_drains_after_they_closed(
             os.close(fd)
 
 
+@pytest.mark.parametrize("kind", ["shm", "pipe", "tcp", "mixed"])
+def test_rearm_wake_makes_a_wake_fd_readable_until_the_next_poll(kind: str) -> None:
+    """What the router does for an event loop whose poll found another thread reading (it
+    may have emptied the wake fds, reading only its own replies): the loop wakes, and its
+    poll (clear_wake, then recv(0.0)) leaves the fds quiet again. Nothing once closed."""
+    from unison.channel.mixed import MixedChannel
+    from unison.channel.tcp import TcpChannel
+
+    chan: Channel
+    keep: list[int] = []
+    if kind == "tcp":
+        chan = TcpChannel(1, "127.0.0.1", "127.0.0.1", b"s" * 32)
+    elif kind == "mixed":
+        chan = MixedChannel(2, _NAME, [0], "127.0.0.1", "127.0.0.1", b"s" * 32)
+    else:
+        chan, keep = _channel(kind)
+    try:
+        fds = chan.wake_fds()
+        assert not select.select(fds, [], [], 0)[0]
+        chan.rearm_wake()
+        assert select.select(fds, [], [], 0)[0]
+        chan.clear_wake()
+        assert chan.recv(0.0) == []
+        assert not select.select(fds, [], [], 0)[0]
+    finally:
+        chan.close()
+        for fd in keep:
+            os.close(fd)
+    chan.rearm_wake()
+
+
 def _pipe_worker(reply_fd: int) -> PipeWorkerChannel:
     """A worker's end of a pipe channel that replies into ``reply_fd`` (its command end, a
     pipe of its own, is never used: close ``_cmd`` afterwards)."""

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from tests.support import wait_dead
+from tests.support import await_beside_a_reader_that_empties_the_wake, wait_dead
 
 import unison
 from unison import worker
@@ -144,6 +144,17 @@ def test_await_on_an_inline_session(inline: Callable[..., unison.Session]) -> No
         return [await ref, await sess.run_async(unison.rank)]
 
     assert asyncio.run(main()) == [[3, 3], [0, 1]]
+
+
+@pytest.mark.parametrize("reply_first", [False, True], ids=["reply_after_flag",
+                                                            "reply_before_flag"])
+def test_an_await_turned_away_by_a_reader_that_empties_the_wake_fd_still_wakes(
+        inline: Callable[..., unison.Session], monkeypatch: pytest.MonkeyPatch,
+        reply_first: bool) -> None:
+    """As tests/test_asyncio.py's, with worker 0's share run by the sending threads."""
+    sess = inline(2)
+    assert await_beside_a_reader_that_empties_the_wake(sess, monkeypatch, reply_first) == [0, 1]
+    assert sess.run(unison.rank) == [0, 1]
 
 
 def test_a_dead_process_worker_is_still_noticed(inline: Callable[..., unison.Session]) -> None:

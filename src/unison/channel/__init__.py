@@ -197,6 +197,12 @@ class Channel(ABC):
         """Reset the wake fds after they were readable (before reading the replies)."""
         return None
 
+    def rearm_wake(self) -> None:
+        """Make a wake fd readable, so that the event loop polls once more: a thread that
+        read while the loop's poll was turned away may have emptied them without reading
+        the loop's replies. Nothing once closed."""
+        raise NotImplementedError
+
     @abstractmethod
     def close(self) -> None:
         """Release every resource; idempotent."""

@@ -175,6 +175,9 @@ class MixedChannel(Channel):
         self.shm.clear_wake()
         self.tcp.clear_wake()
 
+    def rearm_wake(self) -> None:
+        self.shm.rearm_wake()
+
     def close(self) -> None:
         self.tcp.linger = self.linger
         self.tcp.close()

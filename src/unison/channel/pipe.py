@@ -488,6 +488,12 @@ class PipeChannel(Channel):
     def clear_wake(self) -> None:
         drain_fd(self._wake_r)
 
+    def rearm_wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:  # full (readable already), or closed (-1)
+            pass
+
     def close(self) -> None:
         self._closed = True
         for fd in self._cmd:

@@ -496,6 +496,10 @@ class ShmChannel(Channel):
     def clear_wake(self) -> None:
         _drain_eventfd(self._ctl_efd)
 
+    def rearm_wake(self) -> None:
+        if not self._closed:
+            os.eventfd_write(self._ctl_efd, 1)
+
     # -- replies -------------------------------------------------------------------------------
 
     def recv(
@@ -531,7 +535,8 @@ class ShmChannel(Channel):
             got = spin(look, min(SPIN, timeout), self._busy, pos, ranks, req_id, partial)
             # a long call: sleep as recv would, so that its spin is not paid twice; but not
             # while an event loop waits on our eventfd: the sleep empties it, and only recv
-            # then delivers the loop's replies as well
+            # then delivers the loop's replies as well (an await that comes after this look
+            # finds the router's lock taken: the router re-arms the eventfd as we let go)
             if got is False and not self._q[_CTL_ASYNC]:
                 self._doze(timeout, now)
                 got = look(pos, ranks, req_id, partial)

@@ -688,6 +688,8 @@ class TcpChannel(Channel):
         except OSError:  # full, or closed (-1)
             pass
 
+    rearm_wake = _wake  # (recv empties the wake pipe, a poll's too)
+
     def close(self) -> None:
         with self._lock:
             if self._closed:

@@ -100,6 +100,9 @@ class Router:
         self._state_lock = threading.Lock()
         self._cv = threading.Condition(threading.Lock())
         self._followers = 0
+        self._missed = False
+        """An event loop's poll found the recv lock taken: whoever lets go of it re-arms the
+        loop's wake fd (``_rearm``), until a poll gets the lock."""
         self.slice = SLICE if watched else 0.05  # no death fds to wake us: poll more often
         """The longest single sleep of a wait (s); set by set_watched."""
         self.closed = False  # set by the owner; checked at every slice
@@ -148,6 +151,8 @@ class Router:
                         self._pump(req, deadline, during)
                     finally:
                         self._recv_lock.release()
+                        if self._missed:
+                            self._rearm()
                         if self._followers:
                             with self._cv:
                                 self._cv.notify_all()
@@ -192,6 +197,8 @@ class Router:
                 return values
             finally:
                 self._recv_lock.release()
+                if self._missed:
+                    self._rearm()
                 if self._followers:
                     with self._cv:
                         self._cv.notify_all()
@@ -331,13 +338,17 @@ class Router:
 
     def poll(self, clear: bool = True) -> None:
         """Deliver the replies there are now, without blocking; nothing if another thread is
-        reading (it delivers them, and the wake fd stays readable until it has). A death
-        fails every waiting request (through the owner, which closes the session).
-        ``clear``: empty the wake fd first (a syscall; a spinning wait skips it, and the
-        poll that ends the spin empties it)."""
+        reading: that one re-arms the wake fd as it lets go (it may have emptied it, reading
+        only its own replies: shm's quick path), so the loop polls again. A death fails
+        every waiting request (through the owner, which closes the session). ``clear``:
+        empty the wake fd first (a syscall; a spinning wait skips it, and the poll that
+        ends the spin empties it)."""
         try:
             if not self._recv_lock.acquire(False):
-                return
+                self._missed = True
+                if not self._recv_lock.acquire(False):  # (it let go before it could see)
+                    return
+            self._missed = False  # what is in now is read below
             try:
                 if self.closed:  # the channel is gone: the waits were failed with the reason
                     return
@@ -353,12 +364,28 @@ class Router:
                     self._deliver(rank, data)
             finally:
                 self._recv_lock.release()
+                if self._missed:
+                    self._rearm()
                 if self._followers:
                     with self._cv:
                         self._cv.notify_all()
         except KeyboardInterrupt:  # (an event loop's reader: run_until_complete raises it
             self._owner.interrupted()  # here) replies may be read and not delivered, as
             raise  # in wait: the session closes
+
+    def _rearm(self) -> None:
+        """A poll found the recv lock taken (``_missed``): make the event loop's wake fd
+        readable, so that it polls again now the lock is free. Under the lock, so that a
+        close cannot close the fd meanwhile (and a poll it turns away meanwhile finds the
+        fd readable after); where another thread has taken it again, that one does it as
+        it lets go (only a poll that gets the lock lowers ``_missed``)."""
+        if not self._recv_lock.acquire(False):
+            return
+        try:
+            if not self.closed:
+                self._chan.rearm_wake()
+        finally:
+            self._recv_lock.release()
 
     def fail_all(self, exc: BaseException) -> None:
         """The session is over: end every wait that has a ``done`` callback with ``exc``."""
