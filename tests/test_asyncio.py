@@ -372,6 +372,90 @@ def test_an_await_turned_away_by_a_reader_that_empties_the_wake_fd_still_wakes(
     assert sess.run(unison.rank) == [0, 1]
 
 
+def _left_on_a_closed_loop(sess, fn, *args) -> asyncio.Task:
+    """``await sess.run_async(fn, *args)`` left asleep on an event loop that is then closed
+    (a task nobody cancelled): nobody waits for its replies any more."""
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(sess.run_async(fn, *args))
+    loop.run_until_complete(asyncio.sleep(0.05))
+    assert sess._waits._asleep == 1
+    loop.close()
+    task._log_destroy_pending = False  # (left pending on purpose)
+    return task
+
+
+def test_an_await_left_on_a_closed_loop_puts_no_later_wait_out_of_step(sess):
+    """The replies of an await left on a closed loop, read by a blocking wait in the loop's
+    thread: its ``done`` set the closed loop's future, which raised 'Event loop is closed'
+    out of the router in the middle of a batch; the replies read after it were never
+    delivered, and the next waits timed out, then found the session out of step. Now it
+    lets go of the request; every later wait, in any thread or loop, gets its own."""
+    task = _left_on_a_closed_loop(sess, time.sleep, 0.2)
+    assert sess.run(unison.rank) == [0, 1]
+    got: list[object] = []
+    other = threading.Thread(target=lambda: got.append(sess.run(unison.rank, timeout=5)))
+    other.start()
+    other.join(10)
+    assert got == [[0, 1]]
+    assert asyncio.run(sess.run_async(unison.rank, timeout=5)) == [0, 1]
+    assert not task.done() and not sess.closed
+
+
+def test_an_error_of_an_await_left_on_a_closed_loop_reaches_sync(sess):
+    """Its replies are read as an abandoned wait's: the error they bring is kept for the
+    next sync, never dropped."""
+    _left_on_a_closed_loop(sess, slow_fail)
+    with pytest.raises(unison.WorkerError) as info:
+        sess.sync()
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    sess.sync()
+    assert sess.run(unison.rank) == [0, 1]
+
+
+@pytest.mark.parametrize("reader", ["poll", "blocking_run"])
+def test_a_done_callback_that_raises_drops_no_reply_of_its_batch(sess, monkeypatch, reader):
+    """A request's ``done`` callback that raises, in the middle of a batch of replies read
+    at once (by the event loop's poll, or a blocking wait's leader): the rest of the batch
+    is delivered first, then the error is raised (to the loop's exception handler, or the
+    blocking caller), so the replies stay in step."""
+    waits, first = sess._waits, []
+    real_prepare = waits.prepare
+
+    def prepare(req):
+        fut = real_prepare(req)
+        if not first:
+            first.append(req)
+            settle = req.done
+
+            def done(exc):
+                settle(exc)
+                raise RuntimeError("a done callback's bug")
+
+            req.done = done
+        return fut
+
+    monkeypatch.setattr(waits, "prepare", prepare)
+    seen: list[object] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(
+            lambda loop, context: seen.append(context.get("exception")))
+        a = asyncio.ensure_future(sess.run_async(time.sleep, 0.05))
+        b = asyncio.ensure_future(sess.run_async(unison.rank))
+        await asyncio.sleep(0.02)  # both asleep
+        time.sleep(0.3)  # (the loop held) every reply is in: one batch
+        if reader == "blocking_run":
+            with pytest.raises(RuntimeError, match="bug"):
+                sess.run(unison.rank)
+        assert await asyncio.wait_for(a, 5) == [None, None]
+        assert await asyncio.wait_for(b, 5) == [0, 1]
+
+    asyncio.run(main())
+    if reader == "poll":
+        assert [str(e) for e in seen] == ["a done callback's bug"], seen
+    assert sess.run(unison.rank) == [0, 1]
+
+
 def test_a_second_event_loop_after_the_first_is_done(sess):
     assert asyncio.run(sess.run_async(unison.rank)) == [0, 1]
     assert asyncio.run(sess.run_async(unison.rank)) == [0, 1]

@@ -17,7 +17,7 @@ nothing else ready to run, an await first spins up to SPIN for its replies, as a
 wait does: a quick call is then caught without a wake-up through the selector. Cancelling
 the waiting task (``asyncio.wait_for``, ``task.cancel()``) abandons only the wait, as
 ``timeout=`` does: the work goes on, and errors in its late replies are kept for the next
-sync.
+sync; so with an await left pending on a loop that was then closed, once its replies come.
 """
 
 from __future__ import annotations
@@ -131,16 +131,23 @@ class Waits:
                 self._bind(loop)
             self._pending += 1
         fut = loop.create_future()
-        thread = self._thread
+        thread, router = self._thread, self._router
 
         def done(exc: BaseException | None) -> None:
-            if threading.get_ident() == thread:
-                _settle(fut, exc)
-            else:
+            req.done = None  # called once; and no cycle (req, done) is left behind
+            if not loop.is_closed():
+                if threading.get_ident() == thread:
+                    _settle(fut, exc)
+                    return
                 try:
                     loop.call_soon_threadsafe(_settle, fut, exc)
-                except RuntimeError:
-                    pass  # the loop is closed: nobody waits any more
+                    return
+                except RuntimeError:  # closed meanwhile
+                    pass
+            # the loop is closed (a task left pending on it): nobody waits any more, and
+            # errors in the replies are kept for the next sync, as a cancelled wait's are
+            if exc is None:
+                router.abandon(req)
 
         req.done = done
         return fut

@@ -262,17 +262,22 @@ class Router:
     def drain(self) -> None:
         """The workers are gone: read the replies they left, keeping the errors they carry
         (for abandoned requests, such as the one SHUTDOWN makes)."""
+        late = None
         try:
             while any(self._expect):
                 batch = self._chan.recv(0.0)
                 if not batch:
-                    return
+                    break
                 for rank, data in batch:
                     if data is None or not self._expect[rank]:
                         continue
-                    self._deliver(rank, data)
+                    exc = self._deliver(rank, data)
+                    if late is None:
+                        late = exc
         except (OSError, ValueError):
             pass
+        if late is not None:
+            raise late
 
     # -- the leader reads, followers sleep ------------------------------------------------------
 
@@ -299,6 +304,7 @@ class Router:
                 continue
             expect = self._expect
             tracer = self.tracer
+            late = None  # a done callback's error: raised once the whole batch is delivered
             for rank, data in batch:  # _deliver, inlined: this is the hot path
                 if data is None:
                     raise owner.died(during, rank)
@@ -314,12 +320,21 @@ class Router:
                     self._salvage(p, rank)
                 done = p.done  # read once: an event loop's timeout may abandon it meanwhile
                 if done is not None and not p.remaining:
-                    done(None)
+                    try:
+                        done(None)
+                    except BaseException as exc:
+                        if late is None:
+                            late = exc
             if self._followers:
                 with self._cv:
                     self._cv.notify_all()
+            if late is not None:
+                raise late
 
-    def _deliver(self, rank: int, data: bytes | Reply) -> None:
+    def _deliver(self, rank: int, data: bytes | Reply) -> BaseException | None:
+        """Hand one reply to the head of its rank's FIFO. What the request's ``done``
+        callback raised, if anything: the caller raises it once its batch is all delivered
+        (the replies read and not delivered would put the FIFOs out of step)."""
         waiting = self._expect[rank]
         if not waiting:
             raise self._owner.out_of_step(rank)
@@ -332,7 +347,11 @@ class Router:
             self._salvage(p, rank)
         done = p.done  # (read once, as in _pump)
         if done is not None and not p.remaining:
-            done(None)
+            try:
+                done(None)
+            except BaseException as exc:
+                return exc
+        return None
 
     # -- an event loop's wait ---------------------------------------------------------------------
 
@@ -354,6 +373,7 @@ class Router:
                     return
                 if clear:
                     self._chan.clear_wake()
+                late = None
                 for rank, data in self._chan.recv(0.0):
                     if data is None:
                         self.fail_all(self._owner.died("waiting for replies", rank))
@@ -361,7 +381,11 @@ class Router:
                     if not self._expect[rank]:
                         self.fail_all(self._owner.out_of_step(rank))
                         return
-                    self._deliver(rank, data)
+                    exc = self._deliver(rank, data)
+                    if late is None:
+                        late = exc
+                if late is not None:
+                    raise late
             finally:
                 self._recv_lock.release()
                 if self._missed:
@@ -388,13 +412,21 @@ class Router:
             self._recv_lock.release()
 
     def fail_all(self, exc: BaseException) -> None:
-        """The session is over: end every wait that has a ``done`` callback with ``exc``."""
+        """The session is over: end every wait that has a ``done`` callback with ``exc``
+        (each, where one raises: that is raised after)."""
+        late = None
         for fifo in self._expect:
             for p in list(fifo):
                 if p.remaining:
                     done, p.done = p.done, None  # (abandon() may clear it meanwhile)
                     if done is not None:
-                        done(exc)
+                        try:
+                            done(exc)
+                        except BaseException as error:
+                            if late is None:
+                                late = error
+        if late is not None:
+            raise late
 
     def abandon(self, req: Request) -> None:
         """A wait gave up (timeout, cancellation): keep the errors its replies bring."""
