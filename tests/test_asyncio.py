@@ -401,6 +401,21 @@ def test_an_await_left_on_a_closed_loop_puts_no_later_wait_out_of_step(sess):
     assert not task.done() and not sess.closed
 
 
+def test_the_next_loop_lowers_the_flag_of_waits_left_asleep_on_a_closed_one(sess,
+                                                                            monkeypatch):
+    """Waits left asleep on a closed loop raised the channel's "an event loop waits" flag
+    and never end: binding the next loop lowers it (else every reply kept signalling the
+    eventfd, and blocking waits never dozed), then its own waits raise it as they sleep."""
+    waiting = []
+    monkeypatch.setattr(sess._chan, "async_waiting",
+                        lambda on, real=sess._chan.async_waiting: (waiting.append(on),
+                                                                   real(on))[1])
+    _left_on_a_closed_loop(sess, time.sleep, 0.2)
+    assert waiting == [True]
+    assert asyncio.run(sess.run_async(unison.rank, timeout=5)) == [0, 1]
+    assert waiting[:2] == [True, False] and waiting[-1] is False
+
+
 def test_an_error_of_an_await_left_on_a_closed_loop_reaches_sync(sess):
     """Its replies are read as an abandoned wait's: the error they bring is kept for the
     next sync, never dropped."""

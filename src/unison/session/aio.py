@@ -180,6 +180,8 @@ class Waits:
                     "it from one loop at a time"
                 )
             self._detach(self._loop)
+        if self._asleep:  # waits left asleep on a closed loop: lower their flag
+            self._chan.async_waiting(False)
         self._pending = self._asleep = 0  # a closed loop's waits are gone with it
         self._attach(loop)
 
