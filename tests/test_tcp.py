@@ -139,6 +139,40 @@ def test_collectives_across_tcp_workers_go_through_torch(tcp_session):
     assert sess.run(lambda: unison.allreduce(torch.ones(2)).tolist()) == [[3.0, 3.0]] * 3
 
 
+def test_a_rank_that_left_a_call_early_never_meets_a_peer_in_its_next_call(tcp_session):
+    """Over torch.distributed a rank that left a call early (one collective fewer, or an
+    error before its collective) had its next call's collective paired with the peers'
+    pending one of the earlier call: gloo added values of two calls, and no error came. Now
+    the ranks left behind raise CollectiveError, as on shared memory, and the next call is
+    right on every rank."""
+    torch = pytest.importorskip("torch")
+    sess = tcp_session(3, collectives="torch")
+
+    def uneven(counts):
+        return [float(unison.allreduce(torch.ones(2) * (unison.rank() + 1) * 10 ** i)[0])
+                for i in range(counts[unison.rank()])]
+
+    def raises_first(bad):
+        if unison.rank() == bad:
+            raise ValueError("gave up before its collective")
+        return float(unison.allreduce(torch.ones(2))[0])
+
+    def next_call():
+        return float(unison.allreduce(torch.ones(2) * 100 * (unison.rank() + 1))[0])
+
+    assert sess.run(next_call) == [600.0] * 3  # torch.distributed started everywhere
+    for first in ((uneven, [2, 1, 2]), (raises_first, 1)):
+        left = sess.call(*first)
+        after = sess.call(next_call)
+        assert after.gather(timeout=10) == [600.0] * 3
+        with pytest.raises(unison.WorkerError) as info:
+            left.gather(timeout=10)
+        for r in (0, 2):
+            assert isinstance(info.value.errors[r], unison.CollectiveError)
+            assert "worker 1 left the call without joining it" in str(info.value.errors[r])
+    assert sess.run(next_call, timeout=20) == [600.0] * 3
+
+
 def test_without_torch_collectives_a_tcp_session_says_what_to_do(tcp_session):
     sess = tcp_session(2)
     with pytest.raises(unison.WorkerError, match="collectives='torch'"):

@@ -20,9 +20,11 @@ across hosts.
                                               controller's))
     each torch collective:  the checked arrival first (shared memory's barrier where the
                             scope shares a segment, else an all_gather of what each rank
-                            calls, on what shape), so that a rank calling another collective
-                            or another shape raises CollectiveError on every rank instead of
-                            reaching gloo, which would abort the process; then the torch op
+                            calls, on what shape, in which call), so that a rank calling
+                            another collective or another shape raises CollectiveError on
+                            every rank instead of reaching gloo, which would abort the
+                            process, and a rank still in a call its peer left raises instead
+                            of adding the peer's next call's values; then the torch op
 
 The decision is the session's, not each group's, because torch.distributed starts on every
 worker at once: were one group on shared memory and another on torch, the second would wait
@@ -81,7 +83,11 @@ class DistLocal(CallScope):
 
     def arrive(self, group: bool, kind: str, op: str | None = None, root: int | None = None,
                sig: int = 0) -> tuple[int, ...]:
-        """Every participant says what it calls; all agree, or all raise CollectiveError."""
+        """Every participant says what it calls, and in which call; all agree, or all raise
+        CollectiveError. A rank still in an earlier call than a peer's (the peer left that
+        call without joining this collective) raises, as the shared-memory backend does; the
+        peer in the later call discards what it met and waits for the others to reach it,
+        so neither pairs a collective with one of another call."""
         shm = self._shared(group)
         if shm is not None:
             return shm.arrive(group, kind, op, root, sig)
@@ -89,9 +95,21 @@ class DistLocal(CallScope):
 
         _, ranks = self.scope(group)
         dist, pg = self._group(group)
-        mine = torch.tensor([descriptor(kind, op, root), sig], dtype=torch.int64)
+        desc = descriptor(kind, op, root)
+        mine = torch.tensor([desc, sig, self._call], dtype=torch.int64)
         seen = [torch.empty_like(mine) for _ in ranks]
-        dist.all_gather(seen, mine, group=pg)
+        while True:
+            dist.all_gather(seen, mine, group=pg)
+            at = {r: int(t[2]) for r, t in zip(ranks, seen)}
+            latest = max(at.values())
+            if latest == self._call and min(at.values()) == latest:
+                break
+            if latest > self._call:
+                j = next(r for r, c in at.items() if c == latest)
+                raise CollectiveError(
+                    f"{describe(desc)} on worker {self.rank} gave up: worker {j} left the "
+                    "call without joining it (it raised, returned early, or ran a different "
+                    "collective)", peer=j)
         calls = {r: (int(t[0]), int(t[1])) for r, t in zip(ranks, seen)}
         if len(set(calls.values())) > 1:
             text = ", ".join(f"worker {r}: {describe(d)} on {s:#x}" for r, (d, s) in
