@@ -4,6 +4,7 @@ loopback; the Ray launcher's tests (test_ray.py) run the same channel across Ray
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import os
@@ -453,6 +454,74 @@ def test_threads_that_sync_and_wait_for_replies_over_tcp_never_wait_for_each_oth
     waiter.join(10.0)
     assert slow == [[None]]
     assert rounds == 100 and syncs_took < 1.5, (rounds, syncs_took)
+
+
+class _SlowToLoad:
+    """A value whose unpickling keeps its worker busy (and silent) for 2.5 s."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (time.sleep, (2.5,))
+
+
+def _put_while_a_reply_comes(sess: unison.Session) -> None:
+    """A put that waits for room on worker 0's connection while the worker is busy in a
+    call, until after that call's reply came: the put's wait reads the reply. The worker
+    then sends nothing for 2.5 s (it unpickles the value)."""
+    sess.put((np.ones(64 << 20, np.uint8), _SlowToLoad()))
+
+
+def test_a_reply_read_by_a_blocked_send_reaches_an_awaiting_run(tcp_session):
+    """A send blocked on a full connection reads the worker's replies (the worker may be
+    blocked writing them). It left them unparsed in the peer's buffer, where the next recv
+    looked only when more bytes came: an awaited run whose reply had come timed out. They
+    are parsed at once, into the backlog, and the event loop is woken."""
+    sess = tcp_session(1)
+
+    async def main() -> list[Any]:
+        task = asyncio.ensure_future(
+            sess.run_async(lambda: (time.sleep(0.5), "the reply")[1], timeout=2.0))
+        await asyncio.sleep(0.05)  # its call is sent: the task sleeps in the selector
+        _put_while_a_reply_comes(sess)  # blocks the loop
+        return await task
+
+    assert asyncio.run(main()) == ["the reply"]
+    sess.sync(timeout=10)
+
+
+def test_a_reply_read_by_a_blocked_send_reaches_a_waiting_thread(tcp_session, monkeypatch):
+    """The blocking form: thread A waits for its run's reply only once another thread's
+    put, blocked on the full connection, has read it (A descheduled between its send and
+    its wait)."""
+    from unison.session import router
+
+    sess = tcp_session(1)
+    put_done = threading.Event()
+    real_wait = router.Router.wait
+
+    def late_wait(self: Any, req: Any, deadline: float | None, during: str) -> None:
+        if threading.current_thread().name == "A":
+            put_done.wait(5.0)
+        return real_wait(self, req, deadline, during)
+
+    monkeypatch.setattr(router.Router, "wait", late_wait)
+    got: list[Any] = []
+
+    def a() -> None:
+        try:
+            got.append(sess.run(lambda: (time.sleep(0.5), "the reply")[1], timeout=2.0))
+        except Exception as exc:
+            got.append(exc)
+
+    thread = threading.Thread(target=a, name="A")
+    thread.start()
+    time.sleep(0.05)
+    try:
+        _put_while_a_reply_comes(sess)
+    finally:
+        put_done.set()
+        thread.join(10.0)
+    assert got == [["the reply"]]
+    sess.sync(timeout=10)
 
 
 def test_workers_on_a_crowded_controller_host_sleep_rather_than_spin(monkeypatch):

@@ -132,9 +132,8 @@ class _Peer:
         self.host, self.pid = host, pid
         self.fd = sock.fileno()
         self.buf = bytearray()
+        """A reply begun and not whole yet (every whole one is parsed as soon as it is read)."""
         self.open = True
-        self.stashed = False
-        """Whether a send read replies into ``buf`` (so recv looks there first)."""
         self.ended = ""
         """Why its stream ended, once it has (read while writing to it, say)."""
         self.write_lock = threading.Lock()
@@ -187,7 +186,8 @@ class TcpChannel(Channel):
         for fd in (self._yield_r, self._yield_w):
             os.set_blocking(fd, False)
         self._backlog: list[tuple[int, bytes | Reply | None]] = []
-        """Replies read by settled or a send's drain, for the next recv."""
+        """Replies read by settled, a send's drain or a send waiting for room, for the next
+        recv."""
         self._sent = [0] * num_workers
         """Per worker, the commands written to its connection (heartbeats not counted)."""
         self._unread = 0
@@ -418,8 +418,11 @@ class TcpChannel(Channel):
             readable, _, _ = select.select([peer.fd], [peer.fd], [], seconds)
             if readable and not peer.ended and self._rx.acquire(blocking=False):
                 try:  # (where a recv holds the lock, it reads them itself)
-                    self._fill(peer)
-                    peer.stashed = True
+                    got: list[tuple[int, bytes | Reply | None]] = []
+                    self._take(peer, got)  # parsed now: a reply left unparsed waits for
+                    self._keep(got)  # bytes that may never come (its caller times out)
+                    if _ended(peer):
+                        self._wake()  # the next recv drops it (not here: we write to it)
                 finally:
                     self._rx.release()
 
@@ -455,7 +458,7 @@ class TcpChannel(Channel):
             if out:
                 timeout = 0  # replies in hand: add only what is there now
             open_peers = [p for p in self._peers if p is not None and p.open]
-            held = [p for p in open_peers if p.stashed or p.ended]
+            held = [p for p in open_peers if p.ended]
             poll = self._epoll.poll  # the open peers' sockets and the wake pipe
             if held or timeout == 0 or (open_peers and spin(  # a reply is often a few µs
                     lambda: bool(poll(0)), SPIN if timeout is None else min(SPIN, timeout))):
@@ -488,18 +491,25 @@ class TcpChannel(Channel):
         ahead (``held``); caller holds the rx lock."""
         for peer in peers:
             if peer.fd in ready or peer in held:
-                peer.stashed = False
                 self._read(peer, out)
 
     def _read(self, peer: _Peer, out: list[tuple[int, bytes | Reply | None]]) -> None:
         """Whole replies from ``peer`` to ``out``, reports taken; caller holds the rx lock."""
         if not peer.ended:
-            n = self._recv(peer)  # usually one whole reply or report, nothing else: no buffer
-            if n and (peer.buf or not self._one_reply(peer, n, out)):
-                peer.buf += self._scratch_view[:n]
-                self._frames(peer, out)
+            self._take(peer, out)
         if _ended(peer):
             self._drop(peer, peer.ended, out)
+
+    def _take(self, peer: _Peer, out: list[tuple[int, bytes | Reply | None]]) -> None:
+        """Read what ``peer``'s socket holds and put the whole replies there are to ``out``,
+        reports taken; a stream that ended or went out of step sets ``ended`` (the caller
+        drops it). Caller holds the rx lock."""
+        n = self._recv(peer)  # usually one whole reply or report, nothing else: no buffer
+        if n and (peer.buf or not self._one_reply(peer, n, out)):
+            peer.buf += self._scratch_view[:n]
+            self._frames(peer, out)
+        elif peer.buf and not n:
+            self._frames(peer, out)  # whole replies are parsed as read: none should be here
 
     # -- progress: sync without a message, where the reports are in -------------------------
 
@@ -518,7 +528,7 @@ class TcpChannel(Channel):
         try:
             out: list[tuple[int, bytes | Reply | None]] = []
             open_peers = [p for p in self._peers if p is not None and p.open]
-            held = [p for p in open_peers if p.stashed or p.ended]
+            held = [p for p in open_peers if p.ended]
             if held:
                 self._read_ready(open_peers, set(), held, out)
             poller = self._settle_set([p.fd for p in open_peers])
@@ -590,7 +600,7 @@ class TcpChannel(Channel):
             open_peers = [p for p in self._peers if p is not None and p.open]
             ready = {fd for fd, _ in self._epoll.poll(0)}
             out: list[tuple[int, bytes | Reply | None]] = []
-            self._read_ready(open_peers, ready, [p for p in open_peers if p.stashed], out)
+            self._read_ready(open_peers, ready, [p for p in open_peers if p.ended], out)
             self._keep(out)
         finally:
             self._rx.release()
@@ -674,9 +684,9 @@ class TcpChannel(Channel):
         """Channel.pending; False once closed, by another thread too, in the middle of
         the look (an await's spin looks without the router's lock)."""
         try:
-            fds = [p.sock for p in self._peers if p is not None and p.open]
-            return bool(self._backlog) or (
-                bool(fds) and bool(select.select(fds, [], [], 0)[0]))
+            peers = [p for p in self._peers if p is not None and p.open]
+            return bool(self._backlog) or any(p.ended for p in peers) or (
+                bool(peers) and bool(select.select([p.sock for p in peers], [], [], 0)[0]))
         except (OSError, ValueError):  # a socket closed meanwhile
             if self._closed:
                 return False
