@@ -524,6 +524,74 @@ def test_a_reply_read_by_a_blocked_send_reaches_a_waiting_thread(tcp_session, mo
     sess.sync(timeout=10)
 
 
+class _TakesPartOfAHeartbeat:
+    """A worker's socket whose kernel takes 10 bytes of the heartbeat thread's first frame,
+    then has no room for that thread (a worker busy in a long call); other threads write
+    as usual, or, while ``room`` is set, take that many bytes more and then find no room."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.took = threading.Event()
+        self.room: int | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+    def _beat(self, data: bytes) -> int:
+        if self.took.is_set():
+            raise BlockingIOError
+        self.took.set()
+        return self._sock.send(bytes(data)[:10])
+
+    def send(self, data: bytes) -> int:
+        return self.sendmsg([data])
+
+    def sendmsg(self, parts: list[Any]) -> int:
+        data = b"".join(bytes(p) for p in parts)
+        if threading.current_thread().name == "unison-tcp-heartbeat":
+            return self._beat(data)
+        if self.room is None:
+            return self._sock.send(data)
+        if not self.room:
+            raise BlockingIOError
+        n = self._sock.send(data[:self.room])
+        self.room -= n
+        return n
+
+
+def test_a_heartbeat_the_kernel_took_part_of_never_cuts_into_the_next_command(tcp_session):
+    """The kernel may take part of a heartbeat. Its write waited for room up to a 1 s
+    deadline, then raised PartialSendError, which killed the heartbeat thread; the half
+    frame it left made the worker read the next command as a malformed frame, and a
+    healthy worker was dropped. Now a heartbeat goes only as far as there is room, and the
+    rest goes before the next frame."""
+    import pickle
+
+    from unison.protocol import NOP
+
+    sess = tcp_session(1)
+    assert sess.run(lambda: "before") == ["before"]
+    peer = sess._chan._peers[0]
+    sock = peer.sock
+    peer.sock = proxy = _TakesPartOfAHeartbeat(sock)
+    try:
+        assert proxy.took.wait(5.0)
+        time.sleep(1.2)  # past the 1 s a heartbeat's write used to wait
+        assert sess._chan._beater.is_alive()
+        # a send whose deadline passes when only some of the heartbeat's rest went: nothing
+        # of its message was sent, and the rest of the rest goes before the next frame
+        proxy.room = 4
+        with sess._send_lock, pytest.raises(TimeoutError, match="nothing of this message"):
+            sess._chan.send(pickle.dumps((NOP, None)), (0,), deadline=time.monotonic() + 0.3)
+        proxy.room = None
+        assert sess.run(lambda: "after", timeout=5) == ["after"]
+        assert sess.run(lambda x: len(x), np.ones(1 << 20), timeout=5) == [1 << 20]
+    finally:
+        peer.sock = sock
+    time.sleep(0.3)  # heartbeats again
+    assert sess.run(lambda: "still", timeout=5) == ["still"]
+
+
 def test_workers_on_a_crowded_controller_host_sleep_rather_than_spin(monkeypatch):
     """A worker on the controller's host is told not to spin its waits when the host has
     fewer CPUs than the session's processes (it would hold a core the others need); with a

@@ -138,6 +138,9 @@ class _Peer:
         """Why its stream ended, once it has (read while writing to it, say)."""
         self.write_lock = threading.Lock()
         """Held while a frame is written: the heartbeat never cuts into one."""
+        self.owed = b""
+        """The rest of a heartbeat the kernel took only part of: written before any other
+        frame (under the write lock), so that none lands inside it."""
 
     def fileno(self) -> int:
         return self.fd
@@ -380,7 +383,7 @@ class TcpChannel(Channel):
                     frame = head + data
                     with peer.write_lock:
                         try:
-                            n = peer.sock.send(frame)
+                            n = 0 if peer.owed else peer.sock.send(frame)
                         except BlockingIOError:
                             n = 0
                         if n < len(frame):  # the connection is full: wait for room
@@ -407,9 +410,9 @@ class TcpChannel(Channel):
 
     def _write(self, peer: _Peer, frame: list[Any], deadline: float | None,
                written: bool) -> bool:
-        """Write a frame to ``peer`` (its write lock held). While its connection is full,
-        read what it sends: it may be blocked writing replies to us, and neither of us
-        would ever move again."""
+        """Write a frame to ``peer`` (its write lock held), after the rest of a heartbeat
+        begun (``owed``). While its connection is full, read what it sends: it may be
+        blocked writing replies to us, and neither of us would ever move again."""
         def check_watch() -> None:
             if self._watch and select.select(self._watch, [], [], 0)[0]:
                 raise BrokenPipeError("a worker died while its connection was full")
@@ -426,21 +429,41 @@ class TcpChannel(Channel):
                 finally:
                     self._rx.release()
 
-        return write_frame(peer.sock.sendmsg, frame, f"worker {peer.rank}'s connection",
-                           deadline, written, check_watch, wait)
+        what = f"worker {peer.rank}'s connection"
+        if peer.owed:
+            def pay(parts: list[memoryview]) -> int:
+                n = peer.sock.sendmsg(parts)
+                peer.owed = peer.owed[n:]
+                return n
+
+            try:
+                write_frame(pay, [peer.owed], what, deadline, written, check_watch, wait)
+            except PartialSendError:
+                if written:
+                    raise
+                raise TimeoutError(  # only the heartbeat's bytes went: the rest is owed still
+                    f"{what} stayed full until the deadline; nothing of this message was "
+                    "sent: wait for the workers (sync), or close the session") from None
+        return write_frame(peer.sock.sendmsg, frame, what, deadline, written, check_watch,
+                           wait)
 
     def _heartbeat(self) -> None:
-        """An empty frame to every worker each HEARTBEAT_S, between frames (a peer being
-        written to needs none: that data is acknowledged, or fails, the same way)."""
+        """An empty frame to every worker each HEARTBEAT_S, between frames, as much of it
+        as goes without waiting (a full connection needs none: its data is acknowledged,
+        or fails, the same way; the next write's deadline sees a peer that reads nothing).
+        What the kernel did not take is ``owed``: the next heartbeat or frame writes it
+        first. Waiting here instead, a deadline that passed in the middle of a heartbeat
+        left half a frame in the stream, and the worker took the next command for a
+        malformed frame."""
         while not self._stop.wait(HEARTBEAT_S):
             for peer in list(self._peers):
                 if peer is None or not peer.open or not peer.write_lock.acquire(blocking=False):
                     continue
                 try:
-                    self._write(peer, [_HEAD.pack(_MAGIC, peer.incarnation, 0, 0)],
-                                time.monotonic() + 1.0, False)
+                    beat = peer.owed or _HEAD.pack(_MAGIC, peer.incarnation, 0, 0)
+                    peer.owed = beat[peer.sock.send(beat):]
                 except (OSError, ValueError):
-                    pass  # the next recv finds out why, and says so
+                    pass  # full (BlockingIOError): skipped; else the next recv says why
                 finally:
                     peer.write_lock.release()
 
