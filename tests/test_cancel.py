@@ -6,6 +6,7 @@ the session stays intact."""
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import os
 import signal
 import time
@@ -14,7 +15,7 @@ import pytest
 
 import unison
 from support import stranger_at, wait_gone
-from unison.cancel import SIGNAL
+from unison.cancel import SIGNAL, TABLE
 
 pytestmark = pytest.mark.channels
 
@@ -219,3 +220,55 @@ def test_cancel_of_a_call_its_worker_died_in_signals_no_stranger(make_session):
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def note(marks: list[str]) -> int:
+    marks.append("ran")
+    return len(marks)
+
+
+def test_a_cancel_in_the_same_slot_never_uncancels_a_queued_call(sess):
+    """The board keeps a cancelled id at id % TABLE. A cancel of a call TABLE ids later, to
+    another worker (calls to worker 0 do not fill worker 1's ring), wrote over a cancelled
+    call still queued on busy worker 1, which then ran it and returned a value. Now that
+    cancel raises, cancelling nothing, until worker 1 is past the queued call. (The id
+    counter jumps by TABLE: 2**20 real calls take half a minute.)"""
+    marks = sess[1].put([])
+    busy = sess[1].call(time.sleep, 30)
+    running(sess, busy)
+    queued = sess[1].call(note, marks)
+    queued.cancel()
+    sess._ids = itertools.count(queued._id + TABLE)
+    later = sess[0].call(time.sleep, 30)
+    assert later._id % TABLE == queued._id % TABLE
+    running(sess, later)
+    with pytest.raises(RuntimeError, match=f"shares its slot.*#{queued._id}.*\\[1\\]"):
+        later.cancel()
+    busy.cancel()
+    with pytest.raises(unison.CancelledError):
+        queued.get(1, timeout=10)
+    assert marks.get(1) == []
+    later.cancel()  # worker 1 is past the queued call now: the slot is free to take
+    with pytest.raises(unison.CancelledError, match="while it ran"):
+        later.get(0, timeout=10)
+
+
+def test_cancelling_a_finished_call_never_uncancels_a_queued_one(sess):
+    """A cancel of a finished call (documented to change nothing) wrote its id into the
+    slot of a cancelled call TABLE ids later, still queued: that call ran and returned a
+    value. A call its workers are past is not posted at all now."""
+    old = sess.call(ident, 3)
+    assert old.gather() == [3, 3]
+    marks = sess[1].put([])
+    busy = sess[1].call(time.sleep, 30)
+    running(sess, busy)
+    sess._ids = itertools.count(old._id + TABLE)
+    queued = sess[1].call(note, marks)
+    assert queued._id % TABLE == old._id % TABLE
+    queued.cancel()
+    old.cancel()
+    busy.cancel()
+    with pytest.raises(unison.CancelledError):
+        queued.get(1, timeout=10)
+    assert marks.get(1) == []
+    assert old.gather() == [3, 3]

@@ -191,10 +191,16 @@ def test_a_workers_mark_on_the_board(native: bool, monkeypatch: pytest.MonkeyPat
         assert mark.enter(5) is False and board.running(2) == 5 and board.running(1) == 0
         mark.leave()
         assert board.running(2) == 0
-        board.post(7)
-        board.post(7 + cancel.TABLE)  # the same slot, a later id: 7 is not cancelled now
+        assert board.past(5, (2,)) and not board.past(7, (2,))
+        assert board.post(5, (2,)) is False  # worker 2 is past 5: nothing to post
+        assert board.post(7, (2,)) is True
+        with pytest.raises(RuntimeError, match="shares its slot"):  # 7 still queued on 2
+            board.post(7 + cancel.TABLE, (1,))
+        assert mark.enter(7) is True and not board.past(7, (2,))
+        mark.leave()
+        assert board.past(7, (2,))
+        board.post(7 + cancel.TABLE, (2,))  # the same slot: 7 is behind every worker now
         assert mark.enter(7 + cancel.TABLE) is True and board.running(2) == 7 + cancel.TABLE
-        assert mark.enter(7) is False
     finally:
         board.close()
     if native:

@@ -645,7 +645,7 @@ typedef struct {
     PyObject_HEAD
     Py_buffer view;
     uint64_t *q;
-    Py_ssize_t running;  /* word index of this worker's "running" word */
+    Py_ssize_t running;  /* word index of this worker's "running" word; "last" follows it */
     uint64_t table;      /* words in the table of cancelled ids (a power of two) */
 } Mark;
 
@@ -666,9 +666,9 @@ static int Mark_init(Mark *self, PyObject *args, PyObject *kw) {
     if (self->view.obj) PyBuffer_Release(&self->view);
     self->q = NULL;
     if (PyObject_GetBuffer(buf, &self->view, PyBUF_WRITABLE) < 0) return -1;
-    if ((running + 1) * 8 > self->view.len) {
+    if ((running + 2) * 8 > self->view.len) {
         PyBuffer_Release(&self->view);
-        PyErr_SetString(PyExc_ValueError, "Mark: the running word lies past the buffer");
+        PyErr_SetString(PyExc_ValueError, "Mark: the running and last words lie past the buffer");
         return -1;
     }
     self->q = (uint64_t *)self->view.buf;
@@ -677,13 +677,16 @@ static int Mark_init(Mark *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
-/* enter(call_id) -> whether it is cancelled: running = call_id; full fence; then the table
- * (the store must not pass the load, or a post made meanwhile goes unseen by both sides). */
+/* enter(call_id) -> whether it is cancelled: running = call_id, then last = call_id (in that
+ * order: the controller reads last, then running, to tell a call this worker is past); full
+ * fence; then the table (the stores must not pass the load, or a post made meanwhile goes
+ * unseen by both sides). */
 static PyObject *Mark_enter(Mark *self, PyObject *arg) {
     if (!self->q) { PyErr_SetString(PyExc_ValueError, "the board is closed"); return NULL; }
     uint64_t id = PyLong_AsUnsignedLongLong(arg);
     if (PyErr_Occurred()) return NULL;
     __atomic_store_n(&self->q[self->running], id, __ATOMIC_RELAXED);
+    __atomic_store_n(&self->q[self->running + 1], id, __ATOMIC_RELEASE);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     uint64_t posted = __atomic_load_n(&self->q[id & (self->table - 1)], __ATOMIC_RELAXED);
     return PyBool_FromLong(posted == id);

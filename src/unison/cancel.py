@@ -2,8 +2,9 @@
 before each call, and a signal that interrupts a call already running.
 
     controller: ref.cancel()                        worker r
-      board.post(id): table[id % TABLE] = id,        before a call: running[r] = id, fence,
-                      fence                            table[id % TABLE] == id? skip it
+      board.post(id): table[id % TABLE] = id,        before a call: running[r] = id,
+                      fence                            last[r] = id, fence,
+                                                       table[id % TABLE] == id? skip it
       running[r] == id? -> signal worker r           (signal) handler: running[r] is a
       wait until running[r] != id, or report           cancelled id -> raise Cancelled there
         that r is stuck in C code                    after the call: running[r] = 0
@@ -22,13 +23,19 @@ gets ``Cancelled`` at once; a C call that never returns to Python cannot be inte
 and ``cancel`` says so after its wait.
 
 One memfd per session (``unison-<session>-cancel``): a table of TABLE words, where a
-cancelled id lives at ``id % TABLE``, then one cache line per worker. A worker looks up
-the call it is about to run, however many cancellations came since its last look (a ring
-of recent ones, as before, forgot the oldest: behind 256 cancellations of queued calls, a
-worker ran cancelled calls). An id is overwritten only by one TABLE ids later, and a
-worker is never that far behind: every id the session takes goes out in a message of 20
-bytes or more, and the command ring holds 2 MiB. The memfd's pages are made as posts
-touch them.
+cancelled id lives at ``id % TABLE``, then one cache line per worker (its running word,
+then the last call id it entered). A worker looks up the call it is about to run, however
+many cancellations came since its last look (a ring of recent ones, as before, forgot the
+oldest: behind 256 cancellations of queued calls, a worker ran cancelled calls). The
+memfd's pages are made as posts touch them.
+
+A slot holds one id, and ids TABLE apart share it: a worker that finds another id there
+runs its call. So ``post`` never writes over an id some worker may still look up (one still
+queued or running: ids reach each worker in increasing order, so a worker whose last word
+is past it, or on it and no longer running it, never looks again); it raises instead, and
+nothing is cancelled. Counting ring space did not bound this: calls to one worker do not
+fill another's ring, and a cancel of a finished call, 2**20 ids on, un-cancelled a queued
+one. A call every worker is past is not posted at all (it changes nothing).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import errno
 import mmap
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -99,13 +107,47 @@ class Board:
         self._mm = mmap.mmap(fd, size)
         self._q = memoryview(self._mm).cast("Q")
         self._marks: dict[int, Mark] = {}
+        self._ranks: dict[int, tuple[int, ...]] = {}  # slot -> the workers of the id in it
+        self._lock = threading.Lock()  # posts from several threads: one look-and-write each
 
     # -- controller --------------------------------------------------------------------------
 
-    def post(self, call_id: int) -> None:
-        """Cancel ``call_id`` on every worker: those that have not started it skip it."""
-        self._q[call_id % TABLE] = call_id
+    def post(self, call_id: int, ranks: Sequence[int]) -> bool:
+        """Cancel ``call_id`` on its workers ``ranks``: those that have not started it skip
+        it. False where every one of them is past it (nothing to do, nothing written);
+        RuntimeError where its slot holds an id TABLE away that a worker may still look up
+        (written over, that call would run after all)."""
+        slot = call_id % TABLE
+        with self._lock:
+            if self.past(call_id, ranks):
+                return False
+            held = int(self._q[slot])
+            if held and held != call_id:
+                behind = [r for r in self._ranks[slot] if not self.past(held, (r,))]
+                if behind:
+                    raise RuntimeError(
+                        f"cannot cancel call #{call_id}: it shares its slot on the "
+                        f"cancellation board (ids modulo {TABLE}) with call #{held}, cancelled "
+                        f"earlier and not yet reached by worker(s) {behind}; written over, "
+                        "that call would run after all. Nothing was cancelled: once those "
+                        f"workers are past #{held} (sync them), cancel again"
+                    )
+            self._ranks[slot] = tuple(ranks)
+            self._q[slot] = call_id
         _fence()
+        return True
+
+    def past(self, call_id: int, ranks: Sequence[int]) -> bool:
+        """Whether every worker of ``ranks`` is done with ``call_id`` (never looks it up
+        again): it entered a later call, or this one and left it. Last before running: a
+        worker stores them the other way round, so a worker on its way in is not missed."""
+        q = self._q
+        for r in ranks:
+            line = _RUNNING + _LINE * r
+            last = q[line + 1]
+            if last < call_id or (last == call_id and q[line] == call_id):
+                return False
+        return True
 
     def running(self, rank: int) -> int:
         """The call worker ``rank`` is inside now (0: none)."""
@@ -117,7 +159,8 @@ class Board:
         rank, each the process that started at ``starts``: a worker that died inside the
         call leaves its word set, and its pid may be another program's by now), and wait up
         to ``timeout`` for them to leave it; the ranks still inside."""
-        self.post(call_id)
+        if not self.post(call_id, ranks):
+            return []
         signalled: dict[int, float] = {}  # rank -> when we last signalled it
         end = time.monotonic() + timeout
         nap = 20e-6
@@ -176,7 +219,8 @@ class Mark(Protocol):
     """A worker's word on the board: which call it runs (0: none)."""
 
     def enter(self, call_id: int, /) -> bool:
-        """About to run ``call_id``: say so, then whether it is cancelled (skip it then)."""
+        """About to run ``call_id``: say so (running, then last), then whether it is
+        cancelled (skip it then)."""
 
     def leave(self) -> None:
         """Done with the call."""
@@ -194,6 +238,7 @@ class _Mark:
     def enter(self, call_id: int, /) -> bool:
         q = self._q
         q[self._running] = call_id
+        q[self._running + 1] = call_id  # after running: see Board.past
         _fence()  # else the load below may pass the store (x86 allows it), and a post the
         return q[call_id % TABLE] == call_id  # controller made meanwhile goes unseen by both
 
