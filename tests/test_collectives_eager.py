@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -188,6 +189,92 @@ def test_ranks_that_each_receive_first_raise_a_deadlock(shared, n):
         "; ".join(f"worker {(s + k) % n} waits to receive from worker {(s + k + 1) % n}"
                   for k in range(n)) in text for s in range(n)), text
     assert sess.run(burst, 2, 8, timeout=QUICK) == [[0, 1] * (n - 1)] * n
+
+
+def collective_against_recv(kind: str) -> Any:
+    """Rank 0 (and any rank past 1) calls a collective; rank 1 receives from rank 0, which
+    sends nothing more: each waits on the other."""
+    import numpy as np
+
+    from unison.collective.shm import RING
+
+    r = unison.rank()
+    if kind == "ring":  # rank 0's send waits on rank 1's takes; rank 1 waits in a barrier
+        if r == 0:
+            for i in range(RING + 1):
+                unison.send(i, 1)
+        return unison.barrier()
+    if r == 1:
+        if kind == "send-then-barrier":
+            unison.recv(0)
+        return unison.recv(0)
+    if kind in ("barrier", "send-then-barrier"):
+        if kind == "send-then-barrier" and r == 0:
+            unison.send("m", 1)
+        return unison.barrier()
+    if kind == "group":
+        return unison.barrier(group=True)
+    if kind == "allreduce":  # the C steps' small path, where they built
+        return unison.allreduce(np.ones(3))
+    return unison.gather("x", dst=1)
+
+
+@pytest.mark.parametrize(("kind", "n", "groups", "called"), [
+    ("barrier", 2, 1, "barrier()"),
+    ("allreduce", 2, 1, "allreduce(op='sum')"),
+    ("gather", 2, 1, "gather(dst=1)"),
+    ("send-then-barrier", 2, 1, "barrier()"),
+    ("barrier", 3, 1, "barrier()"),
+    ("group", 4, 2, "barrier()"),
+    ("ring", 2, 1, "barrier()"),
+])
+def test_a_collective_against_a_recv_raises_a_deadlock(shared, kind, n, groups, called):
+    """A rank waiting at a collective's meeting published nothing, so the cycle through it
+    (its peer in a recv from it, or in a send to it past a full ring) was never seen: both
+    hung for good. Now the meeting counts in the graph of waits, and each rank's error says
+    what each called."""
+    import time
+
+    sess = shared(n, num_groups=groups)
+    started = time.monotonic()
+    with pytest.raises(unison.WorkerError) as info:
+        sess.run(collective_against_recv, kind, timeout=QUICK)
+    took = time.monotonic() - started
+    text = errors_of(info)
+    errors = info.value.errors
+    assert all(isinstance(e, unison.CollectiveError) for e in errors.values()), errors
+    stuck = [0, 1] if kind != "barrier" or n == 2 else [0, 1, 2]
+    assert sorted(errors) == stuck, errors
+    peer = "send to worker 1" if kind == "ring" else r"rec(v|eive) from worker 0"
+    for r in (0, 1):  # each says both: its own call and its peer's
+        said = str(errors[r])
+        assert called in said and re.search(peer, said), (r, said)
+    assert f"waits in {called}" in text, text
+    assert took < 5.0, f"the deadlock took {took:.1f} s to be raised"
+    assert sess.run(burst, 2, 8, timeout=QUICK) == [[0, 1] * (n - 1)] * n  # the session goes on
+
+
+def wait_at_a_barrier_for_a_late_send() -> Any:
+    """Rank 0 waits in a barrier while rank 1 waits to receive from rank 2, which sleeps,
+    then sends and joins: long waits, but no cycle."""
+    import time
+
+    r = unison.rank()
+    if r == 1:
+        got = unison.recv(2)
+    elif r == 2:
+        time.sleep(0.5)
+        unison.send("late", 1)
+        got = None
+    else:
+        got = None
+    unison.barrier()
+    return got
+
+
+def test_a_collective_waiting_on_a_peer_in_a_recv_without_a_cycle_is_not_a_deadlock(shared):
+    sess = shared(3)
+    assert sess.run(wait_at_a_barrier_for_a_late_send, timeout=QUICK) == [None, "late", None]
 
 
 def test_long_waits_without_a_cycle_are_not_a_deadlock(shared):

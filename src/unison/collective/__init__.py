@@ -234,7 +234,8 @@ def barrier(*, group: bool = False) -> None:
 def send(x: Any, dst: int) -> None:
     """Send x to worker ``dst`` (global rank). Eager: returns once x is copied out, whatever
     its size; it waits only while 64 earlier messages to ``dst`` are still untaken. A cycle
-    of such waits, or of recvs (each worker receiving first from the next), raises
+    of such waits, of recvs (each worker receiving first from the next), or of either with
+    a collective (a worker in a recv from a peer that waits in a barrier for it), raises
     CollectiveError instead of hanging (shared-memory collectives)."""
     _backend(False, x).send(x, dst)
 

@@ -45,7 +45,9 @@ two looks _LOOK apart: ranks that disagree on group= (with one group, the group 
 rank but keeps its own counter), which would wait for each other for good. A segment the
 controller cannot reach (made by a worker on another host: collective/rendezvous.py) has
 no abort flag that anyone sets, so its waiters watch their peers' pids instead
-(``watch_peers``: a pidfd per peer, looked at every _LOOK seconds of a wait).
+(``watch_peers``: a pidfd per peer, looked at every _LOOK seconds of a wait). A cycle of
+waits, sends, recvs and meetings alike (a worker in a barrier, its peer in a recv from it),
+raises too (_Waiting).
 
 Reductions run in rank order on every element, so every rank gets bit-identical results.
 Large reductions among 3 or more split the work: each worker reduces one share into the
@@ -125,9 +127,9 @@ _UFUNCS: dict[str, Callable[..., Any]] = {
 
 # words of a worker's record
 _GEN_W, _GEN_G, _LEFT, _PID, _NBYTES, _SIG, _DESC = range(7)  # _DESC: 8 words, see _desc_at
-_WAIT, _WAIT_CALL = 14, 15  # a send or recv that waits (see _Waiting), and its call
+_WAIT, _WAIT_CALL = 14, 15  # a send, recv or meeting that waits (see _Waiting), and its call
 _GAVE_UP = 1 << 63  # in _WAIT_CALL: this worker left that call over a deadlock (_Waiting)
-_SENDING, _RECEIVING = 0, 1
+_SENDING, _RECEIVING, _MEETING = 0, 1, 2  # what a _WAIT word waits in (its low 2 bits)
 # words of a ring entry (one cache line each); _E_IDX is the message's index + 1, 0 = being written
 _E_IDX, _E_CALL, _E_TOTAL, _E_WHERE, _E_TAG = range(5)
 TAG_SEND, TAG_SCATTER, TAG_GATHER = 0, 1, 2
@@ -373,18 +375,28 @@ class ShmCollectives(CallScope, Collectives):
             return
         pacer = _Pacer()
         look, seen = time.monotonic() + _LOOK, None
-        while True:
-            waiting = [j for j in waiting if not gen <= q[w[j] + which] < top]
-            if not waiting:
-                return
-            self._check(waiting, which, gen, what)
-            if not gen & 3 and time.monotonic() >= look:
-                look = time.monotonic() + _LOOK
-                crossed = self._crossed(waiting, which, gen)
-                if crossed and crossed == seen:
-                    raise self._crossed_error(crossed[0], which, what)
-                seen = crossed
-            pacer.pause()
+        meeting: _Waiting | None = None  # this wait, in the graph of waits, past its first look
+        try:
+            while True:
+                waiting = [j for j in waiting if not gen <= q[w[j] + which] < top]
+                if not waiting:
+                    return
+                self._check(waiting, which, gen, what)
+                if meeting is not None:
+                    meeting.check(_named(what))
+                if not gen & 3 and time.monotonic() >= look:
+                    look = time.monotonic() + _LOOK
+                    crossed = self._crossed(waiting, which, gen)
+                    if crossed and crossed == seen:
+                        raise self._crossed_error(crossed[0], which, what)
+                    seen = crossed
+                    if meeting is None:  # a peer in recv from us, or in a send to us that
+                        # waits, would never come: say we wait here (see _Waiting)
+                        meeting = _Waiting(self, _MEETING, which)
+                pacer.pause()
+        finally:
+            if meeting is not None:
+                meeting.close()
 
     def _crossed(self, waiting: Sequence[int], which: int,
                  gen: int) -> tuple[tuple[int, int, int], ...]:
@@ -462,11 +474,29 @@ class ShmCollectives(CallScope, Collectives):
                 crossed = () if gen & 3 else self._crossed((j,), which, gen)
                 if crossed:  # it gave up on us first, over the same mismatch: name it
                     raise self._crossed_error(crossed[0], which, what)
+                why = self._gave_up(j) or ("it raised, returned early, or ran a different "
+                                           "collective")
                 raise CollectiveError(
                     f"{_named(what)} on worker {self.rank} gave up: worker {j} left the call "
-                    "without joining it (it raised, returned early, or ran a different "
-                    "collective)", peer=j
+                    f"without joining it ({why})", peer=j
                 )
+
+    def _gave_up(self, j: int) -> str:
+        """Why peer ``j`` left this call, where it gave up on a deadlock (_Waiting): what it
+        waited in; "" otherwise."""
+        q, w = self._q, self._w
+        if q[w[j] + _WAIT_CALL] != self._call | _GAVE_UP:
+            return ""
+        on, kind = _waits_on(q[w[j] + _WAIT])  # kept by a wait that gave up
+        if kind == _MEETING and 0 <= on <= 1:
+            waited = f" (it waited in {describe(q[self._desc_at(j, on, q[w[j] + on])])})"
+        elif kind in (_SENDING, _RECEIVING) and 0 <= on < self.n:
+            waited = (f" (it waited to {'send to' if kind == _SENDING else 'receive from'} "
+                      f"worker {on})")
+        else:
+            waited = ""
+        return (f"it gave up on a deadlock{waited} that this worker is in or waits on; the "
+                "worker that found it says what it is")
 
     def _await_readers(self, which: int, call: int, need: int, ranks: Sequence[int],
                        what: int) -> None:
@@ -880,6 +910,12 @@ class ShmCollectives(CallScope, Collectives):
                         waiting.check(what)
                     self._check_abort(what, (dst,))
                     pacer.pause()
+                if (waiting is not None and q[tail] <= h - RING
+                        and q[w[dst] + _WAIT_CALL] == self._call | _GAVE_UP):
+                    why = self._gave_up(dst)  # it left over the deadlock this send was in
+                    q[w[self.rank] + _WAIT_CALL] = self._call | _GAVE_UP  # passed on
+                    raise CollectiveError(f"{what} on worker {self.rank} gave up: worker {dst} "
+                                          f"left the call without receiving ({why})", peer=dst)
             finally:
                 if waiting is not None:
                     waiting.close()
@@ -934,8 +970,7 @@ class ShmCollectives(CallScope, Collectives):
                 if left >= self._call:
                     why = "it raised, returned early, or ran a different collective"
                     if q[self._w[src] + _WAIT_CALL] == self._call | _GAVE_UP:
-                        why = ("it gave up on a deadlock that this worker is in; the worker "
-                               "that found it says what it is")
+                        why = self._gave_up(src)
                         q[self._w[self.rank] + _WAIT_CALL] = self._call | _GAVE_UP  # passed on
                     raise CollectiveError(f"{what} on worker {self.rank} gave up: worker "
                                           f"{src} left the call without sending ({why})",
@@ -1013,26 +1048,31 @@ class ShmCollectives(CallScope, Collectives):
 
 
 class _Waiting:
-    """A send or recv that waits, said on this worker's record, so that a cycle of them is
-    raised instead of hung on: two workers that each send RING messages to the other before
-    receiving, or each receive from the other first, wait for ever (MPI's hang). Each such
-    wait in the cycle can end only by the next worker's take or send, and that worker waits
-    too. Shared memory shows it all: the record of who waits on whom (``_WAIT``: a count
-    that grows with each wait, the peer and the kind; ``_WAIT_CALL``: the call), the rings'
-    positions, the peers' left words. A cycle back to this worker, each wait in it unable
-    to end, seen the same in two looks ``_LOOK`` apart (nothing moved in between, so no
-    store on its way was missed) raises CollectiveError on the worker that sees it; it then
-    leaves the call, which ends the others' waits on it."""
+    """A send, recv or collective's meeting that waits, said on this worker's record, so
+    that a cycle of them is raised instead of hung on: two workers that each send RING
+    messages to the other before receiving, or each receive from the other first, wait for
+    ever (MPI's hang); so do a worker in a collective and its peer in a recv from it. Each
+    such wait in the cycle can end only by the next worker's take, send or arrival, and that
+    worker waits too. Shared memory shows it all: the record of who waits on whom (``_WAIT``:
+    a count that grows with each wait, the peer, or the scope of a meeting, and the kind;
+    ``_WAIT_CALL``: the call), the rings' positions, the generations, the peers' left words.
+    A meeting waits on each peer of its scope that has not arrived. A cycle back to this
+    worker, each wait in it unable to end, seen the same in two looks ``_LOOK`` apart
+    (nothing moved in between, so no store on its way was missed) raises CollectiveError on
+    the worker that sees it; it then leaves the call, which ends the others' waits on it. A
+    meeting says it waits only past its first look (_await): one that meets at once costs
+    nothing."""
 
     __slots__ = ("_at", "_coll", "_next", "_seen")
 
-    def __init__(self, coll: ShmCollectives, kind: int, peer: int) -> None:
+    def __init__(self, coll: ShmCollectives, kind: int, on: int) -> None:
+        """``on``: the peer (a send, a recv), or the scope (a meeting: 0 world, 1 group)."""
         self._coll = coll
         self._at = me = coll._w[coll.rank]
         q = coll._q
         count = (q[me + _WAIT] >> 32) + 1
         q[me + _WAIT_CALL] = coll._call
-        q[me + _WAIT] = count << 32 | (peer + 1) << 1 | kind
+        q[me + _WAIT] = count << 32 | (on + 1) << 2 | kind
         self._next = time.monotonic() + _LOOK
         self._seen: tuple[tuple[int, int, int, int], ...] | None = None
 
@@ -1051,53 +1091,103 @@ class _Waiting:
         self._seen = cycle
 
     def _cycle(self) -> tuple[tuple[int, int, int, int], ...] | None:
-        """(rank, wait word, ring head, ring tail) of each wait from ours around to ours,
-        where each can end only by the next one's worker; None where the chain breaks."""
+        """(rank, wait word, and two words that show it has not moved: a ring's head and
+        tail, or a meeting's generation and descriptor) of each wait from ours around to
+        ours, where each can end only by the next one's worker; None where there is none."""
+        start = self._coll.rank
+        path: list[tuple[int, int, int, int]] = []
+        tried: set[int] = set()
+
+        def reaches(r: int) -> bool:  # depth first: at most one visit per rank
+            node = self._node(r)
+            if node is None:
+                return False
+            path.append(node[0])
+            if start in node[1]:
+                return True
+            tried.add(r)
+            if any(j not in tried and reaches(j) for j in node[1]):
+                return True
+            path.pop()
+            return False
+
+        return tuple(path) if reaches(start) else None
+
+    def _node(self, r: int) -> tuple[tuple[int, int, int, int], list[int]] | None:
+        """Worker ``r``'s wait, as in _cycle, and the workers whose progress alone can end
+        it (a meeting: any that has not arrived); None where it is not waiting in this call,
+        or its wait can end otherwise (a peer it waits on left the call: it raises)."""
         coll = self._coll
         q, w, call, lay = coll._q, coll._w, coll._call, coll.lay
-        out: list[tuple[int, int, int, int]] = []
-        r = coll.rank
-        for _ in range(coll.n):
-            word = q[w[r] + _WAIT]
-            peer, kind = _waits_on(word)
-            if not 0 <= peer < coll.n or q[w[r] + _WAIT_CALL] != call or \
-                    q[w[peer] + _LEFT] >= call:
-                return None  # not waiting, or in another call, or its peer left: it ends
-            src, dst = (r, peer) if kind == _SENDING else (peer, r)
-            h, t = q[lay.head[src][dst] // 8], q[lay.tail[src][dst] // 8]
-            if kind == _SENDING:  # RING untaken, the oldest of them of this call
-                stuck = h - t >= RING and q[coll._entry(src, dst, h - RING) + _E_CALL] == call
-            else:
-                stuck = h == t  # nothing sent and untaken, of any call
-            if not stuck:
+        word = q[w[r] + _WAIT]
+        on, kind = _waits_on(word)
+        if on < 0 or q[w[r] + _WAIT_CALL] != call:
+            return None
+        if kind == _MEETING:
+            if on > 1:
                 return None
-            out.append((r, word, h, t))
-            if peer == coll.rank:
-                return tuple(out)
-            r = peer
-        return None  # a cycle that this worker is not in: its members see it
+            gen = q[w[r] + on]
+            if gen & 3 or gen >> _CALL_SHIFT != call:
+                return None  # past the meeting (or the word is not a meeting's)
+            first = r // coll.gsize * coll.gsize if on else 0
+            missing = []
+            for j in range(first, first + coll.gsize) if on else range(coll.n):
+                if q[w[j] + _LEFT] >= call:  # before its generation, as _check reads them
+                    if q[w[j] + on] < gen:
+                        return None
+                elif q[w[j] + on] < gen:
+                    missing.append(j)
+            return (r, word, gen, q[coll._desc_at(r, on, gen)]), missing
+        if not 0 <= on < coll.n or on == r or q[w[on] + _LEFT] >= call:
+            return None  # its peer left: it ends
+        src, dst = (r, on) if kind == _SENDING else (on, r)
+        h, t = q[lay.head[src][dst] // 8], q[lay.tail[src][dst] // 8]
+        if kind == _SENDING:  # RING untaken, the oldest of them of this call
+            stuck = h - t >= RING and q[coll._entry(src, dst, h - RING) + _E_CALL] == call
+        else:
+            stuck = h == t  # nothing sent and untaken, of any call
+        return ((r, word, h, t), [on]) if stuck else None
 
     def close(self) -> None:
-        q, me = self._coll._q, self._at
-        q[me + _WAIT] = q[me + _WAIT] >> 32 << 32  # the count stays: the next wait's grows
+        """The wait ended: the count stays (the next wait's grows), and so does all of a
+        wait that gave up on a deadlock, for its peers' errors (_gave_up)."""
+        coll, me = self._coll, self._at
+        q = coll._q
+        if q[me + _WAIT_CALL] != coll._call | _GAVE_UP:
+            q[me + _WAIT] = q[me + _WAIT] >> 32 << 32
 
 
 def _waits_on(word: int) -> tuple[int, int]:
-    """The peer (-1: none) and the kind (_SENDING, _RECEIVING) of a ``_WAIT`` word."""
-    return ((word & 0xFFFFFFFF) >> 1) - 1, word & 1
+    """What a ``_WAIT`` word waits on (-1: nothing; a peer, or a meeting's scope) and its
+    kind (_SENDING, _RECEIVING, _MEETING)."""
+    return ((word & 0xFFFFFFFF) >> 2) - 1, word & 3
 
 
 def _deadlock(cycle: tuple[tuple[int, int, int, int], ...]) -> str:
     """What the cycle of waits is, and what to do."""
     said = []
-    for r, word, _, _ in cycle:
-        peer, kind = _waits_on(word)
-        said.append(f"worker {r} waits to send to worker {peer} ({RING} messages to it are "
-                    "untaken)" if kind == _SENDING else
-                    f"worker {r} waits to receive from worker {peer}")
-    return ("a deadlock: " + "; ".join(said) + ", and none of them can go on. A send "
-            f"waits while {RING} earlier messages to its peer are untaken: receive between "
-            "sends, or have one side send first where each waits to receive")
+    kinds = set()
+    for i, (r, word, _, desc) in enumerate(cycle):
+        on, kind = _waits_on(word)
+        kinds.add(kind)
+        if kind == _MEETING:
+            said.append(f"worker {r} waits in {describe(desc)} "
+                        f"({'its group' if on else 'the world'}) for worker "
+                        f"{cycle[(i + 1) % len(cycle)][0]}, which has not called it")
+        elif kind == _SENDING:
+            said.append(f"worker {r} waits to send to worker {on} ({RING} messages to it are "
+                        "untaken)")
+        else:
+            said.append(f"worker {r} waits to receive from worker {on}")
+    if _MEETING in kinds:
+        fix = ("A collective waits until every worker of its scope calls it; a worker that "
+               "waits to receive from one of them (or to send to one, with "
+               f"{RING} messages to it untaken) never does: have every worker call the "
+               "collectives at the same point among its sends and receives")
+    else:
+        fix = (f"A send waits while {RING} earlier messages to its peer are untaken: receive "
+               "between sends, or have one side send first where each waits to receive")
+    return "a deadlock: " + "; ".join(said) + ", and none of them can go on. " + fix
 
 
 class _Pacer(Pacer):
