@@ -430,11 +430,21 @@ def test_allreduce_into_an_out_that_overlaps_its_input_at_an_offset(shared, n_wo
     assert got == [[0, 0, 0]] * n_workers
 
 
-def test_allreduce_of_python_ints_is_exact_and_of_bools_counts(shared):
+def backend_session(shared: Any, n: int, backend: str) -> unison.Session:
+    """A shared session of ``n`` workers whose collectives run on ``backend`` ("shm" or
+    "torch": torch.distributed's gloo, skipped where torch is not installed)."""
+    if backend == "torch":
+        pytest.importorskip("torch.distributed")
+        return shared(n, collectives="torch")
+    return shared(n)
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_allreduce_of_python_ints_is_exact_and_of_bools_counts(shared, backend):
     """Python ints were reduced as int64: a sum or product past 2**63 wrapped, and came back
     as a wrong Python int with no error (2**63 itself became a uint64); bools summed as a
-    logical or. Now every op is Python's own, on values of any size."""
-    sess = shared(3)
+    logical or. Now every op is Python's own, on values of any size, on either backend."""
+    sess = backend_session(shared, 3, backend)
     big = [2 ** 62, 2 ** 63, -(10 ** 30)]
     for values, op in [
         (big, "sum"), (big, "prod"), (big, "min"), (big, "max"), (big, "mean"),
@@ -450,8 +460,9 @@ def test_allreduce_of_python_ints_is_exact_and_of_bools_counts(shared):
         assert all(type(g) is type(want) for g in got), (values, op, [type(g) for g in got])
 
 
-def test_allreduce_of_a_python_int_against_another_kind_raises_on_every_rank(shared):
-    sess = shared(2)
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_allreduce_of_a_python_int_against_another_kind_raises_on_every_rank(shared, backend):
+    sess = backend_session(shared, 2, backend)
     for other in (1.0, np.int64(1), True):
         with pytest.raises(WorkerError) as info:
             sess.run(do_allreduce, sess.scatter([1, other]), timeout=QUICK)

@@ -138,6 +138,13 @@ def test_collectives_across_tcp_workers_go_through_torch(tcp_session):
     with pytest.raises(unison.WorkerError, match=r"different collectives|shapes"):
         sess.run(lambda: unison.allreduce(torch.ones(unison.rank() + 1)))
     assert sess.run(lambda: unison.allreduce(torch.ones(2)).tolist()) == [[3.0, 3.0]] * 3
+    # Python ints and bools are reduced as on shared memory: exactly, not as int64 tensors
+    for got, want in [(sess.run(lambda: unison.allreduce(2 ** 62 + unison.rank())),
+                       3 * 2 ** 62 + 3), (sess.run(lambda: unison.allreduce(True)), 3)]:
+        assert [(type(g), g) for g in got] == [(int, want)] * 3, got  # an int, not a tensor
+    with pytest.raises(unison.WorkerError, match=r"different collectives|shapes") as info:
+        sess.run(lambda: unison.allreduce(True if unison.rank() else 1))
+    assert sorted(info.value.errors) == [0, 1, 2], info.value.errors
 
 
 def test_a_rank_that_left_a_call_early_never_meets_a_peer_in_its_next_call(tcp_session):

@@ -14,6 +14,7 @@ Everything here is pure: no shared memory, no processes, so it is unit-tested di
 from __future__ import annotations
 
 import functools
+import math
 import operator
 import zlib
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from unison.errors import CollectiveError
 __all__ = [
     "KINDS",
     "OPS",
+    "PYTHON_SIGNATURES",
     "CallScope",
     "array_signature",
     "check_members",
@@ -35,6 +37,7 @@ __all__ = [
     "describe",
     "descriptor",
     "member",
+    "reduce_python",
     "shape_signature",
 ]
 
@@ -155,6 +158,25 @@ def array_signature(a: np.ndarray) -> int:
 
 
 _SIGNATURES: dict[tuple[tuple[int, ...], np.dtype[Any]], int] = {}  # a collective's hot path
+
+PYTHON_SIGNATURES = {t: shape_signature((), f"python {t.__name__}") << 8 for t in (int, bool)}
+"""The signature an allreduce of Python ints or bools meets with (reduce_python), unlike any
+array's or tensor's: a rank that passes another kind raises on every rank."""
+
+
+def reduce_python(values: Sequence[int], op: str) -> int | float:
+    """An allreduce of Python ints (or bools), every rank's value in rank order: Python's own
+    sum, product, min, max or mean, exact at any size, where an int64 would wrap (and bools
+    sum as a logical or). Every backend reduces them so."""
+    if op == "sum":
+        return sum(values)
+    if op == "prod":
+        return math.prod(values)
+    if op == "min":
+        return min(values)
+    if op == "max":
+        return max(values)
+    return sum(values) / len(values)  # mean: a float, as numpy's mean of integers
 
 
 class CallScope:

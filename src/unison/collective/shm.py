@@ -71,7 +71,6 @@ anything a call can return, a collective can carry.
 from __future__ import annotations
 
 import functools
-import math
 import mmap
 import os
 import select
@@ -86,6 +85,7 @@ from unison import _native, protocol
 from unison.channel.arena import sealed_memfd
 from unison.collective.base import Collectives
 from unison.collective.checks import (
+    PYTHON_SIGNATURES,
     CallScope,
     array_signature,
     check_op,
@@ -95,7 +95,7 @@ from unison.collective.checks import (
     descriptor,
     into,
     member,
-    shape_signature,
+    reduce_python,
 )
 from unison.errors import CollectiveError
 from unison.pacing import LONG_YIELD, Pacer, cores, crowd
@@ -119,8 +119,6 @@ _SPIN = 1e-3
 _CHECK = 0.002  # while sleeping, re-check the peers this often (s)
 _LOOK = 0.05  # with watch_peers, look whether the awaited peers still live this often (s)
 
-_PYTHON_SIGS = {t: shape_signature((), f"python {t.__name__}") << 8 for t in (int, bool)}
-# what an allreduce of Python ints or bools passes (_allreduce_python), unlike any array
 _UFUNCS: dict[str, Callable[..., Any]] = {
     "sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "mean": np.add,
 }
@@ -599,17 +597,8 @@ class ShmCollectives(CallScope, Collectives):
         every rank."""
         which, ranks = self.scope(group)
         got = self._exchange(which, ranks, _encode(x), ranks, descriptor("allreduce", op),
-                             _PYTHON_SIGS[type(x)])
-        values: list[int] = [_decode(got[j]) for j in ranks]
-        if op == "sum":
-            return sum(values)
-        if op == "prod":
-            return math.prod(values)
-        if op == "min":
-            return min(values)
-        if op == "max":
-            return max(values)
-        return sum(values) / len(values)  # mean: a float, as numpy's mean of integers
+                             PYTHON_SIGNATURES[type(x)])
+        return reduce_python([_decode(got[j]) for j in ranks], op)
 
     def _small_plan(self, op: str, x: np.ndarray, group: bool) -> Plan | tuple[()]:
         """How the C steps reduce ``x`` by ``op`` in ``group``'s scope (see _plan), or ()

@@ -13,6 +13,10 @@ others blocked in gloo or NCCL until their timeout; and a mismatch (a different 
 op, root, shape or dtype) raises CollectiveError on every rank instead of reaching gloo,
 which would abort the process.
 
+Python ints and bools are no tensors: their allreduce moves the values as objects and
+reduces them with Python's own arithmetic, exact at any size, as the shared-memory backend
+does (an int64 tensor would wrap past 2**63, and a bool tensor sum as a logical or).
+
 Barriers and point to point (send/recv) are delegated to the shared-memory backend, as are
 ``begin``/``end`` of a call; the argument checks come from collective/checks.py, as the
 shared-memory backend's do.
@@ -25,7 +29,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from unison.collective.base import Collectives
-from unison.collective.checks import check_op, check_scatter_values, member, shape_signature
+from unison.collective.checks import (
+    PYTHON_SIGNATURES,
+    check_op,
+    check_scatter_values,
+    member,
+    reduce_python,
+    shape_signature,
+)
 from unison.collective.shm import ShmCollectives
 from unison.errors import CollectiveError
 
@@ -81,12 +92,12 @@ class TorchCollectives(Collectives):
         return pg
 
     def _enter(self, group: bool, kind: str, tensors: Sequence[Any], op: str | None = None,
-               root: int | None = None) -> tuple[Any, Any, tuple[int, ...]]:
+               root: int | None = None, sig: int = 0) -> tuple[Any, Any, tuple[int, ...]]:
         """Arrive at a shared-memory barrier that checks every rank calls the same ``kind``,
         ``op`` and ``root`` on a tensor of the same shape, dtype and device (gloo would abort
-        the process on a mismatch), then return (dist, process group, ranks)."""
+        the process on a mismatch), then return (dist, process group, ranks). ``sig``: what
+        the data is, where no tensor says it."""
         cuda = any(getattr(t, "is_cuda", False) for t in tensors)
-        sig = 0
         if tensors:
             t = tensors[0]
             sig = shape_signature(tuple(t.shape), str(t.dtype)) << 1 | cuda
@@ -97,6 +108,8 @@ class TorchCollectives(Collectives):
     def allreduce(self, x: Any, op: str, group: bool, *, kind: str = "allreduce") -> Any:
         """``kind`` names the collective this reduction serves, for the mismatch check."""
         check_op(op)
+        if (type(x) is int or type(x) is bool) and kind == "allreduce":
+            return self._allreduce_python(x, op, group)
         t = _tensor(x)
         dist, pg, ranks = self._enter(group, kind, [t], op=op)
         out = t.clone()
@@ -109,6 +122,18 @@ class TorchCollectives(Collectives):
         if op == "mean":
             out /= len(ranks)
         return out
+
+    def _allreduce_python(self, x: int, op: str, group: bool) -> int | float:
+        """Python ints (or bools) as the shared-memory backend reduces them: Python's own
+        arithmetic on every rank's value (reduce_python), exact at any size, where an int64
+        tensor would wrap (and a bool tensor sum as a logical or). Their signature tells an
+        int from a bool and from any tensor, so a rank that passes another kind raises
+        CollectiveError on every rank at the arrival."""
+        dist, pg, ranks = self._enter(group, "allreduce", [], op=op,
+                                      sig=PYTHON_SIGNATURES[type(x)])
+        values: list[Any] = [None] * len(ranks)
+        dist.all_gather_object(values, x, group=pg)
+        return reduce_python(values, op)
 
     def reduce_scatter(self, x: Any, op: str, group: bool) -> Any:
         full = self.allreduce(x, op, group, kind="reduce_scatter")  # gloo has none
