@@ -262,6 +262,30 @@ def test_small_numpy_arguments_and_puts_travel_inside_the_message(sess, kind):
         assert sess.run(writable, put) == [True, True]
 
 
+def write_first_read_second(a, b):
+    a[...] = 99
+    return a is b, float(b.flat[0])
+
+
+@pytest.mark.parametrize("kind", ["array", "large array", "scalar", "keyword"])
+def test_one_numpy_value_passed_twice_arrives_as_one_object(sess, kind):
+    """The same numpy array or scalar passed twice arrives as pickle gives it: one object,
+    whose write through one argument shows through the other. Small ones rode as one
+    array payload each, so the worker got two arrays and the write was lost in the other."""
+    np = pytest.importorskip("numpy")
+    if kind == "scalar":
+        s = np.float32(1.5)
+        assert sess.run(one_object_twice, (s, s)) == [True, True]
+        assert sess.run(lambda a, b: a is b, s, s) == [True, True]
+        return
+    x = np.zeros(20_000 if kind == "large array" else 4)
+    if kind == "keyword":
+        assert sess.run(write_first_read_second, x, b=x) == [(True, 99.0)] * 2
+    else:
+        assert sess.run(write_first_read_second, x, x) == [(True, 99.0)] * 2
+    assert sess.run(write_first_read_second, x, x.copy()) == [(False, 0.0)] * 2
+
+
 def describe_value(v):
     import numpy as np
 

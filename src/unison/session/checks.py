@@ -157,13 +157,16 @@ def call_parts(args: tuple[Any, ...], kwargs: dict[str, Any], ref: type
     numpy keys)``, each small numpy array or scalar replaced by its
     ``protocol.array_payload`` (the keys say where: positions and names); tuples, lists,
     dicts, bytes and long strings as ``protocol.is_plain`` takes them, each and all
-    together (no list among them twice). None, at the first that must be pickled."""
+    together (no list among them twice). None, at the first that must be pickled, and
+    where one numpy value comes twice: pickle gives the worker one object, whose change
+    through one argument shows through the other, where two payloads would make two."""
     if len(args) > 8 or len(kwargs) > 8:
         return None
     where: list[int] = []
     names: list[str] = []
     arrays: list[int | str] = []
     loose = []
+    sent: list[Any] = []  # the numpy values taken, each at most once
     values: list[Any] | None = None
     kw: dict[str, Any] | None = None
     key: Any
@@ -179,8 +182,9 @@ def call_parts(args: tuple[Any, ...], kwargs: dict[str, Any], ref: type
             loose.append(a)
         else:
             payload = array_payload(a)
-            if payload is None:
+            if payload is None or any(a is b for b in sent):
                 return None
+            sent.append(a)
             arrays.append(key)
             if type(key) is int:
                 values = list(args) if values is None else values
