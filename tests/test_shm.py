@@ -204,6 +204,50 @@ def test_workers_write_small_shared_arrays_and_their_slices(
     assert a[:2].tolist() == [1, 2]
 
 
+def _fill(x: object, v: float) -> None:
+    x[...] = v  # type: ignore[index]
+
+
+def test_a_non_contiguous_view_of_a_shared_array_is_refused(sess: unison.Session) -> None:
+    """A column of a ``sess.empty`` array (or a strided view, in a list, put) would be
+    pickled as a copy, and the workers' writes to it lost: it raises, saying so, where it
+    went silently before. A contiguous or Fortran-ordered view goes by reference, as ever;
+    a copy made on purpose, or a strided view of an ordinary array, travels as a value."""
+    buf = sess.empty((4, 4))
+    big = sess.empty((400, 400))
+    buf[:] = 0
+    for bad in (buf[:, 0], big[:, ::2], [buf[::-1]]):
+        with pytest.raises(ValueError, match=r"non-contiguous view of a sess\.empty"):
+            sess[0].run(_fill, bad, 2.0)
+        with pytest.raises(ValueError, match=r"non-contiguous view of a sess\.empty"):
+            sess.put(bad)
+    assert buf.tolist() == [[0.0] * 4] * 4
+    sess[0].run(_fill, buf.T, 3.0)
+    sess[0].run(_fill, buf[1:3], 4.0)
+    assert buf[:, 0].tolist() == [3.0, 4.0, 4.0, 3.0]
+    sess[0].run(_fill, np.array(buf[:, 0]), 5.0)
+    assert sess.run(_sum, np.arange(16.0).reshape(4, 4)[:, ::2]) == [56.0, 56.0]
+    assert buf[:, 0].tolist() == [3.0, 4.0, 4.0, 3.0]
+
+
+def test_a_non_contiguous_tensor_over_a_shared_array_is_refused(sess: unison.Session) -> None:
+    """The same for a CPU tensor over ``sess.empty`` memory: a column, or one torch pickles
+    itself (requires_grad), would be a copy. A transposed one goes by reference, as its
+    numpy twin does."""
+    torch = pytest.importorskip("torch")
+    big = sess.empty((400, 400))
+    big[:] = 0
+    t = torch.from_numpy(big)
+    for bad in (t[:, 1], torch.from_numpy(big[:2]).requires_grad_()):
+        with pytest.raises(ValueError, match=r"over a sess\.empty|view of a sess\.empty"):
+            sess[0].run(_fill, bad, 7.0)
+    assert not big.any()
+    sess[0].run(_fill, t.T[:, :2], 7.0)
+    assert big[:2].min() == 7.0 and big[2:].max() == 0.0
+    plain = torch.arange(16.0).reshape(4, 4)
+    assert sess.run(lambda x: x.tolist(), plain.T) == [plain.T.tolist()] * 2
+
+
 def test_a_small_ordinary_array_stays_in_band_and_private(sess: unison.Session) -> None:
     a = np.zeros(4, np.int64)
     top = _arena_top(sess)

@@ -293,11 +293,19 @@ class _LargeBytes:
         return bytes, (pickle.PickleBuffer(self.data),)
 
 
-def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None) -> bytes:
+class SharedCopyError(ValueError):
+    """A call's argument, or a value put, that would reach the workers as a copy of memory
+    they share with the controller (``sess.empty``): their writes to it would be lost."""
+
+
+def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None,
+          shared: bool = False) -> bytes:
     """Pickle for the other side: plain pickle where it is right, cloudpickle where needed.
 
     With ``buffers``, large pickle-5 buffers are appended there instead of copied in (and
-    large bytes objects that ``bytes_apart`` wrapped)."""
+    large bytes objects that ``bytes_apart`` wrapped). ``shared``: ``obj`` is what a call
+    or a put hands the workers, where a ``sess.empty`` array goes by reference: a view of
+    one that pickle would copy raises SharedCopyError instead."""
     callback = None
     if buffers is not None:
         start = len(buffers)
@@ -311,13 +319,16 @@ def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None) -> byte
             buffers.append(pb)
             return False
 
+    check = shared and bool(_arena._shared_ranges)
     try:
-        if "torch" in sys.modules:
-            data = _dumps_with_tensors(obj, callback)
+        if check or "torch" in sys.modules:
+            data = _dumps_with_tensors(obj, callback, check)
         else:
             data = pickle.dumps(obj, protocol=5, buffer_callback=callback)
         if _MAIN not in data:
             return data
+    except SharedCopyError:
+        raise
     except Exception:
         pass
     if buffers is not None:
@@ -345,27 +356,83 @@ def bytes_apart(obj: Any) -> Any:
     return _LargeBytes(obj) if type(obj) is bytes and len(obj) >= OOB_MIN else obj
 
 
-def _dumps_with_tensors(obj: object, callback: Any) -> bytes:
+def _dumps_with_tensors(obj: object, callback: Any, check: bool = False) -> bytes:
     """Plain pickle where CPU torch tensors travel as numpy arrays: out of band, so a large
-    one is copied once into shared memory instead of being pickled in-band."""
+    one is copied once into shared memory instead of being pickled in-band. ``check``: a
+    view of a shared array that pickle would copy raises (``dumps``)."""
     out = io.BytesIO()
     pickler = pickle.Pickler(out, protocol=5, buffer_callback=callback)
-    global _tensor_table, _tensor_table_of
-    if _tensor_table_of != copyreg.dispatch_table:  # a reducer registered since: see it
-        import torch
-
-        _tensor_table_of = dict(copyreg.dispatch_table)
-        _tensor_table = {**_tensor_table_of, torch.Tensor: _reduce_tensor}
-    pickler.dispatch_table = _tensor_table
+    pickler.dispatch_table = _table(check)
     pickler.dump(obj)
     return out.getvalue()
 
 
-_tensor_table: dict[type, Any] = {}
-_tensor_table_of: dict[type, Any] | None = None  # the copyreg table it was made from
+_tables: dict[tuple[bool, bool], dict[type, Any]] = {}
+_tables_of: dict[type, Any] | None = None  # the copyreg table they were made from
 
 
-def _reduce_tensor(t: Any) -> Any:
+def _table(check: bool) -> dict[type, Any]:
+    """copyreg's dispatch table with ``_reducers(check)`` over it."""
+    global _tables_of
+    if _tables_of != copyreg.dispatch_table:  # a reducer registered since: see it
+        _tables_of = dict(copyreg.dispatch_table)
+        _tables.clear()
+    key = ("torch" in sys.modules, check)
+    table = _tables.get(key)
+    if table is None:
+        table = _tables[key] = {**_tables_of, **_reducers(check)}
+    return table
+
+
+def _reducers(check: bool) -> dict[type, Any]:
+    """How this module pickles some types: CPU torch tensors as numpy arrays (once torch is
+    imported); with ``check``, numpy arrays and tensors refused where a copy of shared
+    memory would go (``_refuse_shared``)."""
+    reducers: dict[type, Any] = {}
+    if "torch" in sys.modules:
+        import torch
+
+        reducers[torch.Tensor] = _reduce_tensor_checked if check else _reduce_tensor
+    np = sys.modules.get("numpy")
+    if check and np is not None:
+        reducers[np.ndarray] = _reduce_array_checked
+    return reducers
+
+
+def _reduce_array_checked(a: Any) -> Any:
+    """A numpy array as pickle reduces it, unless pickle would copy shared memory: only a
+    C or Fortran contiguous array goes out of band (by reference where shared)."""
+    if not a.flags.forc and a.nbytes:
+        _refuse_shared(a.__array_interface__["data"][0], a.shape, a.strides, a.itemsize,
+                       "a non-contiguous view of a sess.empty() array", "np.array(x)")
+    return a.__reduce_ex__(5)
+
+
+def _refuse_shared(addr: int, shape: tuple[int, ...], strides: tuple[int, ...],
+                   itemsize: int, what: str, copy: str) -> None:
+    """Raise SharedCopyError where the elements of an array or tensor (its address, shape
+    and strides in bytes) touch memory shared with the workers (``sess.empty``)."""
+    low = high = addr
+    for n, step in zip(shape, strides):
+        if step < 0:
+            low += step * (n - 1)
+        else:
+            high += step * (n - 1)
+    if _arena.touches_shared(low, high + itemsize - low):
+        raise SharedCopyError(
+            f"{what} would reach the workers as a copy, and their writes would be lost: pass "
+            f"a contiguous slice, or {copy} to send a copy on purpose"
+        )
+
+
+def _reduce_tensor_checked(t: Any) -> Any:
+    return _reduce_tensor(t, True)
+
+
+def _reduce_tensor(t: Any, check: bool = False) -> Any:
+    """A CPU tensor as a numpy array over its memory where it can be; ``check``: refused
+    where that is not so and its memory is shared (``_refuse_shared``), as it would be
+    copied."""
     import torch
 
     simple = (type(t) is torch.Tensor and t.device.type == "cpu" and not t.requires_grad
@@ -380,10 +447,29 @@ def _reduce_tensor(t: Any) -> Any:
                         (torch.channels_last_3d, (0, 2, 3, 4, 1), (0, 4, 1, 2, 3))):
                     if t.dim() == len(back) and t.is_contiguous(memory_format=layout):
                         return (tensor_from_numpy, (t.permute(*to_memory).numpy(), back))
+                view = t.numpy()  # (its strides kept: a transpose arrives as one)
+                if view.flags.f_contiguous:
+                    return (tensor_from_numpy, (view,))
+                if check:
+                    _refuse_tensor(t, "a non-contiguous view of a sess.empty() array")
             return (tensor_from_numpy, (t.contiguous().numpy(),))
         except (TypeError, RuntimeError):
             pass  # a dtype numpy lacks (bfloat16): torch's own pickling
+    if check:
+        _refuse_tensor(t, "a tensor over a sess.empty() array that torch pickles itself (it "
+                          "requires grad, or numpy lacks its dtype)")
     return t.__reduce_ex__(5)
+
+
+def _refuse_tensor(t: Any, what: str) -> None:
+    """``_refuse_shared`` of a CPU tensor's elements."""
+    import torch
+
+    if t.device.type != "cpu" or t.layout is not torch.strided or not t.numel():
+        return
+    size = t.element_size()
+    _refuse_shared(t.data_ptr(), tuple(t.shape), tuple(step * size for step in t.stride()),
+                   size, what, "t.clone()")
 
 
 def tensor_from_numpy(arr: Any, permute: tuple[int, ...] | None = None) -> Any:
@@ -401,7 +487,7 @@ def dumps_with_refs(obj: object) -> tuple[bytes, list[pickle.PickleBuffer], list
     buffers: list[pickle.PickleBuffer] = []
     _local.refs = refs
     try:
-        return dumps(obj, buffers), buffers, refs
+        return dumps(obj, buffers, shared=True), buffers, refs
     finally:
         _local.refs = None
 

@@ -414,6 +414,13 @@ def is_shared(mv: memoryview) -> bool:
     return addr is not None and lies_in_shared(addr, mv.nbytes)
 
 
+def touches_shared(addr: int, nbytes: int) -> bool:
+    """Whether any of the ``nbytes`` at ``addr`` lies in a shared array."""
+    end = addr + nbytes
+    return any(addr < stop and start < end and alive() is not None
+               for start, stop, alive in _shared_ranges)
+
+
 def lies_in_shared(addr: int, nbytes: int) -> bool:
     """``is_shared`` of the ``nbytes`` at ``addr`` (an array's memory, read from its
     ``__array_interface__``: no view needed, which some dtypes refuse)."""

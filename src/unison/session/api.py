@@ -1039,6 +1039,8 @@ class Session(View):
     ) -> tuple[bytes, list[pickle.PickleBuffer]]:
         try:
             blob, bufs, refs = protocol.dumps_with_refs((protocol.bytes_apart(args), kwargs))
+        except protocol.SharedCopyError as exc:
+            raise ValueError(str(exc)) from None
         except Exception as exc:
             for what, value in [*((f"argument {i}", a) for i, a in enumerate(args)),
                                 *((f"keyword argument {k!r}", v) for k, v in kwargs.items())]:
@@ -1090,7 +1092,9 @@ class Session(View):
     def _encode_value(self, value: Any, what: str) -> tuple[bytes, list[pickle.PickleBuffer]]:
         try:
             bufs: list[pickle.PickleBuffer] = []
-            return protocol.dumps(protocol.bytes_apart(value), bufs), bufs
+            return protocol.dumps(protocol.bytes_apart(value), bufs, shared=True), bufs
+        except protocol.SharedCopyError as exc:
+            raise ValueError(str(exc)) from None
         except Exception as exc:
             raise _unpicklable(what, value, exc) from exc
 
