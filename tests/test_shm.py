@@ -248,6 +248,33 @@ def test_a_non_contiguous_tensor_over_a_shared_array_is_refused(sess: unison.Ses
     assert sess.run(lambda x: x.tolist(), plain.T) == [plain.T.tolist()] * 2
 
 
+def _fill_tensor(t: object, v: float, *rest: object) -> None:
+    t.fill_(v)  # type: ignore[attr-defined]
+
+
+def test_a_tensor_over_a_shared_array_goes_by_reference_beside_script_values(
+    sess: unison.Session,
+) -> None:
+    """A pickle that names ``__main__`` (a value of the user's script) is made again by
+    cloudpickle, which must pickle a tensor as the first pickler does: over a ``sess.empty``
+    array, by reference. It let torch pickle the tensor, a copy, and the workers' writes
+    were lost. (The string ``"__main__"`` among the arguments is enough to take that way.)"""
+    torch = pytest.importorskip("torch")
+    for size in (4, 100_000):  # in band, out of band
+        t = torch.from_numpy(sess.empty(size))
+        t.zero_()
+        sess[0].run(_fill_tensor, t, 1.0)
+        assert float(t[-1]) == 1.0
+        sess[0].run(_fill_tensor, t, 2.0, "__main__")
+        assert float(t[-1]) == 2.0
+    with pytest.raises(ValueError, match=r"non-contiguous view of a sess\.empty"):
+        sess[0].run(_fill_tensor, t[::2], 3.0, "__main__")
+    with pytest.raises(ValueError, match=r"non-contiguous view of a sess\.empty"):
+        sess[0].run(_fill_tensor, t[::2], 3.0, lambda: 0)  # pickle fails: cloudpickle's way
+    plain = torch.arange(6.0).reshape(2, 3)
+    assert sess.run(lambda x, s: x.T.tolist(), plain.T, "__main__") == [plain.tolist()] * 2
+
+
 def test_a_small_ordinary_array_stays_in_band_and_private(sess: unison.Session) -> None:
     a = np.zeros(4, np.int64)
     top = _arena_top(sess)

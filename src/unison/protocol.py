@@ -336,8 +336,28 @@ def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None,
     refs = getattr(_local, "refs", None)
     if refs is not None:
         refs.clear()  # the retry sees every Ref again
-    out: bytes = cloudpickle.dumps(obj, protocol=5, buffer_callback=callback)
-    return out
+    if not check and "torch" not in sys.modules:
+        out: bytes = cloudpickle.dumps(obj, protocol=5, buffer_callback=callback)
+        return out
+    stream = io.BytesIO()  # tensors (and shared arrays) as the plain pickler takes them
+    _CloudPickler(stream, _reducers(check), callback).dump(obj)
+    return stream.getvalue()
+
+
+class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
+    """cloudpickle with ``_reducers`` over it: a tensor takes the same way whichever
+    pickler met it (without them, torch pickled a tensor over a ``sess.empty`` array as a
+    copy as soon as another argument came from ``__main__``)."""
+
+    def __init__(self, out: io.BytesIO, reducers: dict[type, Any], callback: Any) -> None:
+        super().__init__(out, protocol=5, buffer_callback=callback)
+        self._reducers = reducers
+
+    def reducer_override(self, obj: Any) -> Any:
+        reduce = self._reducers.get(type(obj))
+        if reduce is not None:
+            return reduce(obj)
+        return super().reducer_override(obj)
 
 
 def bytes_apart(obj: Any) -> Any:
