@@ -275,6 +275,32 @@ def test_a_tensor_over_a_shared_array_goes_by_reference_beside_script_values(
     assert sess.run(lambda x, s: x.T.tolist(), plain.T, "__main__") == [plain.tolist()] * 2
 
 
+@pytest.mark.parametrize("size", [8, 100_000])
+def test_a_shared_array_the_function_captures_is_refused(sess: unison.Session, size: int) -> None:
+    """A ``sess.empty`` array reached by the function itself (a closure, a script global,
+    a default) is pickled with it, a copy: the workers' writes were lost in silence. The
+    call raises, saying to pass it as an argument, which goes by reference."""
+    buf = sess.empty(size)
+    buf[:] = 0
+
+    def fill_closure(v: float) -> None:
+        buf[:] = v
+
+    def fill_default(v: float, into: np.ndarray = buf) -> None:
+        into[:] = v
+
+    script: dict[str, object] = {"__name__": "__main__", "buf": buf}  # a script's global
+    exec("def fill_global(v):\n    buf[:] = v\n", script)
+    for fn in (fill_closure, script["fill_global"], fill_default, lambda v: fill_closure(v)):
+        with pytest.raises(TypeError, match="must be passed as an argument"):
+            sess[0].run(fn, 2.0)  # type: ignore[arg-type]
+    assert not buf.any()
+    sess[0].run(_fill, buf, 3.0)  # as an argument: by reference
+    assert buf.min() == 3.0
+    plain = np.ones(size)
+    assert sess.run(lambda: float(plain.sum())) == [float(size)] * 2  # an ordinary capture
+
+
 def test_a_small_ordinary_array_stays_in_band_and_private(sess: unison.Session) -> None:
     a = np.zeros(4, np.int64)
     top = _arena_top(sess)

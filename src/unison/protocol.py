@@ -422,27 +422,46 @@ def _reducers(check: bool) -> dict[type, Any]:
 def _reduce_array_checked(a: Any) -> Any:
     """A numpy array as pickle reduces it, unless pickle would copy shared memory: only a
     C or Fortran contiguous array goes out of band (by reference where shared)."""
-    if not a.flags.forc and a.nbytes:
-        _refuse_shared(a.__array_interface__["data"][0], a.shape, a.strides, a.itemsize,
-                       "a non-contiguous view of a sess.empty() array", "np.array(x)")
+    if not a.flags.forc and in_shared(a):
+        raise _copy_error("a non-contiguous view of a sess.empty() array", "np.array(x)")
     return a.__reduce_ex__(5)
 
 
-def _refuse_shared(addr: int, shape: tuple[int, ...], strides: tuple[int, ...],
-                   itemsize: int, what: str, copy: str) -> None:
-    """Raise SharedCopyError where the elements of an array or tensor (its address, shape
-    and strides in bytes) touch memory shared with the workers (``sess.empty``)."""
+def _copy_error(what: str, copy: str) -> SharedCopyError:
+    return SharedCopyError(
+        f"{what} would reach the workers as a copy, and their writes would be lost: pass "
+        f"a contiguous slice, or {copy} to send a copy on purpose"
+    )
+
+
+def _touches_shared(addr: int, shape: tuple[int, ...], strides: tuple[int, ...],
+                    itemsize: int) -> bool:
     low = high = addr
     for n, step in zip(shape, strides):
         if step < 0:
             low += step * (n - 1)
         else:
             high += step * (n - 1)
-    if _arena.touches_shared(low, high + itemsize - low):
-        raise SharedCopyError(
-            f"{what} would reach the workers as a copy, and their writes would be lost: pass "
-            f"a contiguous slice, or {copy} to send a copy on purpose"
-        )
+    return _arena.touches_shared(low, high + itemsize - low)
+
+
+def in_shared(obj: Any) -> bool:
+    """Whether ``obj`` is a numpy array or CPU tensor whose elements touch memory shared
+    with the workers (``sess.empty``). Costs a look at a type where nothing is shared."""
+    if not _arena._shared_ranges:
+        return False
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(obj, np.ndarray):
+        return bool(obj.nbytes) and _touches_shared(
+            obj.__array_interface__["data"][0], obj.shape,
+            obj.strides, obj.itemsize)
+    torch = sys.modules.get("torch")
+    if (torch is None or not isinstance(obj, torch.Tensor) or obj.device.type != "cpu"
+            or obj.layout is not torch.strided or not obj.numel()):
+        return False
+    size = obj.element_size()
+    return _touches_shared(obj.data_ptr(), tuple(obj.shape),
+                           tuple(step * size for step in obj.stride()), size)
 
 
 def _reduce_tensor_checked(t: Any) -> Any:
@@ -483,13 +502,8 @@ def _reduce_tensor(t: Any, check: bool = False) -> Any:
 
 def _refuse_tensor(t: Any, what: str) -> None:
     """``_refuse_shared`` of a CPU tensor's elements."""
-    import torch
-
-    if t.device.type != "cpu" or t.layout is not torch.strided or not t.numel():
-        return
-    size = t.element_size()
-    _refuse_shared(t.data_ptr(), tuple(t.shape), tuple(step * size for step in t.stride()),
-                   size, what, "t.clone()")
+    if in_shared(t):
+        raise _copy_error(what, "t.clone()")
 
 
 def tensor_from_numpy(arr: Any, permute: tuple[int, ...] | None = None) -> Any:

@@ -32,7 +32,7 @@ from typing import Any
 
 import cloudpickle
 
-from unison.protocol import code_in_file
+from unison.protocol import code_in_file, in_shared
 
 __all__ = ["FunctionCache"]
 
@@ -179,12 +179,18 @@ def pickle_function(fn: Callable[..., Any]) -> bytes:
 
 class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
     """cloudpickle, keeping each code object's file name (cloudpickle writes
-    "<dynamic-code>"), so that tracebacks, stacks() and timeouts name the user's file."""
+    "<dynamic-code>"), so that tracebacks, stacks() and timeouts name the user's file; and
+    refusing a ``sess.empty`` array the function reaches, which would arrive as a copy."""
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is types.CodeType:
             make, args = cloudpickle.cloudpickle._code_reduce(obj)
             return code_in_file, (obj.co_filename, make, args)
+        if in_shared(obj):
+            raise TypeError(
+                "a sess.empty() array must be passed as an argument: captured by the "
+                "function it reaches the workers as a copy, and their writes would be lost"
+            )
         return super().reducer_override(obj)
 
 
