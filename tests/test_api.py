@@ -7,6 +7,7 @@ import asyncio
 import functools
 import math
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -284,6 +285,36 @@ def test_one_numpy_value_passed_twice_arrives_as_one_object(sess, kind):
     else:
         assert sess.run(write_first_read_second, x, x) == [(True, 99.0)] * 2
     assert sess.run(write_first_read_second, x, x.copy()) == [(False, 0.0)] * 2
+
+
+def read_only_array(r=None):
+    import numpy as np
+
+    a = np.full(3, unison.rank() if r is None else r, dtype=np.int32)
+    a.flags.writeable = False
+    return a
+
+
+def test_small_read_only_arrays_arrive_read_only(sess):
+    """A small read-only array arrives read-only, as pickle (and the out-of-band way of a
+    large one) gives it: as an argument, put, scattered, or a result. Its array payload
+    made every one writable, so a write that the sender's array refused went through on
+    the other side. A writable one stays writable."""
+    np = pytest.importorskip("numpy")
+    x = read_only_array(5)
+    assert not pickle.loads(pickle.dumps(x, protocol=5)).flags.writeable
+    with recorded(protocol, "dumps") as pickled:
+        assert sess.run(writable, x) == [False, False]
+        assert sess.run(writable, sess.put(x)) == [False, False]
+        assert sess.run(writable, sess.scatter([x, read_only_array(6)])) == [False, False]
+        assert sess.run(writable, x.copy()) == [True, True]
+        assert sess.run(writable, sess.put(x.copy())) == [True, True]
+    assert pickled == []  # each still rides inside the message
+    for values in (sess.run(read_only_array), sess.call(read_only_array).gather()):
+        assert [v.tolist() for v in values] == [[0] * 3, [1] * 3]
+        assert [v.flags.writeable for v in values] == [False, False]
+    got = sess.run(np.zeros, 3)
+    assert [v.flags.writeable for v in got] == [True, True]
 
 
 def describe_value(v):

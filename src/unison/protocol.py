@@ -169,9 +169,10 @@ def read_reply(data: bytes | memoryview | Reply) -> tuple[int, int, Any]:
 _ARRAY_KINDS = frozenset("biufcmM")  # bool, integers, floats, complex, times: bytes alone
 
 
-def array_payload(value: Any) -> tuple[str, tuple[int, ...] | None, bytes] | None:
+def array_payload(value: Any) -> tuple[Any, ...] | None:
     """A small numpy array or scalar as marshal carries it, ``(dtype, shape, bytes)`` (shape
-    None: a scalar); None for anything else, which is pickled. Pickle took 5.5 us to write
+    None: a scalar), with False after them for a read-only array (pickle gives one back
+    read-only); None for anything else, which is pickled. Pickle took 5.5 us to write
     an array of 4 floats and 2.9 to read it (``timeit``): a run of one took 4.0-4.3x an
     int's run at N=2 that way, 1.8x this way (``python benchmarks/result_shapes.py``,
     the row ``array``). Only exact types, C order, under OOB_MIN bytes (larger ones go
@@ -193,18 +194,22 @@ def array_payload(value: Any) -> tuple[str, tuple[int, ...] | None, bytes] | Non
     dtype = value.dtype
     if dtype.kind not in _ARRAY_KINDS or dtype.fields is not None or dtype.metadata:
         return None  # (its str would leave the fields or the metadata out)
+    if shape is not None and not value.flags.writeable:
+        return dtype.str, shape, value.tobytes(), False
     return dtype.str, shape, value.tobytes()
 
 
-def array_value(payload: tuple[str, tuple[int, ...] | None, bytes]) -> Any:
-    """``array_payload``'s value again: an array of its own (writable, C order), or the
-    scalar."""
+def array_value(payload: tuple[Any, ...]) -> Any:
+    """``array_payload``'s value again: an array of its own (C order; writable, or over the
+    payload's bytes where the sender's was read-only), or the scalar."""
     import numpy as np
 
-    dtype, shape, data = payload
-    flat = np.frombuffer(data, dtype)
+    flat = np.frombuffer(payload[2], payload[0])
+    shape = payload[1]
     if shape is None:
         return flat[0]
+    if len(payload) > 3:  # read-only, as pickle would give it
+        return flat.reshape(shape)
     return flat.reshape(shape).copy()
 
 
