@@ -16,7 +16,8 @@
     (NOP,   frees)                              -> nothing (carries frees to every worker)
     (SHUTDOWN, frees, req_id)                   -> reply like SYNC, then leave the loop
                               reply <- (req_id, OK | ERR, payload)
-                 (or (req_id, ARRAY, (dtype, shape, bytes[, False])): OK, a small numpy value; False: read-only)
+                 (or (req_id, ARRAY, (dtype, shape, bytes[, False])): OK, a small numpy
+                  value; False: a read-only array)
 
 Every message is one tuple, encoded once whatever the number of workers. ``frees`` is a
 tuple of ids to drop before the message runs (or None): that is how dropped Refs are
