@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 import unison
+from unison.protocol import define_msg
 from unison.session import api
-from unison.session.fncache import FunctionCache, pickle_function
+from unison.session.fncache import FunctionCache
 
 
 def first() -> int:
@@ -27,20 +29,20 @@ def third() -> int:
 
 def test_the_last_function_found_is_remembered_only_while_its_copy_is_current() -> None:
     cache = FunctionCache(size=2)
-    assert cache.store(first, 1, b"first") == []
+    assert cache.store(first, 1, *cache.pickle(first)) == []
     assert cache.last is None  # stored is not found: the send that defined it looks again
     assert cache.lookup(first) == (1, None)
     assert (cache.last, cache.last_id) == (first, 1)
     assert cache.lookup(second) == (0, None)  # a miss forgets it too
     assert cache.last is None
     assert cache.lookup(first) == (1, None)
-    assert cache.store(second, 2, b"second") == []
+    assert cache.store(second, 2, *cache.pickle(second)) == []
     assert cache.last is None  # a store may drop any entry
     assert cache.lookup(first) == (1, None)  # first is the most recent again: second goes
-    assert cache.store(third, 3, b"third") == [2]
+    assert cache.store(third, 3, *cache.pickle(third)) == [2]
     assert cache.lookup(second) == (0, None)
     assert cache.lookup(first) == (1, None)
-    assert cache.store(second, 4, b"second") == [3]
+    assert cache.store(second, 4, *cache.pickle(second)) == [3]
     assert cache.lookup(first) == (1, None)
     assert cache.last is first
 
@@ -55,10 +57,10 @@ def test_a_function_sent_by_value_is_remembered_with_what_proves_its_copy_curren
     def planned() -> int:  # its captures checked by identity: remembered with its plan
         return size
 
-    cache.store(mutable, 1, pickle_function(mutable))
+    cache.store(mutable, 1, *cache.pickle(mutable))
     assert cache.lookup(mutable) == (1, None)
     assert cache.last is None
-    cache.store(planned, 2, pickle_function(planned))
+    cache.store(planned, 2, *cache.pickle(planned))
     assert cache.lookup(planned) == (2, None)
     assert cache.last is planned and cache.last_plan is not None and cache.last_plan.holds()
     size = 3  # the session's send tests the plan: it no longer holds, and a lookup misses
@@ -82,6 +84,60 @@ def test_a_script_function_whose_capture_changed_is_sent_again(
     scale = 7
     assert sess.run(scaled, 5) == [35, 35]
     assert scaled(1) == 7
+
+
+def test_a_capture_rebound_while_its_define_waits_is_seen_at_the_next_call(
+    make_session: Callable[..., unison.Session], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another thread rebinds what a function captures while its DEFINE waits for room in
+    the ring (injected in the send itself): the proof of the workers' copy was taken after
+    the send, from the new value, beside a pickle of the old one, and every later call ran
+    the stale copy."""
+    sess = make_session(2)
+    scale = 1
+
+    def scaled() -> int:
+        return scale
+
+    real = sess._send
+
+    def rebinding(build: Callable[..., bytes], *args: Any, **kwargs: Any) -> None:
+        nonlocal scale
+        if build is define_msg and scale == 1:
+            scale = 2
+        real(build, *args, **kwargs)
+
+    monkeypatch.setattr(sess, "_send", rebinding)
+    sess.run(scaled)  # sent with 1 (the call and the rebinding raced: either is right)
+    assert sess.run(scaled) == [2, 2]
+    assert sess.run(scaled) == [2, 2]
+
+
+def test_a_capture_rebound_after_the_lookup_made_its_pickle_is_seen_at_the_next_call(
+    make_session: Callable[..., unison.Session], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same, where the lookup compared the pickles (a list captured) and handed its
+    pickle to the DEFINE, and the capture then became an int: the proof was a plan of the
+    int, and the workers kept the list."""
+    sess = make_session(2)
+    box: object = [1]
+
+    def read() -> object:
+        return box
+
+    assert sess.run(read) == [[1], [1]]
+    box = [2]
+    real = sess._define
+
+    def rebinding(fn: Callable[..., Any], blob: bytes | None, *args: Any) -> tuple[int, bool]:
+        nonlocal box
+        if blob is not None:  # another thread, between the lookup's pickle and the DEFINE
+            box = 3
+        return real(fn, blob, *args)
+
+    monkeypatch.setattr(sess, "_define", rebinding)
+    sess.run(read)
+    assert sess.run(read) == [3, 3]
 
 
 @pytest.fixture
@@ -153,11 +209,11 @@ def _made_on_the_fly(value: int) -> type:
 
 def test_a_class_sent_by_name_is_kept_and_one_made_on_the_fly_is_sent_every_time() -> None:
     cache = FunctionCache()
-    assert cache.cacheable(Named) and cache.store(Named, 1, b"Named") == []
+    assert cache.cacheable(Named) and cache.store(Named, 1, *cache.pickle(Named)) == []
     assert cache.lookup(Named) == (1, None)  # sess.call(Model, path): no DEFINE per call
     assert cache.cacheable(int)
     fly = _made_on_the_fly(1)
-    assert not cache.cacheable(fly) and cache.store(fly, 2, b"fly") == []
+    assert not cache.cacheable(fly) and cache.store(fly, 2, *cache.pickle(fly)) == []
     assert cache.lookup(fly) == (0, None)
 
 

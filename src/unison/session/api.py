@@ -61,7 +61,7 @@ from unison.protocol import (
 from unison.refs import Ref
 from unison.session import checks
 from unison.session.aio import Waits
-from unison.session.fncache import FunctionCache, pickle_function
+from unison.session.fncache import FunctionCache
 from unison.session.resources import Resources
 from unison.session.router import OutOfStep, Request, Router
 from unison.session.unreported import UnreportedErrors
@@ -1026,12 +1026,11 @@ class Session(View):
     ) -> tuple[int, bool]:
         """Send ``fn`` (its pickle ``blob``, made here if None) to every worker; return its id
         and whether it stays defined there (see fncache.py for when a copy stays current)."""
-        if blob is None:
-            blob = pickle_function(fn)
+        blob, proof = self._fns.pickle(fn, blob)  # the proof before the pickle: see there
         fn_id = next(self._ids)
         self._send(define_msg, (fn_id, blob), self.workers, _NO_BUFFERS, deadline)
-        self._frees.extend(self._fns.store(fn, fn_id, blob))
-        return fn_id, self._fns.cacheable(fn)
+        self._frees.extend(self._fns.store(fn, fn_id, blob, proof))
+        return fn_id, proof is not None
 
     def _encode_args(
         self, ranks: tuple[int, ...], fn: Callable[..., Any], args: tuple[Any, ...],

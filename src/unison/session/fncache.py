@@ -127,27 +127,54 @@ class FunctionCache:
         self._entries.move_to_end(fn)
         return entry.fn_id, None
 
-    def store(self, fn: Callable[..., Any], fn_id: int, blob: bytes) -> list[int]:
-        """Remember that the workers now hold ``fn`` as ``fn_id`` (from ``blob``). Returns the
-        ids the workers may drop: the replaced definition, and the least recently used one
-        past the cache's size. A function that cannot be cached keeps nothing."""
+    def pickle(
+        self, fn: Callable[..., Any], blob: bytes | None = None
+    ) -> tuple[bytes, _Entry | None]:
+        """``fn``'s pickle for a DEFINE, and what will prove the workers' copy current (None:
+        it is not kept, but sent at every call). The proof is taken first: a capture that
+        another thread changes while the DEFINE waits for room in the ring then fails it at
+        the next call (a resend); one taken after the send would hold the new value beside
+        the old pickle, for good. ``blob``, a pickle ``lookup`` made before the proof, is
+        kept only where that pickle itself is the proof (compared at each call)."""
+        proof = self._prove(fn)
+        if blob is None or proof is None or proof.blob is None:
+            blob = pickle_function(fn)
+        if proof is not None:
+            if proof.blob is not None:
+                proof.blob = blob
+            elif proof.plan is None and not _by_reference(fn):
+                proof = None  # its module let go of it meanwhile: it may have gone by value
+        return blob, proof
+
+    def store(
+        self, fn: Callable[..., Any], fn_id: int, blob: bytes, proof: _Entry | None
+    ) -> list[int]:
+        """Remember that the workers now hold ``fn`` as ``fn_id``, sent as ``blob`` with the
+        ``proof`` that ``pickle`` gave. Returns the ids the workers may drop: the replaced
+        definition, and the least recently used one past the cache's size."""
         self.last = None  # this entry goes last now, and one may go
-        if not self.cacheable(fn):
+        if proof is None:
             return []
         old = self._entries.pop(fn, None)
         drop = [] if old is None else [old.fn_id]
         if old is not None and len(blob) > BIG_CAPTURE:
             self._warn_big(fn, len(blob))
-        if _by_reference(fn):
-            entry = _Entry(fn_id, None, None)
-        else:
-            plan = _Plan()
-            safe = _captures(fn, plan, set())
-            entry = _Entry(fn_id, plan if safe else None, None if safe else blob)
-        self._entries[fn] = entry
+        proof.fn_id = fn_id
+        self._entries[fn] = proof
         if len(self._entries) > self._size:
             drop.append(self._entries.popitem(last=False)[1].fn_id)
         return drop
+
+    def _prove(self, fn: Callable[..., Any]) -> _Entry | None:
+        """What proves a copy of ``fn`` current, from what it captures now (no id yet)."""
+        if not self.cacheable(fn):
+            return None
+        if _by_reference(fn):
+            return _Entry(0, None, None)
+        plan = _Plan()
+        if _captures(fn, plan, set()):
+            return _Entry(0, plan, None)
+        return _Entry(0, None, b"")  # compared with its pickle, set once made
 
     @staticmethod
     def cacheable(fn: object) -> bool:
