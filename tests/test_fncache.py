@@ -4,14 +4,17 @@ never past the moment its copy on the workers may be gone or stale."""
 from __future__ import annotations
 
 import functools
+import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
+import cloudpickle
 import pytest
 
 import unison
 from unison.protocol import define_msg
-from unison.session import api
+from unison.session import api, fncache
 from unison.session.fncache import FunctionCache
 
 
@@ -242,3 +245,69 @@ def test_a_session_defines_a_named_class_once_and_sees_a_changed_one_made_on_the
     fly.value = 2  # type: ignore[attr-defined]  # the same class object, changed
     refs = [sess.call(fly) for _ in range(2)]
     assert [o.value for o in refs[-1].gather()] == [2, 2]
+
+
+def test_a_function_of_a_module_registered_to_go_by_value_is_kept_current(
+    make_session: Callable[..., unison.Session], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """cloudpickle sends the functions of a module registered with register_pickle_by_value
+    by value, with its globals then; the cache took them for imports (always current) and
+    the workers kept the first copy."""
+    mod = types.ModuleType("unison_test_by_value")
+    exec("DATA = [1]\nSCALE = 1\ndef total():\n    return sum(DATA) * SCALE\n", mod.__dict__)
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    cloudpickle.register_pickle_by_value(mod)
+    try:
+        sess = make_session(2)
+        assert sess.run(mod.total) == [1, 1]
+        mod.DATA.append(10)
+        assert sess.run(mod.total) == [11, 11]
+        mod.SCALE = 100
+        assert sess.run(mod.total) == [1100, 1100]
+    finally:
+        cloudpickle.unregister_pickle_by_value(mod)
+
+
+def test_a_module_not_in_sys_modules_that_a_function_reads_is_kept_current(
+    make_session: Callable[..., unison.Session],
+) -> None:
+    """cloudpickle sends a module it cannot import on the other side (not in sys.modules) by
+    value, its whole dict; the cache counted every module immutable."""
+    sess = make_session(2)
+    cfg = types.ModuleType("unison_test_cfg")
+    cfg.scale = 1  # type: ignore[attr-defined]
+
+    def read() -> int:
+        return int(cfg.scale)  # type: ignore[attr-defined]
+
+    assert sess.run(read) == [1, 1]
+    cfg.scale = 2  # type: ignore[attr-defined]
+    assert sess.run(read) == [2, 2]
+
+
+def test_the_fallback_decides_by_reference_as_cloudpickle_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where cloudpickle lacks _should_pickle_by_reference, fncache's own rule gives its
+    answers (and by value where it cannot tell)."""
+    registered = types.ModuleType("unison_test_registered")
+    exec("def fn():\n    return 1\n", registered.__dict__)
+    loose = types.ModuleType("unison_test_loose")
+    exec("def fn():\n    return 1\n", loose.__dict__)
+    monkeypatch.setitem(sys.modules, registered.__name__, registered)
+    cloudpickle.register_pickle_by_value(registered)
+
+    def local() -> None:
+        pass
+
+    try:
+        for obj in (first, Named, _reads_box, _UNWRAPPED, _made_on_the_fly(1), local, len,
+                    functools, sys, registered, registered.fn, loose, loose.fn, int):
+            want = fncache._by_reference(obj)
+            assert fncache._by_reference_here(obj) == want, obj
+        assert not fncache._by_reference(registered.fn) and fncache._by_reference(first)
+        assert not fncache._by_reference(loose) and fncache._by_reference(functools)
+        monkeypatch.setattr(cloudpickle, "list_registry_pickle_by_value", None)
+        assert not fncache._by_reference_here(first)  # no registry to read: by value
+    finally:
+        cloudpickle.unregister_pickle_by_value(registered)

@@ -3,13 +3,15 @@
 A function is sent to the workers once (DEFINE) and later calls name it by id. That is only
 right while the workers' copy behaves as the controller's would at the moment of the call:
 
-    by reference   (a function or class that an importable module holds under its name)
-                   the workers import it: always current (``sess.call(Model, path)`` sends no
-                   DEFINE per call)
+    by reference   (a function or class that an importable module holds under its name, as
+                   cloudpickle decides it) the workers import it: always current
+                   (``sess.call(Model, path)`` sends no DEFINE per call)
     by value       (a lambda, closure, ``__main__`` function, one its module's name no longer
-                   holds: under a decorator's wrapper)  current only while everything it
-                   captured (closure cells, the globals its code names, defaults, and the same
-                   for any by-value function among them) is what was sent:
+                   holds: under a decorator's wrapper; one of a module registered with
+                   ``cloudpickle.register_pickle_by_value`` or not in ``sys.modules``)
+                   current only while everything it captured (closure cells, the globals its
+                   code names, defaults, and the same for any by-value function or module
+                   among them) is what was sent:
         all immutable  -> kept by strong reference and compared by identity (cheap, and an id
                           can never be reused while we hold the object)
         else           -> pickled again at every call and compared byte for byte (a dict or an
@@ -34,6 +36,11 @@ import cloudpickle
 
 from unison.protocol import code_in_file, in_shared
 
+try:  # cloudpickle's own choice of by reference or by value (2.0 on): see _by_reference
+    from cloudpickle.cloudpickle import _should_pickle_by_reference as _cloudpickle_by_reference
+except ImportError:
+    _cloudpickle_by_reference = None
+
 __all__ = ["FunctionCache"]
 
 BIG_CAPTURE = 1 << 20  # a re-sent by-value function this large earns a warning
@@ -41,7 +48,7 @@ BIG_CAPTURE = 1 << 20  # a re-sent by-value function this large earns a warning
 _CACHEABLE = (types.FunctionType, types.BuiltinFunctionType)
 _KEYS = (*_CACHEABLE, type)  # what an entry may be kept for (a class: by reference only)
 _ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes, range,
-                    type(Ellipsis), types.ModuleType, types.CodeType})
+                    type(Ellipsis), types.CodeType})
 _MISSING = object()
 _MAX_TUPLE = 64  # larger tuples are compared by pickle instead of walked
 
@@ -142,7 +149,8 @@ class FunctionCache:
         if proof is not None:
             if proof.blob is not None:
                 proof.blob = blob
-            elif proof.plan is None and not _by_reference(fn):
+            elif proof.plan is None and not isinstance(fn, types.BuiltinFunctionType) and (
+                    not _by_reference(fn)):
                 proof = None  # its module let go of it meanwhile: it may have gone by value
         return blob, proof
 
@@ -172,8 +180,8 @@ class FunctionCache:
         if _by_reference(fn):
             return _Entry(0, None, None)
         plan = _Plan()
-        if _captures(fn, plan, set()):
-            return _Entry(0, plan, None)
+        if _captures(fn, plan, set()):  # (a builtin: nothing to check)
+            return _Entry(0, plan if plan.funcs or plan.cells or plan.names else None, None)
         return _Entry(0, None, b"")  # compared with its pickle, set once made
 
     @staticmethod
@@ -221,20 +229,48 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         return super().reducer_override(obj)
 
 
-def _by_reference(fn: Any) -> bool:
-    """Whether pickle sends ``fn`` (a function or class) as an import of its module: the
-    module is loaded here and holds ``fn`` itself under its qualified name. Not one whose
-    name the module holds for something else (a function under a decorator's wrapper of the
-    same name, a class made on the fly by ``type(...)``): cloudpickle sends such a one by
-    value, with what it captured then, so it must be proved current like any other."""
-    module = getattr(fn, "__module__", None)
-    qualname = getattr(fn, "__qualname__", "")
-    if module is None or module == "__main__" or "<" in qualname:
+def _by_reference(obj: Any) -> bool:
+    """Whether cloudpickle sends ``obj`` (a function, class or module) as an import of its
+    module, so that the workers' copy is always current. Asked of cloudpickle itself, whose
+    choice it is: not a module's function that its module no longer holds under its name
+    (under a decorator's wrapper of the same name, a class made by ``type(...)``), nor one of
+    a module not in ``sys.modules`` (``types.ModuleType(...)``) or registered with
+    ``cloudpickle.register_pickle_by_value``. Those go by value, with what they captured
+    then, and must be proved current like any other. In doubt (an error), by value."""
+    if _cloudpickle_by_reference is None:
+        return _by_reference_here(obj)
+    try:
+        return bool(_cloudpickle_by_reference(obj))
+    except Exception:
         return False
-    found: Any = sys.modules.get(module)
-    for part in qualname.split("."):
-        found = getattr(found, part, None)
-    return found is fn
+
+
+def _by_reference_here(obj: Any) -> bool:
+    """``_by_reference`` for a cloudpickle without ``_should_pickle_by_reference``: its rule
+    as of 3.1, by value where its registry cannot be read."""
+    try:
+        by_value = cloudpickle.list_registry_pickle_by_value()
+    except Exception:
+        return False
+    name: Any
+    if isinstance(obj, types.ModuleType):
+        name = obj.__name__
+    elif not isinstance(obj, (types.FunctionType, type)):
+        return False  # cloudpickle raises TypeError: not its question
+    else:
+        name = getattr(obj, "__module__", None)
+        qualname = getattr(obj, "__qualname__", "")
+        if not isinstance(name, str) or name == "__main__" or "<" in qualname:
+            return False
+        found: Any = sys.modules.get(name)
+        for part in qualname.split("."):
+            found = getattr(found, part, None)
+        if found is not obj:
+            return False
+    if not isinstance(name, str) or name not in sys.modules:
+        return False
+    parts = name.split(".")
+    return not any(".".join(parts[:i]) in by_value for i in range(1, len(parts) + 1))
 
 
 def _captures(fn: Any, plan: _Plan, seen: set[int]) -> bool:
@@ -279,7 +315,7 @@ def _immutable(value: Any, plan: _Plan, seen: set[int]) -> bool:
         return _by_reference(value) or _captures(value, plan, seen)
     if kind is types.BuiltinFunctionType:
         return _captures(value, plan, seen)
-    if isinstance(value, type):
+    if isinstance(value, type) or kind is types.ModuleType:  # a module by value: its dict
         return _by_reference(value)
     return False
 
