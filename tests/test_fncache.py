@@ -143,6 +143,33 @@ def test_a_capture_rebound_after_the_lookup_made_its_pickle_is_seen_at_the_next_
     assert sess.run(read) == [3, 3]
 
 
+def test_keyword_only_defaults_set_or_changed_after_the_first_call_are_seen(
+    make_session: Callable[..., unison.Session],
+) -> None:
+    """The plan that proves a copy current checked __defaults__ but not __kwdefaults__: one
+    set after the first call, or an empty dict filled in place, never reached the workers
+    (they raised TypeError for the missing argument where a local call worked)."""
+    sess = make_session(2)
+
+    def kwo(*, a: int) -> int:
+        return a
+
+    assert sess.run(kwo, a=3) == [3, 3]
+    assert sess.run(kwo, a=4) == [4, 4]
+    kwo.__kwdefaults__ = {"a": 9}
+    assert sess.run(kwo) == [9, 9]
+    kwo.__kwdefaults__["a"] = 10
+    assert sess.run(kwo) == [10, 10]
+
+    def empty(*, a: int) -> int:
+        return a
+
+    empty.__kwdefaults__ = {}
+    assert sess.run(empty, a=1) == [1, 1]
+    empty.__kwdefaults__["a"] = 5
+    assert sess.run(empty) == [5, 5]
+
+
 @pytest.fixture
 def small_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(api, "_FN_CACHE", 2)
