@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 
+import cloudpickle
 import pytest
 
 import unison
@@ -227,3 +228,60 @@ def test_a_script_function_loads_on_the_workers_without_the_session_layer(contro
             print(sess.run(script_fn, 7, 0.5), sess.run(modules))
     """)
     assert out.startswith("[21.5, 21.5] [[], []]"), out
+
+
+def test_a_method_or_attribute_deleted_from_a_script_class_is_gone_on_the_workers(sess):
+    """cloudpickle on a worker reuses the class it built from the first pickle (the same
+    class tracker id) and only sets what a later pickle's state holds: a deleted method or
+    attribute stayed there, and the workers ran it."""
+
+    class Base:
+        mode = "base"
+
+        def speak(self):
+            return "base speaks"
+
+    class Child(Base):
+        mode = "child"
+        extra = 1
+
+        def speak(self):
+            return "child speaks"
+
+        @classmethod
+        def make(cls):
+            return cls()
+
+    def probe():
+        return Child.mode, Child().speak(), hasattr(Child, "extra"), hasattr(Child, "make")
+
+    assert sess.run(probe) == [probe()] * 2 == [("child", "child speaks", True, True)] * 2
+    del Child.mode, Child.speak, Child.extra, Child.make
+    assert sess.run(probe) == [probe()] * 2 == [("base", "base speaks", False, False)] * 2
+
+
+def test_a_script_class_called_after_a_method_was_deleted_has_it_no_more(sess):
+    class Base:
+        def describe(self):
+            return "base"
+
+    class Model(Base):
+        scale = 1
+
+        def __init__(self):
+            self.v = self.scale * 10
+
+        def describe(self):
+            return "model"
+
+    def show(m):
+        return m.v, m.describe()
+
+    assert sess.run(show, sess.call(Model)) == [(10, "model")] * 2
+    Model.scale = 2
+    del Model.describe
+    assert sess.run(show, sess.call(Model)) == [(20, "base")] * 2
+    assert sess.run(show, Model()) == [(20, "base")] * 2  # (the class inside an argument)
+    back = sess.run(Model)  # a worker's instance comes back: to the controller's own class,
+    assert type(back[0]) is Model and back[0].v == 20  # whose setstate deletes nothing
+    assert not hasattr(cloudpickle.cloudpickle._class_setstate, "__wrapped__")
