@@ -400,8 +400,11 @@ def test_allreduce_of_0d_arrays(shared):
             assert_same(out, expected_reduce(xs, op))
 
 
-def test_allreduce_of_python_numbers(shared):
-    sess = shared(3)
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_allreduce_of_python_numbers(shared, backend):
+    """Python numbers give Python numbers, of the same precision (with torch, a float was
+    a float32 tensor: 0.1 summed three times came back as 0.30000001192092896)."""
+    sess = backend_session(shared, 3, backend)
     for values, op, want in [
         ([1, 2, 3], "sum", 6),
         ([2, -3, 4], "prod", -24),
@@ -410,6 +413,7 @@ def test_allreduce_of_python_numbers(shared):
         ([1.5, 2.5, 3.5], "sum", 7.5),
         ([1.0, 2.0, 6.0], "mean", 3.0),
         ([1 + 2j, 3j, 1 + 0j], "sum", 2 + 5j),
+        ([0.1, 0.1, 0.1], "sum", 0.1 + 0.1 + 0.1),
     ]:
         got = sess.run(do_allreduce, sess.scatter(values), op, timeout=QUICK)
         assert got == [want] * 3, (values, op)

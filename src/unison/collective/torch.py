@@ -111,6 +111,7 @@ class TorchCollectives(Collectives):
         if (type(x) is int or type(x) is bool) and kind == "allreduce":
             return self._allreduce_python(x, op, group)
         t = _tensor(x)
+        scalar = type(x) is float or type(x) is complex  # a Python number back, as shm gives
         dist, pg, ranks = self._enter(group, kind, [t], op=op)
         out = t.clone()
         reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
@@ -121,7 +122,7 @@ class TorchCollectives(Collectives):
         dist.all_reduce(out, op=reduce_op, group=pg)
         if op == "mean":
             out /= len(ranks)
-        return out
+        return out.item() if scalar else out
 
     def _allreduce_python(self, x: int, op: str, group: bool) -> int | float:
         """Python ints (or bools) as the shared-memory backend reduces them: Python's own
@@ -204,6 +205,8 @@ def _tensor(x: Any) -> Any:
 
     if isinstance(x, torch.Tensor):
         return x
+    if type(x) is float or type(x) is complex:  # as double: torch's default is float32
+        return torch.tensor(x, dtype=torch.float64 if type(x) is float else torch.complex128)
     try:
         return torch.as_tensor(x)
     except Exception as exc:
