@@ -1083,24 +1083,25 @@ class _Waiting:
         """(rank, wait word, and two words that show it has not moved: a ring's head and
         tail, or a meeting's generation and descriptor) of each wait from ours around to
         ours, where each can end only by the next one's worker; None where there is none."""
-        start = self._coll.rank
         path: list[tuple[int, int, int, int]] = []
-        tried: set[int] = set()
+        return tuple(path) if self._reaches(self._coll.rank, path, set()) else None
 
-        def reaches(r: int) -> bool:  # depth first: at most one visit per rank
-            node = self._node(r)
-            if node is None:
-                return False
-            path.append(node[0])
-            if start in node[1]:
-                return True
-            tried.add(r)
-            if any(j not in tried and reaches(j) for j in node[1]):
-                return True
-            path.pop()
+    def _reaches(self, r: int, path: list[tuple[int, int, int, int]], tried: set[int]) -> bool:
+        """Whether worker ``r``'s wait leads back to this worker's, depth first (at most one
+        visit per rank), its waits appended to ``path``. A method, not a closure: a closure
+        that calls itself is a reference cycle, which kept the collectives' mapping (its
+        fd) alive past the session's close until the collector ran."""
+        node = self._node(r)
+        if node is None:
             return False
-
-        return tuple(path) if reaches(start) else None
+        path.append(node[0])
+        if self._coll.rank in node[1]:
+            return True
+        tried.add(r)
+        if any(j not in tried and self._reaches(j, path, tried) for j in node[1]):
+            return True
+        path.pop()
+        return False
 
     def _node(self, r: int) -> tuple[tuple[int, int, int, int], list[int]] | None:
         """Worker ``r``'s wait, as in _cycle, and the workers whose progress alone can end
