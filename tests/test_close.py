@@ -403,21 +403,13 @@ def test_a_workers_end_waits_for_its_non_daemon_threads(make_session, tmp_path, 
         assert (tmp_path / f"w-pool-{rank}").read_text() == "ran"
 
 
-def test_a_non_daemon_thread_that_never_ends_is_cut_off_by_the_grace(make_session, tmp_path):
+@pytest.mark.parametrize("stays", [write_at_exit, write_later],
+                         ids=["atexit-function", "non-daemon-thread"])
+def test_an_end_that_never_comes_is_cut_off_by_the_grace(make_session, tmp_path, stays):
+    """An atexit function that hangs, or a non-daemon thread that never ends."""
     sess = make_session(2)
     pids = sess.run(os.getpid)
-    sess.run(write_later, str(tmp_path / "w"), 60.0)
-    start = time.monotonic()
-    sess.close(timeout=0.5)
-    assert time.monotonic() - start < 3.0
-    assert wait_gone(pids, 2.0) == []
-    assert not list(tmp_path.iterdir())
-
-
-def test_an_atexit_function_that_hangs_is_cut_off_by_the_grace(make_session, tmp_path):
-    sess = make_session(2)
-    pids = sess.run(os.getpid)
-    sess.run(write_at_exit, str(tmp_path / "w"), 60.0)
+    sess.run(stays, str(tmp_path / "w"), 60.0)
     start = time.monotonic()
     sess.close(timeout=0.5)
     assert time.monotonic() - start < 3.0

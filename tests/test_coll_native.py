@@ -202,20 +202,24 @@ def steps_of_a_worker(coll: shm.ShmCollectives) -> list[Any]:
 
 
 @pytest.mark.skipif(shm._coll is None, reason="the C steps did not build")
+def lone_worker(name: str, pure: bool) -> shm.ShmCollectives:
+    """The collectives of a session of one worker, in this process; ``pure``: without the
+    C steps."""
+    fd, _ = shm.create(name, 1, 1)
+    try:
+        coll = shm.ShmCollectives(fd, 0, 1, 1)
+    finally:
+        os.close(fd)
+    if pure:
+        coll._c = None
+    return coll
+
+
 def test_the_c_steps_take_each_generation_as_next_does() -> None:
     """Reducer.small takes a small allreduce's generation itself: the same bookkeeping as
     Python's _next, step by step, where something of this call or an earlier one is owed,
     for an input it must copy, in either scope, and where an earlier collective failed."""
-    runs = []
-    for pure in (False, True):
-        fd, _ = shm.create("unison-test-small", 1, 1)
-        try:
-            coll = shm.ShmCollectives(fd, 0, 1, 1)
-        finally:
-            os.close(fd)
-        if pure:
-            coll._c = None
-        runs.append(steps_of_a_worker(coll))
+    runs = [steps_of_a_worker(lone_worker("unison-test-small", pure)) for pure in (False, True)]
     assert runs[0] == runs[1]
     assert runs[0][1] == ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [2, 0], [None, None])
     assert runs[0][5][1:] == ([1, 0], [None, None])
@@ -312,13 +316,7 @@ def test_a_call_id_past_the_generation_word_raises(pure: bool) -> None:
     one raises (nothing published) rather than wrapping onto call 0's generations."""
     if pure is False and shm._coll is None:
         pytest.skip("the C steps did not build")
-    fd, _ = shm.create("unison-test-call-limit", 1, 1)
-    try:
-        coll = shm.ShmCollectives(fd, 0, 1, 1)
-    finally:
-        os.close(fd)
-    if pure:
-        coll._c = None
+    coll = lone_worker("unison-test-call-limit", pure)
     x = np.arange(4.0)
     coll.begin(MAX_CALL - 1, None)
     assert coll.allreduce(x, "sum", False).tolist() == x.tolist()
