@@ -16,6 +16,7 @@ import unison
 from support import (
     await_beside_a_reader_that_empties_the_wake,
     big_then_stopped,
+    nap_then_rank,
     recorded,
     wait_gone,
 )
@@ -338,11 +339,6 @@ def test_blocking_waits_in_a_thread_and_awaits_in_the_loop_mix(sess):
     _beside_blocking_runs(sess, main, unison.rank)
 
 
-def _nap_then_rank(seconds: float) -> int:
-    time.sleep(seconds)
-    return unison.rank()
-
-
 def test_blocking_runs_longer_than_their_spin_beside_awaits_lose_no_wake_up(sess):
     """A blocking run whose calls outlast its spin sleeps on the channel's eventfd, the one
     the event loop waits on; each await still gets its replies. (run's quick path never
@@ -350,11 +346,11 @@ def test_blocking_runs_longer_than_their_spin_beside_awaits_lose_no_wake_up(sess
     check that rule; this one, that the two kinds of wait mix.)"""
     async def main() -> None:
         for i in range(300):
-            got = await (sess.run_async(_nap_then_rank, 0.0003) if i % 2
+            got = await (sess.run_async(nap_then_rank, 0.0003) if i % 2
                          else sess.run_async(unison.rank))
             assert got == [0, 1]
 
-    _beside_blocking_runs(sess, main, _nap_then_rank, 0.0005)
+    _beside_blocking_runs(sess, main, nap_then_rank, 0.0005)
 
 
 @pytest.mark.parametrize("reply_first", [False, True], ids=["reply_after_flag",

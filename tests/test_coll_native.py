@@ -201,7 +201,6 @@ def steps_of_a_worker(coll: shm.ShmCollectives) -> list[Any]:
     return seen
 
 
-@pytest.mark.skipif(shm._coll is None, reason="the C steps did not build")
 def lone_worker(name: str, pure: bool) -> shm.ShmCollectives:
     """The collectives of a session of one worker, in this process; ``pure``: without the
     C steps."""
@@ -215,6 +214,7 @@ def lone_worker(name: str, pure: bool) -> shm.ShmCollectives:
     return coll
 
 
+@pytest.mark.skipif(shm._coll is None, reason="the C steps did not build")
 def test_the_c_steps_take_each_generation_as_next_does() -> None:
     """Reducer.small takes a small allreduce's generation itself: the same bookkeeping as
     Python's _next, step by step, where something of this call or an earlier one is owed,

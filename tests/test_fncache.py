@@ -312,29 +312,20 @@ def test_a_module_not_in_sys_modules_that_a_function_reads_is_kept_current(
     assert sess.run(read) == [2, 2]
 
 
-def test_the_fallback_decides_by_reference_as_cloudpickle_does(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Where cloudpickle lacks _should_pickle_by_reference, fncache's own rule gives its
-    answers (and by value where it cannot tell)."""
+def test_by_reference_is_cloudpickles_own_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A function goes by reference only where cloudpickle sends it so: not one of a module
+    registered to go by value, nor of a module not in sys.modules; and where cloudpickle
+    cannot say, by value (always right)."""
     registered = types.ModuleType("unison_test_registered")
     exec("def fn():\n    return 1\n", registered.__dict__)
     loose = types.ModuleType("unison_test_loose")
     exec("def fn():\n    return 1\n", loose.__dict__)
     monkeypatch.setitem(sys.modules, registered.__name__, registered)
     cloudpickle.register_pickle_by_value(registered)
-
-    def local() -> None:
-        pass
-
     try:
-        for obj in (first, Named, _reads_box, _UNWRAPPED, _made_on_the_fly(1), local, len,
-                    functools, sys, registered, registered.fn, loose, loose.fn, int):
-            want = fncache._by_reference(obj)
-            assert fncache._by_reference_here(obj) == want, obj
         assert not fncache._by_reference(registered.fn) and fncache._by_reference(first)
         assert not fncache._by_reference(loose) and fncache._by_reference(functools)
-        monkeypatch.setattr(cloudpickle, "list_registry_pickle_by_value", None)
-        assert not fncache._by_reference_here(first)  # no registry to read: by value
+        monkeypatch.setattr(fncache, "_cloudpickle_by_reference", None)
+        assert not fncache._by_reference(first)  # cloudpickle cannot say: by value
     finally:
         cloudpickle.unregister_pickle_by_value(registered)

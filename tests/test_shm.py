@@ -399,3 +399,15 @@ def test_a_death_is_seen_after_the_launcher_closed_its_pidfd() -> None:
         proc.kill()
         proc.wait()
         chan.close()
+
+
+def test_the_look_for_shared_arrays_ends_with_the_last_one(sess: unison.Session) -> None:
+    """Once every ``sess.empty`` array is gone, pickling a call's arguments skips the look
+    for them again (a slower pickler took every argument after the first one ever made)."""
+    from unison.channel import arena
+
+    buf = sess.empty(16)
+    assert arena._shared_ranges
+    del buf
+    assert arena._shared_ranges == ()
+    assert sess.run(len, np.zeros(100_000)) == [100_000] * 2

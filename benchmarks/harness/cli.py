@@ -18,7 +18,7 @@ from harness.systems import SYSTEMS, available, describe, mpi
 
 _ONE_MEASUREMENT = (
     "\nEach cell is one measurement of some tens of milliseconds: at 4 KiB, unison / mpi read "
-    "0.87x to 2.24x at N=2 on one host in one day. `python benchmarks/collectives.py --turns 8 "
+    "0.87x to 2.29x at N=2 on one host (2026-12-06). `python benchmarks/collectives.py --turns 8 "
     "--workers 2,4` measures unison and MPI in turns, with the ratio's 90% interval "
     "(issue 9's figures in the sections below).\n")
 """Said under the allreduce table: its cells are single measurements, which swing."""

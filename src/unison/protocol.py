@@ -413,7 +413,7 @@ def _table(check: bool) -> dict[type, Any]:
 def _reducers(check: bool) -> dict[type, Any]:
     """How this module pickles some types: CPU torch tensors as numpy arrays (once torch is
     imported); with ``check``, numpy arrays and tensors refused where a copy of shared
-    memory would go (``_refuse_shared``)."""
+    memory would go (``in_shared``, ``_copy_error``)."""
     reducers: dict[type, Any] = {}
     if "torch" in sys.modules:
         import torch
@@ -476,7 +476,7 @@ def _reduce_tensor_checked(t: Any) -> Any:
 
 def _reduce_tensor(t: Any, check: bool = False) -> Any:
     """A CPU tensor as a numpy array over its memory where it can be; ``check``: refused
-    where that is not so and its memory is shared (``_refuse_shared``), as it would be
+    where that is not so and its memory is shared (``_refuse_tensor``), as it would be
     copied."""
     import torch
 
@@ -507,7 +507,7 @@ def _reduce_tensor(t: Any, check: bool = False) -> Any:
 
 
 def _refuse_tensor(t: Any, what: str) -> None:
-    """``_refuse_shared`` of a CPU tensor's elements."""
+    """Raise where a CPU tensor that would be copied has its elements in shared memory."""
     if in_shared(t):
         raise _copy_error(what, "t.clone()")
 

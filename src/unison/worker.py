@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 from unison import _proctree, collective, placement, protocol
@@ -620,7 +620,9 @@ def _end() -> NoReturn:
     if run_exitfuncs is not None:
         run_exitfuncs()  # (each error printed, as at exit)
     registers.clear()
-    files = gc.get_objects() if _own_files() else (sys.stdout, sys.stderr)
+    files: Iterable[Any] = (  # (and the original streams, where user code replaced them)
+        gc.get_objects() if _own_files()
+        else (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__))
     for obj in files:  # a look at every object: 5.3 ms, so only where a file may be
         if type(obj) in _FILES:  # (an isinstance of io.IOBase, an ABC: 8.0 ms; the command
             # is in docs/benchmarks.md, "Issue 9, thirty-eighth pass", item 2)
@@ -802,7 +804,8 @@ def _forget_deleted_class_attributes() -> None:
     import abc
     import functools
 
-    module = sys.modules.get("cloudpickle.cloudpickle")
+    from cloudpickle import cloudpickle as module
+
     setstate = getattr(module, "_class_setstate", None)
     if setstate is None or getattr(setstate, "__wrapped__", None) is not None:
         return

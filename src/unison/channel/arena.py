@@ -191,7 +191,7 @@ class Arena:
         entry = (addr, addr + block.cap, weakref.ref(mm), block)
         with self._lock:
             self._shared = (*(e for e in self._shared if e[2]() is not None), entry)
-        _register(entry[:3])
+        _register((addr, addr + block.cap, weakref.ref(mm, _forget_dead)))
         weakref.finalize(mm, _unhold, block)
         return mm
 
@@ -376,8 +376,10 @@ def _unmap(addr: int, size: int, then: tuple[Callable[[int], None], int] | None,
 
 _Range = tuple[int, int, "weakref.ref[mmap.mmap]"]
 _shared_ranges: tuple[_Range, ...] = ()
-"""(start, end, mapping) of every ``shared_array`` of this process, for ``is_shared``:
-replaced whole, never by a finalizer, so readers need no lock; dead mappings are skipped."""
+"""(start, end, mapping) of every live ``shared_array`` of this process, for ``is_shared``:
+replaced whole, so readers need no lock; a dead mapping is skipped until it is dropped.
+Empty again once they are all gone, so that pickling arguments skips the look for them
+(protocol.dumps)."""
 _ranges_lock = threading.Lock()
 
 
@@ -385,6 +387,17 @@ def _register(entry: _Range) -> None:
     global _shared_ranges
     with _ranges_lock:
         _shared_ranges = (*(r for r in _shared_ranges if r[2]() is not None), entry)
+
+
+def _forget_dead(_: object) -> None:
+    """A shared array's mapping died: drop the dead ones now, where the lock is free (a
+    collection inside ``_register`` must not wait for itself: then its next call does)."""
+    global _shared_ranges
+    if _ranges_lock.acquire(blocking=False):
+        try:
+            _shared_ranges = tuple(r for r in _shared_ranges if r[2]() is not None)
+        finally:
+            _ranges_lock.release()
 
 
 def _unhold(block: _Block) -> None:

@@ -247,10 +247,7 @@ class PipeChannel(Channel):
         an event loop when the backlog grew."""
         if got:
             self._backlog += got
-            try:
-                os.write(self._wake_w, b"x")
-            except BlockingIOError:
-                pass  # it is readable already
+            self.rearm_wake()
 
     def _check_watch(self) -> None:
         if self._watch and select.select(self._watch, [], [], 0)[0]:

@@ -531,8 +531,6 @@ class TcpChannel(Channel):
         if n and (peer.buf or not self._one_reply(peer, n, out)):
             peer.buf += self._scratch_view[:n]
             self._frames(peer, out)
-        elif peer.buf and not n:
-            self._frames(peer, out)  # whole replies are parsed as read: none should be here
 
     # -- progress: sync without a message, where the reports are in -------------------------
 
@@ -642,12 +640,6 @@ class TcpChannel(Channel):
         if not n:
             peer.ended = "its connection closed"
         return n
-
-    def _fill(self, peer: _Peer) -> None:
-        """Read what the socket holds into the peer's buffer."""
-        n = self._recv(peer)
-        if n:
-            peer.buf += self._scratch_view[:n]
 
     def _one_reply(self, peer: _Peer, n: int,
                    out: list[tuple[int, bytes | Reply | None]]) -> bool:
@@ -781,8 +773,7 @@ class TcpChannel(Channel):
         while waiting and time.monotonic() < deadline:
             ready = select.select(waiting, [], [], deadline - time.monotonic())[0]
             for peer in ready:
-                peer.buf.clear()
-                self._fill(peer)
+                self._recv(peer)  # (nobody reads them now: only whether the stream ended)
                 if _ended(peer):
                     waiting.remove(peer)
         for peer in peers:

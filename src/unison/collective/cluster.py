@@ -41,7 +41,7 @@ from typing import Any
 
 from unison.collective import rendezvous
 from unison.collective.checks import CallScope, check_peer, describe, descriptor
-from unison.collective.shm import Layout, ShmCollectives
+from unison.collective.shm import LEFT_WHY, Layout, ShmCollectives
 from unison.collective.shm import create as create_segment
 from unison.collective.torch import TorchCollectives
 from unison.errors import CollectiveError
@@ -108,8 +108,7 @@ class DistLocal(CallScope):
                 j = next(r for r, c in at.items() if c == latest)
                 raise CollectiveError(
                     f"{describe(desc)} on worker {self.rank} gave up: worker {j} left the "
-                    "call without joining it (it raised, returned early, or ran a different "
-                    "collective)", peer=j)
+                    f"call without joining it ({LEFT_WHY})", peer=j)
         calls = {r: (int(t[0]), int(t[1])) for r, t in zip(ranks, seen)}
         if len(set(calls.values())) > 1:
             text = ", ".join(f"worker {r}: {describe(d)} on {s:#x}" for r, (d, s) in

@@ -115,6 +115,8 @@ _INDEX_BITS = 24
 _CALL_SHIFT = _INDEX_BITS + 2
 _MAX_INDEX = 1 << _INDEX_BITS  # collectives per call and scope
 _MAX_CALL = 1 << (64 - _CALL_SHIFT)  # call ids below this
+LEFT_WHY = "it raised, returned early, or ran a different collective"
+"""Why a peer left a call without joining a collective, as far as a waiter can tell."""
 _SPIN = 1e-3
 _CHECK = 0.002  # while sleeping, re-check the peers this often (s)
 _LOOK = 0.05  # with watch_peers, look whether the awaited peers still live this often (s)
@@ -169,8 +171,8 @@ def _plan(code: int, sig: int, desc: int, which: int, ranks: tuple[int, ...]) ->
 
 def _steps_in_c() -> Any:
     """The C steps of a small allreduce (unison/_coll.c), unless they did not build,
-    UNISON_PURE=1 is set, or they were built for another record layout (a stale build):
-    then numpy and Python."""
+    UNISON_PURE=1 is set, or they were built for another record layout or generation word
+    (a stale build): then numpy and Python."""
     native = _native.load("_coll")
     if (native is None
             or native.RECORD != (_GEN_W, _GEN_G, _LEFT, _PID, _NBYTES, _SIG, _DESC)
@@ -472,12 +474,17 @@ class ShmCollectives(CallScope, Collectives):
                 crossed = () if gen & 3 else self._crossed((j,), which, gen)
                 if crossed:  # it gave up on us first, over the same mismatch: name it
                     raise self._crossed_error(crossed[0], which, what)
-                why = self._gave_up(j) or ("it raised, returned early, or ran a different "
-                                           "collective")
-                raise CollectiveError(
-                    f"{_named(what)} on worker {self.rank} gave up: worker {j} left the call "
-                    f"without joining it ({why})", peer=j
-                )
+                raise self._left_error(_named(what), j, "joining it")
+
+    def _left_error(self, what: str, j: int, without: str) -> CollectiveError:
+        """The error for a wait whose peer ``j`` left the call ``without`` doing what it
+        waited for. Where ``j`` gave up on a deadlock, this worker says so too (passed on
+        to its own waiters: _gave_up)."""
+        why = self._gave_up(j)
+        if why:
+            self._q[self._w[self.rank] + _WAIT_CALL] = self._call | _GAVE_UP
+        return CollectiveError(f"{what} on worker {self.rank} gave up: worker {j} left the "
+                               f"call without {without} ({why or LEFT_WHY})", peer=j)
 
     def _gave_up(self, j: int) -> str:
         """Why peer ``j`` left this call, where it gave up on a deadlock (_Waiting): what it
@@ -901,10 +908,7 @@ class ShmCollectives(CallScope, Collectives):
                     pacer.pause()
                 if (waiting is not None and q[tail] <= h - RING
                         and q[w[dst] + _WAIT_CALL] == self._call | _GAVE_UP):
-                    why = self._gave_up(dst)  # it left over the deadlock this send was in
-                    q[w[self.rank] + _WAIT_CALL] = self._call | _GAVE_UP  # passed on
-                    raise CollectiveError(f"{what} on worker {self.rank} gave up: worker {dst} "
-                                          f"left the call without receiving ({why})", peer=dst)
+                    raise self._left_error(what, dst, "receiving")  # over this send's deadlock
             finally:
                 if waiting is not None:
                     waiting.close()
@@ -957,13 +961,7 @@ class ShmCollectives(CallScope, Collectives):
                     waiting.check(what)
                 self._check_abort(what, (src,))
                 if left >= self._call:
-                    why = "it raised, returned early, or ran a different collective"
-                    if q[self._w[src] + _WAIT_CALL] == self._call | _GAVE_UP:
-                        why = self._gave_up(src)
-                        q[self._w[self.rank] + _WAIT_CALL] = self._call | _GAVE_UP  # passed on
-                    raise CollectiveError(f"{what} on worker {self.rank} gave up: worker "
-                                          f"{src} left the call without sending ({why})",
-                                          peer=src)
+                    raise self._left_error(what, src, "sending")
                 pacer.pause()
         finally:
             if waiting is not None:

@@ -728,7 +728,7 @@ class Session(View):
         floor = next(self._ids)  # the calls this sync covers: those sent before it
         if not ((chan.tracks_progress or chan.settles) and self._router.idle(ranks)
                 and not self._closed and self._waits.settled(ranks, timeout)):
-            req = Request(next(self._ids), len(ranks))
+            req = Request(floor, len(ranks))  # (its id: the floor's, one id a sync)
             fut = self._waits.prepare(req)
             try:
                 self._request(sync_msg, 0, ranks, _deadline(timeout), req)
@@ -816,7 +816,8 @@ class Session(View):
             else:
                 ask = True
             if ask:
-                req = self._request(sync_msg, 0, ranks, deadline)
+                req = self._request(sync_msg, 0, ranks, deadline,
+                                    Request(floor, len(ranks)))  # (one id a sync)
                 self._router.wait(req, deadline, "syncing")
                 self._keep_errors(req, ranks)
         except KeyboardInterrupt:

@@ -166,7 +166,7 @@ def call_parts(args: tuple[Any, ...], kwargs: dict[str, Any], ref: type
     names: list[str] = []
     arrays: list[int | str] = []
     loose = []
-    sent: list[Any] = []  # the numpy values taken, each at most once
+    sent: set[int] = set()  # ids of the numpy values taken, each at most once (alive: args)
     values: list[Any] | None = None
     kw: dict[str, Any] | None = None
     key: Any
@@ -182,9 +182,9 @@ def call_parts(args: tuple[Any, ...], kwargs: dict[str, Any], ref: type
             loose.append(a)
         else:
             payload = array_payload(a)
-            if payload is None or any(a is b for b in sent):
+            if payload is None or id(a) in sent:
                 return None
-            sent.append(a)
+            sent.add(id(a))
             arrays.append(key)
             if type(key) is int:
                 values = list(args) if values is None else values

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import io
-import sys
 import types
 import warnings
 from collections.abc import Callable
@@ -256,41 +255,15 @@ def _by_reference(obj: Any) -> bool:
     (under a decorator's wrapper of the same name, a class made by ``type(...)``), nor one of
     a module not in ``sys.modules`` (``types.ModuleType(...)``) or registered with
     ``cloudpickle.register_pickle_by_value``. Those go by value, with what they captured
-    then, and must be proved current like any other. In doubt (an error), by value."""
+    then, and must be proved current like any other. In doubt (an error, or a cloudpickle
+    without that function: pyproject asks for 2.2 or later, which has it), by value: always
+    right, only slower."""
     if _cloudpickle_by_reference is None:
-        return _by_reference_here(obj)
+        return False
     try:
         return bool(_cloudpickle_by_reference(obj))
     except Exception:
         return False
-
-
-def _by_reference_here(obj: Any) -> bool:
-    """``_by_reference`` for a cloudpickle without ``_should_pickle_by_reference``: its rule
-    as of 3.1, by value where its registry cannot be read."""
-    try:
-        by_value = cloudpickle.list_registry_pickle_by_value()
-    except Exception:
-        return False
-    name: Any
-    if isinstance(obj, types.ModuleType):
-        name = obj.__name__
-    elif not isinstance(obj, (types.FunctionType, type)):
-        return False  # cloudpickle raises TypeError: not its question
-    else:
-        name = getattr(obj, "__module__", None)
-        qualname = getattr(obj, "__qualname__", "")
-        if not isinstance(name, str) or name == "__main__" or "<" in qualname:
-            return False
-        found: Any = sys.modules.get(name)
-        for part in qualname.split("."):
-            found = getattr(found, part, None)
-        if found is not obj:
-            return False
-    if not isinstance(name, str) or name not in sys.modules:
-        return False
-    parts = name.split(".")
-    return not any(".".join(parts[:i]) in by_value for i in range(1, len(parts) + 1))
 
 
 def _captures(fn: Any, plan: _Plan, seen: set[int]) -> bool:
