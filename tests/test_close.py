@@ -73,6 +73,33 @@ def test_close_releases_every_file_descriptor_the_session_opened():
     assert not leaked, f"left open after close(): {sorted(leaked)}"
 
 
+@pytest.mark.parametrize("step", ["drain", "fail_all"])
+def test_a_close_whose_reply_step_raises_still_releases_everything(monkeypatch, step):
+    """A done callback that raises inside close (in drain, or as the waits are failed) is
+    raised, but only after every fd is closed and the session has left the live set."""
+    from unison.session import api
+    from unison.session.router import Router
+
+    real = getattr(Router, step)
+
+    def raising(self, *args):
+        real(self, *args)
+        raise RuntimeError(f"a callback raised in {step}")
+
+    gc.collect()
+    before = open_fds()
+    sess = unison.Session(2)
+    pids = sess.run(os.getpid)
+    monkeypatch.setattr(Router, step, raising)
+    with pytest.raises(RuntimeError, match=f"raised in {step}"):
+        sess.close()
+    monkeypatch.undo()
+    assert sess.closed and sess not in api._live
+    assert wait_gone(pids, 2.0) == []
+    leaked = open_fds() - before
+    assert not leaked, f"left open after close(): {sorted(leaked)}"
+
+
 def test_every_use_after_close_raises_session_closed(sess):
     ref = sess.put(1)
     view = sess[0]

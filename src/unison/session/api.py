@@ -436,11 +436,15 @@ class Session(View):
         locks = _Both(self._send_lock, router.recv_lock)
         self._waits.close()  # an event loop stops watching fds that are about to close
         # once the workers are gone, a sender still inside the channel fails out at once
-        res.close(max(0.0, deadline - time.monotonic()),
-                  router.drain if goodbye is not None else None, locks)
-        router.fail_all(self._dead if self._dead is not None else SessionClosed(
-            "the session was closed while this wait was pending"))
-        _live.discard(self)
+        try:
+            res.close(max(0.0, deadline - time.monotonic()),
+                      router.drain if goodbye is not None else None, locks)
+        finally:  # a done callback that raised in drain: every other wait still ends
+            try:
+                router.fail_all(self._dead if self._dead is not None else SessionClosed(
+                    "the session was closed while this wait was pending"))
+            finally:
+                _live.discard(self)
         self._errors.warn_all(self.name)
         lost = [r for r in holding if goodbye is None or r in router.pending(goodbye)]
         if lost:

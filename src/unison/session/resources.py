@@ -208,19 +208,21 @@ class Resources:
         try:
             self.launcher.stop(grace)
         finally:
-            with guard or contextlib.nullcontext():
-                try:
-                    if before_release is not None:
-                        before_release()
-                finally:
-                    self.chan.linger = min(grace, 2.0)  # TCP: let the workers hang up first
-                    self.chan.close()
-            if self.coll_fd >= 0:
-                os.close(self.coll_fd)
-                self.coll_fd = -1
-            if self.board is not None:
-                self.board.close()
-            self._store = None  # its server thread ends with the object
+            try:
+                with guard or contextlib.nullcontext():
+                    try:
+                        if before_release is not None:
+                            before_release()
+                    finally:
+                        self.chan.linger = min(grace, 2.0)  # TCP: let the workers hang up
+                        self.chan.close()
+            finally:  # whatever before_release raised: nothing may outlive the close
+                if self.coll_fd >= 0:
+                    os.close(self.coll_fd)
+                    self.coll_fd = -1
+                if self.board is not None:
+                    self.board.close()
+                self._store = None  # its server thread ends with the object
 
 
 def sys_path() -> list[str]:
