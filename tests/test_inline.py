@@ -240,6 +240,34 @@ def test_a_long_wait_leaves_no_fd_once_the_call_ends(
     assert sorted(os.listdir("/proc/self/fd")) == fds
 
 
+KEPT: list[BaseException] = []
+
+
+def allreduce_and_keep_an_error() -> object:
+    """User code that keeps a collective's error, traceback and all (say, to log later)."""
+    try:
+        unison.allreduce(np.ones(2), op="no such op")
+    except Exception as exc:
+        if unison.rank() == 0:
+            KEPT.append(exc)
+    return unison.allreduce(np.ones(2)).tolist()
+
+
+def test_worker_0s_collectives_unmap_at_close_even_where_user_code_keeps_a_frame(
+        inline: Callable[..., unison.Session]) -> None:
+    """A kept traceback holds worker 0's collectives by its frames: their mapping (and its
+    copy of the segment's fd) must still go at close, not with the last reference."""
+    before = sorted(os.listdir("/proc/self/fd"))
+    sess = inline(2)
+    assert sess.run(allreduce_and_keep_an_error, timeout=30) == [[2.0, 2.0]] * 2
+    assert KEPT
+    sess.close()
+    try:
+        assert sorted(os.listdir("/proc/self/fd")) == before
+    finally:
+        KEPT.clear()
+
+
 def test_one_inline_session_per_process(inline: Callable[..., unison.Session]) -> None:
     first = inline(2)
     with pytest.raises(RuntimeError, match="only one session at a time"):

@@ -108,6 +108,24 @@ static void Reducer_dealloc(Reducer *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* Every use checks this first: after release() it raises, never touches the mapping. */
+static int released(Reducer *self) {
+    if (self->q) return 0;
+    PyErr_SetString(PyExc_ValueError, "the collectives were closed (their session was "
+                    "closed): open a new Session to go on");
+    return 1;
+}
+
+/* release(): let go of the mapping now, so that its owner can unmap it whoever still holds
+ * this object (a frame of a traceback user code kept, in worker 0 inline) */
+static PyObject *Reducer_release(Reducer *self, PyObject *unused) {
+    (void)unused;
+    if (self->view.obj) PyBuffer_Release(&self->view);
+    self->q = NULL;
+    self->base = NULL;
+    Py_RETURN_NONE;
+}
+
 static int Reducer_init(Reducer *self, PyObject *args, PyObject *kw) {
     (void)kw;
     PyObject *buf, *recs, *slots, *owner = NULL;
@@ -388,6 +406,7 @@ static PyObject *Reducer_small(Reducer *self, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_TypeError, "small takes 5 arguments");
         return NULL;
     }
+    if (released(self)) return NULL;
     if (!self->index) {
         PyErr_SetString(PyExc_TypeError, "small needs an owner (its _index and _owe)");
         return NULL;
@@ -444,6 +463,7 @@ static PyObject *Reducer_after_meet(Reducer *self, PyObject *const *args, Py_ssi
         PyErr_SetString(PyExc_TypeError, "after_meet takes 4 arguments");
         return NULL;
     }
+    if (released(self)) return NULL;
     Plan p;
     if (read_plan(self, args[2], &p) < 0) return NULL;
     p.spin.pauses = 0;
@@ -466,6 +486,7 @@ static PyObject *Reducer_after_meet(Reducer *self, PyObject *const *args, Py_ssi
 static PyObject *Reducer_end(Reducer *self, PyObject *arg) {
     unsigned long long call = PyLong_AsUnsignedLongLong(arg);
     if (call == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    if (released(self)) return NULL;
     store(&self->q[self->rec[self->rank] + LEFT], (uint64_t)call);
     if (self->owner && (PyDict_GET_SIZE(self->spills) || PyDict_GET_SIZE(self->pidfds))) {
         PyObject *owner;
@@ -493,6 +514,8 @@ static PyMethodDef Reducer_methods[] = {
      "taken as shm.py's _next does"},
     {"after_meet", (PyCFunction)(void (*)(void))Reducer_after_meet, METH_FASTCALL,
      "after_meet(a, out, plan, gen) -> status: small's steps after its meeting"},
+    {"release", (PyCFunction)Reducer_release, METH_NOARGS,
+     "release(): let go of the mapping; any use after raises ValueError"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -471,6 +471,24 @@ static void Taker_dealloc(Taker *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* Every use of the mapping checks this first: after release() it raises, never reads. */
+static int taker_released(Taker *self) {
+    if (self->q) return 0;
+    PyErr_SetString(PyExc_ValueError, "the channel is closed (its session was closed): "
+                    "open a new Session to go on");
+    return 1;
+}
+
+/* release(): as Sender's, for worker 0 inline in the controller, whose serving frame a
+ * traceback user code kept may hold this object past the session */
+static PyObject *Taker_release(Taker *self, PyObject *unused) {
+    (void)unused;
+    if (self->view.obj) PyBuffer_Release(&self->view);
+    self->q = NULL;
+    self->base = NULL;
+    Py_RETURN_NONE;
+}
+
 static int Taker_init(Taker *self, PyObject *args, PyObject *kw) {
     PyObject *buf;
     Py_ssize_t cmd_base, read_idx, done_idx, ctl_done_idx;
@@ -501,7 +519,7 @@ static int Taker_init(Taker *self, PyObject *args, PyObject *kw) {
  * (False, pos) too: the caller's parser reports it. Nothing is read outside the ring. */
 static PyObject *Taker_take(Taker *self, PyObject *arg) {
     uint64_t pos = PyLong_AsUnsignedLongLong(arg);
-    if (PyErr_Occurred()) return NULL;
+    if (PyErr_Occurred() || taker_released(self)) return NULL;
     uint64_t *q = self->q;
     for (;;) {
         if (__atomic_load_n(&q[self->done_idx], __ATOMIC_RELAXED) != pos) {
@@ -577,6 +595,7 @@ static int put_entry(Taker *self, const char *data, uint64_t n) {
 }
 
 static int replies_set(Taker *self) {
+    if (taker_released(self)) return 0;
     if (self->rring) return 1;
     PyErr_SetString(PyExc_RuntimeError, "replies() was not called");
     return 0;
@@ -623,6 +642,8 @@ static PyMethodDef Taker_methods[] = {
      "put(data) -> True, or False with nothing written (wrap, full or large: slow path)"},
     {"put_plain", (PyCFunction)(void (*)(void))Taker_put_plain, METH_FASTCALL,
      "put_plain(msg, version) -> put(marshal.dumps(msg, version))"},
+    {"release", (PyCFunction)Taker_release, METH_NOARGS,
+     "release(): let go of the mapping; any use after raises ValueError"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1046,7 +1046,9 @@ class ShmWorkerChannel(WorkerChannel):
 
     def release(self) -> None:
         """Unmap everything now (worker 0 inline in the controller, whose process goes on)."""
-        self._taker = None  # it holds a view of the mapping, as its put_plain does
+        if self._taker is not None:  # it holds a view of the mapping, which a frame that
+            self._taker.release()  # outlives the session (a kept traceback's) may hold
+        self._taker = None
         self.__dict__.pop("reply_plain", None)
         self._replies.close()  # (the command arena's blocks unmap when garbage: no fd held)
         self._q.release()

@@ -115,7 +115,7 @@ def teardown() -> None:
     outlives its session)."""
     global _shm, _torch, _on_shm, _why, _running, _top
     if _shm is not None:
-        _shm.close()
+        _shm.release()
     _shm, _torch, _on_shm, _why = None, None, (False, False), ("", "")
     _running, _top, _begun[0] = [0, None], None, 0
 

@@ -70,6 +70,7 @@ anything a call can return, a collective can carry.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 import os
@@ -268,6 +269,23 @@ class ShmCollectives(CallScope, Collectives):
         for _, pidfd in self._pidfds.values():
             os.close(pidfd)
         self._pidfds.clear()
+
+    def release(self) -> None:
+        """Unmap now (worker 0 inline in the controller, whose process goes on): the
+        mapping's copy of the segment's fd closes here, not whenever this object goes (a
+        kept traceback's frame may hold it for long). A view someone still holds keeps it
+        mapped until that goes."""
+        self.close()
+        if self._c is not None:  # it holds a view, and a kept frame may hold it (its end)
+            self._c.release()
+        self._c = None
+        self.__dict__.pop("end", None)
+        self._views.clear()
+        self._small.clear()
+        self._q.release()
+        self._buf.release()
+        with contextlib.suppress(BufferError):
+            self._mm.close()
 
     # -- called by the worker loop around each call ------------------------------------------
 
