@@ -32,7 +32,7 @@ from unison import cli
 from unison.demo import reference
 from unison.demo.app import layout
 from unison.demo.config import load_config, model_dir
-from unison.demo.encoder import ShardedEncoder, shard_bytes
+from unison.demo.encoder import ShardedEncoder, check_tokens, shard_bytes
 from unison.demo.plan import check_tp, plan, split
 from unison.demo.tokenize import Tokenizer, length_batches, pad_batch, token_shares
 
@@ -109,6 +109,23 @@ def test_a_tp_without_a_head_for_every_worker_is_refused(folder: Path, tp: int) 
         check_tp(tp, load_config(folder))
     with pytest.raises(ValueError, match="tp"):
         ShardedEncoder(tp, 1, path=folder, progress=False)  # before any worker starts
+
+
+@pytest.mark.parametrize(("tokens", "match"), [
+    ([[101] + [1000] * 300 + [102]], "302 ids; each needs 1 to 256"),
+    ([[101, 102], []], "tokens\\[1\\] holds 0 ids"),
+    ([[101, -5, 102]], "outside the vocabulary"),
+    ([[101, 10**6, 102]], "outside the vocabulary"),
+])
+def test_token_ids_given_by_a_caller_are_checked(folder: Path, tokens: list[list[int]],
+                                                  match: str) -> None:
+    """encode_async(tokens=...) takes ids tokenized already: past max_seq_length they were
+    embedded whole (cosine 0.995 against sentence-transformers' cut text); an empty list
+    or an id outside the vocabulary failed in the workers' forward pass."""
+    cfg = load_config(folder)
+    with pytest.raises(ValueError, match=match):
+        check_tokens(tokens, cfg)
+    assert check_tokens([(101, 7592, 102)], cfg) == [[101, 7592, 102]]
 
 
 def test_layout_flags() -> None:

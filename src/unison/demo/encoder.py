@@ -138,7 +138,7 @@ class ShardedEncoder:
         Cancelling the awaiting task abandons only the wait; a death raises
         ``unison.WorkerDied`` here as in ``encode``."""
         t0 = time.perf_counter()
-        ids_of = ([list(t) for t in tokens] if tokens is not None
+        ids_of = (check_tokens(tokens, self.cfg) if tokens is not None
                   else self.tokenizer.encode(sentences))
         out = np.zeros((len(ids_of), self.cfg.hidden), dtype=np.float32)
         result = Encoded(out)
@@ -177,6 +177,27 @@ class ShardedEncoder:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_tokens(tokens: Sequence[Sequence[int]], cfg: ModelConfig) -> list[list[int]]:
+    """Token ids given by a caller who tokenized already, as lists, checked the way the
+    model needs them: the tokenizer's own cut (``max_seq_length``) is not applied here, so a
+    longer list would embed past it where sentence-transformers stops; an empty one, or an
+    id outside the vocabulary, failed deep in the workers' forward pass. Each raises here."""
+    out = []
+    for i, ids in enumerate(tokens):  # (in the event loop: min and max, not a loop per id)
+        row = list(ids)
+        if not 0 < len(row) <= cfg.max_seq_length:
+            raise ValueError(
+                f"tokens[{i}] holds {len(row)} ids; each needs 1 to {cfg.max_seq_length} (the "
+                "model's max_seq_length): tokenize with the encoder's tokenizer, which cuts "
+                "there and adds [CLS] and [SEP]")
+        if min(row) < 0 or max(row) >= cfg.vocab:
+            bad = [t for t in row if not 0 <= t < cfg.vocab]
+            raise ValueError(f"tokens[{i}] holds ids outside the vocabulary (0 to "
+                             f"{cfg.vocab - 1}): {bad[:5]}")
+        out.append(row)
+    return out
 
 
 def _one_gpu_each(n: int) -> dict[int, dict[str, str]]:
