@@ -195,6 +195,33 @@ def test_hang_policy_fires_on_deadlocked_workers_and_says_where(make_session):
     assert f"{HERE}:{LINE['event']} in never_set()" in text, text
 
 
+def test_hang_policy_fires_while_another_thread_keeps_getting_replies(make_session):
+    """The thread reading the channel samples its hung call even when no read comes back
+    empty: another thread's quick calls on worker 1 keep its batches full (before: no
+    HangError until those calls stopped)."""
+    sess = make_session(2, hang_timeout=0.5)
+    t0 = time.monotonic()
+    got: dict[str, object] = {}
+
+    def hung_wait() -> None:
+        try:
+            sess[0].run(never_set, timeout=30)
+        except unison.HangError as exc:
+            got["after"] = time.monotonic() - t0
+            got["text"] = str(exc)
+
+    waiter = threading.Thread(target=hung_wait)
+    waiter.start()
+    time.sleep(0.3)  # the waiter reads the channel: the quick calls below follow it
+    while "after" not in got and time.monotonic() - t0 < 6.0:
+        assert sess[1].run(unison.rank) == [1]
+        time.sleep(0.01)
+    waiter.join(30)
+    assert "after" in got, "no HangError while the other thread kept getting replies"
+    assert got["after"] < 3.0, got
+    assert "worker(s) [0]" in str(got["text"])
+
+
 def test_hang_policy_in_sync(make_session):
     sess = make_session(1, hang_timeout=0.5)
     sess.call(deadlock)

@@ -330,6 +330,8 @@ class Router:
                     self._cv.notify_all()
             if late is not None:
                 raise late
+            if hang is not None and req.remaining:  # other threads' replies keep coming:
+                hang.poll(req.req_id, lambda: self.pending(req), during)  # sample ours too
 
     def _deliver(self, rank: int, data: bytes | Reply) -> BaseException | None:
         """Hand one reply to the head of its rank's FIFO. What the request's ``done``
