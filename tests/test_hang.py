@@ -68,6 +68,19 @@ def numpy_then_barrier(seconds: float) -> int:
     return unison.rank()
 
 
+def short_children(seconds: float) -> int:
+    """A build's shape: a shell that runs one short child after another (each a few ms of
+    CPU), idle itself between them."""
+    import subprocess
+
+    loop = "while :; do (i=0; while [ $i -lt 3000 ]; do i=$((i+1)); done); done"
+    try:
+        subprocess.run(["sh", "-c", loop], timeout=seconds)
+    except subprocess.TimeoutExpired:
+        pass
+    return unison.rank()
+
+
 LINE = marked_lines(__file__)
 
 
@@ -235,6 +248,14 @@ def test_hang_policy_spares_a_long_numpy_call_and_a_peer_waiting_for_it(make_ses
     assert len(sess.run(numpy_for, 3.5, timeout=60)) == 2
     assert sess.run(numpy_then_barrier, 3.5, timeout=60) == [0, 1]
     assert time.monotonic() - t0 >= 7.0
+
+
+def test_hang_policy_spares_a_worker_whose_short_lived_grandchildren_compute(make_session):
+    """The CPU of children the worker's child already reaped counts (before: only what the
+    processes alive at each sample had used themselves, so the shell's reaped children never
+    counted, and this call was declared hung)."""
+    sess = make_session(1, hang_timeout=1.0)
+    assert sess.run(short_children, 3.0, timeout=60) == [0]
 
 
 def test_hang_policy_spares_calls_that_finish_and_idle_sessions(make_session):

@@ -3,7 +3,8 @@ with HangError, saying where each worker it waits for is.
 
     a waiting thread (router / sync), each slice:  watchdog.poll(pending ranks, during)
       not due yet (every hang_timeout/4, at most 1 s apart) -> return at once
-      due: for each pending rank, from /proc: its CPU time (the worker and what it started)
+      due: for each pending rank, from /proc: its CPU time (the worker and what it started,
+           each with its reaped children's)
            and state; only where the CPU stood still, its stack (unison.debug.stacks)
            progress = CPU time grew by >= 10% of the time between samples,
                       or the main thread's stack changed (unison's own frames aside)
@@ -42,10 +43,11 @@ class HangError(TimeoutError):
 class _Rank:
     __slots__ = ("cpu", "progress", "sampled", "signature", "wait")
 
-    def __init__(self, wait: object, now: float, cpu: float) -> None:
+    def __init__(self, wait: object, now: float, cpu: dict[tuple[int, int], float]) -> None:
         self.wait = wait
         self.sampled = now
         self.cpu = cpu
+        """CPU seconds of the worker and each process below it, by (pid, start time)."""
         self.progress = now
         self.signature: tuple[_stacks.Frame, ...] | None = None
 
@@ -101,7 +103,7 @@ class Watchdog:
                 continue
             if state.startswith(("T", "t")):
                 stopped.add(r)
-            elif cpu - st.cpu >= CPU_SHARE * (now - st.sampled):
+            elif _used(st.cpu, cpu) >= CPU_SHARE * (now - st.sampled):
                 st.progress = now
                 st.signature = None
             else:
@@ -123,14 +125,26 @@ class Watchdog:
         return None
 
 
-def _cpu(pid: int) -> tuple[float, str]:
-    """CPU seconds used by a worker, its finished children and what it runs now below it;
-    and its state letter ("" once gone)."""
-    total, state = _stat(pid, children=True)
-    if total and not state.startswith(("T", "t")) and _has_children(pid):
+def _cpu(pid: int) -> tuple[dict[tuple[int, int], float], str]:
+    """The CPU seconds of a worker and of each process below it now, by (pid, start time),
+    each with its reaped children's (so a child's time is still counted once its parent
+    reaped it); and the worker's state letter ("" once gone)."""
+    total, state, start = _stat(pid)
+    tree = {(pid, start): total}
+    if state and not state.startswith(("T", "t")) and _has_children(pid):
         for child in _proctree.descendants(pid):
-            total += _stat(child, children=False)[0]
-    return total, state
+            cpu, child_state, child_start = _stat(child)
+            if child_state:
+                tree[(child, child_start)] = cpu
+    return tree, state
+
+
+def _used(before: dict[tuple[int, int], float], now: dict[tuple[int, int], float]) -> float:
+    """CPU seconds the processes of ``now`` used since ``before``: a process's time never
+    goes down, and one that ended takes none away (its time went to its reaper's children's
+    share, or out of sight), so a tree whose processes come and go reads as the work it
+    does."""
+    return sum(max(0.0, cpu - before.get(key, 0.0)) for key, cpu in now.items())
 
 
 def _has_children(pid: int) -> bool:
@@ -146,16 +160,16 @@ def _has_children(pid: int) -> bool:
     return False
 
 
-def _stat(pid: int, children: bool) -> tuple[float, str]:
+def _stat(pid: int) -> tuple[float, str, int]:
+    """A process's CPU seconds (its own and its reaped children's), its state letter and
+    its start time (clock ticks since boot); ``(0.0, "", 0)`` where it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
-        return 0.0, ""
+        return 0.0, "", 0
     fields = stat[stat.rfind(b")") + 2:].split()
     # after "pid (comm)": state ppid pgrp session tty tpgid flags minflt cminflt majflt
-    # cmajflt utime stime cutime cstime
-    ticks = int(fields[11]) + int(fields[12])
-    if children:
-        ticks += int(fields[13]) + int(fields[14])
-    return ticks / _TICK, fields[0].decode()
+    # cmajflt utime stime cutime cstime priority nice num_threads itrealvalue starttime
+    ticks = int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
+    return ticks / _TICK, fields[0].decode(), int(fields[19])
