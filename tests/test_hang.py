@@ -81,6 +81,15 @@ def short_children(seconds: float) -> int:
     return unison.rank()
 
 
+def c_poll(ms: int) -> tuple[int, int]:
+    """libc poll(NULL, 0, ms): 0 after the whole wait, -1 with EINTR if a signal came."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = libc.poll(None, 0, ms)
+    return rc, ctypes.get_errno()
+
+
 LINE = marked_lines(__file__)
 
 
@@ -256,6 +265,14 @@ def test_hang_policy_spares_a_worker_whose_short_lived_grandchildren_compute(mak
     counted, and this call was declared hung)."""
     sess = make_session(1, hang_timeout=1.0)
     assert sess.run(short_children, 3.0, timeout=60) == [0]
+
+
+def test_hang_policy_never_signals_a_worker_waiting_in_c_while_it_samples(make_session):
+    """The samples read /proc alone: a C-level poll shorter than hang_timeout runs whole
+    (before: the stack-dump signal came at each sample where the CPU stood still, and the
+    poll ended with EINTR)."""
+    sess = make_session(1, hang_timeout=2.0)
+    assert sess.run(c_poll, 1800, timeout=60) == [(0, 0)]
 
 
 def test_hang_policy_spares_calls_that_finish_and_idle_sessions(make_session):

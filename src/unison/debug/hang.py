@@ -4,12 +4,12 @@ with HangError, saying where each worker it waits for is.
     a waiting thread (router / sync), each slice:  watchdog.poll(pending ranks, during)
       not due yet (every hang_timeout/4, at most 1 s apart) -> return at once
       due: for each pending rank, from /proc: its CPU time (the worker and what it started,
-           each with its reaped children's)
-           and state; only where the CPU stood still, its stack (unison.debug.stacks)
-           progress = CPU time grew by >= 10% of the time between samples,
-                      or the main thread's stack changed (unison's own frames aside)
+           each with its reaped children's) and state; no signal, so a worker waiting
+           in C (sleep, poll) is never interrupted by being looked at
+           progress = CPU time grew by >= 10% of the time between samples
            stopped (state T) = no progress, whatever the rest says
-      no rank has progressed for hang_timeout -> HangError(report)
+      no rank has progressed for hang_timeout -> their stacks, once (unison.debug.stacks),
+                                                 and HangError(report)
 
 No thread: the sampling is done by whoever waits, between the slices of its wait, so an idle
 session (nobody waiting) costs nothing, and a session without hang_timeout never gets here.
@@ -36,12 +36,13 @@ _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 class HangError(TimeoutError):
     """A call made no progress for ``Session(hang_timeout=...)`` seconds: none of the
-    workers it waits for used CPU or moved in its stack. A TimeoutError: like a timeout, it
-    abandons only the wait (the call still runs); the message says where each worker is."""
+    workers it waits for (nor what they started) used CPU. A TimeoutError: like a timeout,
+    it abandons only the wait (the call still runs); the message says where each worker is.
+    A low-CPU wait (sleep, I/O) longer than hang_timeout counts as a hang."""
 
 
 class _Rank:
-    __slots__ = ("cpu", "progress", "sampled", "signature", "wait")
+    __slots__ = ("cpu", "progress", "sampled", "wait")
 
     def __init__(self, wait: object, now: float, cpu: dict[tuple[int, int], float]) -> None:
         self.wait = wait
@@ -49,7 +50,6 @@ class _Rank:
         self.cpu = cpu
         """CPU seconds of the worker and each process below it, by (pid, start time)."""
         self.progress = now
-        self.signature: tuple[_stacks.Frame, ...] | None = None
 
 
 class Watchdog:
@@ -81,7 +81,7 @@ class Watchdog:
             if stuck is not None:
                 raise HangError(
                     f"{during}: no progress for {self.hang_timeout:g} s (hang_timeout) on "
-                    f"worker(s) {ranks}: none of them used CPU or moved in its stack.\n"
+                    f"worker(s) {ranks}: none of them used CPU.\n"
                     f"{stuck}\n"
                     "The call still runs: sess.stacks() shows every thread; close the session "
                     "to stop it.")
@@ -89,38 +89,23 @@ class Watchdog:
             self._lock.release()
 
     def _sample(self, wait: object, ranks: list[int], now: float) -> str | None:
-        """Update each rank's progress; the report if the call is hung, else None."""
+        """Update each rank's progress from /proc alone (no signal: a worker waiting in C
+        between samples is never interrupted); the report if the call is hung, else None."""
         pids = self._pids
-        flat: dict[int, int] = {}
-        stopped: set[int] = set()
         for r in ranks:
-            pid = pids[r]
-            cpu, state = _cpu(pid)
+            cpu, state = _cpu(pids[r])
             st = self._ranks.get(r)
             if st is None or st.wait != wait or now - st.sampled > 3 * self.interval + 1.0:
                 # a new wait, or nobody waited on it lately: start afresh
                 self._ranks[r] = _Rank(wait, now, cpu)
                 continue
-            if state.startswith(("T", "t")):
-                stopped.add(r)
-            elif _used(st.cpu, cpu) >= CPU_SHARE * (now - st.sampled):
+            if (not state.startswith(("T", "t"))
+                    and _used(st.cpu, cpu) >= CPU_SHARE * (now - st.sampled)):
                 st.progress = now
-                st.signature = None
-            else:
-                flat[r] = pid
             st.sampled, st.cpu = now, cpu
-        got = _stacks.collect(flat, min(1.0, self.interval)) if flat else _stacks.Stacks()
-        for r, ws in got.items():
-            st = self._ranks[r]
-            sig = _stacks.signature(ws)
-            if sig is not None and sig != st.signature:
-                if st.signature is not None:
-                    st.progress = now
-                st.signature = sig
         if all(now - self._ranks[r].progress >= self.hang_timeout for r in ranks):
-            missing = {r: pids[r] for r in ranks if r not in got}
-            if missing:
-                got.update(_stacks.collect(missing, 0.2))
+            # the only signal the watchdog sends: one stack dump each, for the report
+            got = _stacks.collect({r: pids[r] for r in ranks}, 1.0)
             return _stacks.report(got, ranks)
         return None
 

@@ -16,6 +16,9 @@ only (a C function shows as the Python line that called it). The signal is a rea
 controller signals a pid only after finding this memfd among its fds, so a pid that is not a
 unison worker of that rank on this host (a worker that joined over TCP from another host,
 whose pid means nothing here) is never signalled; its stacks say why they are missing.
+A signal cuts short what the worker's C code sleeps or polls in (EINTR: SA_RESTART does not
+restart those), so only a user's ask and the report of a timeout or a hang signal; the hang
+watchdog's samples read /proc alone.
 
 Frames are listed innermost first (the most recent call first), as faulthandler prints them.
 """
@@ -379,20 +382,6 @@ def call_frames(frames: list[Frame]) -> list[Frame]:
 def report(stacks: Stacks, ranks: Sequence[int]) -> str:
     """Where each of ``ranks`` is, one indented line each."""
     return "\n".join(f"  {where(stacks[r])}" for r in ranks if r in stacks)
-
-
-def signature(stacks: WorkerStacks) -> tuple[Frame, ...] | None:
-    """The frames of the call the main thread runs, without the innermost ones in unison's
-    own code (whose polling loops move while the call stands still); None without an
-    answer."""
-    main = stacks.main
-    if stacks.error or main is None:
-        return None
-    frames = call_frames(main.frames)
-    i = 0
-    while i < len(frames) and is_unison(frames[i]):
-        i += 1
-    return tuple(frames[i:])
 
 
 def short_path(path: str) -> str:

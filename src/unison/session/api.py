@@ -143,7 +143,9 @@ class View:
     def stacks(self, timeout: float = 2.0) -> _debug_stacks.Stacks:
         """The Python stack of every thread on each worker of the view, even one stuck in a
         C call (see docs/debugging.md): {rank: WorkerStacks}, frames innermost first. A
-        worker that cannot be asked or does not answer within ``timeout`` s says why."""
+        worker that cannot be asked or does not answer within ``timeout`` s says why.
+        Asking signals each worker: a sleep, poll or select its C code is in then ends early
+        (EINTR or a short sleep; Python's own calls resume theirs, PEP 475)."""
         return self._session._stacks(self.workers, timeout)
 
     def __len__(self) -> int:
