@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -273,6 +274,48 @@ def test_hang_policy_never_signals_a_worker_waiting_in_c_while_it_samples(make_s
     poll ended with EINTR)."""
     sess = make_session(1, hang_timeout=2.0)
     assert sess.run(c_poll, 1800, timeout=60) == [(0, 0)]
+
+
+@pytest.fixture
+def not_a_worker(monkeypatch) -> Iterator[int]:
+    """A live process that is no unison worker; the session's watchdog is handed its pid in
+    place of worker -1's, as a worker that joined from another host or pid namespace reports
+    a pid that here names some other process."""
+    import subprocess
+
+    from unison.session import api
+
+    other = subprocess.Popen(["sleep", "60"])
+    real = api.Watchdog
+
+    def foreign(hang_timeout, pids, *rest):  # (any Watchdog signature)
+        return real(hang_timeout, [*pids[:-1], other.pid], *rest)
+
+    monkeypatch.setattr(api, "Watchdog", foreign)
+    try:
+        yield other.pid
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_hang_policy_does_not_judge_a_worker_whose_pid_is_not_it_here(make_session, not_a_worker):
+    """Worker 1's pid names an idle process that is not it: it is not watched (a warning
+    says so) and its long computation is no hang (before: HangError, from the other
+    process's CPU)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sess = make_session(2, hang_timeout=0.5)
+    assert len(sess[1].run(numpy_for, 2.5, timeout=60)) == 1
+    assert [str(w.message)[:39] for w in caught if w.category is RuntimeWarning] == [
+        "hang_timeout cannot watch worker(s) [1]"]
+    with pytest.raises(unison.HangError, match=r"worker\(s\) \[0\]"):
+        sess[0].run(never_set, timeout=60)  # worker 0 is still watched
+
+
+def test_hang_timeout_is_refused_where_no_worker_is_on_this_host(make_session, not_a_worker):
+    with pytest.raises(ValueError, match="no worker of this session is a process here"):
+        make_session(1, hang_timeout=0.5)
 
 
 def test_hang_policy_spares_calls_that_finish_and_idle_sessions(make_session):

@@ -11,6 +11,12 @@ with HangError, saying where each worker it waits for is.
       no rank has progressed for hang_timeout -> their stacks, once (unison.debug.stacks),
                                                  and HangError(report)
 
+Only a worker whose pid is proven to be it on this host is judged (its stack memfd among
+the pid's fds, and the start time the session read): a worker that joined from another host
+or pid namespace reports a pid that here means nothing, or another process. Such a rank
+counts as progressing (a wait it owes a reply ends only by its timeout; a RuntimeWarning at
+the start names it), and a session with no worker here refuses hang_timeout.
+
 No thread: the sampling is done by whoever waits, between the slices of its wait, so an idle
 session (nobody waiting) costs nothing, and a session without hang_timeout never gets here.
 A rank that waits in a collective for a busy peer does not progress itself, but its peer
@@ -22,6 +28,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 from unison import _proctree
@@ -38,7 +45,9 @@ class HangError(TimeoutError):
     """A call made no progress for ``Session(hang_timeout=...)`` seconds: none of the
     workers it waits for (nor what they started) used CPU. A TimeoutError: like a timeout,
     it abandons only the wait (the call still runs); the message says where each worker is.
-    A low-CPU wait (sleep, I/O) longer than hang_timeout counts as a hang."""
+    A low-CPU wait (sleep, I/O) longer than hang_timeout counts as a hang. Only workers on
+    this host are watched: one that joined from another host or pid namespace counts as
+    progressing, since what it does cannot be seen from here."""
 
 
 class _Rank:
@@ -55,11 +64,26 @@ class _Rank:
 class Watchdog:
     """The hang policy of one session (made only when hang_timeout is given)."""
 
-    def __init__(self, hang_timeout: float, pids: Sequence[int]) -> None:
+    def __init__(self, hang_timeout: float, pids: Sequence[int],
+                 starts: Sequence[int | None]) -> None:
+        """``pids`` as the workers reported them, ``starts`` their start times where the
+        session read them at its start (its launcher's children). ValueError where no
+        worker is a process on this host; a RuntimeWarning names those that are not."""
         self.hang_timeout = hang_timeout
         self.interval = min(max(hang_timeout / 4, 0.01), 1.0)
         """Seconds between samples; a wait's slice should not be longer."""
         self._pids = pids
+        self._local: dict[int, int] = {}
+        """The ranks whose pid is proven to be that worker on this host: their start time."""
+        unseen: dict[int, str] = {}
+        for r, (pid, start) in enumerate(zip(pids, starts)):
+            why = _not_local(r, pid, start)
+            if why:
+                unseen[r] = why
+            else:
+                self._local[r] = _stat(pid)[2]
+        if unseen:
+            _refuse_or_warn(unseen, len(pids))
         self._due = 0.0
         self._lock = threading.Lock()
         self._ranks: dict[int, _Rank] = {}
@@ -91,23 +115,59 @@ class Watchdog:
     def _sample(self, wait: object, ranks: list[int], now: float) -> str | None:
         """Update each rank's progress from /proc alone (no signal: a worker waiting in C
         between samples is never interrupted); the report if the call is hung, else None."""
-        pids = self._pids
+        pids, local = self._pids, self._local
         for r in ranks:
+            if r not in local:
+                continue  # not on this host: what it does cannot be seen, so it may progress
             cpu, state = _cpu(pids[r])
             st = self._ranks.get(r)
             if st is None or st.wait != wait or now - st.sampled > 3 * self.interval + 1.0:
                 # a new wait, or nobody waited on it lately: start afresh
                 self._ranks[r] = _Rank(wait, now, cpu)
                 continue
-            if (not state.startswith(("T", "t"))
-                    and _used(st.cpu, cpu) >= CPU_SHARE * (now - st.sampled)):
+            gone = (pids[r], local[r]) not in cpu  # (its death is for the wait to report)
+            if gone or (not state.startswith(("T", "t"))
+                        and _used(st.cpu, cpu) >= CPU_SHARE * (now - st.sampled)):
                 st.progress = now
             st.sampled, st.cpu = now, cpu
-        if all(now - self._ranks[r].progress >= self.hang_timeout for r in ranks):
+        if all(r in local and now - self._ranks[r].progress >= self.hang_timeout
+               for r in ranks):
             # the only signal the watchdog sends: one stack dump each, for the report
             got = _stacks.collect({r: pids[r] for r in ranks}, 1.0)
             return _stacks.report(got, ranks)
         return None
+
+
+def _not_local(rank: int, pid: int, start: int | None) -> str:
+    """Why ``pid`` is not proven to be worker ``rank`` on this host ("" where it is): its
+    stack memfd among the pid's fds (as unison.debug.stacks proves it before a signal), and
+    the start time the session read, where it read one. A worker that joined from another
+    host or pid namespace reports a pid that here means nothing, or another process."""
+    if pid == os.getpid():
+        return ""  # worker 0, inline in the controller
+    name, why = _stacks.find(rank, pid)
+    if not name:
+        return why.removeprefix("not available: ")
+    if not _proctree.same(pid, start):
+        return "its pid is another process now"
+    return ""
+
+
+def _refuse_or_warn(unseen: dict[int, str], workers: int) -> None:
+    """Progress is read from /proc on this host: refuse hang_timeout where no worker is
+    here, and name those that are not."""
+    why = "; ".join(f"worker {r}: {text}" for r, text in unseen.items())
+    if len(unseen) == workers:
+        raise ValueError(
+            "hang_timeout judges progress by the workers' CPU time as /proc shows it on this "
+            "host, and no worker of this session is a process here whose pid names it "
+            f"({why}): no hang could be seen. Leave hang_timeout out and bound the waits "
+            "with timeout=... instead.")
+    warnings.warn(
+        f"hang_timeout cannot watch worker(s) {sorted(unseen)}: they are not processes on "
+        f"this host whose pid names them ({why}). They count as progressing, so a wait that "
+        "any of them owes a reply never ends in HangError: bound it with timeout=...",
+        RuntimeWarning, stacklevel=4)
 
 
 def _cpu(pid: int) -> tuple[dict[tuple[int, int], float], str]:

@@ -202,29 +202,14 @@ def _ask(rank: int, pid: int) -> tuple[_Ask | None, str]:
     if pid == os.getpid():
         return None, ("runs inline in the controller (Session(inline_worker0=True)): its "
                       "stack is the controller's own (faulthandler.dump_traceback())")
-    fd_dir = f"/proc/{pid}/fd"
+    name, link = find(rank, pid)
+    if not name:
+        return None, link
     try:
-        names = os.listdir(fd_dir)
-    except FileNotFoundError:
-        return None, ("not available: no process with its pid on this host (a worker that "
-                      "joined from another host, or one that has ended)")
-    except OSError as exc:
-        return None, f"not available: cannot look into its process ({exc.strerror})"
-    want = f"/memfd:{_PREFIX}{rank}-"
-    for name in names:
-        try:
-            link = os.readlink(f"{fd_dir}/{name}")
-        except OSError:
-            continue
-        if link.startswith(want):
-            break
-    else:
-        return None, ("not available: its process on this host is not a unison worker of "
-                      "that rank (a worker on another host has no stacks to read from here)")
-    try:
-        main = int(link[len(want):].split()[0], 16)
+        main = int(link[len(f"/memfd:{_PREFIX}{rank}-"):].split()[0], 16)
     except ValueError:
         main = 0
+    fd_dir = f"/proc/{pid}/fd"
     state = _state(pid)
     if state.startswith(("T", "t")):  # the signal would wait until it continues
         return None, _stopped(state)
@@ -248,6 +233,31 @@ def _ask(rank: int, pid: int) -> tuple[_Ask | None, str]:
         os.close(fd)
         return None, f"not available: cannot signal its process ({exc.strerror})"
     return _Ask(pid, fd, main, tasks), ""
+
+
+def find(rank: int, pid: int) -> tuple[str, str]:
+    """Worker ``rank``'s memfd among the fds of process ``pid``: its fd's name under
+    /proc/<pid>/fd and the link it reads as; ``("", why not)`` where ``pid`` is not a unison
+    worker of that rank on this host (a worker that joined from another host or pid
+    namespace reports a pid that means nothing here, or another process)."""
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(fd_dir)
+    except FileNotFoundError:
+        return "", ("not available: no process with its pid on this host (a worker that "
+                    "joined from another host, or one that has ended)")
+    except OSError as exc:
+        return "", f"not available: cannot look into its process ({exc.strerror})"
+    want = f"/memfd:{_PREFIX}{rank}-"
+    for name in names:
+        try:
+            link = os.readlink(f"{fd_dir}/{name}")
+        except OSError:
+            continue
+        if link.startswith(want):
+            return name, link
+    return "", ("not available: its process on this host is not a unison worker of that "
+                "rank (a worker on another host has no stacks to read from here)")
 
 
 def _stopped(state: str) -> str:

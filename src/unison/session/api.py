@@ -194,8 +194,9 @@ class Session(View):
         command queue is full (TimeoutError; nothing of that message was sent). ``trace``
         records a timeline of every call from now until close(), written there in the
         Chrome/Perfetto trace format (see ``trace()``). With ``hang_timeout``, a wait whose
-        workers make no progress (no CPU, no change of stack) for that many seconds raises
-        unison.HangError, saying where each worker is (docs/debugging.md).
+        workers make no progress (use no CPU, as /proc shows it for the workers on this
+        host) for that many seconds raises unison.HangError, saying where each worker is
+        (docs/debugging.md).
         ``inline_worker0`` runs worker 0's share in this process, in the thread that sends
         each call, as Disco does: one process fewer on the cores (the fastest round trip),
         for worker 0's failure isolation (unison.launch.inline says what it gives up).
@@ -256,7 +257,7 @@ class Session(View):
                                               inline=inline_worker0,
                                               children=the_launcher.children)
             if hang_timeout is not None and hang_timeout != math.inf:
-                self._router.hang = Watchdog(hang_timeout, self._pids)
+                self._router.hang = Watchdog(hang_timeout, self._pids, self._starts)
             self._last_trace: Trace | None = None
             if trace is not None:
                 self._start_trace(trace)
