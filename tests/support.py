@@ -453,3 +453,22 @@ def await_beside_a_reader_that_empties_the_wake(
         return asyncio.run(main())
     finally:
         assert got == [list(range(sess.num_workers))], got
+
+
+@contextlib.contextmanager
+def raising_on_signal(kind: type[BaseException], after: float) -> Iterator[None]:
+    """A Python signal handler raises ``kind("time limit")`` in the main thread ``after``
+    seconds from now, as one that puts a time limit on a block would (SIGUSR1: SIGALRM is
+    pytest-timeout's)."""
+    def on_signal(*_: object) -> None:
+        raise kind("time limit")
+
+    old = signal.signal(signal.SIGUSR1, on_signal)
+    timer = threading.Timer(after, os.kill, (os.getpid(), signal.SIGUSR1))
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        timer.join()
+        signal.signal(signal.SIGUSR1, old)

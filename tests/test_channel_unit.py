@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from support import join_tcp
+from support import join_tcp, raising_on_signal
 from unison import pacing, protocol
 from unison.channel import Channel, Reply
 from unison.channel import shm as shm_channel
@@ -602,6 +602,111 @@ def test_a_channels_abilities_are_attributes_of_the_interface() -> None:
         assert isinstance(chan.arena, Arena)
     finally:
         chan.close()
+
+
+# -- a send that ends half-way -------------------------------------------------------------------
+
+
+class _Alarm(Exception):
+    """A signal handler's exception: a time limit on a block of user code."""
+
+
+def _takes(*counts: int) -> Callable[[list[memoryview]], int]:
+    """A non-blocking stream's send that takes ``counts`` bytes, one call each, then is
+    full (BlockingIOError) for good."""
+    left = list(counts)
+
+    def send(parts: list[memoryview]) -> int:
+        if not left:
+            raise BlockingIOError
+        return left.pop(0)
+
+    return send
+
+
+def _raises(exc: BaseException) -> Callable[..., None]:
+    def fail(*_: object) -> None:
+        raise exc
+
+    return fail
+
+
+def test_write_frame_makes_an_exception_that_ends_it_half_way_a_partial_send() -> None:
+    """Any exception that ends a frame's write once part of the message went (a signal
+    handler's in the wait for room, a TimeoutError too) becomes a PartialSendError with it
+    as its cause, so the session closes rather than go on out of step; with nothing
+    written it goes on as it is; only the deadline with nothing written is SendTimeout. The
+    pipe and TCP channels both write through write_frame."""
+    from unison.channel import PartialSendError, SendTimeout, write_frame
+
+    frame = [b"head", b"x" * 100]
+    later = time.monotonic() + 60
+
+    def write(send: Callable[[list[memoryview]], int], wait: Callable[..., object],
+              written: bool = False, deadline: float | None = later,
+              check: Callable[[], object] = lambda: None) -> bool:
+        return write_frame(send, frame, "worker 0's pipe", deadline, written, check, wait)
+
+    for exc in (_Alarm("time limit"), TimeoutError("time limit"), KeyboardInterrupt()):
+        with pytest.raises(PartialSendError, match="half sent to worker 0's pipe") as info:
+            write(_takes(5), _raises(exc))
+        assert info.value.__cause__ is exc
+        with pytest.raises(PartialSendError) as info:  # another worker got it already
+            write(_takes(), _raises(exc), written=True)
+        assert info.value.__cause__ is exc
+        with pytest.raises(type(exc)) as other:  # nothing of it went: as it is
+            write(_takes(), _raises(exc))
+        assert other.value is exc
+        with pytest.raises(PartialSendError) as info:  # a send that may have written
+            write(_raises(exc), _raises(AssertionError("no wait")))
+        assert info.value.__cause__ is exc
+    with pytest.raises(SendTimeout, match="nothing of this message was sent"):
+        write(_takes(), lambda _: None, deadline=time.monotonic())
+    with pytest.raises(PartialSendError, match="deadline passed") as info:
+        write(_takes(5), lambda _: None, deadline=time.monotonic())
+    assert info.value.__cause__ is None
+    death = BrokenPipeError("a worker died")
+    with pytest.raises(BrokenPipeError):  # the stream's own error: the session closes for it
+        write(_takes(5), lambda _: None, check=_raises(death))
+    assert write(_takes(50, 54), _raises(AssertionError("no wait")))  # whole
+
+
+def test_an_exception_between_two_workers_pipe_writes_is_a_partial_send(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker 0 got the whole frame, worker 1 nothing, when an exception came (a signal
+    handler's): out of step, so a PartialSendError, not the exception as it is."""
+    from unison.channel import PartialSendError
+
+    chan = PipeChannel(2, _NAME)
+    real = chan._write
+
+    def write(rank: int, *args: Any) -> bool:
+        if rank == 1:
+            raise _Alarm("time limit")
+        return real(rank, *args)
+
+    monkeypatch.setattr(chan, "_write", write)
+    try:
+        with pytest.raises(PartialSendError, match="half sent") as info:
+            chan.send(b"call", (0, 1))
+        assert isinstance(info.value.__cause__, _Alarm)
+        with pytest.raises(_Alarm):  # worker 1 alone: nothing went anywhere
+            chan.send(b"call", (1,))
+    finally:
+        chan.close()
+
+
+def test_a_signal_handlers_exception_mid_frame_is_a_partial_send(reporting: Reporting) -> None:
+    """A frame larger than the stream holds, to a worker that reads nothing: the send waits
+    for room with part of the frame written, and a signal handler's exception there is a
+    PartialSendError (before: the exception went on as it is, and the worker would read
+    the next frames as the rest of this one)."""
+    from unison.channel import PartialSendError
+
+    with raising_on_signal(_Alarm, 0.2), pytest.raises(PartialSendError) as info:
+        reporting.chan.send(b"x" * (64 << 20), [0])
+    assert isinstance(info.value.__cause__, _Alarm)
+    assert "half sent to worker 0's" in str(info.value)
 
 
 # -- the arena -----------------------------------------------------------------------------------

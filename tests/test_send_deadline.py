@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 import unison
+from support import raising_on_signal
 from unison.channel import PartialSendError
 from unison.protocol import NOP
 
@@ -84,3 +85,61 @@ def test_a_pipe_frame_larger_than_the_pipe_may_fail_half_written_and_says_so(
     msg = pickle.dumps((NOP, None, b"x" * (8 << 20)))  # more than any pipe holds
     with stopped(sess), sess._send_lock, pytest.raises(PartialSendError):
         sess._chan.send(msg, sess.workers, deadline=time.monotonic() + 0.2)
+
+
+class _Alarm(Exception):
+    """A signal handler's exception: a time limit on a block of user code."""
+
+
+class _AlarmTimeout(TimeoutError):
+    """The same as a TimeoutError, which must not pass for the channel's own deadline."""
+
+
+@pytest.mark.parametrize("kind", [_Alarm, _AlarmTimeout, KeyboardInterrupt])
+def test_an_exception_that_ends_a_pipe_send_half_way_closes_the_session_and_says_so(
+    make_session: Callable[..., unison.Session], kind: type[BaseException]
+) -> None:
+    """A signal handler's exception while a send waits for room in a busy worker's command
+    pipe, part of the frame in it: the session closes, and says the message went in half
+    (the handler's exception its cause); a Ctrl-C goes on as a KeyboardInterrupt. Before,
+    the exception went on with the session open, a TimeoutError was rewritten as "Nothing
+    of it was sent", and the worker read the next frames as the rest of the half one:
+    every later reply was lost (a hang)."""
+    sess = make_session(1, channel="pipe")
+    pid = sess.run(os.getpid)[0]
+    os.kill(pid, signal.SIGSTOP)  # it reads nothing: the pipe fills, the send waits in it
+    try:
+        with raising_on_signal(kind, 0.3), pytest.raises(BaseException) as info:
+            sess.call(len, b"x" * (8 << 20))  # more than the pipe holds
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert sess.closed
+    if kind is KeyboardInterrupt:
+        assert type(info.value) is KeyboardInterrupt
+        return
+    assert isinstance(info.value, unison.SessionClosed), repr(info.value)
+    assert "half sent to worker 0's command pipe" in str(info.value)
+    partial = info.value.__cause__
+    assert isinstance(partial, PartialSendError) and type(partial.__cause__) is kind
+
+
+@pytest.mark.parametrize("kind", [_Alarm, _AlarmTimeout])
+def test_an_exception_that_ends_a_send_with_nothing_written_goes_on_as_it_is(
+    make_session: Callable[..., unison.Session], kind: type[BaseException]
+) -> None:
+    """A handler's exception while a send with a deadline waits for room, nothing of it
+    written: it goes on as it is (a TimeoutError too is the user's, not "Nothing of it was
+    sent" of the deadline), and the session goes on in step."""
+    sess = make_session(1, channel="pipe", send_timeout=30)
+    pid = sess.run(os.getpid)[0]
+    msg = pickle.dumps((NOP, None, b"x" * (64 << 10)))
+    with stopped(sess):
+        with sess._send_lock:
+            _fill_until_timeout(sess, msg)
+        with raising_on_signal(kind, 0.3), pytest.raises(kind) as info:
+            sess.call(len, b"y" * (64 << 10))
+    assert str(info.value) == "time limit"
+    assert not sess.closed
+    assert sess.run(os.getpid, timeout=10) == [pid]
+

@@ -16,9 +16,11 @@ buffer that lies in a shared array (``sess.empty``) always travels by reference,
 workers write the controller's memory. Replies may carry buffers too (where the channel
 says ``oob_replies``): the controller then gets a ``Reply`` of the pickle and its buffers.
 
-Sending may be bounded by a deadline (``time.monotonic()``): TimeoutError then means that no
-part of the message reached any worker; ``PartialSendError`` that the deadline passed with
-the message half written, after which the channel is unusable and the session must close.
+Sending may be bounded by a deadline (``time.monotonic()``): ``SendTimeout`` (a TimeoutError)
+then means that no part of the message reached any worker; ``PartialSendError`` that the
+deadline passed with the message half written, after which the channel is unusable and the
+session must close. Any other exception that ends a send half-way (a signal handler's) is a
+``PartialSendError`` too, with it as its cause.
 
 Backends: ``shm`` (shared-memory rings and an arena for buffers, the fast one, Linux, up to
 64 workers) and ``pipe`` (portable, one pipe pair per worker). ``auto`` picks shm where it
@@ -39,7 +41,8 @@ from unison import _native
 if TYPE_CHECKING:
     from unison.channel.arena import Arena
 
-__all__ = ["Channel", "PartialSendError", "Reply", "WorkerChannel", "connect", "create"]
+__all__ = ["Channel", "PartialSendError", "Reply", "SendTimeout", "WorkerChannel", "connect",
+           "create"]
 
 
 class Reply(NamedTuple):
@@ -51,8 +54,14 @@ class Reply(NamedTuple):
 
 
 class PartialSendError(RuntimeError):
-    """A send's deadline passed with part of the message written: the stream to a worker is
-    broken for good, so the session must close."""
+    """A send ended with part of the message written (its deadline passed, or an exception
+    came from elsewhere, a signal handler's, with its cause set to it): the stream to a
+    worker is broken for good, so the session must close."""
+
+
+class SendTimeout(TimeoutError):
+    """A send's deadline passed with nothing of the message written: the channel's own, told
+    apart from any other TimeoutError (a signal handler's may end a send half-way)."""
 
 
 class Channel(ABC):
@@ -123,7 +132,8 @@ class Channel(ABC):
         """Deliver one message, with its out-of-band buffers (PickleBuffers), to each worker
         in ``ranks`` (ascending). Raises OSError if a worker is gone; MemoryError, with
         nothing sent, if shared memory is full; past ``deadline`` (time.monotonic()),
-        TimeoutError with nothing sent, or PartialSendError if that could not be helped."""
+        SendTimeout with nothing sent, or PartialSendError if that could not be helped (as
+        for any other exception that ends it half-way)."""
 
     def send_plain(self, data: bytes, ranks: tuple[int, ...]) -> bool:
         """``send(data, ranks)`` of a message with no buffers and no deadline, in one call
@@ -255,33 +265,60 @@ def write_frame(send: Callable[[list[memoryview]], int], frame: Sequence[Any], w
     the stream is full: ``check_watch()`` (raises on a death), then ``wait(seconds)`` for
     room. ``written``: whether another worker got this message already; past ``deadline``
     that makes it a PartialSendError (the stream is out of step for good), else a
-    TimeoutError with nothing of it sent. Returns whether anything was written.
+    SendTimeout with nothing of it sent. Any other exception that ends it once something
+    of the message may have gone (KeyboardInterrupt, a signal handler's in the wait)
+    becomes a PartialSendError too, with it as its cause: passed on as it is, the caller
+    would take the stream for whole. Returns whether anything was written.
     ``what`` names the stream in those errors ("worker 3's command pipe")."""
     parts = [v for v in (memoryview(p).cast("B") for p in frame) if v.nbytes]
-    while parts:
-        try:
-            n = send(parts[:_IOV])
-        except BlockingIOError:
-            n = 0
-        if n:
-            written = True
-            while n and n >= parts[0].nbytes:
-                n -= parts.pop(0).nbytes
+    sending = False  # a send whose count is not taken yet: it may have written
+    try:
+        while parts:
+            sending = True
+            try:
+                n = send(parts[:_IOV])
+            except BlockingIOError:
+                n = 0
+            written = written or n > 0
+            sending = False
             if n:
-                parts[0] = parts[0][n:]
-            continue
-        check_watch()
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            if written:
-                raise PartialSendError(
-                    f"the deadline passed while a message was half sent to {what}; the "
-                    "channel cannot be used any more: close the session")
-            raise TimeoutError(f"{what} stayed full until the deadline; nothing of this "
-                               "message was sent: wait for the workers (sync), or close the "
-                               "session")
-        wait(1.0 if left is None else min(1.0, left))
+                while n and n >= parts[0].nbytes:
+                    n -= parts.pop(0).nbytes
+                if n:
+                    parts[0] = parts[0][n:]
+                continue
+            check_watch()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                if written:
+                    raise PartialSendError(
+                        f"the deadline passed while a message was half sent to {what}; the "
+                        "channel cannot be used any more: close the session")
+                raise SendTimeout(f"{what} stayed full until the deadline; nothing of this "
+                                  "message was sent: wait for the workers (sync), or close "
+                                  "the session")
+            wait(1.0 if left is None else min(1.0, left))
+    except BaseException as exc:
+        if (written or sending) and not own_error(exc):
+            raise half_sent(exc, what) from exc
+        raise
     return written
+
+
+def own_error(exc: BaseException) -> bool:
+    """Whether ``exc``, ending a send, is the channel's own say: its deadline's (SendTimeout,
+    PartialSendError), or its stream's OSError (a death, for which the session closes).
+    Any other comes from elsewhere (a signal handler's, a TimeoutError too)."""
+    return isinstance(exc, (SendTimeout, PartialSendError)) or (
+        isinstance(exc, OSError) and not isinstance(exc, TimeoutError))
+
+
+def half_sent(exc: BaseException, what: str) -> PartialSendError:
+    """The PartialSendError of a send that ``exc`` (not the channel's own) ended with part
+    of the message written to ``what``; its cause is set by the caller."""
+    return PartialSendError(
+        f"{type(exc).__name__} ended a send with the message half sent to {what}; the "
+        "channel cannot be used any more: close the session")
 
 
 def reported(sent: list[int], progress: list[int], ranks: Sequence[int]) -> int:

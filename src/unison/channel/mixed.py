@@ -30,7 +30,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from unison.channel import Channel, PartialSendError, Reply
+from unison.channel import (
+    Channel,
+    PartialSendError,
+    Reply,
+    SendTimeout,
+    half_sent,
+    own_error,
+)
 from unison.channel.shm import ShmChannel
 from unison.channel.tcp import TcpChannel
 
@@ -134,11 +141,15 @@ class MixedChannel(Channel):
         if far:
             try:
                 self.tcp.send(data, far, buffers, deadline=deadline)
-            except TimeoutError as exc:
+            except SendTimeout as exc:
                 if not near:
                     raise
                 raise PartialSendError(f"the deadline passed with the message sent to the "
                                        f"local workers only: {exc}") from exc
+            except BaseException as exc:
+                if not near or own_error(exc):
+                    raise
+                raise half_sent(exc, "the local workers only") from exc  # (a handler's)
 
     def recv(
         self, timeout: float | None, watch: Sequence[int] | None = None

@@ -60,7 +60,17 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from unison.channel import Channel, Reply, WorkerChannel, drain_fd, reported, write_frame
+from unison.channel import (
+    Channel,
+    Reply,
+    SendTimeout,
+    WorkerChannel,
+    drain_fd,
+    half_sent,
+    own_error,
+    reported,
+    write_frame,
+)
 from unison.pacing import SPIN, Pacer, busy_budget, crowd, spin
 
 if TYPE_CHECKING:
@@ -174,9 +184,14 @@ class PipeChannel(Channel):
             assert self.arena is not None  # only the arena's shared arrays give refs
             self.arena.count_sent(refs, ranks)
         written, sent = False, self._sent
-        for r in ranks:
-            written = self._write(r, frame, deadline, written)
-            sent[r] += 1
+        try:
+            for r in ranks:
+                written = self._write(r, frame, deadline, written)
+                sent[r] += 1
+        except BaseException as exc:  # (a signal handler's between two workers: the first
+            if written and not own_error(exc):  # got it all, the next nothing)
+                raise half_sent(exc, f"the command pipes of workers {list(ranks)}") from exc
+            raise
         self._unread += 1
         if self._unread >= _DRAIN_EVERY:
             self._unread = 0
@@ -199,7 +214,7 @@ class PipeChannel(Channel):
 
     def _wait_room(self, ranks: tuple[int, ...], size: int, deadline: float) -> None:
         """Wait until every target pipe can take ``size`` bytes at once (when any pipe could):
-        past the deadline, TimeoutError with nothing written."""
+        past the deadline, SendTimeout with nothing written."""
         pacer = Pacer()
         while True:
             full = [r for r in ranks if _room(self._cmd[r]) < size]
@@ -208,7 +223,7 @@ class PipeChannel(Channel):
             self._check_watch()
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(
+                raise SendTimeout(
                     f"the command pipes of workers {full} stayed full until the deadline "
                     "(the workers are busy); nothing of this message was sent"
                 )

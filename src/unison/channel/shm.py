@@ -80,7 +80,7 @@ from typing import Any, cast
 
 from unison import _native
 from unison._native import fence as _fence
-from unison.channel import Channel, Reply, WorkerChannel
+from unison.channel import Channel, Reply, SendTimeout, WorkerChannel
 from unison.channel.arena import Arena, ArenaReader, Malformed, create_file, sealed_memfd
 from unison.channel.ring import Ring
 from unison.pacing import (
@@ -355,7 +355,7 @@ class ShmChannel(Channel):
         pacer = Pacer()
         while not _CMD.fits(end, self._slowest()):
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(
+                raise SendTimeout(
                     "the command ring stayed full until the deadline (the workers are busy); "
                     "nothing of this message was sent"
                 )

@@ -63,8 +63,11 @@ from unison.channel import (
     Channel,
     PartialSendError,
     Reply,
+    SendTimeout,
     WorkerChannel,
     drain_fd,
+    half_sent,
+    own_error,
     reported,
     write_frame,
 )
@@ -378,17 +381,20 @@ class TcpChannel(Channel):
             if peer is None or not peer.open:
                 raise BrokenPipeError(f"worker {r} is not connected")
             head = _HEAD.pack(_MAGIC, peer.incarnation, len(data), len(raws))
+            was = written
             try:
                 if not raws and len(data) <= _SMALL:  # one send, no frame bookkeeping
                     frame = head + data
                     with peer.write_lock:
+                        written = True  # (until the count is taken: it may have gone)
                         try:
                             n = 0 if peer.owed else peer.sock.send(frame)
                         except BlockingIOError:
                             n = 0
+                        written = was or n > 0
                         if n < len(frame):  # the connection is full: wait for room
                             written = self._write(peer, [memoryview(frame)[n:]], deadline,
-                                                  written or n > 0)
+                                                  written)
                         else:
                             written = True
                 else:
@@ -397,11 +403,13 @@ class TcpChannel(Channel):
                         parts += [_BUF.pack(raw.nbytes), raw]
                     with peer.write_lock:
                         written = self._write(peer, parts, deadline, written)
-            except (TimeoutError, PartialSendError):
-                raise
-            except OSError as exc:  # its connection broke: so the session blames the right
-                peer.ended = peer.ended or f"its connection failed: {exc}"  # worker
-                raise
+            except BaseException as exc:
+                if not own_error(exc):  # (a signal handler's): once a worker got the message,
+                    if written:  # or part of it, lockstep is gone
+                        raise half_sent(exc, f"worker {r}'s connection") from exc
+                elif isinstance(exc, OSError) and not isinstance(exc, SendTimeout):
+                    peer.ended = peer.ended or f"its connection failed: {exc}"  # (so that
+                raise  # the session blames the right worker)
             self._sent[r] += 1
         self._unread += 1
         if self._unread >= _DRAIN_EVERY:
@@ -438,10 +446,10 @@ class TcpChannel(Channel):
 
             try:
                 write_frame(pay, [peer.owed], what, deadline, written, check_watch, wait)
-            except PartialSendError:
-                if written:
-                    raise
-                raise TimeoutError(  # only the heartbeat's bytes went: the rest is owed still
+            except PartialSendError as exc:
+                if written or exc.__cause__ is not None:  # (another's exception: ``owed``
+                    raise  # may have missed its count)
+                raise SendTimeout(  # only the heartbeat's bytes went: the rest is owed still
                     f"{what} stayed full until the deadline; nothing of this message was "
                     "sent: wait for the workers (sync), or close the session") from None
         return write_frame(peer.sock.sendmsg, frame, what, deadline, written, check_watch,

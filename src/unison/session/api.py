@@ -999,24 +999,32 @@ class Session(View):
     def _send_failed(self, exc: BaseException, frees: tuple[int, ...] | None,
                      ranks: tuple[int, ...]) -> BaseException:
         """What a failed send of a message carrying ``frees`` to ``ranks`` raises (the
-        channel's own error as its cause only where it says more than ours)."""
+        channel's own error as its cause only where it says more than ours). Only the
+        channel's deadline (SendTimeout) says that nothing was sent: any other exception,
+        a TimeoutError of a signal handler's too, goes on as it is where the channel let it
+        through (nothing of the message went), and closes the session where the message was
+        half sent (PartialSendError)."""
         err: BaseException
-        if frees and isinstance(exc, (TimeoutError, ValueError)):  # nothing of it was sent
-            self._frees.extend(frees)  # (a deadline, or a buffer the arena refused): the
+        if frees and isinstance(exc, (channels.SendTimeout, ValueError)):  # nothing of it was
+            self._frees.extend(frees)  # sent (a deadline, or a buffer the arena refused): the
             # frees ride on the next message instead
-        if isinstance(exc, TimeoutError):
+        if isinstance(exc, channels.SendTimeout):
             err = TimeoutError(
                 "the workers did not take the message by the deadline (their command queue is "
                 "full: a worker is busy or stuck). Nothing of it was sent: wait for the workers "
                 "(sync), or close the session." + self._where_they_are(ranks)
             )
-        elif isinstance(exc, OSError):
-            err = self.died("sending a message", None)
         elif isinstance(exc, channels.PartialSendError):  # some workers got it, some not:
             self._shutdown(0)  # no lockstep
+            cause = exc.__cause__
+            if cause is not None and not isinstance(cause, Exception):
+                return cause  # Ctrl-C, SystemExit: goes on, the session closed (its context
+                # says why)
             err = SessionClosed(f"the session is closed because {exc}")
             err.__cause__ = exc
             return err
+        elif isinstance(exc, OSError) and not isinstance(exc, TimeoutError):
+            err = self.died("sending a message", None)
         else:
             return exc
         err.__suppress_context__ = True
