@@ -709,6 +709,78 @@ def test_a_signal_handlers_exception_mid_frame_is_a_partial_send(reporting: Repo
     assert "half sent to worker 0's" in str(info.value)
 
 
+def test_slots_used_never_understates_the_pages_a_pipe_uses() -> None:
+    """The kernel's own pipes, written and read at random (small writes that share a page,
+    writes of 3/4 page that take one each, large ones, partial reads): a write of as many
+    pages as ``_slots_used`` leaves free always goes in whole. Bytes alone (FIONREAD) did
+    not: the room they promised took only the few pages left, and the frame went in half."""
+    from collections import deque
+
+    from unison.channel import pipe
+
+    page = pipe._PAGE
+    r, w = os.pipe()
+    try:
+        pipe._grow(w)
+        os.set_blocking(w, False)
+        slots = pipe._capacity(w) // page
+        rng = random.Random(1)
+        queued: deque[int] = deque()  # per write still (partly) in the pipe, its bytes there
+        overstated = 0
+        for _ in range(300):
+            size = rng.choice([rng.randint(1, 200), page * 3 // 4, rng.randint(1, 5 * page)])
+            for _ in range(rng.randint(1, 2 * slots)):
+                try:
+                    n = os.write(w, b"w" * size)
+                except BlockingIOError:
+                    break
+                queued.append(n)
+            total = pipe._queued(w)
+            assert total == sum(queued)
+            free = slots - pipe._slots_used(total, len(queued)) if total else slots
+            overstated += (slots * page - total) // page > free
+            if free > 0:
+                try:
+                    n = os.write(w, b"p" * (free * page))
+                except BlockingIOError:
+                    n = 0
+                assert n == free * page, (free, total, len(queued))
+                queued.append(n)
+            want = rng.randint(1, pipe._queued(w))
+            while want:  # the worker reads some (the last read may stop inside a write)
+                got = len(os.read(r, min(want, 1 << 20)))
+                want -= got
+                while got:
+                    take = min(got, queued[0])
+                    got -= take
+                    queued[0] -= take
+                    if not queued[0]:
+                        queued.popleft()
+        assert overstated  # where bytes alone promised more than there was
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_deadline_send_behind_one_large_frame_goes_without_waiting(
+        pipe_ends: PipeEnds) -> None:
+    """The bound on the pages a pipe uses counts the frames the worker has not reported as
+    run: behind one frame of over half the pipe, another of a quarter still goes at once
+    (bytes alone at twice their pages would say full)."""
+    import fcntl
+
+    chan, worker, _ = pipe_ends
+    size = fcntl.fcntl(chan._cmd[0], fcntl.F_GETPIPE_SZ)
+    if size < 1 << 18:
+        pytest.skip("the command pipe could not be grown (pipe-max-size)")
+    first, second = b"a" * (size * 55 // 100), b"b" * (size // 4)
+    chan.send(first, [0])
+    chan.send(second, [0], deadline=time.monotonic())  # the deadline passed: room or nothing
+    for data in (first, second):
+        got = worker.recv()
+        assert got is not None and bytes(got[0]) == data
+
+
 # -- the arena -----------------------------------------------------------------------------------
 
 

@@ -5,9 +5,13 @@ Workers are stopped with SIGSTOP (real processes that cannot drain their input).
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import mmap
 import os
 import pickle
 import signal
+import struct
+import termios
 import time
 from collections.abc import Callable, Iterator
 
@@ -24,11 +28,21 @@ def stopped(sess: unison.Session) -> Iterator[None]:
     pids = sess.run(os.getpid)
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
+    for pid in pids:  # a stop takes effect a moment later: till then it may read on
+        end = time.monotonic() + 5
+        while _state(pid) != "T" and time.monotonic() < end:
+            time.sleep(0.001)
     try:
         yield
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (/proc/PID/stat): T once stopped."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def _fill_until_timeout(sess: unison.Session, msg: bytes) -> tuple[int, float]:
@@ -143,3 +157,30 @@ def test_an_exception_that_ends_a_send_with_nothing_written_goes_on_as_it_is(
     assert not sess.closed
     assert sess.run(os.getpid, timeout=10) == [pid]
 
+
+def test_a_deadline_send_to_a_pipe_counts_its_pages_and_never_goes_in_half(
+    make_session: Callable[..., unison.Session],
+) -> None:
+    """Linux counts a pipe's capacity in pages, and a frame that does not fit the last
+    page's rest takes a new one: with frames of 3/4 page queued, the pipe had room by its
+    bytes (FIONREAD) for a frame that it had not by its pages, so the frame went in half
+    and its deadline closed the session (PartialSendError). Now it times out with nothing
+    of it sent, and the session goes on."""
+    sess = make_session(1, channel="pipe", send_timeout=0.2)
+    chan = sess._chan
+    fd = chan._cmd[0]  # type: ignore[attr-defined]
+    page = mmap.PAGESIZE
+    slots = fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ) // page
+    if slots < 64:
+        pytest.skip("the command pipe could not be grown (pipe-max-size)")
+    small = pickle.dumps((NOP, None, b"x" * (page * 3 // 4)))
+    big = pickle.dumps((NOP, None, b"y" * (20 * page)))
+    with stopped(sess), sess._send_lock:
+        for _ in range(slots - 16):  # a page each: 16 pages left
+            chan.send(small, sess.workers)
+        queued = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+        assert slots * page - queued > len(big)  # room by the bytes alone
+        with pytest.raises(TimeoutError, match="nothing of this message was sent"):
+            chan.send(big, sess.workers, deadline=time.monotonic() + 0.2)
+    assert not sess.closed
+    assert sess.run(unison.rank, timeout=10) == [0]

@@ -41,15 +41,17 @@ reply is often a few µs away, and a sleep's wake-up costs tens of µs (dispatch
 26 against 62 µs a round, docs/benchmarks.md, "Issue 9, thirtieth pass").
 
 The controller's ends are non-blocking, so a send can watch the workers' pidfds and honour
-a deadline: it first waits until every target pipe has room for the whole frame, so a
-timeout leaves nothing written; only a frame larger than a pipe can hold may time out half
-written (PartialSendError).
+a deadline: it first waits until every target pipe surely has room for the whole frame
+(counted in pages, as Linux counts a pipe's capacity: ``_slots_used``), so a timeout leaves
+nothing written; only a frame larger than a pipe can hold may time out half written
+(PartialSendError).
 """
 
 from __future__ import annotations
 
 import fcntl
 import math
+import mmap
 import os
 import select
 import struct
@@ -61,6 +63,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from unison.channel import (
+    _IOV,
     Channel,
     Reply,
     SendTimeout,
@@ -89,6 +92,8 @@ _BYTES, _BY_REF = 0, 1
 _ATOMIC = select.PIPE_BUF - _REPLY.size
 """A reply body this small goes with its length in one write, which a pipe takes whole."""
 _PIPE_SIZE = 1 << 20  # asked of the kernel, up to /proc/sys/fs/pipe-max-size
+_PAGE = mmap.PAGESIZE
+"""What Linux counts a pipe's capacity in: slots of a page each (see ``_slots_used``)."""
 _DRAIN_EVERY = 1024
 """Sends between two reads of the reply pipes at least: a worker reports at most once per
 frame (16 bytes), so a controller that only calls, never waiting, still empties them before
@@ -101,6 +106,8 @@ class PipeChannel(Channel):
         self._cmd: list[int] = []
         self._replies: list[Connection] = []
         self._child_fds: list[tuple[int, int]] = []
+        self._slots: list[int] = []
+        """Per worker, the pages its command pipe holds (its capacity, which only we set)."""
         self._watch: list[int] = []
         self.arena: Arena | None = None  # where memfd exists (sess.empty is shared there)
         try:
@@ -110,6 +117,7 @@ class PipeChannel(Channel):
                 _grow(cmd_w)
                 os.set_blocking(cmd_w, False)
                 self._cmd.append(cmd_w)
+                self._slots.append(_capacity(cmd_w) // _PAGE)
                 os.set_blocking(rep_r, False)
                 self._replies.append(Connection(rep_r, writable=False))  # owns rep_r
                 self._child_fds.append((cmd_r, rep_w))
@@ -143,6 +151,9 @@ class PipeChannel(Channel):
         """Workers whose reply pipe held bytes that break the format, and what they were."""
         self._sent = [0] * num_workers
         """Per worker, the frames written to its command pipe."""
+        self._extra = [0] * num_workers
+        """Per worker, the writes beyond one a frame (frames of over _IOV parts) since it
+        last reported having run every frame sent: a bound on the writes it has queued."""
         self._unread = 0
         """Sends since the last drain (_DRAIN_EVERY)."""
         self._progress = [0] * num_workers
@@ -178,8 +189,12 @@ class PipeChannel(Channel):
              deadline: float | None = None) -> None:
         ranks = tuple(ranks)
         frame, refs = self._frame(data, buffers)
+        calls = 1 if len(frame) < _IOV else -(-len(frame) // (_IOV - 1))  # writes it takes
         if deadline is not None:  # (the frame's size only matters to a deadline)
-            self._wait_room(ranks, sum(memoryview(p).nbytes for p in frame), deadline)
+            self._wait_room(ranks, sum(memoryview(p).nbytes for p in frame), calls, deadline)
+        if calls > 1:
+            for r in ranks:
+                self._extra[r] += calls - 1
         if refs:
             assert self.arena is not None  # only the arena's shared arrays give refs
             self.arena.count_sent(refs, ranks)
@@ -212,13 +227,16 @@ class PipeChannel(Channel):
                 refs.append(desc)
         return parts, refs
 
-    def _wait_room(self, ranks: tuple[int, ...], size: int, deadline: float) -> None:
-        """Wait until every target pipe can take ``size`` bytes at once (when any pipe could):
-        past the deadline, SendTimeout with nothing written."""
+    def _wait_room(self, ranks: tuple[int, ...], size: int, calls: int,
+                   deadline: float) -> None:
+        """Wait until every target pipe surely takes a frame of ``size`` bytes, written in
+        ``calls`` writes, at once (when any pipe could): past the deadline, SendTimeout with
+        nothing written."""
         pacer = Pacer()
+        need = -(-size // _PAGE) + calls - 1  # each write may start a page
         while True:
-            full = [r for r in ranks if _room(self._cmd[r]) < size]
-            if not full or any(_capacity(self._cmd[r]) < size for r in full):
+            full = [r for r in ranks if self._free(r) < need]
+            if not full or any(self._slots[r] < need for r in full):
                 return  # room everywhere, or a frame no pipe holds: write and see
             self._check_watch()
             left = deadline - time.monotonic()
@@ -229,6 +247,18 @@ class PipeChannel(Channel):
                 )
             self._drain()  # a worker blocked on its reply pipe reads no command
             pacer.pause(deadline)
+
+    def _free(self, rank: int) -> int:
+        """The pages ``rank``'s command pipe surely has free now (never more than it has):
+        one FIONREAD. Its writes still queued are bounded by the frames it has not reported
+        as run."""
+        queued = _queued(self._cmd[rank])
+        if not queued:
+            return self._slots[rank]
+        left = self._sent[rank] - (self._progress[rank] >> 1)
+        if not left:
+            self._extra[rank] = 0  # it took every frame: those writes are gone
+        return self._slots[rank] - _slots_used(queued, left + self._extra[rank])
 
     def _write(self, rank: int, frame: list[Any], deadline: float | None,
                written: bool) -> bool:
@@ -655,10 +685,20 @@ def _capacity(fd: int) -> int:
         return 1 << 16
 
 
-def _room(fd: int) -> int:
-    """Bytes the pipe takes now without blocking."""
-    queued = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
-    return _capacity(fd) - int(queued)
+def _queued(fd: int) -> int:
+    """Bytes a pipe holds."""
+    return int(struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0])
+
+
+def _slots_used(queued: int, writes: int) -> int:
+    """At most how many page slots a pipe holding ``queued`` bytes (> 0) uses, where they
+    came in at most ``writes`` writes. Bytes alone understate it: a write takes a new page
+    unless its start (its size modulo a page) fits the last page's rest, so 240 frames of
+    3 KB filled 240 of a 1 MiB pipe's 256 pages with 720 KiB, and an 80 KB frame went in
+    half. Two bounds: past the page being read, two neighbours hold over a page together
+    (a page begun by a write that did not fit the one before); and every page but the one
+    being read is full except the last of a write."""
+    return min(2 * (queued // (_PAGE + 1)) + 2, queued // _PAGE + 1 + writes)
 
 
 def _close_fd(fd: int) -> None:
