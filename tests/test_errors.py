@@ -167,6 +167,107 @@ def test_an_exception_whose_str_fails_still_gives_a_worker_error(sess):
     assert sess.run(unison.rank) == [0, 1]
 
 
+class ReprFails:
+    """A callable object whose repr() raises (as one with state not set up yet)."""
+
+    def __call__(self):
+        raise ValueError("bad input")
+
+    def __repr__(self):
+        return f"ReprFails({self.weights})"  # AttributeError
+
+
+class StrExits(Exception):
+    """An exception whose str() raises a BaseException."""
+
+    def __str__(self):
+        sys.exit(2)
+
+
+class StrInterrupts(Exception):
+    """An exception whose str() raises KeyboardInterrupt (user code: a worker process
+    ignores SIGINT, so this is no Ctrl-C)."""
+
+    def __str__(self):
+        raise KeyboardInterrupt
+
+
+class ReducesBroken:
+    """A value whose pickling raises an exception whose str() raises."""
+
+    def __reduce__(self):
+        raise BrokenStr()
+
+
+def raise_str_exits():
+    raise StrExits("x")
+
+
+def raise_str_interrupts():
+    raise StrInterrupts("x")
+
+
+def return_reduces_broken():
+    return ReducesBroken()
+
+
+def raise_with_a_local_str():
+    class Text(str):  # pickles by reference only where its class imports: nowhere
+        pass
+
+    class SaysText(Exception):
+        def __str__(self):
+            return Text("said in a str subclass")
+
+    raise SaysText()
+
+
+@pytest.mark.parametrize("fn, says", [
+    (ReprFails(), "ValueError: bad input (in <repr() of this ReprFails failed"),
+    (raise_str_exits, "StrExits: <str() of this StrExits failed: SystemExit>"),
+    (raise_str_interrupts, "StrInterrupts: <str() of this StrInterrupts failed: Keyboard"),
+    (return_reduces_broken, "cannot be pickled back to the controller: BrokenStr: <str()"),
+    (raise_with_a_local_str, "SaysText: said in a str subclass"),
+], ids=["repr", "str-exits", "str-interrupts", "reduce", "str-subclass"])
+def test_an_error_that_its_own_report_trips_over_is_a_worker_error_not_a_death(
+        sess, fn, says):
+    """The worker's error report never raises: a failing repr() of the callable or str()
+    of the exception (even SystemExit, or KeyboardInterrupt from user code), or a str
+    subclass of the script's, gives a WorkerError naming the rank and the function."""
+    with pytest.raises(WorkerError) as info:
+        sess.run(fn)
+    assert not isinstance(info.value, WorkerDied)
+    assert info.value.worker == 0 and sorted(info.value.errors) == [0, 1]
+    assert says in str(info.value), str(info.value)
+    assert sess.run(unison.rank) == [0, 1]
+    ref = sess.call(fn)  # the same, held on the workers until a sync (or a get) asks
+    with pytest.raises(WorkerError, match=r"\(in "):
+        ref.get() if fn is return_reduces_broken else sess.sync()
+    assert sess.sync() is None
+
+
+def test_an_error_report_that_fails_outright_still_names_the_type(monkeypatch):
+    """Failing all else, the packed error names the exception's type alone."""
+    from unison import protocol
+
+    def broken(*args, **kwargs):
+        raise MemoryError("no room to report")
+
+    monkeypatch.setattr(protocol, "_pack_error", broken)
+    packed = protocol.pack_error(ValueError("x"), "f")
+    assert packed[1:] == ("ValueError", "<this ValueError could not be reported: "
+                          "MemoryError while packing it>", "", "f")
+    back = protocol.unpack_error(packed)
+    assert "ValueError" in str(back)
+    with pytest.raises(KeyboardInterrupt):  # worker 0 inline: Ctrl-C is raised on
+        monkeypatch.setattr(protocol, "_pack_error", _interrupted)
+        protocol.pack_error(ValueError("x"), "f", interrupts=True)
+
+
+def _interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
 def test_an_exception_class_defined_in_a_scripts_main_round_trips(tmp_path):
     script = tmp_path / "script_with_its_own_error.py"
     script.write_text(

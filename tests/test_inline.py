@@ -126,6 +126,68 @@ def test_errors_come_back_as_from_a_process(inline: Callable[..., unison.Session
     assert sess.run(unison.rank) == [0, 1]
 
 
+class ReprFails:
+    """A callable object whose repr() raises: its error report names it all the same."""
+
+    def __call__(self, x: int) -> None:
+        raise ValueError("bad input")
+
+    def __repr__(self) -> str:
+        return f"ReprFails({self.weights})"  # type: ignore[attr-defined]
+
+
+def test_an_error_its_report_trips_over_is_worker_0s_error_and_sync_returns(
+        inline: Callable[..., unison.Session]) -> None:
+    """Worker 0's error report never raises into the controller: the call's error comes
+    back as a WorkerError, and worker 0's done position moves on (a sync returns)."""
+    sess = inline(2)
+    with pytest.raises(WorkerError, match="bad input"):
+        sess[0].run(ReprFails(), 1, timeout=5)
+    sess[0].call(ReprFails(), 1)
+    with pytest.raises(WorkerError, match=r"bad input \(in <repr\(\) of this ReprFails"):
+        sess.sync(timeout=5)
+    assert sess.sync() is None
+    assert sess.run(unison.rank) == [0, 1]
+
+
+def test_an_exception_that_leaves_worker_0s_loop_leaves_no_sync_waiting(
+        inline: Callable[..., unison.Session], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever leaves worker 0's loop in the middle of a command (raised to the caller),
+    that command is done: a later sync with no timeout does not wait for it for ever."""
+    sess = inline(2)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the report broke")
+
+    monkeypatch.setattr(worker.protocol, "pack_error", broken)
+    with pytest.raises(RuntimeError, match="the report broke"):
+        sess[0].call(boom)
+    monkeypatch.undo()
+    done = threading.Event()
+    threading.Thread(target=lambda: (sess.sync(), done.set()), daemon=True).start()
+    assert done.wait(5), "sync waits for a command worker 0 left"
+    assert sess.run(unison.rank) == [0, 1]
+
+
+class StrInterrupts(Exception):
+    def __str__(self) -> str:
+        raise KeyboardInterrupt
+
+
+def raise_str_interrupts() -> None:
+    raise StrInterrupts()
+
+
+def test_ctrl_c_while_worker_0_reports_an_error_is_the_controllers(
+        inline: Callable[..., unison.Session]) -> None:
+    """Worker 0's error report swallows what a broken str() raises, but a KeyboardInterrupt
+    there is the controller's Ctrl-C, as in the call itself: raised on, the session closed."""
+    sess = inline(2)
+    with pytest.raises(KeyboardInterrupt):
+        sess[0].run(raise_str_interrupts)
+    assert sess.closed
+
+
 def test_many_calls_wrap_the_ring(inline: Callable[..., unison.Session]) -> None:
     """Worker 0 reads every entry as it is sent: the ring never waits for it."""
     sess = inline(2)

@@ -571,23 +571,46 @@ _lookup: Callable[[int], Any] | None = None
 # -- errors across the process boundary -------------------------------------------------------
 
 
-def pack_error(exc: BaseException, where: str) -> tuple[bytes | None, str, str, str, str]:
+def pack_error(exc: BaseException, where: str,
+               interrupts: bool = False) -> tuple[bytes | None, str, str, str, str]:
     """A worker-side exception as (blob, type, message, traceback, where).
 
     The blob always unpickles (see unpack_error): it holds the exception pickled as well as
     it can be (plainly, else by value with cloudpickle, else rebuilt from its class, args and
-    attributes), beside a RemoteError that stands in for it where that cannot be loaded."""
+    attributes), beside a RemoteError that stands in for it where that cannot be loaded.
+
+    It never raises, whatever the user's exception does (a worker would die of its own
+    error report, WorkerDied where a WorkerError was due): a ``str()``, ``repr()`` or
+    traceback that raises, even SystemExit, gives a placeholder; every text is an exact
+    str (a str subclass of the script's would not pickle); failing all that, the error
+    names the exception's type alone. ``interrupts``: a KeyboardInterrupt met here is
+    raised on (worker 0 inline: it is the controller's Ctrl-C, see worker.serve)."""
     try:
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    except Exception as broken:  # a user exception whose str() or repr() itself raises
-        tb = f"(the traceback could not be formatted: {type(broken).__name__}: {broken})\n"
+        return _pack_error(exc, where, interrupts)
+    except BaseException as broken:
+        _interrupt(broken, interrupts)
+        try:
+            type_name = _exact(type(exc).__qualname__)
+        except BaseException as again:
+            _interrupt(again, interrupts)
+            type_name = "BaseException"
+        message = (f"<this {type_name} could not be reported: "
+                   f"{type(broken).__name__} while packing it>")
+        return (None, type_name, message, "", _exact(where) if isinstance(where, str) else "?")
+
+
+def _pack_error(exc: BaseException, where: str,
+                interrupts: bool) -> tuple[bytes | None, str, str, str, str]:
+    type_name = _exact(type(exc).__qualname__)
+    try:
+        tb = _exact("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    except BaseException as broken:  # a user exception whose str() or repr() itself raises
+        _interrupt(broken, interrupts)
+        tb = f"(the traceback could not be formatted: {type(broken).__name__})\n"
     exc.__traceback__ = None  # frames hold locals that may not pickle, and they are in tb
-    try:
-        message = str(exc)
-    except Exception:
-        message = f"<str() of this {type(exc).__qualname__} failed>"
-    type_name = type(exc).__qualname__
-    attributes = {k: _safe_repr(v) for k, v in _attributes(exc).items()}
+    message = safe_str(exc, interrupts)
+    attributes = {_exact(str(k)): safe_repr(v, interrupts)
+                  for k, v in _attributes(exc).items()}
     stand_in = RemoteError(type_name, message, tb, attributes)
     blob: bytes | None = None
     for make in (dumps, _dumps_by_value, _dumps_rebuilt):
@@ -596,9 +619,35 @@ def pack_error(exc: BaseException, where: str) -> tuple[bytes | None, str, str, 
             if _loads_exception(candidate) is not None:
                 blob = candidate
                 break
-        except BaseException:  # a __reduce__ may raise anything, even SystemExit
+        except BaseException as broken:  # a __reduce__ may raise anything, even SystemExit
+            _interrupt(broken, interrupts)
             continue
-    return (pickle.dumps((blob, stand_in), protocol=5), type_name, message, tb, where)
+    return (pickle.dumps((blob, stand_in), protocol=5), type_name, message, tb, _exact(where))
+
+
+def safe_str(value: object, interrupts: bool = False) -> str:
+    """``str(value)`` as an exact str, or a placeholder where it raises (anything but a
+    KeyboardInterrupt with ``interrupts``, see pack_error): for error reports, which must
+    not fail on the value they report."""
+    try:
+        return _exact(str(value))
+    except BaseException as broken:
+        _interrupt(broken, interrupts)
+        return f"<str() of this {type(value).__qualname__} failed: {type(broken).__name__}>"
+
+
+def _exact(text: str) -> str:
+    """An exact str of ``text``, a str or a subclass's instance (``str.__str__`` copies
+    without calling the subclass's own methods): a subclass from the user's script pickles
+    by reference, which no controller can load."""
+    return text if type(text) is str else str.__str__(text)
+
+
+def _interrupt(exc: BaseException, interrupts: bool) -> None:
+    """Raise ``exc`` on if it is the controller's Ctrl-C (worker 0 inline). A worker
+    process ignores SIGINT, so there a KeyboardInterrupt is the user code's, an error."""
+    if interrupts and isinstance(exc, KeyboardInterrupt):
+        raise exc
 
 
 def unpack_error(error: tuple[Any, ...]) -> BaseException:
@@ -661,9 +710,11 @@ def _attributes(exc: BaseException) -> dict[str, Any]:
     return dict(getattr(exc, "__dict__", None) or {})
 
 
-def _safe_repr(value: object) -> str:
+def safe_repr(value: object, interrupts: bool = False) -> str:
+    """``repr(value)``, at most 1,000 characters, as safe_str gives ``str()``."""
     try:
-        text = repr(value)
-    except Exception as broken:
-        return f"<repr() failed: {type(broken).__name__}>"
+        text = _exact(repr(value))
+    except BaseException as broken:
+        _interrupt(broken, interrupts)
+        return f"<repr() of this {type(value).__qualname__} failed: {type(broken).__name__}>"
     return text if len(text) <= 1000 else text[:1000] + "..."

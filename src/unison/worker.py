@@ -315,9 +315,11 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                     if traced is not None:  # returned or raised (its name is read at collect)
                         traced.append(("call", ref_id, req_id, fn, started, _trace._clock()))
             except BaseException as exc:  # SystemExit and friends from user code are errors too
-                err = protocol.pack_error(exc, _name(fn))
-                if end is not None:
-                    end(ref_id)
+                try:  # (it cannot fail but by a Ctrl-C, worker 0 inline, as below)
+                    err = protocol.pack_error(exc, _name(fn), interrupts)
+                finally:
+                    if end is not None:
+                        end(ref_id)
                 if interrupts and isinstance(exc, KeyboardInterrupt):
                     raise
                 if req_id:  # run: the error goes straight back
@@ -371,7 +373,8 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
             except BaseException as exc:
                 if interrupts and isinstance(exc, KeyboardInterrupt):
                     raise  # worker 0 inline: the controller's Ctrl-C, never the function's
-                fns[fn_id] = _Unloaded(protocol.pack_error(exc, "loading a function"))
+                fns[fn_id] = _Unloaded(protocol.pack_error(exc, "loading a function",
+                                                              interrupts))
         elif op == PUT:
             ref_id, value = read_put(msg)
             if isinstance(value, tuple):  # a plain value, marshalled inside the message
@@ -386,7 +389,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
             except BaseException as exc:
                 if interrupts and isinstance(exc, KeyboardInterrupt):
                     raise  # (as in DEFINE)
-                err = protocol.pack_error(exc, "loading a put value")
+                err = protocol.pack_error(exc, "loading a put value", interrupts)
                 regs[ref_id] = Failed(err)
                 unreported[ref_id] = err
                 chan.unreported(len(unreported))
@@ -427,7 +430,8 @@ def _reply_value(chan: WorkerChannel, req_id: int, obj: object, fn: object = Non
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt) and _inline[0]:
             raise  # worker 0 inline: the controller's Ctrl-C (serve's ``interrupts``)
-        problem = f"cannot be pickled back to the controller: {type(exc).__name__}: {exc}"
+        problem = ("cannot be pickled back to the controller: "
+                   f"{type(exc).__name__}: {protocol.safe_str(exc, _inline[0])}")
     else:
         try:
             chan.reply(data, bufs or ())
@@ -443,11 +447,20 @@ def _reply_value(chan: WorkerChannel, req_id: int, obj: object, fn: object = Non
                         "gives a Ref to pass to later calls), or return a picklable value "
                         "that fits")
     err = TypeError(f"{what} ({type(obj).__qualname__}) {problem}. {advice}.")
-    chan.reply(protocol.dumps((req_id, ERR, protocol.pack_error(err, "get"))))
+    chan.reply(protocol.dumps((req_id, ERR, protocol.pack_error(err, "get", _inline[0]))))
 
 
 def _name(fn: object) -> str:
-    return getattr(fn, "__qualname__", None) or repr(fn)
+    """The called function's name, for its error report: never raises (a callable object
+    whose ``repr()`` fails must not turn its call's error into a dead worker)."""
+    try:
+        name = getattr(fn, "__qualname__", None)
+        if isinstance(name, str) and name:
+            return str.__str__(name)  # exact: a subclass of the script's would not pickle
+    except BaseException as exc:
+        if _inline[0] and isinstance(exc, KeyboardInterrupt):
+            raise  # worker 0 inline: the controller's Ctrl-C
+    return protocol.safe_repr(fn, _inline[0])
 
 
 # -- process set-up ----------------------------------------------------------------------------

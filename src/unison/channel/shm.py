@@ -888,6 +888,12 @@ class ShmWorkerChannel(WorkerChannel):
     def unreported(self, count: int) -> None:
         self._q[self._unrep_idx] = count  # published with the next done position
 
+    def settle(self) -> None:
+        """Publish that every entry taken has run, as the next recv would: worker 0 inline,
+        where an exception left the loop in the middle of one (its caller hears of it), and
+        no recv may come before the controller waits on the done position."""
+        self._progress(self._pos)
+
     def _first_wait(self, pos: int) -> None:
         """The wait for the session's first command: it spans the other workers' start,
         which no later wait should take for a crowd (pacing.crowd.forget)."""

@@ -150,6 +150,10 @@ class _InlineWorker:
         try:
             worker.serve(self._chan, self._coll, self._board, self._loop, self._chan.poll,
                          interrupts=True)
+        except BaseException:
+            with contextlib.suppress(Exception):  # (what escaped is the error to raise)
+                self._chan.settle()  # or a sync with no timeout would wait for it for ever
+            raise
         finally:
             if self._coll is not None:
                 self._coll.give_up_at = None
