@@ -449,6 +449,35 @@ def test_a_value_that_cannot_be_unpickled_on_the_controller_fails_at_get_saying_
     assert sess.sync() is None
 
 
+def fail_on_0_else_worker_only_object(path, module):
+    if unison.rank() == 0:
+        raise ValueError("rank 0 really failed")
+    return make_worker_only_object(path, module)
+
+
+def test_a_value_that_cannot_be_unpickled_hides_no_other_ranks_error(sess, tmp_path):
+    """One rank's value that will not unpickle on the controller is that rank's error, and
+    the other ranks' replies are still read: one WorkerError with every failed rank (before,
+    the TypeError came first and rank 0's error was never raised, nor seen by sync)."""
+    module = f"unison_test_worker_only_{os.getpid()}"
+    (tmp_path / f"{module}.py").write_text("class Thing:\n    pass\n")
+    args = (fail_on_0_else_worker_only_object, str(tmp_path), module)
+    with pytest.raises(WorkerError, match="rank 0 really failed") as ran:
+        sess.run(*args)
+    ref = sess.call(*args)
+    with pytest.raises(WorkerError, match="rank 0 really failed") as got:
+        ref.gather()
+    for info in (ran, got):
+        errors = info.value.errors
+        assert sorted(errors) == [0, 1]
+        assert isinstance(errors[0], ValueError)
+        assert isinstance(errors[1], TypeError)
+        assert "worker 1 cannot be unpickled on the controller" in str(errors[1])
+        assert module in str(errors[1])  # why: the module that will not import here
+    assert sess.sync() is None  # each error raised once
+    assert sess.run(unison.rank) == [0, 1]
+
+
 def test_a_value_that_cannot_be_pickled_back_fails_at_get_saying_so(sess):
     ref = sess.call(threading.Lock)
     assert sess.sync() is None  # the call itself succeeded

@@ -121,14 +121,17 @@ def test_a_value_that_cannot_be_unpickled_is_a_clear_error_and_leaks_no_block(
 ) -> None:
     ref = sess.call(_Unloadable)
     for _ in range(3):
-        with pytest.raises(TypeError, match="cannot be unpickled on the controller"):
+        with pytest.raises(WorkerError, match="cannot be unpickled on the controller") as got:
             ref.get(worker=0)
-    with pytest.raises(TypeError, match="cannot be unpickled"):
+        assert isinstance(got.value.errors[0], TypeError)
+    with pytest.raises(WorkerError, match="cannot be unpickled") as got:
         ref.gather()
+    assert sorted(got.value.errors) == [0, 1]  # each rank's, as for errors the ranks raise
+    del got
     gc.collect()
     before = _reply_pages(sess)
     for _ in range(20):
-        with pytest.raises(TypeError, match="cannot be unpickled"):
+        with pytest.raises(WorkerError, match="cannot be unpickled"):
             ref.gather()
         gc.collect()  # the error's traceback holds the reply until its frames are collected
     assert all(a <= b + 2 * MIB for a, b in zip(_reply_pages(sess), before))

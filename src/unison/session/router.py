@@ -34,8 +34,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from unison import protocol
 from unison.channel import Channel, Reply
-from unison.protocol import ARRAY, OK, PICKLED, array_value, loads_plain, read_reply
+from unison.protocol import ARRAY, ERR, OK, PICKLED, array_value, loads_plain, read_reply
 from unison.session.unreported import UnreportedErrors
 
 if TYPE_CHECKING:
@@ -231,8 +232,11 @@ class Router:
     def decode(self, req: Request, ranks: Sequence[int], *, values: bool = False
                ) -> list[tuple[int, Any]]:
         """Each rank's (status, payload) of a completed request, in ``ranks`` order. With
-        ``values`` (a GET or a run), an empty ack is out of step: it is no value."""
-        out = []
+        ``values`` (a GET or a run), an empty ack is out of step: it is no value; and a
+        reply that will not unpickle here is that rank's error (ERR, a packed TypeError),
+        the others still read: one rank's value must not hide another's error (a GET's
+        worker struck it from its unreported list as it answered)."""
+        out: list[tuple[int, Any]] = []
         for r in ranks:
             raw = req.replies[r]
             if not raw:  # an ack: done, nothing to report
@@ -246,10 +250,13 @@ class Router:
             try:  # (not run's usual case: ``values`` reads that)
                 got_id, status, payload = read_reply(raw)
             except Exception as exc:
-                raise TypeError(
-                    f"the reply of worker {r} cannot be unpickled on the controller: {exc}. "
-                    "Make its type importable here, or return plain data."
-                ) from exc
+                err = _undecodable(r, exc)
+                if not values:  # (a SYNC's errors are plain data: they always unpickle)
+                    raise err from exc
+                err.__cause__ = exc  # its traceback says where unpickling failed
+                out.append((ERR, protocol.pack_error(  # (interrupts: here, Ctrl-C is ours)
+                    err, "unpickling the reply on the controller", interrupts=True)))
+                continue
             if got_id != req.req_id:  # never hand a reply to the wrong call, even under -O
                 raise OutOfStep(
                     f"worker {r} answered request {got_id} where {req.req_id} was expected: the "
@@ -495,6 +502,14 @@ class Router:
             self._errors.add(req.ref_id, rank, payload)
         elif not req.ref_id:
             self._errors.add_all(rank, payload)
+
+
+def _undecodable(rank: int, exc: Exception) -> TypeError:
+    """Why a reply will not unpickle here (its type does not import, or its reducer
+    refuses), and what to do."""
+    return TypeError(
+        f"the reply of worker {rank} cannot be unpickled on the controller: "
+        f"{protocol.safe_str(exc, True)}. Make its type importable here, or return plain data.")
 
 
 class OutOfStep(RuntimeError):
