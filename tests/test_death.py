@@ -16,7 +16,7 @@ import pytest
 
 import unison
 from support import alive, open_fds, wait_dead, wait_gone
-from unison import SessionClosed, WorkerDied
+from unison import SessionClosed, WorkerDied, WorkerError
 
 DETECT = 1.0  # the contract: WorkerDied within 1 s of the death
 
@@ -265,6 +265,60 @@ def test_close_after_an_unnoticed_death_does_not_raise(sess):
     sess.close()
     assert time.monotonic() - start < 4.0
     assert wait_gone(pids, 1.0) == []
+
+
+# -- errors nobody fetched survive a death -----------------------------------------------------
+
+
+def fail_with(text):
+    raise ValueError(text)
+
+
+ASK = 0.5  # how long survivors that hold such errors have to hand them over
+
+
+def test_a_survivors_unfetched_error_is_warned_when_another_worker_dies(sess):
+    """A death closes the session, but an idle survivor known to hold an error nobody
+    fetched (maybe the death's cause) is asked for it first, briefly: it is warned, as
+    close warns (before, it was lost without a word)."""
+    sess[0].call(fail_with, "the real problem")
+    assert sess[0].run(unison.rank) == [0]  # worker 0 is done with it, and idle
+    start = time.monotonic()
+    said_it = r"raised ValueError: the real problem on worker\(s\) \[0\]"
+    with pytest.warns(RuntimeWarning, match=said_it) as said, pytest.raises(WorkerDied) as info:
+        sess[1].run(exit_with, 3)
+    assert time.monotonic() - start < DETECT + ASK
+    assert (info.value.worker, info.value.exitcode) == (1, 3)
+    assert not [w for w in said if "closed before they could hand them over" in str(w.message)]
+    _assert_closed_by(sess, info.value)
+
+
+def test_a_busy_survivor_holding_an_unfetched_error_is_named_when_another_worker_dies(sess):
+    """A survivor that holds such an error but is still busy cannot hand it over within the
+    short grace: a warning names it, and WorkerDied still comes at once."""
+    sess[0].call(fail_with, "unseen")
+    assert sess[0].run(unison.rank) == [0]
+    sess[0].call(time.sleep, 30)
+    start = time.monotonic()
+    named = r"worker\(s\) \[0\] held errors of calls nobody fetched.*after worker 1 died"
+    with pytest.warns(RuntimeWarning, match=named), pytest.raises(WorkerDied):
+        sess[1].run(exit_with, 3)
+    assert time.monotonic() - start < DETECT + ASK
+
+
+def test_an_error_sync_raised_is_not_named_as_held_when_another_worker_dies(sess, recwarn):
+    """A worker that handed its errors to a sync holds none: a death later neither waits
+    for it nor names it (the pipe's SYNC reply said it still held them: the worker cleared
+    its list after it replied)."""
+    sess[0].call(fail_with, "seen")
+    with pytest.raises(WorkerError, match="seen"):
+        sess.sync()
+    sess[0].call(time.sleep, 30)
+    start = time.monotonic()
+    with pytest.raises(WorkerDied):
+        sess[1].run(exit_with, 3)
+    assert time.monotonic() - start < DETECT
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
 
 
 # -- nothing survives a death ------------------------------------------------------------------

@@ -192,6 +192,31 @@ def test_an_ended_stream_is_a_death():
     assert owner.deaths == [("fetching", 1)]
 
 
+@pytest.mark.parametrize("reader", ["wait", "poll"])
+def test_replies_read_after_a_death_in_one_batch_still_reach_their_requests(reader):
+    """A death met in the middle of a batch: the replies read after it are delivered before
+    the owner hears of the death, so that a close reading on (a SHUTDOWN's errors from the
+    survivors) finds each worker's requests in step (before, they were dropped: the
+    survivor's next reply went to the request that had lost its own)."""
+    router, chan, errors, _ = make(2)
+    req, goodbye = Request(1, 2), Request(2, 1)
+    goodbye.abandoned = True
+    router.expect(req, (0, 1))
+    router.expect(goodbye, (0,))
+    chan.end(1)  # one batch: worker 1's end, then worker 0's reply to req
+    chan.reply(0, 1, OK, "value")
+    if reader == "wait":
+        with pytest.raises(ConnectionError, match="worker 1 died"):
+            router.wait(req, None, "fetching")
+    else:
+        router.poll(clear=False)  # (an event loop's reader)
+    assert req.replies[0] is not None and router.pending(req) == [1]
+    chan.reply(0, 2, OK, [(7, error("held on worker 0"))])  # the survivor's goodbye
+    router.drain()
+    assert router.pending(goodbye) == []
+    assert errors.pop_earliest((0,), 1 << 30)[0][2] == "held on worker 0"
+
+
 def test_an_idle_wait_checks_that_the_workers_live():
     router, _, _, owner = make(1)
     router.set_watched(False)  # no death fds: poll often

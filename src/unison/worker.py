@@ -359,9 +359,10 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
         elif op in (SYNC, SHUTDOWN):
             # SHUTDOWN too: the controller warns about errors nobody fetched
             if unreported:
-                chan.reply(dumps((read_request(msg), OK, list(unreported.items()))))
+                errs = list(unreported.items())
                 unreported.clear()
-                chan.unreported(0)
+                chan.unreported(0)  # first: the pipe's and TCP's reply says it (holding)
+                chan.reply(dumps((read_request(msg), OK, errs)))
             else:
                 chan.ack()
             if op == SHUTDOWN:

@@ -105,6 +105,13 @@ class Channel(ABC):
         ``wait_done``: it covers everything up to the mark)."""
         raise NotImplementedError
 
+    def holding(self, ranks: Sequence[int]) -> list[int]:
+        """The workers in ``ranks`` known to hold errors nobody fetched, as far as the
+        controller has heard now, without a message (shm's words; the pipe and TCP
+        channels' last progress reports): for close, to ask them for those errors or say
+        they were lost. [] where the channel cannot tell."""
+        return []
+
     def settled(self, ranks: Sequence[int], timeout: float) -> bool:
         """``wait_done`` for everything sent so far, then ``not unreported``, in one call
         (sync's usual case): True when the workers in ``ranks`` ran it all within

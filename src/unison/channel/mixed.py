@@ -131,6 +131,13 @@ class MixedChannel(Channel):
             return False
         return not far or self.tcp.settled(far, max(0.0, end - time.monotonic()))
 
+    def holding(self, ranks: Sequence[int]) -> list[int]:
+        index = self._index
+        near = [index[r] for r in ranks if r in index]
+        far = [r for r in ranks if r not in index]
+        local = self.local
+        return sorted([local[i] for i in self.shm.holding(near)] + self.tcp.holding(far))
+
     def send(self, data: bytes, ranks: Sequence[int], buffers: Sequence[Any] = (), *,
              deadline: float | None = None) -> None:
         index = self._index

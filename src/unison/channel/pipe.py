@@ -399,6 +399,10 @@ class PipeChannel(Channel):
         finally:
             self._rx.release()
 
+    def holding(self, ranks: Sequence[int]) -> list[int]:
+        """Channel.holding: as of each worker's last reply or report read."""
+        return [r for r in ranks if self._progress[r] & 1]
+
     def _read_now(self) -> list[tuple[int, bytes | Reply | None]]:
         """The whole replies the reply pipes hold now, without waiting; caller holds the rx
         lock."""

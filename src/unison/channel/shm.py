@@ -469,6 +469,10 @@ class ShmChannel(Channel):
                 return True
         return False
 
+    def holding(self, ranks: Sequence[int]) -> list[int]:
+        q, idx = self._q, self._unrep_idx
+        return [r for r in ranks if q[idx[r]]]
+
     # -- an event loop's wait ------------------------------------------------------------------
 
     def wake_fds(self) -> list[int]:

@@ -614,6 +614,10 @@ class TcpChannel(Channel):
                 return 2
         return reported(self._sent, self._progress, ranks)
 
+    def holding(self, ranks: Sequence[int]) -> list[int]:
+        """Channel.holding: as of each worker's last reply or report read."""
+        return [r for r in ranks if self._progress[r] & 1]
+
     def _keep(self, got: list[tuple[int, bytes | Reply | None]]) -> None:
         """Replies read by a wait other than recv: into the backlog, for the next recv.
         Wakes an event loop (the wake pipe is among ``wake_fds``) when it grew."""

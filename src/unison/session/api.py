@@ -74,6 +74,9 @@ _PICKLED = object()  # arguments _send_quick found that only a pickle carries
 _FN_CACHE = 512  # functions kept defined on the workers; older ones are freed
 _CLOSED_LOOK_S = 0.1
 """How often a thread waiting for the send lock looks whether the session was closed."""
+_ASK_AFTER_DEATH_S = 0.5
+"""A death closes the session: how long the survivors known to hold errors nobody fetched
+have to hand them over first (as __exit__'s grace after an exception)."""
 _names = itertools.count()
 _live: weakref.WeakSet[Session] = weakref.WeakSet()
 
@@ -388,7 +391,9 @@ class Session(View):
         Errors of calls that nobody fetched are not lost: each becomes a RuntimeWarning.
         A worker stopped before it could hand them over (still busy at the end of the
         grace, or ``timeout=0``) cannot say them; where the channel shows that it held some
-        (shared memory), one RuntimeWarning says so. Idempotent."""
+        (shared memory; the pipe and TCP channels' last reports), one RuntimeWarning says
+        so. A death closes the session too: survivors known to hold such errors get 0.5 s
+        to hand them over first. Idempotent."""
         grace = _seconds(timeout, "timeout")
         if grace == math.inf:
             raise ValueError("close(timeout=...) needs a finite number of seconds")
@@ -416,22 +421,29 @@ class Session(View):
         if router is None:  # failed right after: nothing was started, release the rest
             res.close(0.0)
             return
-        deadline = time.monotonic() + grace
-        goodbye = None
-        chan = self._chan
+        dead = self._dead
+        ranks = self.workers if dead is None else tuple(
+            r for r in self.workers if r != getattr(dead, "worker", None))  # its survivors
         # where the channel shows it, which workers hold errors nobody fetched: if they are
         # stopped before they hand them over, say so rather than lose them in silence
-        holding = ([r for r in self.workers if chan.unreported((r,))]
-                   if chan.tracks_progress and self._dead is None else [])
+        try:
+            holding = self._chan.holding(ranks)
+        except (OSError, ValueError):  # the channel is closed already
+            holding = []
+        if dead is not None and holding:
+            # a death closes at once, but the errors survivors hold may be its cause: they
+            # are asked for them, briefly (idle ones answer at once; WorkerDied waits)
+            grace = _ASK_AFTER_DEATH_S
+        deadline = time.monotonic() + grace
+        goodbye = None
         # a thread blocked sending (to busy workers) holds the send lock: don't wait past grace
-        if grace > 0 and self._dead is None and self._send_lock.acquire(timeout=grace):
+        if grace > 0 and ranks and self._send_lock.acquire(timeout=grace):
             try:
                 # the workers answer SHUTDOWN with their unreported errors, read below
-                goodbye = Request(next(self._ids), self.num_workers)
+                goodbye = Request(next(self._ids), len(ranks))
                 goodbye.abandoned = True
-                router.expect(goodbye, self.workers)
-                self._chan.send(shutdown_msg(None, goodbye.req_id), self.workers,
-                                deadline=deadline)
+                router.expect(goodbye, ranks)
+                self._chan.send(shutdown_msg(None, goodbye.req_id), ranks, deadline=deadline)
             except OSError:  # TimeoutError too: the workers are stopped all the same
                 goodbye = None
             finally:
@@ -451,10 +463,12 @@ class Session(View):
         self._errors.warn_all(self.name)
         lost = [r for r in holding if goodbye is None or r in router.pending(goodbye)]
         if lost:
+            why = (f"close's grace: {grace:g} s" if dead is None else
+                   f"after worker {getattr(dead, 'worker', '?')} died, {grace:g} s to answer")
             warnings.warn(
                 f"worker(s) {lost} held errors of calls nobody fetched, and {self.name} was "
-                f"closed before they could hand them over (close's grace: {grace:g} s): get "
-                "or gather the Refs, or call sess.sync(), before closing to see them",
+                f"closed before they could hand them over ({why}): get or gather the Refs, "
+                "or call sess.sync(), before closing to see them",
                 RuntimeWarning, stacklevel=3,
             )
 

@@ -314,6 +314,7 @@ class Router:
             late = None  # a done callback's error: raised once the whole batch is delivered
             for rank, data in batch:  # _deliver, inlined: this is the hot path
                 if data is None:
+                    self._deliver_rest(batch, rank)
                     raise owner.died(during, rank)
                 waiting = expect[rank]
                 if not waiting:  # never guess whose reply it is
@@ -339,6 +340,16 @@ class Router:
                 raise late
             if hang is not None and req.remaining:  # other threads' replies keep coming:
                 hang.poll(req.req_id, lambda: self.pending(req), during)  # sample ours too
+
+    def _deliver_rest(self, batch: list[tuple[int, bytes | Reply | None]], rank: int) -> None:
+        """A death in ``batch`` at ``rank``: the replies read after it go to their requests
+        before the session closes. The close reads on (and asks survivors that hold errors
+        nobody fetched for them): a reply dropped here would put its worker's FIFO out of
+        step, its SHUTDOWN answer taken for another request. The death is what is raised,
+        not a done callback's error."""
+        for r, data in batch[batch.index((rank, None)) + 1:]:
+            if data is not None and self._expect[r]:
+                self._deliver(r, data)
 
     def _deliver(self, rank: int, data: bytes | Reply) -> BaseException | None:
         """Hand one reply to the head of its rank's FIFO. What the request's ``done``
@@ -383,8 +394,10 @@ class Router:
                 if clear:
                     self._chan.clear_wake()
                 late = None
-                for rank, data in self._chan.recv(0.0):
+                batch = self._chan.recv(0.0)
+                for rank, data in batch:
                     if data is None:
+                        self._deliver_rest(batch, rank)
                         self.fail_all(self._owner.died("waiting for replies", rank))
                         return
                     if not self._expect[rank]:
