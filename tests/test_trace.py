@@ -108,3 +108,37 @@ def test_stats_without_a_trace_says_how_to_get_one(sess):
         sess.stats()
     with sess.trace(), pytest.raises(RuntimeError, match="one at a time"), sess.trace():
         pass
+
+
+def stuck() -> None:
+    time.sleep(60)
+
+
+def test_a_timed_out_call_in_a_trace_block_is_not_held_up_by_the_trace(make_session, tmp_path):
+    sess = make_session(2)
+    path = tmp_path / "run.json"
+    start = time.monotonic()
+    missing = r"trace events are missing.*worker\(s\) \[0\]"
+    with pytest.warns(RuntimeWarning, match=missing), pytest.raises(TimeoutError), \
+            sess.trace(path):
+        sess.run(step, 1)
+        sess[0].run(stuck, timeout=0.3)
+    assert time.monotonic() - start < 3.0  # the collect used to queue behind it for 30 s
+    events = json.loads(path.read_text())["traceEvents"]
+    assert any(e["tid"] == 0 and e.get("cat") == "request" for e in events)  # ours kept
+    assert sess[1].run(abs, -2) == [2]  # the session goes on
+
+
+def test_a_traced_session_closes_within_its_grace_with_a_worker_stuck(tmp_path):
+    path = tmp_path / "session.json"
+    sess = unison.Session(2, trace=path)
+    try:
+        with pytest.raises(TimeoutError):
+            sess[0].run(stuck, timeout=0.2)
+        start = time.monotonic()
+        with pytest.warns(RuntimeWarning, match="trace events are missing"):
+            sess.close(timeout=1.0)
+        assert time.monotonic() - start < 3.0  # was 30 s more than the grace
+    finally:
+        sess.close(timeout=0)
+    assert json.loads(path.read_text())["traceEvents"]

@@ -77,6 +77,13 @@ _CLOSED_LOOK_S = 0.1
 _ASK_AFTER_DEATH_S = 0.5
 """A death closes the session: how long the survivors known to hold errors nobody fetched
 have to hand them over first (as __exit__'s grace after an exception)."""
+_COLLECT_S = 30.0
+"""How long a trace's end waits for idle workers' events (they answer at once)."""
+_BUSY_COLLECT_S = 1.0
+"""How long it waits where a worker is still in a call: the collect queues behind that call,
+which may never end (one that timed out), so the controller's half is written without them."""
+_FAILED_COLLECT_S = 0.1
+"""The same where the trace's block is left on an error: the error is not held up."""
 _names = itertools.count()
 _live: weakref.WeakSet[Session] = weakref.WeakSet()
 
@@ -398,7 +405,12 @@ class Session(View):
         if grace == math.inf:
             raise ValueError("close(timeout=...) needs a finite number of seconds")
         if self._tracer is not None and not self._closed and self._dead is None:
-            self._stop_trace()  # Session(trace=...): the workers' events, then the file
+            # Session(trace=...): the workers' events, then the file; within the grace, so
+            # a stuck call does not stretch the close (half of it where a call is in
+            # flight: the other half is for idle workers' goodbye, their unfetched errors)
+            start = time.monotonic()
+            self._stop_trace(max(grace, _BUSY_COLLECT_S), grace / 2)
+            grace = max(0.0, grace - (time.monotonic() - start))
         self._shutdown(grace)
 
     def _shutdown(self, grace: float) -> None:
@@ -768,10 +780,17 @@ class Session(View):
         at its end write them to ``path`` (Chrome/Perfetto trace JSON: ui.perfetto.dev or
         chrome://tracing open it), and keep them for ``stats()``."""
         tracer = self._start_trace(path)
+        failed = True
         try:
             yield tracer
+            failed = False
         finally:
-            self._stop_trace()
+            # left on an error: it goes on at once where a worker is still in a call (one
+            # that timed out, say), as the workers' events would come after that call
+            if failed:
+                self._stop_trace(_BUSY_COLLECT_S, _FAILED_COLLECT_S)
+            else:
+                self._stop_trace(_COLLECT_S, _BUSY_COLLECT_S)
 
     def stats(self) -> Stats:
         """Per-call and per-rank times of the last trace, and the rank that entered most
@@ -791,21 +810,44 @@ class Session(View):
         self._tracer = self._router.tracer = tracer
         return tracer
 
-    def _stop_trace(self) -> None:
+    def _stop_trace(self, idle_limit: float, busy_limit: float) -> None:
+        """End the trace: the workers' events, then the file. Their events are waited for
+        ``idle_limit`` seconds, or ``busy_limit`` where a call to a worker is in flight
+        (they come after it)."""
         tracer = self._tracer
         if tracer is None:
             return
         self._tracer = self._router.tracer = None
         tracer.end_ns = time.perf_counter_ns()
+        busy = self._in_call()
+        limit = busy_limit if busy else idle_limit
         try:
-            for rank, evs in zip(self.workers, self.run(_trace.collect, timeout=30)):
+            for rank, evs in zip(self.workers, self.run(_trace.collect, timeout=limit)):
                 tracer.add_worker(rank, evs)
+        except TimeoutError as exc:  # the collect stays queued: it stops their recording
+            why = f", worker(s) {busy} still in a call" if busy else ""
+            warnings.warn(f"the workers' trace events are missing: they did not come within "
+                          f"{limit:g} s of the trace's end{why} ({exc}); the trace holds the "
+                          "controller's only", RuntimeWarning, stacklevel=3)
         except Exception as exc:  # a dead session: the controller's half is still worth it
             warnings.warn(f"the workers' trace events are lost ({exc}); the trace holds the "
                           "controller's only", RuntimeWarning, stacklevel=3)
         self._last_trace = tracer
         if tracer.path is not None:
             tracer.write(tracer.path)
+
+    def _in_call(self) -> list[int]:
+        """The workers that may still be in a call: a request to them awaits its reply, or
+        the channel (where it tells) shows they have not run all they were sent."""
+        chan, router = self._chan, self._router
+        mark = chan.mark() if chan.tracks_progress else None
+        busy = []
+        for r in self.workers:
+            if not router.idle((r,)) or (
+                    not chan.wait_done((r,), mark, 0.0) if mark is not None
+                    else chan.settles and not chan.settled((r,), 0.0)):
+                busy.append(r)
+        return busy
 
     def watch_fds(self) -> list[int]:
         """The fds whose readability means a worker ended (for an event loop to watch):
