@@ -129,6 +129,33 @@ def test_plain_stderr_is_still_relayed_and_the_tail_keeps_records(make_session, 
     assert "WARNING:app:as a record" in tail and "plain line" in tail
 
 
+def log_after_progress_bars() -> None:
+    import sys
+
+    for i in range(3):
+        sys.stderr.write(f"\rtraining {i * 50}%|{'#' * i}")  # as tqdm draws it: no newline
+        sys.stderr.flush()
+        logging.getLogger("app").warning("step %d done", i)
+    sys.stderr.write("\n")
+
+
+def test_a_record_after_a_partial_line_is_still_a_record(make_session, collect, capfd):
+    sess = make_session(1)
+    sess.run(log_after_progress_bars)
+    collect.wait_for("0|app|WARNING|step 2 done")
+    assert [r.getMessage() for r in collect.records] == [f"step {i} done" for i in range(3)]
+    deadline = time.monotonic() + 10
+    err = ""
+    while "training 100%" not in err:
+        err += capfd.readouterr().err
+        assert time.monotonic() < deadline, err
+        time.sleep(0.02)
+    assert "unison-log" not in err  # not printed raw
+    assert "[worker 0] \rtraining 50%|#\n" in err  # the partial line: plain output
+    tail = "".join(sess._res.launcher.workers[0].stderr_tail)
+    assert "\rtraining 50%|#\nWARNING:app:step 1 done\n" in tail
+
+
 def test_without_logging_configured_warnings_print_with_the_rank(controller):
     """A controller script that configures no logging: as Python's last resort would, with
     the rank in front, and INFO is not shown."""

@@ -6,9 +6,10 @@
        at the session's start)                line to stderr: MARK + JSON (name, level,
                                               message with its args applied, file, line,
                                               function, time, thread, exception text)
-    the launcher's relay: a line that <------ stderr
-    starts with MARK -> relay(): a LogRecord with ``rank``, handed to
-    logging.getLogger(name).handle(), so the controller's handlers and format apply
+    the launcher's relay: a line that <------ stderr (the mark may follow a partial line
+    holds MARK -> relay(): a LogRecord        the worker left, a progress bar's "\\r 33%|")
+    with ``rank``, handed to logging.getLogger(name).handle(), so the controller's handlers
+    and format apply
 
 A record is shipped once (by the root logger's handler: records propagate to it), and handled
 once on the controller (``handle`` propagates it up the controller's loggers as usual). Where

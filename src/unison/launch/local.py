@@ -363,7 +363,7 @@ def _emit(worker: WorkerProcess, is_err: bool, lines: list[str]) -> None:
     Whatever the user put there (None, no flush(), a write that raises), the relay goes on:
     if it stopped, a worker that fills its pipe would block for ever."""
     if is_err:
-        if any(line.startswith(_logs.MARK) for line in lines):
+        if any(_logs.MARK in line for line in lines):
             lines, tail = _relay_records(worker.rank, lines)  # records go to our logging
             worker.keep_tail(tail)
         else:
@@ -386,15 +386,21 @@ def _emit(worker: WorkerProcess, is_err: bool, lines: list[str]) -> None:
 def _relay_records(rank: int, lines: list[str]) -> tuple[list[str], list[str]]:
     """Hand the workers' logging records among ``lines`` to our logging (unison.debug.logs).
     The lines still to print (the others), and those to keep in the tail for WorkerDied
-    (each record as "LEVEL:name:message")."""
+    (each record as "LEVEL:name:message"). A record's mark may come after text on its line:
+    a partial line the worker left before it logged (a progress bar's "\r 33%|###"), which is
+    plain output (a record's JSON never holds the mark: json escapes control characters)."""
     plain, tail = [], []
     for line in lines:
-        if line.startswith(_logs.MARK):
+        at = line.rfind(_logs.MARK)
+        if at >= 0:
             try:
-                kept = _logs.relay(rank, line)
+                kept = _logs.relay(rank, line[at:])
             except Exception:  # a user's handler may raise anything: keep relaying
-                kept = line[len(_logs.MARK):]
+                kept = line[at + len(_logs.MARK):]
             if kept is not None:
+                if at:
+                    plain.append(line[:at])
+                    tail.append(line[:at])
                 tail.extend(kept.split("\n"))
                 continue
         plain.append(line)
