@@ -6,6 +6,7 @@ records to arrive."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -154,6 +155,77 @@ def test_a_record_after_a_partial_line_is_still_a_record(make_session, collect, 
     assert "[worker 0] \rtraining 50%|#\n" in err  # the partial line: plain output
     tail = "".join(sess._res.launcher.workers[0].stderr_tail)
     assert "\rtraining 50%|#\nWARNING:app:step 1 done\n" in tail
+
+
+def log_long(text: str, bar: int) -> None:
+    import fcntl
+    import sys
+
+    fcntl.fcntl(2, fcntl.F_SETPIPE_SZ, 1 << 20)  # room for all of it while the relay waits,
+    logging.getLogger("app").warning("hold")  # here, so that it reads 64 KiB at once
+    time.sleep(0.1)
+    sys.stderr.write("\r" + "=" * bar)  # a partial line first, this long
+    sys.stderr.flush()
+    try:
+        raise ValueError("v" * 30_000 + "end")
+    except ValueError:
+        logging.getLogger("app").exception(text)
+    logging.getLogger("app").warning("after")
+
+
+@pytest.mark.parametrize(("char", "count", "bar"), [
+    ("é", 12_000, 0),  # 72 KiB as \u escapes, 24 KiB as UTF-8: was lost, printed raw
+    ("中", 40_000, 0),  # more than a line's worth as UTF-8 too: cut, saying so
+    ("😀", 20_000, 0),
+    ("a", 50_000, 30_000),  # the relay's cut (64 KiB, a full pipe) lands in the record
+    ("é", 25_000, 65_530),  # or in its mark
+    ("a", 50_000, 70_000),  # or in a partial line longer than the cut
+])
+def test_a_long_record_arrives_whole_or_cut_never_raw(make_session, collect, capfd,
+                                                      monkeypatch, char, count, bar):
+    def slow(record: logging.LogRecord) -> bool:
+        if record.getMessage() == "hold":
+            time.sleep(0.5)
+        return True
+
+    monkeypatch.setattr(collect, "filter", slow)  # (called for each record before emit)
+    sess = make_session(1)
+    sess.run(log_long, char * count, bar)
+    collect.wait_for("0|app|WARNING|after")
+    rec = next(r for r in collect.records if r.levelno == logging.ERROR)
+    assert rec.levelno == logging.ERROR
+    msg = rec.getMessage()
+    assert msg.startswith(char * 1000)
+    if len(msg) != count:
+        assert msg.rstrip("]").endswith("characters cut")
+        kept, note = msg.split(" [... ")
+        assert kept == char * len(kept) and len(kept) > 8000
+        assert int(note.split()[0]) == count - len(kept)
+    assert rec.exc_text.endswith("ValueError: " + "v" * 50) or rec.exc_text.endswith("end")
+    time.sleep(0.2)
+    err = capfd.readouterr().err
+    assert "unison-log" not in err and "{" not in err
+    assert err.count("=") == bar
+
+
+def test_a_record_line_never_passes_the_relays_limit():
+    from unison.debug import logs
+
+    base = {"name": "app", "levelno": 30, "created": 1.5}
+    for ascii in (True, False):
+        for text in ("é" * 40_000, "中" * 70_000, "😀" * 30_000, "\udcff" * 20_000,
+                     '"' * 40_000, "x" * 10_000_000):
+            for key in ("msg", "exc_text", "name"):
+                line = logs._line({**base, key: text}, ascii)
+                size = len(line.encode("utf-8", "backslashreplace"))
+                assert size <= logs.LINE_BYTES and line.startswith(logs.MARK), (ascii, key)
+                assert size > logs.LINE_BYTES * 0.8  # not cut far more than needed
+                data = json.loads(line[len(logs.MARK):])
+                assert "characters cut]" in data[key]
+                note, _, kept = data[key].partition("]\n")  # a traceback keeps its end
+                if not kept:
+                    kept, _, note = data[key].partition(" [")
+                assert kept == text[:len(kept)] and int(note.split()[1]) == len(text) - len(kept)
 
 
 def test_without_logging_configured_warnings_print_with_the_rank(controller):

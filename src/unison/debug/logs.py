@@ -23,6 +23,7 @@ variable says so); a worker that joined over TCP logs to its own stderr, as befo
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
@@ -34,8 +35,12 @@ __all__ = ["ENV", "MARK", "install", "levels", "relay"]
 ENV = "UNISON_LOG_LEVELS"
 MARK = "\x1eunison-log "
 """What starts a shipped record's line (a record separator: never in plain output)."""
-_FIELD_CHARS = 32 * 1024
-"""A message or exception text longer than this is cut, so one line stays one line."""
+LINE_BYTES = 64 * 1024
+"""The most a record's line takes, in bytes with its newline: the launcher's relay reads a
+marked line whole up to this (unison.launch.local). A longer record has its longest texts
+cut, each saying how much it lost."""
+_TAIL_FIRST = ("exc_text", "stack_info")
+"""The texts whose end is kept where they are cut (a traceback's last lines say most)."""
 _FIELDS = ("name", "levelno", "levelname", "pathname", "filename", "module", "lineno",
            "funcName", "created", "msecs", "thread", "threadName", "processName", "process")
 
@@ -58,22 +63,78 @@ class _Ship(logging.Handler):
         super().__init__(logging.NOTSET)
         self.stream = stream
         self._fmt = logging.Formatter()
+        try:  # non-ASCII text as it is where the stream writes UTF-8, else as \u escapes
+            self._ascii = codecs.lookup(getattr(stream, "encoding", None) or "ascii").name \
+                != "utf-8"
+        except LookupError:
+            self._ascii = True
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             data: dict[str, Any] = {k: getattr(record, k, None) for k in _FIELDS}
-            data["msg"] = record.getMessage()[:_FIELD_CHARS]
+            data["msg"] = record.getMessage()
             if record.exc_info and not record.exc_text:
                 record.exc_text = self._fmt.formatException(record.exc_info)
             if record.exc_text:
-                data["exc_text"] = record.exc_text[-_FIELD_CHARS:]
+                data["exc_text"] = record.exc_text
             if record.stack_info:
-                data["stack_info"] = record.stack_info[-_FIELD_CHARS:]
-            line = MARK + json.dumps(data, default=str) + "\n"
-            self.stream.write(line)
+                data["stack_info"] = record.stack_info
+            self.stream.write(_line(data, self._ascii))
             self.stream.flush()
         except Exception:
             self.handleError(record)
+
+
+def _line(data: dict[str, Any], ascii: bool) -> str:
+    """The record's marked line, within LINE_BYTES as the stream encodes it: the longest
+    texts cut to one length in bytes, the shorter ones whole (a character takes 1 to 12
+    bytes, so the cut is measured on the line, then again until it fits)."""
+    whole: dict[str, str] = {}
+    for key, value in data.items():  # more characters than fit as bytes: no need to look
+        if isinstance(value, str) and len(value) > LINE_BYTES:
+            whole[key] = value
+            data[key] = _cut(key, value, LINE_BYTES)
+    for _ in range(64):
+        line = MARK + json.dumps(data, default=str, ensure_ascii=ascii) + "\n"
+        over = _size(line, ascii) - LINE_BYTES
+        if over <= 0:
+            return line
+        sizes = {k: _size(json.dumps(v, ensure_ascii=ascii), ascii)
+                 for k, v in data.items() if isinstance(v, str)}
+        level = _level(sorted(sizes.values()), sum(sizes.values()) - over)
+        for key, size in sizes.items():
+            if size > level:
+                now = data[key]  # (the note it may hold is shorter than 48 characters)
+                data[key] = _cut(key, whole.setdefault(key, now),
+                                 max(0, len(now) * level // size - 48))
+    raise ValueError("a logging record that does not fit in a line even with its texts cut")
+
+
+def _level(sizes: list[int], budget: int) -> int:
+    """The most bytes each text may keep for them all to take ``budget``, the shorter ones
+    whole (``sizes`` sorted)."""
+    left = len(sizes)
+    for size in sizes:
+        if size * left > budget:
+            return max(0, budget // left)
+        budget -= size
+        left -= 1
+    return sizes[-1] if sizes else 0
+
+
+def _size(text: str, ascii: bool) -> int:
+    """Its bytes as the worker's stderr writes it (a lone surrogate: backslash escaped)."""
+    return len(text) if ascii else len(text.encode("utf-8", "backslashreplace"))
+
+
+def _cut(key: str, text: str, keep: int) -> str:
+    """``text`` cut to ``keep`` characters (its end for a traceback), saying how many went."""
+    if keep >= len(text):
+        return text
+    note = f"[... {len(text) - keep} characters cut]"
+    if key in _TAIL_FIRST:
+        return note + "\n" + text[len(text) - keep:]
+    return text[:keep] + " " + note
 
 
 def install() -> None:

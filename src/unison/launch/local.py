@@ -58,8 +58,10 @@ _BOOTSTRAP = ("import os, sys\nos.setpgid(0, 0)\n"
               "from unison.worker import main; main({pid})")
 _TAIL_CHARS = 64 * 1024
 """How much of a worker's stderr is kept, as its last whole lines, for WorkerDied.output."""
-_LINE_CHARS = 64 * 1024
-"""A line longer than this (or output without a newline) is relayed in pieces this long."""
+_LINE_CHARS = _logs.LINE_BYTES
+"""A line longer than this (or output without a newline) is relayed in pieces this long;
+from a record's mark on, it is held whole up to this (no record's line is longer)."""
+_MARK = _logs.MARK.encode()
 _OWN_GROUP: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {}
 """Each worker leads a process group of its own, in the controller's session. A session of
 its own (setsid) would also give it a scheduler autogroup of its own (Linux, where
@@ -301,9 +303,11 @@ class LocalLauncher(Launcher):
                 partial.append(chunk)
                 if b"\n" not in chunk:
                     if sum(map(len, partial)) >= _LINE_CHARS:  # no newline in sight: bound it
-                        data = b"".join(partial)
-                        partial.clear()
-                        _emit(worker, is_err, [data.decode(errors="replace")])
+                        data, rest = _piece(b"".join(partial)) if is_err else (
+                            b"".join(partial), b"")
+                        partial[:] = [rest] if rest else []
+                        if data:
+                            _emit(worker, is_err, [data.decode(errors="replace")])
                     continue
                 data = b"".join(partial)
                 head, _, rest = data.rpartition(b"\n")
@@ -356,6 +360,20 @@ class LocalLauncher(Launcher):
             self._zygote.end()
         if interrupted is not None:
             raise interrupted
+
+
+def _piece(data: bytes) -> tuple[bytes, bytes]:
+    """A stretch of stderr this long without a newline (a progress bar redrawn in place): what
+    to relay of it now, and what to hold for the line's end, that is a record from its mark
+    on (the relay reads it whole) or a mark's start, cut in two by the read."""
+    at = data.rfind(_MARK)
+    if at > 0:
+        return data[:at], data[at:]
+    if at < 0:
+        at = data.rfind(_MARK[:1], max(0, len(data) - len(_MARK) + 1))
+        if at > 0 and _MARK.startswith(data[at:]):
+            return data[:at], data[at:]
+    return data, b""  # (a mark at its start: longer than any record, so plain output)
 
 
 def _emit(worker: WorkerProcess, is_err: bool, lines: list[str]) -> None:
