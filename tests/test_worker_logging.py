@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterator
 
@@ -226,6 +227,91 @@ def test_a_record_line_never_passes_the_relays_limit():
                 if not kept:
                     kept, _, note = data[key].partition(" [")
                 assert kept == text[:len(kept)] and int(note.split()[1]) == len(text) - len(kept)
+
+
+def log_many(n: int) -> None:
+    for i in range(n):
+        logging.getLogger("app").info("record %d", i)
+
+
+class Gated(logging.Handler):
+    """Holds the relay at the first record until ``gate`` is set (the worker's records wait
+    in the pipe meanwhile), then takes ``pause`` seconds a record; counts calls after
+    ``closed`` is set."""
+
+    def __init__(self, pause: float) -> None:
+        super().__init__(logging.INFO)
+        self.gate = threading.Event()
+        self.pause = pause
+        self.closed = False
+        self.handled = 0
+        self.late = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.gate.wait(20)
+        self.late += self.closed
+        time.sleep(self.pause)
+        self.handled += 1
+
+
+@pytest.fixture
+def gated(request) -> Iterator[Gated]:
+    handler = Gated(request.param)
+    logger = logging.getLogger("app")
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    yield handler
+    handler.gate.set()
+    logger.removeHandler(handler)
+    logger.setLevel(old)
+
+
+@pytest.mark.parametrize("gated", [0.01], indirect=True)
+def test_close_hands_over_what_the_workers_logged_before_it_returns(gated):
+    sess = unison.Session(1)
+    try:
+        sess.run(log_many, 100)  # all in the pipe: the relay is held at the first
+    finally:
+        gated.gate.set()  # 1 s of handling left: the relay used to be given 0.5 s
+        sess.close()
+    gated.closed = True
+    assert gated.handled == 100
+    assert not sess._res.launcher._relay.is_alive()
+
+
+@pytest.mark.parametrize("gated", [0.05], indirect=True)
+def test_what_close_cannot_hand_over_in_time_is_dropped_with_a_warning(gated):
+    sess = unison.Session(1)
+    try:
+        sess.run(log_many, 100)
+    finally:
+        gated.gate.set()
+        start = time.monotonic()
+        with pytest.warns(RuntimeWarning, match=r"(\d+) logging record\(s\) .* were dropped") \
+                as warned:
+            sess.close(timeout=0)  # the relay gets 1 s: 20 of the 5 s it needs
+    gated.closed = True
+    assert time.monotonic() - start < 3.0
+    assert not sess._res.launcher._relay.is_alive()  # it never calls a handler again
+    dropped = int(str(warned[0].message).split("): ")[1].split()[0])
+    assert 0 < dropped < 100 and gated.handled + dropped == 100
+    time.sleep(0.2)
+    assert gated.late == 0
+
+
+@pytest.mark.parametrize("gated", [0.0], indirect=True)
+def test_a_handler_that_does_not_return_does_not_hold_close(gated):
+    sess = unison.Session(1)
+    sess.run(log_many, 10)  # the relay waits in the handler, at the first record
+    with pytest.warns(RuntimeWarning, match="still inside a handler"):
+        sess.close(timeout=0)
+    launcher = sess._res.launcher
+    assert launcher._relay.is_alive() and not launcher.workers[0].popen.stderr.closed
+    gated.gate.set()  # it returns: the relay calls no handler again, and lets go
+    launcher._relay.join(5)
+    assert not launcher._relay.is_alive() and launcher.workers[0].popen.stderr.closed
+    assert gated.handled == 1
 
 
 def test_without_logging_configured_warnings_print_with_the_rank(controller):

@@ -21,7 +21,10 @@ through /proc while it lives, when it stops a worker itself.
 
 The relay never dies: a ``sys.stdout`` that is None, lacks ``flush()`` or raises loses the
 output, never the thread, so workers never block on a full pipe. What is kept of a worker's
-stderr for WorkerDied is bounded (_TAIL_CHARS), and so is a line without a newline.
+stderr for WorkerDied is bounded (_TAIL_CHARS), and so is a line without a newline. At
+stop(), once the workers have ended, the relay hands over what they wrote before stop()
+returns, within the rest of close's grace (at least _DRAIN_S); past that, what is left is
+counted and dropped with one warning, and no handler of ours is called after stop().
 
 The session sees only the Launcher interface (unison.launch): the pidfds are its watch_fds,
 and death() turns a WorkerProcess into a DeathReport.
@@ -39,7 +42,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 import unison
@@ -62,6 +66,11 @@ _LINE_CHARS = _logs.LINE_BYTES
 """A line longer than this (or output without a newline) is relayed in pieces this long;
 from a record's mark on, it is held whole up to this (no record's line is longer)."""
 _MARK = _logs.MARK.encode()
+_DRAIN_S = 1.0
+"""The least time stop() gives the relay, after the workers ended, for what they wrote (the
+rest of close's grace where more is left): the controller's handlers may be slow."""
+_CUT_S = 0.5
+"""How long the relay then goes on reading, to count what it drops, before it lets go."""
 _OWN_GROUP: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {}
 """Each worker leads a process group of its own, in the controller's session. A session of
 its own (setsid) would also give it a scheduler autogroup of its own (Linux, where
@@ -191,6 +200,17 @@ class LocalLauncher(Launcher):
         self._started = False
         self._watch: list[int] = []
         self._relay: threading.Thread | None = None
+        self._wake: tuple[int, int] | None = None
+        """The relay's wake pipe: stop() writes to it to end the relay's wait."""
+        self._draining = False
+        """Set by stop() once the workers ended: the relay ends when nothing is left to read."""
+        self._cut_at: float | None = None
+        """When stop() gave up on the relay: it drops (and counts) what is left from then."""
+        self._dropped = [0, 0]  # logging records, bytes
+        self._relay_lock = threading.Lock()
+        self._relay_ended = False
+        self._relay_closes = False
+        """Whether the relay, stuck in a handler at stop(), closes the streams as it ends."""
         self._selector: selectors.BaseSelector | None = None
         """Made at start(), so a launcher that never starts holds no fd."""
         self._zygote: zygote.Zygote | None = None
@@ -255,6 +275,8 @@ class LocalLauncher(Launcher):
             self.stop(grace=0)
             raise
         self._watch = [w.pidfd for w in self.workers if w.pidfd is not None]
+        self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        selector.register(self._wake[0], selectors.EVENT_READ, None)
         self._relay = threading.Thread(target=self._relay_output, args=(selector,),
                                        name="unison-output", daemon=True)
         self._relay.start()
@@ -284,13 +306,31 @@ class LocalLauncher(Launcher):
     def _relay_output(self, selector: selectors.BaseSelector) -> None:
         """Copy every worker's output to ours, line by line, each line prefixed by its rank."""
         try:
-            while selector.get_map():
-                self._relay_once(selector)
+            while len(selector.get_map()) > 1 and self._relay_once(selector):  # (and the wake)
+                if self._cut_at is not None and time.monotonic() > self._cut_at + _CUT_S:
+                    break
         except (OSError, ValueError, RuntimeError, KeyError):
-            pass  # the selector was closed under us at stop(): nothing is left to relay
+            pass  # the selector was closed under us (a handler closed the session)
+        finally:
+            with self._relay_lock:
+                self._relay_ended = True
+                if self._relay_closes:  # stop() returned while we were stuck in a handler
+                    self._close_streams()
 
-    def _relay_once(self, selector: selectors.BaseSelector) -> None:
-        for key, _ in selector.select(timeout=1.0):
+    def _relay_once(self, selector: selectors.BaseSelector) -> bool:
+        """Relay what is there (waiting for it up to a second); False once stop() asked for
+        the drain and nothing is left to read (the writers ended: their pipes are at EOF)."""
+        draining = self._draining
+        got = False
+        for key, _ in selector.select(timeout=0.0 if draining else 1.0):
+            if key.data is None:  # the wake pipe
+                try:
+                    while os.read(key.fd, 64):
+                        pass
+                except OSError:
+                    pass
+                continue
+            got = True
             worker, is_err, partial = key.data
             stream: IO[bytes] = key.fileobj  # type: ignore[assignment]
             try:
@@ -307,19 +347,32 @@ class LocalLauncher(Launcher):
                             b"".join(partial), b"")
                         partial[:] = [rest] if rest else []
                         if data:
-                            _emit(worker, is_err, [data.decode(errors="replace")])
+                            self._emit(worker, is_err, [data.decode(errors="replace")])
                     continue
                 data = b"".join(partial)
                 head, _, rest = data.rpartition(b"\n")
                 partial[:] = [rest] if rest else []
-                _emit(worker, is_err, head.decode(errors="replace").split("\n"))
+                self._emit(worker, is_err, head.decode(errors="replace").split("\n"))
                 continue
             if partial:
-                _emit(worker, is_err, b"".join(partial).decode(errors="replace").split("\n"))
+                self._emit(worker, is_err,
+                           b"".join(partial).decode(errors="replace").split("\n"))
             selector.unregister(stream)
             worker._open_streams -= 1
             if worker._open_streams == 0:
                 worker.output_done.set()
+        return got or not draining
+
+    def _emit(self, worker: WorkerProcess, is_err: bool, lines: list[str]) -> None:
+        """``_emit``, or once stop() gave up on the relay, count the lines as dropped."""
+        if self._cut_at is None:
+            lines = _emit(worker, is_err, lines, self._cutting)
+        if lines:
+            self._dropped[0] += sum(_logs.MARK in line for line in lines) if is_err else 0
+            self._dropped[1] += sum(len(line.encode()) + 1 for line in lines)
+
+    def _cutting(self) -> bool:
+        return self._cut_at is not None
 
     def stop(self, grace: float) -> None:
         """Wait up to ``grace`` seconds for the workers to exit, then kill what is left.
@@ -339,13 +392,65 @@ class LocalLauncher(Launcher):
         for w in self.workers:
             w.kill()  # also reaps anything the worker left behind in its process group
             w.popen.wait()
-        # the keepers killed what the workers started, so the pipes close now; don't wait
-        # long on a process that escaped and still holds them
-        if self._relay is not None and self._relay is not threading.current_thread():
-            self._relay.join(timeout=0.5)
-        selector = self._selector
+        try:
+            self._end_relay(max(deadline, time.monotonic() + _DRAIN_S))
+        except BaseException as exc:  # Ctrl-C in the relay's drain: it let go already
+            interrupted = interrupted or exc
         for w in self.workers:
             w.release()
+        if self._zygote is not None:  # it leaves once its keepers have ended: they have
+            self._zygote.end()
+        if interrupted is not None:
+            raise interrupted
+
+    def _end_relay(self, until: float) -> None:
+        """The workers have ended (the keepers killed what they started, so the pipes are at
+        EOF): let the relay hand over what they wrote until ``until``, then have it drop the
+        rest, said in one warning; close the streams once it is done with them."""
+        relay = self._relay
+        interrupted: BaseException | None = None
+        if relay is not None:
+            self._draining = True
+            self._wake_relay()
+            try:
+                # (where a handler of ours closed the session, the relay drains on return)
+                if relay is not threading.current_thread() and not _join(
+                        relay, until - time.monotonic()):
+                    self._cut_at = time.monotonic()
+                    self._wake_relay()
+                    _join(relay, _CUT_S + 0.1)
+            except BaseException as exc:  # Ctrl-C: let go at once, and say what was dropped
+                self._cut_at = time.monotonic()
+                interrupted = exc
+        with self._relay_lock:
+            stuck = relay is not None and not self._relay_ended
+            if stuck:
+                self._relay_closes = True  # it reads them still: closing them is its own
+            else:
+                self._close_streams()
+        records, size = self._dropped
+        if self._cut_at is not None and (records or size or stuck):
+            what = f"{records} logging record(s) and {size} bytes of their output"
+            what = (f"the relay is still inside a handler (sys.stderr's write or a logging "
+                    f"handler) that did not return, and what comes after it is dropped "
+                    f"({what} counted so far)" if stuck else f"{what} were dropped")
+            warnings.warn(
+                f"the workers' output was not all handed over within close's grace (at least "
+                f"{_DRAIN_S:g} s after they ended): {what}; make the controller's handlers "
+                "faster, or give close() a longer timeout", RuntimeWarning, stacklevel=6)
+        if interrupted is not None:
+            raise interrupted
+
+    def _wake_relay(self) -> None:
+        if self._wake is not None:
+            try:
+                os.write(self._wake[1], b"w")
+            except OSError:  # full: it is awake already
+                pass
+
+    def _close_streams(self) -> None:
+        selector = self._selector
+        for w in self.workers:
             for stream in (w.popen.stdout, w.popen.stderr):
                 if stream is not None:
                     if selector is not None:
@@ -356,10 +461,16 @@ class LocalLauncher(Launcher):
                     stream.close()
         if selector is not None:
             selector.close()
-        if self._zygote is not None:  # it leaves once its keepers have ended: they have
-            self._zygote.end()
-        if interrupted is not None:
-            raise interrupted
+        if self._wake is not None:
+            for fd in self._wake:
+                os.close(fd)
+            self._wake = None
+
+
+def _join(thread: threading.Thread, timeout: float) -> bool:
+    """Whether ``thread`` ended within ``timeout`` seconds."""
+    thread.join(max(timeout, 0.0))
+    return not thread.is_alive()
 
 
 def _piece(data: bytes) -> tuple[bytes, bytes]:
@@ -376,21 +487,27 @@ def _piece(data: bytes) -> tuple[bytes, bytes]:
     return data, b""  # (a mark at its start: longer than any record, so plain output)
 
 
-def _emit(worker: WorkerProcess, is_err: bool, lines: list[str]) -> None:
+def _emit(worker: WorkerProcess, is_err: bool, lines: list[str],
+          cut: Callable[[], bool]) -> list[str]:
     """Keep stderr's tail, and write the lines to whatever sys.stdout/sys.stderr is now.
     Whatever the user put there (None, no flush(), a write that raises), the relay goes on:
-    if it stopped, a worker that fills its pipe would block for ever."""
+    if it stopped, a worker that fills its pipe would block for ever. The lines left undone
+    where ``cut()`` turns true on the way (stop() gave up on the relay)."""
     if is_err:
         if any(_logs.MARK in line for line in lines):
-            lines, tail = _relay_records(worker.rank, lines)  # records go to our logging
+            lines, tail, left = _relay_records(worker.rank, lines, cut)  # to our logging
             worker.keep_tail(tail)
+            if left:
+                return lines + left
         else:
             worker.keep_tail(lines)
         if not lines:
-            return
+            return []
     out = sys.stderr if is_err else sys.stdout
     if out is None:
-        return
+        return []
+    if cut():
+        return lines
     text = "".join(f"[worker {worker.rank}] {line}\n" for line in lines)
     try:
         out.write(text)
@@ -399,18 +516,24 @@ def _emit(worker: WorkerProcess, is_err: bool, lines: list[str]) -> None:
             flush()
     except Exception:  # a user's stream may raise anything: keep relaying
         pass
+    return []
 
 
-def _relay_records(rank: int, lines: list[str]) -> tuple[list[str], list[str]]:
+def _relay_records(rank: int, lines: list[str],
+                   cut: Callable[[], bool]) -> tuple[list[str], list[str], list[str]]:
     """Hand the workers' logging records among ``lines`` to our logging (unison.debug.logs).
     The lines still to print (the others), and those to keep in the tail for WorkerDied
     (each record as "LEVEL:name:message"). A record's mark may come after text on its line:
-    a partial line the worker left before it logged (a progress bar's "\r 33%|###"), which is
-    plain output (a record's JSON never holds the mark: json escapes control characters)."""
-    plain, tail = [], []
-    for line in lines:
+    a partial line the worker left before it logged (a progress bar's "\\r 33%|###"), which is
+    plain output (a record's JSON never holds the mark: json escapes control characters).
+    Last, the lines not looked at, where ``cut()`` turned true."""
+    plain: list[str] = []
+    tail: list[str] = []
+    for i, line in enumerate(lines):
         at = line.rfind(_logs.MARK)
         if at >= 0:
+            if cut():
+                return plain, tail, lines[i:]
             try:
                 kept = _logs.relay(rank, line[at:])
             except Exception:  # a user's handler may raise anything: keep relaying
@@ -423,4 +546,4 @@ def _relay_records(rank: int, lines: list[str]) -> tuple[list[str], list[str]]:
                 continue
         plain.append(line)
         tail.append(line)
-    return plain, tail
+    return plain, tail, []
