@@ -310,7 +310,7 @@ class LocalLauncher(Launcher):
                 if self._cut_at is not None and time.monotonic() > self._cut_at + _CUT_S:
                     break
         except (OSError, ValueError, RuntimeError, KeyError):
-            pass  # the selector was closed under us (a handler closed the session)
+            pass  # a stream or the selector failed: nothing more can be relayed
         finally:
             with self._relay_lock:
                 self._relay_ended = True
@@ -393,7 +393,8 @@ class LocalLauncher(Launcher):
             w.kill()  # also reaps anything the worker left behind in its process group
             w.popen.wait()
         try:
-            self._end_relay(max(deadline, time.monotonic() + _DRAIN_S))
+            now = time.monotonic()  # (after a Ctrl-C, no drain: it is said what was left)
+            self._end_relay(now if interrupted else max(deadline, now + _DRAIN_S))
         except BaseException as exc:  # Ctrl-C in the relay's drain: it let go already
             interrupted = interrupted or exc
         for w in self.workers:
