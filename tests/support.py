@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import select
 import signal
 import subprocess
@@ -472,3 +473,69 @@ def raising_on_signal(kind: type[BaseException], after: float) -> Iterator[None]
         timer.cancel()
         timer.join()
         signal.signal(signal.SIGUSR1, old)
+
+
+HIGH_FD = 1100
+"""An fd number past select's FD_SETSIZE (1024), which tests/test_many_fds.py fills up to."""
+
+
+def fds_past_1023_possible() -> bool:
+    """Whether RLIMIT_NOFILE's hard limit lets a process hold fds up to HIGH_FD and some."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return hard == resource.RLIM_INFINITY or hard >= HIGH_FD + 1024
+
+
+def hold_fds_below(lowest: int = HIGH_FD) -> Callable[[], None]:
+    """Open /dev/null until this process's fd numbers reach ``lowest`` (first raising the
+    soft limit on open files to some way past it), so that every fd opened next is numbered
+    ``lowest`` or more. Returns the undo: close them and put the limit back."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = lowest + 1024
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    held: list[int] = []
+
+    def undo() -> None:
+        for fd in held:
+            os.close(fd)
+        held.clear()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    try:
+        while not held or held[-1] < lowest:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except BaseException:
+        undo()
+        raise
+    return undo
+
+
+_HELD: list[Callable[[], None]] = []
+"""On a worker: the undos of ``hold_fds_on_worker``."""
+
+
+def hold_fds_on_worker(lowest: int = HIGH_FD) -> int:
+    """On a worker, as user code that opened many files: ``hold_fds_below(lowest)``, kept
+    until ``release_fds_on_worker``. The number its next fd gets."""
+    _HELD.append(hold_fds_below(lowest))
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.close(fd)
+    return fd
+
+
+def release_fds_on_worker() -> int:
+    """Undo every ``hold_fds_on_worker`` of this worker; how many there were."""
+    n = len(_HELD)
+    while _HELD:
+        _HELD.pop()()
+    return n
+
+
+def barrier_after(seconds: float, group: bool = False) -> int:
+    """A barrier that the last rank (of the world, or of its group) comes to ``seconds``
+    late, so that its peers wait for it. The caller's rank."""
+    last = unison.group_size() - 1 if group else unison.world_size() - 1
+    if (unison.group_rank() if group else unison.rank()) == last:
+        time.sleep(seconds)
+    unison.barrier(group=group)
+    return unison.rank()

@@ -20,10 +20,17 @@ import pytest
 
 import unison
 from support import (
+    HIGH_FD,
     Box,
+    barrier_after,
     channel_kind,
     check_sync_reads_progress,
     collective_backend,
+    fds_past_1023_possible,
+    hold_fds_below,
+    hold_fds_on_worker,
+    nap_then_rank,
+    release_fds_on_worker,
     wait_gone,
     warm_torch_store,
 )
@@ -207,7 +214,7 @@ def two_hosts() -> Iterator[Callable[..., unison.Session]]:
 
     def make(death_s: float = 0.0, **kw: Any) -> unison.Session:
         launcher = SpawnLauncher(local=[0, 1], nodes={2: "b", 3: "b"}, death_s=death_s)
-        sess = unison.Session(4, 2, launcher=launcher, start_timeout=60, **kw)
+        sess = unison.Session(4, 2, launcher=launcher, **{"start_timeout": 60, **kw})
         made.append((sess, launcher))
         return sess
 
@@ -236,6 +243,42 @@ def test_groups_each_on_one_host_run_group_collectives_on_shared_memory(two_host
     with pytest.raises(unison.WorkerError, match="left the call"):
         sess.run(lambda: None if unison.group_rank() else unison.barrier(group=True))
     assert sess.run(lambda: unison.allreduce(unison.rank(), group=True)) == [1, 1, 5, 5]
+
+
+NEEDS_FDS = pytest.mark.skipif(not fds_past_1023_possible(),
+                               reason=f"RLIMIT_NOFILE's hard limit is under {HIGH_FD + 1024}")
+
+
+@NEEDS_FDS
+def test_a_controller_with_fds_past_1023_starts_runs_and_closes_a_mixed_session(two_hosts):
+    """select refuses fds >= 1024: before, the waits of both halves (the TCP half's accept
+    loop, recv and pending; shared memory's sleeps) raised ``ValueError: filedescriptor out
+    of range in select()``. They are in poll now (tests/test_many_fds.py: the other
+    channels)."""
+    undo = hold_fds_below(HIGH_FD)
+    try:
+        sess = two_hosts(start_timeout=15)
+        assert sess.run(nap_then_rank, 0.2) == [0, 1, 2, 3]
+        assert asyncio.run(sess.run_async(nap_then_rank, 0.1)) == [0, 1, 2, 3]
+        sess.call(nap_then_rank, 0.1)
+        sess.sync()
+        assert sess.run(barrier_after, 0.2, True) == [0, 1, 2, 3]
+        sess.close(timeout=3)
+    finally:
+        undo()
+
+
+@NEEDS_FDS
+def test_workers_with_fds_past_1023_meet_in_group_collectives_on_another_host(two_hosts):
+    """Group 1's collectives (host "b") watch the peers' pidfds, opened in the first wait:
+    after user code opened more than 1024 files, such a pidfd was past select's limit, and
+    the wait raised ValueError."""
+    sess = two_hosts()
+    assert min(sess.run(hold_fds_on_worker, HIGH_FD)) >= HIGH_FD
+    assert sess.run(barrier_after, 0.2, True) == [0, 1, 2, 3]
+    assert sess.run(nap_then_rank, 0.1) == [0, 1, 2, 3]
+    assert sess.run(release_fds_on_worker) == [1] * 4
+    assert sess.run(barrier_after, 0.1, True) == [0, 1, 2, 3]
 
 
 def test_with_torch_the_world_goes_through_torch_and_the_groups_stay_on_shared_memory(

@@ -63,7 +63,7 @@ The waits and their parameters:
     channel.shm   controller recv, worker recv   check 20 us without yielding (where every
                                                  process has a core: BUSY), spin 200 us,
                                                  then sleep on an eventfd
-    channel.tcp   controller recv, worker recv   spin 200 us, then sleep in select / the read
+    channel.tcp   controller recv, worker recv   spin 200 us, then sleep in poll / the read
                                                  (a worker on a crowded controller host: sleep)
     channel.pipe  controller recv, worker recv   as the shm channel's, sleeping in poll / the
                                                  read

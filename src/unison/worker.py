@@ -47,6 +47,7 @@ from typing import Any, NoReturn
 
 from unison import _proctree, collective, placement, protocol
 from unison import trace as _trace
+from unison._fdwait import FdSet
 from unison.cancel import SIGNAL, Board, Cancelled
 from unison.channel import WorkerChannel, connect
 from unison.collective.base import Collectives
@@ -505,13 +506,14 @@ def _watch_lifeline(worker: int, controller: int, rank: int) -> NoReturn:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    waits = FdSet([0, wake_r])
     while True:
         status = _reap(worker)
         if status is not None:
             _kill_below()  # what the worker left behind: nothing outlives it
             _exit_like(status)
         try:
-            ready, _, _ = select.select([0, wake_r], [], [], 1.0)
+            ready = waits.readable(1.0)
         except InterruptedError:
             continue
         if wake_r in ready:

@@ -24,12 +24,12 @@ elsewhere (unison.collective.cluster).
 from __future__ import annotations
 
 import os
-import select
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from unison._fdwait import readable
 from unison.channel import (
     Channel,
     PartialSendError,
@@ -99,7 +99,7 @@ class MixedChannel(Channel):
         with self._lock:
             fds = {fd: r for r, fd in self._pidfds.items()}
         if fds:
-            for fd in select.select(list(fds), [], [], 0)[0]:
+            for fd in readable(list(fds)):
                 return fds[fd]
         broken = self.shm.ended()  # a local worker whose reply ring broke the format
         if broken is not None:
@@ -175,7 +175,7 @@ class MixedChannel(Channel):
         with self._lock:
             fds = {fd: r for r, fd in self._pidfds.items() if r not in self._dead}
         if fds and timeout != 0:
-            for fd in select.select(list(fds), [], [], 0)[0]:
+            for fd in readable(list(fds)):
                 self._dead.add(fds[fd])
                 out.append((fds[fd], None))
         return out

@@ -50,7 +50,6 @@ nothing written; only a frame larger than a pipe can hold may time out half writ
 from __future__ import annotations
 
 import fcntl
-import math
 import mmap
 import os
 import select
@@ -62,6 +61,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from unison._fdwait import FdSet, poll_fds, poll_ms, readable
 from unison.channel import (
     _IOV,
     Channel,
@@ -169,6 +169,9 @@ class PipeChannel(Channel):
         selector at every call: tens of µs a round at N=8); made again when the fds change."""
         self._settle_poller: select.poll | None = None
         """settled's: the same and the yield pipe."""
+        self._reply_set: FdSet | None = None
+        """The open reply pipes alone, for the looks that do not wait (``_read_now``,
+        ``pending``)."""
 
     def endpoint(self, rank: int) -> tuple[dict[str, Any], list[int]]:
         cmd_r, rep_w = self._child_fds[rank]
@@ -183,7 +186,7 @@ class PipeChannel(Channel):
                 _close_fd(fd)
         self._child_fds = []
         self._watch = list(watch)
-        self._poller = self._settle_poller = None
+        self._poller = self._settle_poller = self._reply_set = None
 
     def send(self, data: bytes, ranks: Sequence[int], buffers: Sequence[Any] = (), *,
              deadline: float | None = None) -> None:
@@ -274,7 +277,7 @@ class PipeChannel(Channel):
         recv is reading them) a reply, which is read into the backlog: its worker may be
         blocked writing it, reading no command until it has."""
         replies = [c.fileno() for c in self._open] if self._drain() else []
-        select.select([*self._watch, *replies], [fd], [], seconds)
+        poll_fds([*self._watch, *replies], [fd], seconds)
 
     def _drain(self) -> bool:
         """Read every reply there is now into the backlog, unless a recv is reading (it
@@ -295,7 +298,7 @@ class PipeChannel(Channel):
             self.rearm_wake()
 
     def _check_watch(self) -> None:
-        if self._watch and select.select(self._watch, [], [], 0)[0]:
+        if self._watch and readable(self._watch):
             raise BrokenPipeError("a worker died while its command pipe was full")
 
     def recv(
@@ -315,7 +318,7 @@ class PipeChannel(Channel):
             for fd, events in got:
                 if events & select.POLLNVAL:  # a watch fd closed under us: watch it no more
                     self._watch = [w for w in self._watch if w != fd]
-                    self._poller = self._settle_poller = None
+                    self._poller = self._settle_poller = self._reply_set = None
                 else:
                     ready.append(fd)
             return self._read_ready(ready)
@@ -340,7 +343,7 @@ class PipeChannel(Channel):
         found = spin(poller.poll, SPIN if timeout is None else min(SPIN, timeout), self._busy, 0)
         if isinstance(found, list):
             return found
-        return poller.poll(None if timeout is None else max(0, math.ceil(timeout * 1000)))
+        return poller.poll(poll_ms(timeout))
 
     def _poll_set(self) -> select.poll:
         """The reply pipes and the watch fds, in one poll set made once (caller holds the rx
@@ -348,6 +351,13 @@ class PipeChannel(Channel):
         if self._poller is None:
             self._poller = _poll_of([*(c.fileno() for c in self._open), *self._watch])
         return self._poller
+
+    def _replies_set(self) -> FdSet:
+        """The open reply pipes, in one poll set made once (again when they change)."""
+        got = self._reply_set
+        if got is None:
+            got = self._reply_set = FdSet([c.fileno() for c in self._open])
+        return got
 
     def _settle_set(self) -> select.poll:
         """settled's poll set: recv's, and the yield pipe."""
@@ -406,8 +416,10 @@ class PipeChannel(Channel):
     def _read_now(self) -> list[tuple[int, bytes | Reply | None]]:
         """The whole replies the reply pipes hold now, without waiting; caller holds the rx
         lock."""
-        ready = select.select(self._open, [], [], 0)[0]
-        return self._read_ready([c.fileno() for c in ready]) if ready else []
+        if not self._open:
+            return []
+        got = self._replies_set().readable()
+        return self._read_ready(got) if got else []
 
     def _read_ready(self, ready: list[int]) -> list[tuple[int, bytes | Reply | None]]:
         """The whole replies in the reply pipes of ``ready`` (watch fds skipped), in order;
@@ -475,7 +487,7 @@ class PipeChannel(Channel):
         self._large[rank] = None
         if conn in self._open:  # (close() may have emptied it meanwhile)
             self._open.remove(conn)
-        self._poller = self._settle_poller = None
+        self._poller = self._settle_poller = self._reply_set = None
         out.append((rank, None))
 
     def _frames(self, rank: int, begun: bytearray,
@@ -525,7 +537,7 @@ class PipeChannel(Channel):
         the look (an await's spin looks without the router's lock)."""
         try:
             return bool(self._backlog) or (
-                bool(self._open) and bool(select.select(self._open, [], [], 0)[0]))
+                bool(self._open) and bool(self._replies_set().readable()))
         except (OSError, ValueError):  # a connection closed meanwhile
             if self._closed:
                 return False

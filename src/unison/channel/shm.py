@@ -79,6 +79,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from unison import _native
+from unison._fdwait import FdSet
 from unison._native import fence as _fence
 from unison.channel import Channel, Reply, SendTimeout, WorkerChannel
 from unison.channel.arena import Arena, ArenaReader, Malformed, create_file, sealed_memfd
@@ -183,7 +184,7 @@ class ShmChannel(Channel):
         self._watch_ep: select.epoll | None = None  # the watch fds, for a look without a wait
         self._watch_dups: list[int] = []  # our copies of them, which the epoll holds
         self._also: list[int] = []
-        self._sleep_fds = [self._ctl_efd]  # what a waiting recv sleeps on: + the watch fds
+        self._sleep_on()
         self._all_mask = (1 << num_workers) - 1
         self._busy = busy_budget(num_workers + 1)  # waits check without yielding first
         crowd.expect(num_workers + 1)  # so many runnable tasks are peers (pacing.crowd.look)
@@ -223,15 +224,22 @@ class ShmChannel(Channel):
 
     def started(self, watch: Sequence[int] = ()) -> None:
         self._watch = list(watch)
-        self._sleep_fds = [self._ctl_efd, *self._watch, *self._also]
+        self._sleep_on()
         for fd in self._watch:
             self._look_out_for(fd)
 
     def watch_more(self, fd: int) -> None:
         """A worker that joined after ``started`` (channel.mixed): watch its pidfd too."""
         self._watch = [*self._watch, fd]
-        self._sleep_fds = [self._ctl_efd, *self._watch, *self._also]
+        self._sleep_on()
         self._look_out_for(fd)
+
+    def _sleep_on(self) -> None:
+        """The poll sets a waiting recv sleeps on (our eventfd, the watch fds, ``_also``)
+        and a waiting sync (the done eventfd, the watch fds): made once, again when the
+        fds change."""
+        self._sleep_set = FdSet([self._ctl_efd, *self._watch, *self._also])
+        self._done_set = FdSet([self._done_efd, *self._watch])
 
     def _look_out_for(self, fd: int) -> None:
         """Put a duplicate of ``fd`` in the set ``_death_seen`` looks at. Ours, closed with
@@ -248,7 +256,7 @@ class ShmChannel(Channel):
         """Fds whose readability ends a waiting recv early, as a reply would (another
         channel's, in channel.mixed), without counting as a death."""
         self._also = list(fds)
-        self._sleep_fds = [self._ctl_efd, *self._watch, *self._also]
+        self._sleep_on()
 
     # -- commands ------------------------------------------------------------------------------
 
@@ -455,7 +463,7 @@ class ShmChannel(Channel):
             _fence()
             if not self._look(ranks, mark):
                 wait = max(0.0, timeout - (time.perf_counter() - start))
-                ready = select.select([self._done_efd, *self._watch], [], [], wait)[0]
+                ready = self._done_set.readable(wait)
                 if self._done_efd in ready:
                     _drain_eventfd(self._done_efd)
         finally:
@@ -512,7 +520,7 @@ class ShmChannel(Channel):
         """See Channel.recv: spin 200 us, then sleep on our eventfd and the watch fds."""
         has_reply = self._has_reply
         if not has_reply():
-            if timeout == 0:  # a poll: no spin, no select
+            if timeout == 0:  # a poll: no spin, no sleep
                 return []
             now = time.perf_counter()
             if not spin(has_reply, SPIN if timeout is None else min(SPIN, timeout), self._busy):
@@ -611,7 +619,7 @@ class ShmChannel(Channel):
         try:
             if not self._has_reply():
                 wait = SLEEP if timeout is None else timeout - (time.perf_counter() - since)
-                ready = select.select(self._sleep_fds, [], [], max(0.0, wait))[0]
+                ready = self._sleep_set.readable(wait)
                 if self._ctl_efd in ready:
                     _drain_eventfd(self._ctl_efd)
         finally:
@@ -784,6 +792,7 @@ class ShmWorkerChannel(WorkerChannel):
         self._arena = ArenaReader(spec["arena"], r, n)
         self._replies = Arena("", 1, fd=spec["reply_arena"], keep=REPLY_KEEP)
         self._efd, self._ctl_efd, self._done_efd = spec["efd"], spec["ctl_efd"], spec["done_efd"]
+        self._sleep_set = FdSet([self._efd])  # what a waiting worker sleeps on
         self._bit = 1 << r
         self._busy = busy_budget(n + 1)  # waits check without yielding first
         crowd.expect(n + 1)  # so many runnable tasks are peers (pacing.crowd.look)
@@ -937,7 +946,7 @@ class ShmWorkerChannel(WorkerChannel):
         _fence()
         try:
             while q[0] == pos:
-                if select.select([self._efd], [], [], SLEEP)[0]:
+                if self._sleep_set.readable(SLEEP):
                     _drain_eventfd(self._efd)
         finally:
             q[self._sleep_idx] = 0

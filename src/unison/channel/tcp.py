@@ -59,6 +59,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
+from unison._fdwait import FdSet, poll_fds, readable, reuse
 from unison.channel import (
     Channel,
     PartialSendError,
@@ -202,6 +203,10 @@ class TcpChannel(Channel):
         """Per worker, its last progress word: commands run << 1 | whether it holds errors
         nobody fetched (``settled``)."""
         self._settle_poller: tuple[list[int], select.poll] | None = None
+        self._sleep_set: FdSet | None = None
+        """recv's sleep: the open connections, the wake pipe and the watch fds."""
+        self._look_set: FdSet | None = None
+        """pending's look: the open connections."""
         self._scratch = bytearray(_CHUNK)
         self._scratch_view = memoryview(self._scratch)
         self._wake_r, self._wake_w = os.pipe()
@@ -252,12 +257,12 @@ class TcpChannel(Channel):
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
-                listeners = [self._listener] if self._unix is None else [self._listener,
-                                                                          self._unix]
-                ready = select.select(listeners, [], [], 1.0)[0]
+                listeners = {s.fileno(): s for s in (self._listener, self._unix)
+                             if s is not None}
+                ready = readable(list(listeners), 1.0)
                 if not ready:
                     continue
-                sock, addr = ready[0].accept()
+                sock, addr = listeners[ready[0]].accept()
             except (OSError, ValueError):
                 continue  # closed under us (the loop's test ends it), or a failed accept
             threading.Thread(target=self._admit, args=(sock, addr), daemon=True,
@@ -422,12 +427,12 @@ class TcpChannel(Channel):
         begun (``owed``). While its connection is full, read what it sends: it may be
         blocked writing replies to us, and neither of us would ever move again."""
         def check_watch() -> None:
-            if self._watch and select.select(self._watch, [], [], 0)[0]:
+            if self._watch and readable(self._watch):
                 raise BrokenPipeError("a worker died while its connection was full")
 
         def wait(seconds: float) -> None:
-            readable, _, _ = select.select([peer.fd], [peer.fd], [], seconds)
-            if readable and not peer.ended and self._rx.acquire(blocking=False):
+            has_data, _ = poll_fds([peer.fd], [peer.fd], seconds)
+            if has_data and not peer.ended and self._rx.acquire(blocking=False):
                 try:  # (where a recv holds the lock, it reads them itself)
                     got: list[tuple[int, bytes | Reply | None]] = []
                     self._take(peer, got)  # parsed now: a reply left unparsed waits for
@@ -497,7 +502,8 @@ class TcpChannel(Channel):
             else:  # epoll_wait per look: a select of the list cost 4x as much); then sleep,
                 waits: list[Any] = [p.fd for p in open_peers]  # deaths too
                 waits += [self._wake_r, *self._watch]
-                ready = set(select.select(waits, [], [], timeout)[0])
+                self._sleep_set = sleep = reuse(self._sleep_set, waits)
+                ready = set(sleep.readable(timeout))
             if self._wake_r in ready:
                 drain_fd(self._wake_r)
             self._read_ready(open_peers, ready, held, out)
@@ -712,8 +718,12 @@ class TcpChannel(Channel):
         the look (an await's spin looks without the router's lock)."""
         try:
             peers = [p for p in self._peers if p is not None and p.open]
-            return bool(self._backlog) or any(p.ended for p in peers) or (
-                bool(peers) and bool(select.select([p.sock for p in peers], [], [], 0)[0]))
+            if self._backlog or any(p.ended for p in peers):
+                return True
+            if not peers:
+                return False
+            self._look_set = look = reuse(self._look_set, [p.fd for p in peers])
+            return bool(look.readable())
         except (OSError, ValueError):  # a socket closed meanwhile
             if self._closed:
                 return False
@@ -736,7 +746,7 @@ class TcpChannel(Channel):
         if self._beater is not threading.current_thread():
             self._beater.join(timeout=2.0)
         try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread's select
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread's poll
         except OSError:
             pass
         if self._unix is not None:
@@ -783,8 +793,9 @@ class TcpChannel(Channel):
         deadline = time.monotonic() + self.linger
         waiting = list(peers)
         while waiting and time.monotonic() < deadline:
-            ready = select.select(waiting, [], [], deadline - time.monotonic())[0]
-            for peer in ready:
+            by_fd = {p.fd: p for p in waiting}
+            for fd in readable(list(by_fd), deadline - time.monotonic()):
+                peer = by_fd[fd]
                 self._recv(peer)  # (nobody reads them now: only whether the stream ended)
                 if _ended(peer):
                     waiting.remove(peer)

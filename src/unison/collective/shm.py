@@ -74,7 +74,6 @@ import contextlib
 import functools
 import mmap
 import os
-import select
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -83,6 +82,7 @@ from typing import Any
 import numpy as np
 
 from unison import _native, protocol
+from unison._fdwait import readable
 from unison.channel.arena import sealed_memfd
 from unison.collective.base import Collectives
 from unison.collective.checks import (
@@ -479,7 +479,7 @@ class ShmCollectives(CallScope, Collectives):
                 known = self._pidfds[j] = (pid, os.pidfd_open(pid))
             except ProcessLookupError:
                 return True
-        return bool(select.select([known[1]], [], [], 0)[0])
+        return bool(readable([known[1]]))
 
     def _check(self, waiting: Sequence[int], which: int, gen: int, what: str | int) -> None:
         q, w = self._q, self._w

@@ -35,7 +35,6 @@ from __future__ import annotations
 import collections
 import os
 import pickle
-import select
 import selectors
 import signal
 import subprocess
@@ -48,6 +47,7 @@ from typing import IO, Any
 
 import unison
 from unison import _proctree
+from unison._fdwait import readable
 from unison.debug import logs as _logs
 from unison.launch import DeathReport, Launcher, zygote
 from unison.launch.zygote import Forked
@@ -135,7 +135,7 @@ class WorkerProcess:
             if self.pidfd is None:  # no pidfd_open here: look again shortly
                 time.sleep(min(left, 0.005))
             else:
-                select.select([self.pidfd], [], [], left)
+                readable([self.pidfd], left)
 
     def kill(self) -> None:
         """SIGKILL the worker and every process below it (even those that left its process

@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import os
 import secrets
-import select
 import subprocess
 import sys
 import threading
@@ -42,6 +41,7 @@ except ImportError as exc:  # pragma: no cover - ray is an extra
         "Session(launcher='ray') needs Ray: pip install 'ray>=2.60' (the 'ray' extra)"
     ) from exc
 
+from unison._fdwait import readable
 from unison.launch import DeathReport, Launcher, Network, connect_command
 from unison.spec import WorkerSpec
 
@@ -111,7 +111,7 @@ class _WorkerHost:
         try:
             while self.proc is not None and self.proc.poll() is None:
                 if fd >= 0:
-                    if select.select([fd], [], [], 1.0)[0]:
+                    if readable([fd], 1.0):
                         break
                 elif os.getppid() != raylet:
                     break

@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 import os
 import pickle
-import select
 import signal
 import socket
 import struct
@@ -105,7 +104,7 @@ class _Reports:
         ``Popen.returncode``; UNKNOWN if the zygote is gone without saying."""
         with self._lock:
             while pid not in self._status and self._sock.fileno() >= 0:
-                if not select.select([self._sock], [], [], timeout)[0]:
+                if not _readable(self._sock.fileno(), timeout):
                     break
                 try:
                     data = self._sock.recv(_REPORT.size)
@@ -122,6 +121,15 @@ class _Reports:
         self._sock.close()
 
 
+def _readable(fd: int, timeout: float | None) -> bool:
+    """Whether ``fd`` is readable within ``timeout`` seconds (None: no limit), in poll:
+    select refuses fds >= 1024. In the controller only: the zygote imports nothing of
+    unison's."""
+    from unison._fdwait import readable
+
+    return bool(readable([fd], timeout))
+
+
 class Forked:
     """A keeper forked by the zygote, as much of ``subprocess.Popen`` as the launcher uses."""
 
@@ -134,7 +142,7 @@ class Forked:
 
     def poll(self) -> int | None:
         ended = (self.returncode is None and self.pidfd >= 0
-                 and select.select([self.pidfd], [], [], 0)[0])
+                 and _readable(self.pidfd, 0.0))
         if ended:  # the zygote says how
             self.returncode = self._reports.status(self.pid, 1.0)
         return self.returncode
@@ -142,7 +150,7 @@ class Forked:
     def wait(self, timeout: float | None = None) -> int:
         if self.pidfd < 0:  # closed: as it ended, if it was seen to
             return UNKNOWN if self.returncode is None else self.returncode
-        if self.poll() is None and not select.select([self.pidfd], [], [], timeout)[0]:
+        if self.poll() is None and not _readable(self.pidfd, timeout):
             raise subprocess.TimeoutExpired(f"worker keeper {self.pid}", timeout or 0.0)
         code = self.poll()
         assert code is not None
