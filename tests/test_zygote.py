@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
+import threading
 import time
 
 import psutil
@@ -68,6 +70,37 @@ def test_a_forked_workers_exit_status_comes_through(make_session) -> None:
     with pytest.raises(WorkerDied) as info:
         sess[1].run(exit_with, 7)
     assert (info.value.worker, info.value.exitcode) == (1, 7)
+
+
+def test_a_zygote_late_to_report_is_waited_for_not_taken_for_gone(make_session) -> None:
+    """A zygote not scheduled for a while (SIGSTOP here; a loaded machine or a CPU quota
+    elsewhere) reports a keeper's end late: its status still comes through. It was taken
+    for a zygote that had ended, and the status was lost, once the report was 1 s late."""
+    sess = make_session(2)
+    zyg = sess._res.launcher._zygote.popen.pid
+    os.kill(zyg, signal.SIGSTOP)
+    wake = threading.Timer(2.5, os.kill, (zyg, signal.SIGCONT))
+    wake.start()
+    try:
+        with pytest.raises(WorkerDied) as info:
+            sess[1].run(exit_with, 7)
+    finally:
+        wake.join()
+    assert (info.value.worker, info.value.exitcode) == (1, 7), str(info.value)
+
+
+def test_a_report_not_yet_come_is_not_yet_known_and_eof_is_unknown() -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    reports = zygote._Reports(ours)
+    try:
+        assert reports.status(123, 0.05) is None  # late: ask again
+        theirs.sendall(zygote._REPORT.pack(123, 7 << 8))
+        assert reports.status(123, 0.05) == 7
+        theirs.close()
+        assert reports.status(456, 0.05) == zygote.UNKNOWN  # the zygote is gone
+    finally:
+        reports.close()
+        theirs.close()
 
 
 def test_the_zygote_leaves_with_the_session(make_session) -> None:

@@ -79,6 +79,9 @@ the worker kept the core from the controller in a quarter of its turns, dispatch
 1.3-1.5x slower (issue 9, ninth pass). Python 3.10's Popen has no ``process_group`` (and a
 ``preexec_fn`` is unsafe beside threads): there the bootstraps' first line makes the group,
 a few ms later (a kill in between reaches the process by pid, and its tree)."""
+_LATE_REPORT = 5.0
+"""Seconds past ``death``'s grace that the zygote's report of an ended keeper is waited for:
+a zygote that was not scheduled for a while (a loaded machine, a CPU quota) reports late."""
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                 "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
 
@@ -124,6 +127,13 @@ class WorkerProcess:
             pass
         return self.popen.poll()
 
+    def has_ended(self) -> bool:
+        """Whether it has ended, its exit status known or not (a forked keeper's comes from
+        the zygote, which may say it late). Never blocks."""
+        if isinstance(self.popen, Forked):
+            return self.popen.ended()
+        return self.exitcode() is not None
+
     def wait_exit(self, timeout: float) -> int | None:
         """``exitcode()`` within ``timeout`` seconds, else None."""
         deadline = time.monotonic() + timeout
@@ -142,7 +152,7 @@ class WorkerProcess:
         group), collected while it is alive, and its process group. Only while it has not
         ended: a reaped keeper's number may belong to another program's group by now, and
         its own group was ended before the reap (zygote._end_group, ``_reap``)."""
-        if self.exitcode() is None:
+        if not self.has_ended():
             self.killed = True
             below = _proctree.descendants(self.pid)  # read while the tree is whole
             try:  # the keeper's own number while it runs: it is reaped only after its end,
@@ -286,17 +296,25 @@ class LocalLauncher(Launcher):
         return list(self._watch)
 
     def ended(self) -> int | None:
-        return next((w.rank for w in self.workers if w.exitcode() is not None), None)
+        return next((w.rank for w in self.workers if w.has_ended()), None)
 
     def death(self, rank: int, grace: float) -> DeathReport:
         worker = next(w for w in self.workers if w.rank == rank)  # (ranks may start past 0)
         code = worker.wait_exit(grace)
+        ended = code is not None or worker.has_ended()
+        if code is None and ended:  # a forked keeper: the zygote has not said how (yet)
+            code = worker.wait_exit(_LATE_REPORT)
         reason = worker.death_reason()  # read before our own kill below
-        if code is None:
+        if not ended:
             reason = "its channel broke while it still ran, so unison killed it"
         worker.kill()
         if code is None:
             code = worker.exitcode()
+        if code is None and ended:
+            code = zygote.UNKNOWN
+            reason = reason or ("its exit status is unknown: the process that forked it "
+                                "(unison.launch.zygote) still runs but had not said it "
+                                f"{grace + _LATE_REPORT:g} s after it ended")
         if code == zygote.UNKNOWN:
             code = None
             reason = reason or ("its exit status is unknown: the process that forked it "

@@ -36,6 +36,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
@@ -99,23 +100,28 @@ class _Reports:
         self._lock = threading.Lock()
         self._status: dict[int, int] = {}
 
-    def status(self, pid: int, timeout: float) -> int:
+    def status(self, pid: int, timeout: float) -> int | None:
         """The exit status of keeper ``pid`` (ended: its pidfd is readable), as
-        ``Popen.returncode``; UNKNOWN if the zygote is gone without saying."""
+        ``Popen.returncode``; UNKNOWN if the zygote is gone without saying (its socket's
+        EOF); None if it has not said within ``timeout``: a zygote that was not scheduled
+        for a while (a loaded machine, a CPU quota) reports late, so ask again."""
+        end = time.monotonic() + timeout
         with self._lock:
-            while pid not in self._status and self._sock.fileno() >= 0:
-                if not _readable(self._sock.fileno(), timeout):
-                    break
+            while pid not in self._status:
+                if self._sock.fileno() < 0:
+                    return UNKNOWN
+                if not _readable(self._sock.fileno(), max(end - time.monotonic(), 0)):
+                    return None
                 try:
                     data = self._sock.recv(_REPORT.size)
                 except OSError:
                     data = b""
                 if len(data) != _REPORT.size:  # the zygote is gone
                     self._sock.close()
-                    break
+                    return UNKNOWN
                 got, raw = _REPORT.unpack(data)
                 self._status[got] = os.waitstatus_to_exitcode(raw)
-            return self._status.get(pid, UNKNOWN)
+            return self._status[pid]
 
     def close(self) -> None:
         self._sock.close()
@@ -153,8 +159,13 @@ class Forked:
         if self.poll() is None and not _readable(self.pidfd, timeout):
             raise subprocess.TimeoutExpired(f"worker keeper {self.pid}", timeout or 0.0)
         code = self.poll()
-        assert code is not None
-        return code
+        return UNKNOWN if code is None else code  # not said yet: poll() asks again later
+
+    def ended(self) -> bool:
+        """Whether the keeper has ended (its pidfd is readable), its status known or not."""
+        if self.returncode is not None or self.pidfd < 0:
+            return True
+        return _readable(self.pidfd, 0)
 
     def kill(self) -> None:
         try:
