@@ -153,3 +153,31 @@ def test_a_session_made_in_a_short_lived_thread_outlives_that_thread(controller)
     proc = controller(CONTROLLER_STARTING_IN_A_SHORT_THREAD)
     pids = read_pids(proc)
     assert len(pids) == 2
+
+
+# A child the controller forked (multiprocessing's "fork" start, Linux's default before
+# Python 3.14) holds a copy of every worker's lifeline: the controller's death closes none.
+CONTROLLER_WITH_A_FORKED_HELPER = """
+    import os, time
+    import unison
+
+    sess = unison.Session(2)
+    pids = sess.run(os.getpid)
+    helper = os.fork()
+    if helper == 0:
+        time.sleep(60)
+        os._exit(0)
+    print(*pids, helper, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_workers_exit_when_the_controller_is_killed_though_a_fork_of_it_lives(controller):
+    proc = controller(CONTROLLER_WITH_A_FORKED_HELPER)
+    *pids, helper = read_pids(proc)
+    assert len(pids) == 2
+    try:
+        _assert_all_gone(_kill_and_time(proc, pids))
+        assert alive(helper)  # it held the lifelines all along
+    finally:
+        os.kill(helper, signal.SIGKILL)  # (init reaps it: it is no child of ours)

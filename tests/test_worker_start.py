@@ -73,3 +73,36 @@ def test_the_modules_a_worker_imports_have_their_bytecode():
     for mod in (unison.worker, unison.protocol, unison.channel.shm, unison.collective.shm):
         cached = importlib.util.cache_from_source(mod.__file__)
         assert os.path.exists(cached), f"{mod.__name__} has no bytecode at {cached}"
+
+
+def test_a_worker_waiting_for_its_spec_leaves_when_its_starter_goes(tmp_path):
+    """Its stdin may outlive the process that started it (a child that process forked holds
+    a copy; here, this test): a worker still waiting for its spec looks at its parent each
+    second, and leaves once it has changed."""
+    import psutil
+
+    code = """
+        import os, subprocess, sys
+        worker = subprocess.Popen(
+            [sys.executable, "-c", f"from unison.worker import main; main({os.getpid()})"],
+            stdin=int(sys.argv[1]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        print(worker.pid, flush=True)
+    """
+    r, w = os.pipe()
+    try:
+        try:
+            starter = subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(r)],
+                                     pass_fds=(r,), capture_output=True, text=True,
+                                     timeout=60, env=dict(os.environ))
+        finally:
+            os.close(r)
+        worker = psutil.Process(int(starter.stdout))  # an orphan now; we still hold its stdin
+        try:
+            worker.wait(5)
+        except psutil.TimeoutExpired:
+            worker.kill()
+            raise AssertionError("the worker still waits for its spec from a starter that is "
+                                 "gone") from None
+    finally:
+        os.close(w)
+    assert not worker.is_running()

@@ -468,10 +468,19 @@ def _name(fn: object) -> str:
 # -- process set-up ----------------------------------------------------------------------------
 
 
-def _read_init() -> WorkerSpec:
+def _read_init(parent: int) -> WorkerSpec:
+    """The spec on stdin. Until it comes, a look each second that ``parent`` is still ours:
+    a child the controller forked holds our stdin too, so a controller that is gone may
+    never close it."""
+    waiting = select.poll()
+    waiting.register(0, select.POLLIN)
+
     def read_exact(n: int) -> bytes:
         buf = b""
         while len(buf) < n:
+            while not waiting.poll(1000):
+                if os.getppid() != parent:
+                    os._exit(EXIT_CONTROLLER_GONE)
             chunk = os.read(0, n - len(buf))
             if not chunk:
                 os._exit(EXIT_CONTROLLER_GONE)  # the controller went away before we started
@@ -596,9 +605,9 @@ def main(controller: int | None = None) -> None:
     zygote that forked us: unison.launch.zygote): if our parent is another one by the time
     we look, it is gone already."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    init = _read_init()
     if controller is None:
         controller = os.getppid()
+    init = _read_init(controller)
     if os.getppid() != controller:
         os._exit(EXIT_CONTROLLER_GONE)
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)

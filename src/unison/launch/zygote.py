@@ -21,8 +21,9 @@ A keeper is the zygote's child, not the controller's: ``Forked`` gives the launc
 ``subprocess.Popen`` gave (pid, poll, wait, kill, the three pipes), with the pidfd from the
 zygote (opened before the zygote can reap it, so never another process's) and the exit
 status from its report. The zygote runs no thread and imports nothing of unison's before
-it forks; it leaves once every keeper has ended. Each keeper still holds its own lifeline
-(its stdin) and checks its parent, so a zygote that dies takes its keepers along.
+it forks; it leaves once every keeper has ended, or the controller has (it holds the
+controller's pidfd). Each keeper still holds its own lifeline (its stdin) and checks its
+parent, so a zygote that dies, or leaves, takes its keepers along.
 """
 
 from __future__ import annotations
@@ -276,37 +277,54 @@ def fork_workers(ranks: Sequence[int], fds: Mapping[int, Sequence[int]],
 
 def main(controller: int) -> None:
     """The zygote (the bootstrap's, never a user's): fork a keeper per rank of the plan on
-    stdin, send each one's pid and pidfd, then report how each ends until none is left."""
+    stdin, send each one's pid and pidfd, then report how each ends until none is left.
+
+    It watches the controller itself, through a pidfd: a keeper's lifeline cannot tell, as
+    a child the controller forked (multiprocessing's "fork" start) holds every lifeline too,
+    and a keeper's parent is the zygote. Once the controller has ended, the zygote leaves,
+    and each keeper, seeing its parent go, stops its worker and all it started within a
+    second (unison.worker)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     size = int.from_bytes(_read_exact(8), "little")
     sock_fd, plan = pickle.loads(_read_exact(size))
+    try:
+        lead = os.pidfd_open(controller)
+    except OSError:
+        os._exit(1)
     if os.getppid() != controller:
-        os._exit(1)  # the controller went away before we started
+        os._exit(1)  # the controller went away before we started (the pidfd may be another's)
     sock = socket.socket(fileno=sock_fd)
     me = os.getpid()
+    keepers: dict[int, int] = {}  # pidfd -> pid
     for rank, in_fd, out_fd, err_fd, keep, rank_env in plan:
         pid = os.fork()
         if pid == 0:
             _go_on_as_worker(in_fd, out_fd, err_fd, keep, rank_env, me)
         pidfd = os.pidfd_open(pid)  # before any wait: the pid is still this keeper's
         socket.send_fds(sock, [pickle.dumps((rank, pid))], [pidfd])
-        os.close(pidfd)
+        keepers[pidfd] = pid
     # the ranks' pipes and the workers' channel and collective fds: theirs, not ours
-    os.closerange(3, sock.fileno())
-    os.closerange(sock.fileno() + 1, 65536)
-    while True:
-        try:
-            ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)  # not reaped yet
-        except ChildProcessError:
-            os._exit(0)  # every keeper has ended
-        assert ended is not None  # (None only with WNOHANG)
-        pid = ended.si_pid
-        _end_group(pid)
-        _, raw = os.waitpid(pid, 0)
-        try:
-            sock.sendall(_REPORT.pack(pid, raw))
-        except OSError:
-            pass  # the controller is gone: its keepers follow it
+    wanted = sorted({0, 1, 2, sock.fileno(), lead, *keepers})
+    for low, high in zip(wanted, [*wanted[1:], 65536]):
+        os.closerange(low + 1, high)
+    poller = select.poll()  # a blocking wait: no CPU while nothing happens
+    for fd in (lead, *keepers):
+        poller.register(fd, select.POLLIN)
+    while keepers:
+        ready = [fd for fd, _ in poller.poll()]
+        if lead in ready:
+            os._exit(0)  # the controller has ended: its keepers see us go, and follow
+        for pidfd in ready:
+            pid = keepers.pop(pidfd)
+            poller.unregister(pidfd)
+            os.close(pidfd)
+            _end_group(pid)
+            _, raw = os.waitpid(pid, 0)
+            try:
+                sock.sendall(_REPORT.pack(pid, raw))
+            except OSError:
+                pass  # the controller is gone: its keepers follow it
+    os._exit(0)  # every keeper has ended
 
 
 def _end_group(keeper: int) -> None:
