@@ -229,3 +229,51 @@ def test_a_keeper_killed_outright_takes_its_workers_children_along(
     finally:
         child.kill()
         child.wait()
+
+
+def exit_with(code: int) -> None:
+    os._exit(code)
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["apart", "forked"])
+def test_a_controller_ignoring_sigchld_never_shows_a_death_as_a_clean_exit(make_session,
+                                                                            n: int) -> None:
+    """A controller with SIGCHLD set to SIG_IGN (or a waitpid(-1) of its own): the kernel
+    reaps a worker it started before we can, and Popen took that for exit code 0. Now its
+    status is unknown, and the error says why; the zygote sets SIGCHLD back to SIG_DFL, so
+    forked workers' statuses come through as ever."""
+    before = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        sess = make_session(n)
+        with pytest.raises(unison.WorkerDied) as info:
+            sess[n - 1].run(exit_with, 3)
+    finally:
+        signal.signal(signal.SIGCHLD, before)
+    if n == 1:
+        assert info.value.exitcode is None, str(info.value)
+        assert "reaped by someone else" in info.value.reason
+    else:
+        assert info.value.exitcode == 3, str(info.value)
+
+
+def signal_state() -> tuple[list[int], bool]:
+    return sorted(signal.pthread_sigmask(signal.SIG_BLOCK, ())), (
+        signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["apart", "forked"])
+def test_workers_start_with_no_signal_blocked(make_session, n: int) -> None:
+    """A session opened from a thread that blocks signals: the mask passes through fork
+    and exec, and Ref.cancel()'s signal (and sess.stacks()') would never arrive."""
+    import threading
+
+    box: list[Any] = []
+
+    def open_it() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        box.append(make_session(n))
+
+    thread = threading.Thread(target=open_it)
+    thread.start()
+    thread.join()
+    assert box[0].run(signal_state) == [([], True)] * n

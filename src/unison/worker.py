@@ -498,6 +498,16 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
 
+def _plain_signals() -> None:
+    """Undo the signal state a worker inherits through fork and exec from whoever started
+    it: a SIGCHLD of SIG_IGN (the kernel would reap the keeper's worker unseen, and the
+    user's subprocesses), and a blocked mask (a session opened from a thread that blocks
+    signals: Ref.cancel's signal and sess.stacks' would never arrive). The keeper's and
+    the worker's own handlers are set later, on this plain ground."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
+
+
 def _prctl(option: int, value: int) -> bool:
     """Linux's prctl(2); False where it is missing or refused."""
     try:
@@ -605,6 +615,7 @@ def main(controller: int | None = None) -> None:
     zygote that forked us: unison.launch.zygote): if our parent is another one by the time
     we look, it is gone already."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _plain_signals()
     if controller is None:
         controller = os.getppid()
     init = _read_init(controller)
@@ -722,6 +733,7 @@ def connect_main(address: str, rank: int = -1, timeout: float = 60.0,
     from unison.channel.tcp import Refused, TcpWorkerChannel, dial
     from unison.launch import SECRET_VAR
 
+    _plain_signals()
     if nice is not None:
         set_niceness(nice)
 

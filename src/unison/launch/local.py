@@ -97,6 +97,8 @@ class WorkerProcess:
         self._tail_chars = 0
         self.killed = False
         """True once the launcher killed it while it still ran (so the cause is known)."""
+        self.lost = False
+        """True once another in this process reaped it: its exit status is lost."""
         self.output_done = threading.Event()
         self._open_streams = 2
         try:  # a forked keeper's is Forked's (the zygote opened it before it could reap)
@@ -109,6 +111,8 @@ class WorkerProcess:
         """Its exit status once it has ended, else None. The zygote reaps a forked keeper;
         we reap one we started, and end its group first (``_reap``)."""
         popen = self.popen
+        if self.lost:
+            return zygote.UNKNOWN
         if isinstance(popen, Forked) or popen.returncode is not None:
             return popen.poll()
         return self._reap()
@@ -119,8 +123,9 @@ class WorkerProcess:
         try:
             if os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
                 return None
-        except ChildProcessError:  # reaped by another (a SIGCHLD of SIG_IGN): the number
-            return self.popen.poll()  # may be another's, so its group is left alone
+        except ChildProcessError:  # reaped by another: the number may be another's, so
+            self.lost = True  # its group is left alone; Popen would say 0 for its status
+            return zygote.UNKNOWN
         try:
             os.killpg(self.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -315,6 +320,11 @@ class LocalLauncher(Launcher):
             reason = reason or ("its exit status is unknown: the process that forked it "
                                 "(unison.launch.zygote) still runs but had not said it "
                                 f"{grace + _LATE_REPORT:g} s after it ended")
+        if code == zygote.UNKNOWN and worker.lost:
+            code = None
+            reason = reason or ("its exit status is unknown: it was reaped by someone else in "
+                                "this process (SIGCHLD set to SIG_IGN, or a waitpid(-1), such "
+                                "as asyncio's FastChildWatcher)")
         if code == zygote.UNKNOWN:
             code = None
             reason = reason or ("its exit status is unknown: the process that forked it "

@@ -285,6 +285,10 @@ def main(controller: int) -> None:
     and each keeper, seeing its parent go, stops its worker and all it started within a
     second (unison.worker)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a controller's SIGCHLD of SIG_IGN would have the keepers reaped unseen, and the mask
+    # of its thread would block Ref.cancel's signal in every worker (unison.worker's too)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
     size = int.from_bytes(_read_exact(8), "little")
     sock_fd, plan = pickle.loads(_read_exact(size))
     try:
