@@ -277,3 +277,23 @@ def test_workers_start_with_no_signal_blocked(make_session, n: int) -> None:
     thread.start()
     thread.join()
     assert box[0].run(signal_state) == [([], True)] * n
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["apart", "forked"])
+def test_a_start_past_start_timeout_raises_timeout_error_then(monkeypatch, n: int) -> None:
+    """Workers that never start (here: a bootstrap that only sleeps) fail the start at
+    start_timeout with the same error, forked or apart. The zygote's wait was its own 60 s
+    (_FORKING, 10 here to fail fast), and a start's error spoke of a Ref to wait on."""
+    from unison.launch import local
+
+    monkeypatch.setattr(zygote, "_FORKING", 10.0)
+    monkeypatch.setattr(zygote, "_BOOTSTRAP", "import time; time.sleep(60)  # {path} {pid}")
+    monkeypatch.setattr(local, "_BOOTSTRAP", "import time; time.sleep(60)  # {pid}")
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        unison.Session(n, start_timeout=1.0)
+    assert time.monotonic() - start < 4
+    text = str(info.value)
+    assert text.startswith(f"starting timed out: {n} worker(s) {list(range(n))}"), text
+    assert "start_timeout" in text and "session is closed" in text
+    assert "Ref" not in text

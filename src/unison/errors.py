@@ -159,6 +159,16 @@ class CollectiveError(UnisonError):
         self.peer = peer
 
 
+def start_timed_out(ranks: list[int]) -> str:
+    """The TimeoutError's message of a start past ``start_timeout`` (the session's wait for
+    the workers, or a launcher's while it starts them): there is no Ref, and the session
+    is closed."""
+    return (f"starting timed out: {len(ranks)} worker(s) {ranks} had not started by the "
+            "deadline (start_timeout). The session is closed and what had started is "
+            "stopped: where the start is slow (a slow disk, heavy imports, a crowded "
+            "machine), give Session a larger start_timeout.")
+
+
 def describe_exitcode(code: int | None, known: bool = False) -> str:
     """Turn an exit status into the likely cause, the way a user would want to read it.
     With ``known`` (the caller knows the cause), the status is told without guessing."""

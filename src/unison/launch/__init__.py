@@ -85,6 +85,11 @@ class Launcher(ABC):
     connection closing.
     """
 
+    start_deadline: float | None = None
+    """The session's start deadline (``time.monotonic()``; None: none), set before
+    ``start``: a launcher that waits while it starts gives up then, with TimeoutError
+    (``unison.errors.start_timed_out`` says it)."""
+
     children = False
     """Whether the workers are child processes on the controller's host, sharing its CPUs:
     ``cpu_affinity=None`` then spreads them over the CPUs where they outnumber them

@@ -75,6 +75,7 @@ class InlineLauncher(Launcher):
                     "environment and CPUs, so env[0] and cpu_affinity for rank 0 cannot be "
                     "given (set them on the controller's process)")
             self._worker = _InlineWorker(specs[0], self._chan)
+            self._rest.start_deadline = self.start_deadline
             self._rest.start(specs[1:], env)
         except BaseException:
             self.stop(0)

@@ -262,7 +262,7 @@ class LocalLauncher(Launcher):
             if len(specs) > 1 and zygote.usable(env):
                 self._zygote, forked = zygote.fork_workers(
                     [init.rank for init in specs], {init.rank: init.fds for init in specs},
-                    base_env, rank_env, _OWN_GROUP)
+                    base_env, rank_env, _OWN_GROUP, self.start_deadline)
                 self.workers = [WorkerProcess(init.rank, proc)
                                 for init, proc in zip(specs, forked)]
             else:

@@ -205,9 +205,11 @@ class Zygote:
 
 def fork_workers(ranks: Sequence[int], fds: Mapping[int, Sequence[int]],
                  env: Mapping[str, str], rank_env: Mapping[int, Mapping[str, str]],
-                 process_group: Mapping[str, Any]) -> tuple[Zygote, list[Forked]]:
+                 process_group: Mapping[str, Any], deadline: float | None = None,
+                 ) -> tuple[Zygote, list[Forked]]:
     """Start the zygote and have it fork a keeper per rank (each keeping ``fds[rank]``);
-    the zygote and the keepers, in ``ranks`` order."""
+    the zygote and the keepers, in ``ranks`` order. ``deadline``: the session's start
+    deadline (time.monotonic()), past which the start fails with TimeoutError."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # one per send
     made: list[int] = []  # fds of ours to close on failure
     plan = []
@@ -239,11 +241,17 @@ def fork_workers(ranks: Sequence[int], fds: Mapping[int, Sequence[int]],
                 made.remove(fd)  # first: an interrupt between the two leaks it, where the
                 os.close(fd)  # other order had the cleanup below close its number again
         reports = _Reports(ours)
-        ours.settimeout(_FORKING)
+        forking = time.monotonic() + _FORKING
+        until = forking if deadline is None else min(forking, deadline)
         while len(forked) < len(plan):
+            ours.settimeout(max(until - time.monotonic(), 0.001))
             try:
                 msg, got_fds, _, _ = socket.recv_fds(ours, 64, 1)
             except TimeoutError:
+                if until < forking:  # the session's start_timeout, not ours
+                    from unison.errors import start_timed_out  # (the zygote imports none)
+
+                    raise TimeoutError(start_timed_out(list(ranks))) from None
                 msg = b""
             if not msg or not got_fds:
                 raise RuntimeError(

@@ -254,7 +254,8 @@ class Session(View):
             ready = Request(protocol.READY_REQ, num_workers)
             self._router.expect(ready, self.workers)
             self._closed = False
-            self._res.start(self._res.specs(num_workers, num_groups, cpus, spread), envs)
+            self._res.start(self._res.specs(num_workers, num_groups, cpus, spread), envs,
+                            start_deadline)
             self._router.set_watched(self._res.watched)
             self._router.wait(ready, start_deadline, "starting")
             crowd.forget()  # the workers' start was no crowd of strangers

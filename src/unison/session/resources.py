@@ -164,11 +164,14 @@ class Resources:
             ))
         return out
 
-    def start(self, specs: list[WorkerSpec], env: Mapping[int, Mapping[str, str]]) -> None:
+    def start(self, specs: list[WorkerSpec], env: Mapping[int, Mapping[str, str]],
+              deadline: float | None = None) -> None:
+        """Start the workers (``deadline``: the session's start deadline, for the launcher)."""
         offer = getattr(self.chan, "offer", None)
         if offer is not None:  # TCP: each worker gets its spec once it has proved itself
             for spec in getattr(self, "_offers", None) or specs:
                 offer(spec.rank, pickle.dumps(spec, protocol=5), spec.fds)
+        self.launcher.start_deadline = deadline
         self.launcher.start(specs, env)
         self.chan.started(self.launcher.watch_fds())
 

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from unison import protocol
 from unison.channel import Channel, Reply
+from unison.errors import start_timed_out
 from unison.protocol import ARRAY, ERR, OK, PICKLED, array_value, loads_plain, read_reply
 from unison.session.unreported import UnreportedErrors
 
@@ -479,9 +480,10 @@ class Router:
         """The deadline passed: name the wait, and where each worker that owes a reply is
         (the owner's ``_where_they_are``, bounded; absent for owners without one)."""
         ranks = self.pending(req)
-        text = (f"{during} timed out: {req.remaining} worker(s) {ranks} had not answered by "
-                "the deadline. The work goes on and the Ref stays valid: wait again "
-                "(get/gather/sync), or close the session.")
+        text = start_timed_out(ranks) if during == "starting" else (
+            f"{during} timed out: {req.remaining} worker(s) {ranks} had not answered by "
+            "the deadline. The work goes on and the Ref stays valid: wait again "
+            "(get/gather/sync), or close the session.")
         where = getattr(self._owner, "_where_they_are", None)
         if where is not None:
             text += where(ranks)
