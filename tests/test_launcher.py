@@ -297,3 +297,44 @@ def test_a_start_past_start_timeout_raises_timeout_error_then(monkeypatch, n: in
     assert text.startswith(f"starting timed out: {n} worker(s) {list(range(n))}"), text
     assert "start_timeout" in text and "session is closed" in text
     assert "Ref" not in text
+
+
+
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+def test_an_interrupt_as_a_proc_file_opens_leaves_no_fd() -> None:
+    """A Ctrl-C (any exception a signal handler raises) as the open of a /proc file
+    returns, before the fd is held (pacing's looks at the scheduler, in every wait):
+    the bare fd was lost; a file object is closed as it is dropped. A profile function
+    raises at that very point."""
+    from unison import pacing
+
+    def interrupt(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_return" and arg in (open, os.open):
+            sys.setprofile(None)
+            raise KeyboardInterrupt
+
+    before = _fds()
+    sys.setprofile(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pacing._read("/proc/loadavg")
+    finally:
+        sys.setprofile(None)
+    assert _fds() == before
+
+
+def test_an_arena_that_cannot_map_its_file_closes_it(monkeypatch) -> None:
+    from unison.channel import arena
+
+    def no_map(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt  # (or an OSError: no memory, a limit on mappings)
+
+    before = _fds()
+    monkeypatch.setattr(arena.mmap, "mmap", no_map)
+    with pytest.raises(KeyboardInterrupt):
+        arena.Arena("unison-test-arena", 2)
+    assert _fds() == before

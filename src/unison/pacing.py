@@ -216,12 +216,11 @@ def _schedstat() -> tuple[int, int, int] | None:
 
 
 def _read(path: str) -> bytes:
-    """The first line or so of a /proc file: an open, a read and a close."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return os.read(fd, 128)
-    finally:
-        os.close(fd)
+    """The first line or so of a /proc file: an open, a read and a close. Through a file
+    object, not a bare fd: an exception a signal raises as the open returns (Ctrl-C) drops
+    the object, which closes its fd; a bare fd was lost (a few µs more, once per look)."""
+    with open(path, "rb", buffering=0) as f:
+        return f.read(128)
 
 
 def runnable() -> int | None:

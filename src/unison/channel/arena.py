@@ -93,12 +93,17 @@ class Arena:
     def __init__(self, name: str, num_readers: int, fd: int | None = None,
                  keep: int = KEEP, commands: bool = False) -> None:
         self.fd = create_file(name, num_readers) if fd is None else fd
+        try:  # a file of our own is closed if this fails (a Ctrl-C, no memory to map)
+            self.size = os.fstat(self.fd).st_size
+            self._map = mmap.mmap(self.fd, self.size)
+        except BaseException:
+            if fd is None:
+                os.close(self.fd)
+            raise
         self._commands = commands
         """A session's arena for its commands: the one whose shared arrays its workers write."""
-        self.size = os.fstat(self.fd).st_size
         self._n = num_readers
         self._keep = keep
-        self._map = mmap.mmap(self.fd, self.size)
         base = counters_size(num_readers)
         self._counters = memoryview(self._map)[:base].cast("I")  # [slot*n*2 + 2r] sent, +1 done
         self._top = base
