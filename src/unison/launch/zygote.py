@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+import select
 import signal
 import socket
 import struct
