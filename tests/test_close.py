@@ -8,6 +8,7 @@ import atexit
 import concurrent.futures
 import gc
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,7 @@ import pytest
 import unison
 from support import FORKS_ON_PURPOSE, open_fds, wait_gone
 from unison import SessionClosed
+from unison.session.router import Request
 
 
 def write_after(path, seconds):
@@ -190,6 +192,59 @@ def test_close_from_another_thread_wakes_a_waiter_with_session_closed(sess):
     waiter.join(5)
     assert not waiter.is_alive(), "the waiter hung after close()"
     assert isinstance(outcome.get("exc"), SessionClosed), outcome
+
+
+class _SignalInside:
+    """``lock`` as its owner takes it, but SIGTERM is raised once it is held (the signal
+    landing between the ``with`` and its body); a second acquire gives up after 2 s
+    (``stuck``) rather than hang: a plain Lock taken again by the thread that holds it."""
+
+    def __init__(self, lock):
+        self.lock, self.fired, self.stuck = lock, False, False
+
+    def __enter__(self):
+        if not self.lock.acquire(timeout=2):
+            self.stuck = True
+            raise RuntimeError("the lock's own thread waited for it: deadlocked")
+        if not self.fired:
+            self.fired = True
+            try:
+                signal.raise_signal(signal.SIGTERM)
+            except BaseException:
+                self.lock.release()
+                raise
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+
+@pytest.mark.parametrize("where", ["close", "salvage"])
+def test_a_signal_handlers_close_landing_inside_a_locked_step_returns(sess, where):
+    """A SIGTERM handler that closes the session (as services write), the signal landing
+    while the main thread holds one of the locks that close takes: the session's state lock
+    (inside close itself: a SIGTERM as a with-block exits) or the router's (keeping the errors
+    of a timed-out call's late reply; close's drain does that too). Both were plain Locks:
+    the handler, on the thread that held one, waited for it for ever."""
+    pids = sess.run(os.getpid)
+    owner = sess if where == "close" else sess._router
+    lock = owner._state_lock
+    inside = _SignalInside(lock)
+    owner._state_lock = inside
+    closed = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: closed.append(sess.close()))
+    try:
+        if where == "close":
+            sess.close()
+        else:
+            sess._router.abandon(Request(0, 0))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        owner._state_lock = lock
+    assert inside.fired and not inside.stuck
+    assert closed == [None] and sess.closed
+    assert wait_gone(pids, 2.0) == []
+    with pytest.raises(SessionClosed):
+        sess.run(os.getpid)
 
 
 def test_a_closed_channels_looks_answer_nothing_and_raise_nothing(sess):

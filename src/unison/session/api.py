@@ -243,7 +243,9 @@ class Session(View):
         self._fns = FunctionCache(_FN_CACHE)
         self._errors = UnreportedErrors()
         self._send_lock = threading.RLock()
-        self._state_lock = threading.Lock()
+        # re-entrant: a signal handler's close() may land in the thread inside _shutdown's
+        # first lines (a SIGTERM as a with-block exits): whichever sets _stopping closes
+        self._state_lock = threading.RLock()
         self._res = Resources(self.name, num_workers, num_groups, channel, collectives,
                               the_launcher)  # on failure, it releases what it made
         try:

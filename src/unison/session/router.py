@@ -99,7 +99,7 @@ class Router:
             collections.deque() for _ in range(num_workers)
         ]
         self._recv_lock = threading.RLock()
-        self._state_lock = threading.Lock()
+        self._state_lock = threading.RLock()  # a signal handler's close salvages too
         self._cv = threading.Condition(threading.Lock())
         self._followers = 0
         self._missed = False
