@@ -195,12 +195,12 @@ def test_close_from_another_thread_wakes_a_waiter_with_session_closed(sess):
 
 
 class _SignalInside:
-    """``lock`` as its owner takes it, but SIGTERM is raised once it is held (the signal
+    """``lock`` as its owner takes it, but ``signum`` is raised once it is held (the signal
     landing between the ``with`` and its body); a second acquire gives up after 2 s
     (``stuck``) rather than hang: a plain Lock taken again by the thread that holds it."""
 
-    def __init__(self, lock):
-        self.lock, self.fired, self.stuck = lock, False, False
+    def __init__(self, lock, signum=signal.SIGTERM):
+        self.lock, self.signum, self.fired, self.stuck = lock, signum, False, False
 
     def __enter__(self):
         if not self.lock.acquire(timeout=2):
@@ -209,7 +209,7 @@ class _SignalInside:
         if not self.fired:
             self.fired = True
             try:
-                signal.raise_signal(signal.SIGTERM)
+                signal.raise_signal(self.signum)
             except BaseException:
                 self.lock.release()
                 raise
@@ -245,6 +245,70 @@ def test_a_signal_handlers_close_landing_inside_a_locked_step_returns(sess, wher
     assert wait_gone(pids, 2.0) == []
     with pytest.raises(SessionClosed):
         sess.run(os.getpid)
+
+
+@pytest.fixture
+def closing_on_sigusr1(sess):
+    """A SIGUSR1 handler that closes ``sess`` (as a SIGTERM handler in a service would;
+    SIGALRM is pytest-timeout's); what each close returned, in order."""
+    closed = []
+    previous = signal.signal(signal.SIGUSR1, lambda *_: closed.append(sess.close()))
+    yield closed
+    signal.signal(signal.SIGUSR1, previous)
+
+
+@pytest.mark.timeout(30)  # (pipe's drain waited for ever for the read's own rx lock)
+def test_a_signal_handlers_close_during_a_wait_raises_session_closed(sess, closing_on_sigusr1):
+    """The handler's close released the ring's memory under the wait it interrupted (the
+    wait's locks are the handler's thread's, so close went through): the wait then raised
+    the released memoryview's ValueError, not SessionClosed."""
+    pids = sess.run(os.getpid)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
+    timer.start()
+    try:
+        with pytest.raises(SessionClosed, match="the session is closed"):
+            sess.run(time.sleep, 2)
+    finally:
+        timer.cancel()
+    assert closing_on_sigusr1 == [None]
+    assert wait_gone(pids, 2.0) == []
+
+
+@pytest.mark.parametrize("channel", ["shm"])  # (its rx lock)
+def test_a_signal_handlers_close_inside_a_read_neither_hangs_nor_reads(sess, closing_on_sigusr1):
+    """The signal lands while the wait reads the ring, under the channel's rx lock: close's
+    drain (reading the workers' goodbye) took that lock again, a plain one, in the thread
+    that held it, for ever. A close inside this thread's own read leaves the reading out."""
+    pids = sess.run(os.getpid)
+    inside = _SignalInside(sess._chan._rx_lock, signal.SIGUSR1)
+    sess._chan._rx_lock = inside
+    with pytest.raises(SessionClosed, match="the session is closed"):
+        sess.run(time.sleep, 0.3, timeout=10)  # (a deadline: the router's wait, its recv)
+    assert inside.fired and not inside.stuck
+    assert closing_on_sigusr1 == [None]
+    assert wait_gone(pids, 2.0) == []
+
+
+def test_a_signal_handlers_close_inside_a_send_raises_session_closed(sess, closing_on_sigusr1,
+                                                                     monkeypatch):
+    """The signal lands while a send holds the send lock: close's goodbye went into the
+    stream amid the message, and the send then wrote to the released ring (ValueError).
+    Now close sends nothing there and stops the workers at once, and the send raises
+    SessionClosed."""
+    pids = sess.run(os.getpid)
+    send = sess._chan.send
+
+    def signalled(*args, **kwargs):
+        signal.raise_signal(signal.SIGUSR1)
+        return send(*args, **kwargs)
+
+    monkeypatch.setattr(sess._chan, "send", signalled)
+    start = time.monotonic()
+    with pytest.raises(SessionClosed, match="the session is closed"):
+        sess.put(b"x" * 100_000)
+    assert time.monotonic() - start < 2.5  # (no grace spent waiting for workers to exit)
+    assert closing_on_sigusr1 == [None]
+    assert wait_gone(pids, 2.0) == []
 
 
 def test_a_closed_channels_looks_answer_nothing_and_raise_nothing(sess):

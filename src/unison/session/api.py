@@ -436,6 +436,11 @@ class Session(View):
         if router is None:  # failed right after: nothing was started, release the rest
             res.close(0.0)
             return
+        # a close inside this thread's own send or read (a signal handler's: the locks let
+        # it through) sends no SHUTDOWN amid the message half written, and reads nothing amid
+        # the read it cut short (the channel's rx lock, not re-entrant, would wait for ever)
+        sending, reading = ((_owned(self._send_lock), _owned(router.recv_lock)) if grace > 0
+                            else (False, False))  # (grace 0: a close of unison's own, not nested)
         dead = self._dead
         ranks = self.workers if dead is None else tuple(
             r for r in self.workers if r != getattr(dead, "worker", None))  # its survivors
@@ -449,10 +454,10 @@ class Session(View):
             # a death closes at once, but the errors survivors hold may be its cause: they
             # are asked for them, briefly (idle ones answer at once; WorkerDied waits)
             grace = _ASK_AFTER_DEATH_S
-        deadline = time.monotonic() + grace
+        deadline = time.monotonic() + (0.0 if sending else grace)  # (no SHUTDOWN: no exit)
         goodbye = None
         # a thread blocked sending (to busy workers) holds the send lock: don't wait past grace
-        if grace > 0 and ranks and self._send_lock.acquire(timeout=grace):
+        if grace > 0 and ranks and not sending and self._send_lock.acquire(timeout=grace):
             try:
                 # the workers answer SHUTDOWN with their unreported errors, read below
                 goodbye = Request(next(self._ids), len(ranks))
@@ -468,7 +473,7 @@ class Session(View):
         # once the workers are gone, a sender still inside the channel fails out at once
         try:
             res.close(max(0.0, deadline - time.monotonic()),
-                      router.drain if goodbye is not None else None, locks)
+                      router.drain if goodbye is not None and not reading else None, locks)
         finally:  # a done callback that raised in drain: every other wait still ends
             try:
                 router.fail_all(self._dead if self._dead is not None else SessionClosed(
@@ -561,6 +566,7 @@ class Session(View):
                         except BaseException as exc:
                             if req is not None:
                                 self._router.forget(req, ranks)
+                            self._closed_under(exc)
                             raise self._send_failed(exc, frees, ranks)  # noqa: B904 (there)
                         return ref_id
                 finally:
@@ -1043,7 +1049,15 @@ class Session(View):
                 self._tracer.on_message(build, fields, ranks, len(msg) + sum(
                     memoryview(b).nbytes for b in buffers) if buffers else len(msg))
         except BaseException as exc:
+            self._closed_under(exc)
             raise self._send_failed(exc, frees, ranks)  # noqa: B904 (its cause is set there)
+
+    def _closed_under(self, exc: BaseException) -> None:
+        """A send's error once the session is closed: a close in a signal handler (in this
+        thread, whose locks let it through) let go of the channel under it (shm's released
+        ring: ValueError; pipe's emptied fd list: IndexError). SessionClosed says so."""
+        if self._closed and isinstance(exc, Exception):
+            self.check_open()
 
     def _run_inline(self, deadline: float | None = None) -> None:
         """Worker 0 inline: it runs its share of what was just sent, now, here (the caller
@@ -1284,6 +1298,11 @@ class _Both:
     def __exit__(self, *exc: object) -> None:
         self._second.release()
         self._first.release()
+
+
+def _owned(lock: threading.RLock) -> bool:
+    """Whether this thread holds ``lock`` (as threading.Condition asks an RLock)."""
+    return bool(lock._is_owned())  # type: ignore[attr-defined]
 
 
 def _labelled(values: list[Any]) -> Iterable[tuple[Any, str]]:

@@ -166,6 +166,10 @@ class Router:
         except KeyboardInterrupt:
             self._owner.interrupted()
             raise
+        except (ValueError, OSError):
+            if self.closed:  # closed under the wait (a signal handler's close, this thread's
+                self._owner.check_open()  # locks): the released ring's error says nothing
+            raise
 
     def quick(self, req: Request, ranks: tuple[int, ...],
               timeout: float | None = None) -> list[Any] | None:
@@ -206,6 +210,10 @@ class Router:
                         self._cv.notify_all()
         except KeyboardInterrupt:  # a reply may be read and not delivered: as in wait
             self._owner.interrupted()
+            raise
+        except (ValueError, OSError):
+            if self.closed:  # (as in wait)
+                self._owner.check_open()
             raise
 
     def values(self, req: Request, ranks: Sequence[int]) -> list[Any] | None:
@@ -419,6 +427,9 @@ class Router:
         except KeyboardInterrupt:  # (an event loop's reader: run_until_complete raises it
             self._owner.interrupted()  # here) replies may be read and not delivered, as
             raise  # in wait: the session closes
+        except (ValueError, OSError):
+            if not self.closed:  # closed under the look (as in wait): the waits were failed
+                raise  # with the reason
 
     def _rearm(self) -> None:
         """A poll found the recv lock taken (``_missed``): make the event loop's wake fd
