@@ -394,6 +394,40 @@ def sleep_for(*, seconds: float) -> None:
     time.sleep(seconds)
 
 
+@pytest.mark.timeout(20)  # (before: the handler's close waited for ever)
+@pytest.mark.parametrize("how", ["run", "call"])
+def test_a_signal_handlers_close_inside_worker_0s_call(
+        inline: Callable[..., unison.Session], how: str) -> None:
+    """A signal handler closes the session while worker 0's share of a call runs, in this
+    thread, under the launcher's lock: stop() took that plain Lock again and waited for
+    ever. Now pump closes worker 0 once its call returns: the handler's close returns, the
+    call raises SessionClosed, and nothing is left (the fixture's checks; worker 0's place
+    in this process is free again)."""
+    sess = inline(2)
+    pids = sess.run(os.getpid)
+    closed: list[bool] = []
+
+    def close(*_: object) -> None:
+        sess.close()
+        closed.append(True)
+
+    previous = signal.signal(signal.SIGUSR1, close)  # (SIGALRM is pytest-timeout's)
+    timer = threading.Timer(0.2, signal.pthread_kill, (threading.get_ident(), signal.SIGUSR1))
+    timer.start()
+    try:
+        with pytest.raises(unison.SessionClosed, match="the session is closed"):
+            if how == "run":
+                sess.run(time.sleep, 1)
+            else:
+                sess.call(time.sleep, 1)
+    finally:
+        timer.join()
+        signal.signal(signal.SIGUSR1, previous)
+    assert closed == [True]
+    wait_dead(pids[1])
+    assert inline(2).run(unison.rank) == [0, 1]
+
+
 @pytest.mark.parametrize("path", ["quick", "general"])
 def test_ctrl_c_in_worker_0s_call_is_the_controllers(
         inline: Callable[..., unison.Session], path: str) -> None:

@@ -65,7 +65,9 @@ class InlineLauncher(Launcher):
         self._rest = rest
         self._chan = chan
         self._worker: _InlineWorker | None = None
-        self._lock = threading.Lock()  # pump() from several threads: one loop at a time
+        self._lock = threading.RLock()  # pump() from several threads: one loop at a time
+        self._pumping = False  # (re-entrant for stop(): a signal handler's close, in pump)
+        self._closing = False
 
     def start(self, specs: Sequence[WorkerSpec], env: Mapping[int, Mapping[str, str]]) -> None:
         try:
@@ -86,8 +88,19 @@ class InlineLauncher(Launcher):
         sending call's, where its collectives give up waiting for peers (a stopped or stuck
         one would otherwise hold the controller past it)."""
         with self._lock:
-            if self._worker is not None:
-                self._worker.pump(deadline)
+            if self._pumping:  # a signal handler's call, inside worker 0's own
+                raise RuntimeError(
+                    "worker 0 runs inline in this thread, where it is in the middle of a call "
+                    "(this code interrupted it: a signal handler?), so it cannot run another: "
+                    "leave inline_worker0 off to use the session from a signal handler")
+            self._pumping = True
+            try:
+                if self._worker is not None:
+                    self._worker.pump(deadline)
+            finally:
+                self._pumping = False
+                if self._closing:  # stop() came from inside worker 0's call (below)
+                    self._end(run_rest=False)
 
     def watch_fds(self) -> list[int]:
         return self._rest.watch_fds()
@@ -108,14 +121,22 @@ class InlineLauncher(Launcher):
             self._rest.stop(grace)
         finally:
             with self._lock:
-                inline, self._worker = self._worker, None
-            try:
-                if inline is not None:
-                    inline.close()
-            finally:
-                if self._held:
-                    self._held = False
-                    _taken.release()
+                if self._pumping:  # this thread is inside worker 0's call (a signal handler's
+                    self._closing = True  # close): pump closes it once that call returns
+                else:
+                    self._end(run_rest=True)
+
+    def _end(self, run_rest: bool) -> None:
+        """Close worker 0 (caller holds the lock); ``run_rest``: what the ring still holds
+        for it first, while the controller's channel is open to read its replies."""
+        inline, self._worker = self._worker, None
+        try:
+            if inline is not None:
+                inline.close(run_rest)
+        finally:
+            if self._held:
+                self._held = False
+                _taken.release()
 
 
 class _InlineWorker:
@@ -159,10 +180,11 @@ class _InlineWorker:
             if self._coll is not None:
                 self._coll.give_up_at = None
 
-    def close(self) -> None:
+    def close(self, run_rest: bool = True) -> None:
         """Run what is left (SHUTDOWN answers with the unreported errors), then let go."""
         try:
-            self.pump()
+            if run_rest:
+                self.pump()
         finally:
             self._chan.release()
             if self._board is not None:

@@ -1068,6 +1068,8 @@ class Session(View):
         except KeyboardInterrupt:  # Ctrl-C in worker 0's call: as during a wait
             self.interrupted()
             raise
+        if self._closed:  # closed inside worker 0's call (a signal handler's close)
+            self.check_open()
 
     def _send_failed(self, exc: BaseException, frees: tuple[int, ...] | None,
                      ranks: tuple[int, ...]) -> BaseException:
