@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 
 import numpy as np
@@ -142,3 +143,31 @@ def test_a_traced_session_closes_within_its_grace_with_a_worker_stuck(tmp_path):
     finally:
         sess.close(timeout=0)
     assert json.loads(path.read_text())["traceEvents"]
+
+
+def exit_on_rank_one() -> None:
+    if unison.rank() == 1:
+        os._exit(3)
+
+
+@pytest.mark.parametrize("how", ["session", "block"])
+def test_a_trace_of_a_job_a_death_ended_is_still_written(make_session, tmp_path, how):
+    """A worker's death closes the session: the trace of the job that broke is the one worth
+    having, so the controller's half is written (it was not at all for Session(trace=...):
+    close() skipped a dead session's trace), and a warning says the workers' are missing."""
+    path = tmp_path / "died.json"
+    if how == "session":
+        sess = make_session(2, trace=path)
+        sess.run(step, 1)
+        with pytest.warns(RuntimeWarning, match="holds the controller's only"), \
+                pytest.raises(unison.WorkerDied):
+            sess.run(exit_on_rank_one)
+        sess.close()
+    else:
+        sess = make_session(2)
+        with pytest.warns(RuntimeWarning, match="holds the controller's only"), \
+                pytest.raises(unison.WorkerDied), sess.trace(path):
+            sess.run(step, 1)
+            sess.run(exit_on_rank_one)
+    names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
+    assert {"call", "reply arrived"} <= names, names  # the controller's side of the run

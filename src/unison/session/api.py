@@ -430,6 +430,7 @@ class Session(View):
             placed()
         if os.getpid() != self._owner:
             return  # a forked child's copy: the workers belong to the parent, leave them be
+        self._drop_trace()
         res = getattr(self, "_res", None)
         if res is None:
             return  # the resources' own creation failed, and released what it made
@@ -844,6 +845,30 @@ class Session(View):
         self._last_trace = tracer
         if tracer.path is not None:
             tracer.write(tracer.path)
+
+    def _drop_trace(self) -> None:
+        """A close with the trace still running (a death, Ctrl-C, a close that could not
+        wait for the workers): the controller's half is written all the same, as the trace
+        of a job that broke is the one worth having, and a warning says the workers' events
+        are missing."""
+        tracer, self._tracer = getattr(self, "_tracer", None), None
+        if tracer is None:
+            return
+        self._router.tracer = None
+        tracer.end_ns = time.perf_counter_ns()
+        why = f" ({self._dead})" if self._dead is not None else ""
+        self._last_trace = tracer
+        if tracer.path is None:
+            return
+        try:
+            tracer.write(tracer.path)
+        except OSError as exc:
+            warnings.warn(f"the trace could not be written to {tracer.path}: {exc}",
+                          RuntimeWarning, stacklevel=4)
+            return
+        warnings.warn(f"the session closed before the workers' trace events were collected"
+                      f"{why}: {tracer.path} holds the controller's only", RuntimeWarning,
+                      stacklevel=4)
 
     def _in_call(self) -> list[int]:
         """The workers that may still be in a call: a request to them awaits its reply, or
