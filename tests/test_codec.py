@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import sys
 import threading
 from typing import Any
 
@@ -156,6 +157,49 @@ def test_a_ref_inside_call_arguments_is_counted() -> None:
     assert refs == [ref] and buffers == []
     with pytest.raises(TypeError):
         protocol.dumps(ref)  # only inside dumps_with_refs
+
+
+class _Handover:
+    """Hands its messages over as it pickles (a drained buffer, a one-shot token): pickled
+    twice, the second state, emptied, is what would arrive."""
+
+    def __init__(self, msgs: list[str], inner: object = None) -> None:
+        self.msgs, self.inner, self.pickled = msgs, inner, 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        self.pickled += 1
+        msgs, self.msgs = self.msgs, []
+        return {"msgs": msgs, "inner": self.inner, "pickled": self.pickled}
+
+
+def test_a_script_class_is_pickled_once_where_main_holds_it_or_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``__main__`` class's reducer ran in plain pickle, then again in cloudpickle (which
+    sent the second, emptied, state): on the controller, where plain pickle names
+    ``__main__``, and on a worker, where plain pickle fails on the class."""
+    script = type("Script", (_Handover,), {"__module__": "__main__"})
+    monkeypatch.setattr(sys.modules["__main__"], "Script", script, raising=False)
+    sent = script(["a", "b"])
+    got = _round_trip(sent)  # the controller's case
+    assert (got.msgs, got.pickled, sent.pickled) == (["a", "b"], 1, 1)
+    monkeypatch.delattr(sys.modules["__main__"], "Script")
+    sent = script(["c"])
+    got = _round_trip((5, protocol.OK, sent))[2]  # a worker's reply
+    assert (got.msgs, got.pickled, sent.pickled) == (["c"], 1, 1)
+
+
+def test_an_importable_value_holding_a_script_object_is_pickled_once() -> None:
+    """The outer reducer (an importable class's, which cloudpickle need not take) ran
+    before plain pickle met the ``__main__`` object inside, and again in cloudpickle's."""
+    script = type("Script", (), {"__module__": "__main__"})  # (not in __main__: a worker's)
+    sent = _Handover(["a", "b"], script())
+    got = _round_trip({"box": sent})["box"]
+    assert (got.msgs, got.pickled, sent.pickled) == (["a", "b"], 1, 1)
+    assert type(got.inner).__name__ == "Script"
+    sent = _Handover(["c"])
+    args = protocol.dumps_with_refs(((sent, script()), {}))[0]  # a call's arguments
+    got = protocol.loads(args)[0][0]
+    assert (got.msgs, got.pickled, sent.pickled) == (["c"], 1, 1)
 
 
 class _Custom(Exception):

@@ -181,6 +181,65 @@ def test_resending_a_large_captured_global_warns_once_and_points_at_put(controll
     assert "sess.put" in text and "MiB" in text
 
 
+class Handover:
+    """Hands its messages over as it pickles (a drained buffer, a one-shot token): pickled
+    twice, the second state, emptied, is what would arrive."""
+
+    def __init__(self, msgs, inner=None):
+        self.msgs, self.inner, self.pickled = list(msgs), inner, 0
+
+    def __getstate__(self):
+        self.pickled += 1
+        msgs, self.msgs = self.msgs, []
+        return {"msgs": msgs, "inner": self.inner, "pickled": self.pickled}
+
+
+def test_a_script_class_is_pickled_once_each_way(controller):
+    """Its ``__getstate__`` ran in plain pickle, then again in cloudpickle, whose (emptied)
+    state arrived: a result (plain pickle fails on the class on a worker) and an argument
+    (it names ``__main__`` on the controller)."""
+    out = run_script(controller, """
+        import unison
+
+        class Outbox:
+            def __init__(self, msgs):
+                self.msgs, self.pickled = list(msgs), 0
+
+            def __getstate__(self):
+                self.pickled += 1
+                msgs, self.msgs = self.msgs, []
+                return {"msgs": msgs, "pickled": self.pickled}
+
+        def make():
+            return Outbox(["a", "b", "c"])
+
+        def read(box):
+            return box.msgs, box.pickled
+
+        with unison.Session(1) as sess:
+            got = sess.run(make)[0]
+            print(got.msgs, got.pickled, sess.run(read, Outbox(["x", "y"]))[0])
+    """)
+    assert out.strip() == "['a', 'b', 'c'] 1 (['x', 'y'], 1)", out
+
+
+def test_an_importable_value_holding_a_script_object_is_pickled_once_each_way(sess):
+    """An importable class's reducer ran before plain pickle met the by-value object in its
+    state, then again in cloudpickle's pass."""
+
+    class Local:  # by value, as a script's class
+        pass
+
+    def make():
+        return Handover(["a", "b"], Local())
+
+    def read(box):
+        return box.msgs, box.pickled, type(box.inner).__name__
+
+    assert [(box.msgs, box.pickled) for box in sess.run(make)] == [(["a", "b"], 1)] * 2
+    assert sess.run(read, Handover(["x"], Local())) == [(["x"], 1, "Local")] * 2
+
+
 def module_level(x, y):
     return x + y
 

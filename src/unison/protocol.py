@@ -23,12 +23,18 @@ Every message is one tuple, encoded once whatever the number of workers. ``frees
 tuple of ids to drop before the message runs (or None): that is how dropped Refs are
 batched onto the next message instead of costing a round trip each.
 
-Encoding is pickle protocol 5. The standard pickler is tried first, as it is the fastest;
-anything it cannot take, or that it would send by reference to the controller's ``__main__``
-(which a worker never imports), goes through cloudpickle, by value. A Ref inside the
-arguments pickles as a lookup in the receiving worker's register file (one among plain
-arguments, positional or keyword, goes by its id inside the CALL, with no pickle: see
-call_msg).
+Encoding is pickle protocol 5, each of a value's reducers run once whichever the encoder (a
+reducer may hand over what it pickles: run twice, the second, emptied, state arrived, with
+no error). A first pass, the standard pickler (C, the fastest), runs only reducers known to
+give the same again: C's, the standard library's, numpy's and torch's, a class's default
+(``_first_reducer``). At the first object that needs more (a reducer of other Python code,
+a class of ``__main__`` or one that cloudpickle sends by value) it gives way, before
+anything of that object ran, to one cloudpickle pass, which runs every reducer once. It also
+gives way where it fails, or where it would send anything by reference to the controller's
+``__main__`` (which a worker never imports): what it ran then runs again, which such
+reducers allow. A Ref inside the arguments pickles as a lookup in the receiving worker's
+register file (one among plain arguments, positional or keyword, goes by its id inside the
+CALL, with no pickle: see call_msg).
 
 A CALL, a GET, and a PUT or a reply of a plain value (None, bool, int, float, str, short
 bytes, or a small tuple, list or dict of them: is_plain) are encoded with marshal instead (version
@@ -44,6 +50,7 @@ from __future__ import annotations
 import copyreg
 import io
 import marshal
+import operator
 import pickle
 import sys
 import threading
@@ -53,6 +60,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import cloudpickle
+
+try:  # cloudpickle's own choice of by reference or by value (2.0 on)
+    from cloudpickle.cloudpickle import _should_pickle_by_reference
+except ImportError:
+    _should_pickle_by_reference = None
 
 from unison.channel import Reply
 from unison.channel import arena as _arena
@@ -306,7 +318,8 @@ class SharedCopyError(ValueError):
 
 def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None,
           shared: bool = False) -> bytes:
-    """Pickle for the other side: plain pickle where it is right, cloudpickle where needed.
+    """Pickle for the other side: plain pickle where it is right, cloudpickle where needed,
+    each reducer run once (see the module's docstring).
 
     With ``buffers``, large pickle-5 buffers are appended there instead of copied in (and
     large bytes objects that ``bytes_apart`` wrapped). ``shared``: ``obj`` is what a call
@@ -326,44 +339,161 @@ def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None,
             return False
 
     check = shared and bool(_arena._shared_ranges)
+    first, table = _tables(check)
     try:
-        if check or "torch" in sys.modules:
-            data = _dumps_with_tensors(obj, callback, check)
-        else:
-            data = pickle.dumps(obj, protocol=5, buffer_callback=callback)
+        data = _first_pass(obj, callback, first)
         if _MAIN not in data:
             return data
     except SharedCopyError:
         raise
     except Exception:
-        pass
+        pass  # (_Divert: nothing of that object ran; else only reducers that allow it)
     if buffers is not None:
         del buffers[start:]
     refs = getattr(_local, "refs", None)
     if refs is not None:
-        refs.clear()  # the retry sees every Ref again
-    if not check and "torch" not in sys.modules:
-        out: bytes = cloudpickle.dumps(obj, protocol=5, buffer_callback=callback)
-        return out
-    stream = io.BytesIO()  # tensors (and shared arrays) as the plain pickler takes them
-    _CloudPickler(stream, _reducers(check), callback).dump(obj)
-    return stream.getvalue()
+        refs.clear()  # the second pass sees every Ref again
+    out = io.BytesIO()
+    _CloudPickler(out, table, callback).dump(obj)
+    return out.getvalue()
+
+
+class _Reused:
+    """A first pass's pickler, used again (making one took 0.8 us of the 2.4 that a small
+    object's pickle took), its memo dropped after each: it holds what it pickled."""
+
+    __slots__ = ("callback", "out", "pickler")
+
+    def __init__(self) -> None:
+        self.out = io.BytesIO()
+        self.pickler = pickle.Pickler(self.out, protocol=5, buffer_callback=self.forward)
+        self.callback: Callable[[pickle.PickleBuffer], bool] | None = None
+
+    def forward(self, pb: pickle.PickleBuffer) -> bool:
+        return self.callback is None or self.callback(pb)  # (True: in band)
+
+
+_idle: list[_Reused] = []  # one for each pickle under way at once, at most
+
+
+def _first_pass(obj: object, callback: Callable[[pickle.PickleBuffer], bool] | None,
+                table: _FirstTable) -> bytes:
+    """``obj`` pickled by the standard pickler over ``table``: raises _Divert where the
+    second pass must take it."""
+    try:
+        here = _idle.pop()
+    except IndexError:  # (none idle: the first, or another thread's is under way)
+        here = _Reused()
+    here.callback = callback
+    pickler = here.pickler
+    pickler.dispatch_table = table
+    try:
+        pickler.dump(obj)
+        return here.out.getvalue()
+    finally:
+        pickler.memo = {}  # (clear_memo kept its table's size: after a large pickle, every
+        here.out.seek(0)   # later one cost 6 us more, to clear it)
+        here.out.truncate()
+        here.callback = None
+        _idle.append(here)
 
 
 class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
-    """cloudpickle with ``_reducers`` over it: a tensor takes the same way whichever
+    """cloudpickle with ``_reducers`` over it, its table one dict (cloudpickle's ChainMap
+    cost a Python call for each object it looked up): a tensor takes the same way whichever
     pickler met it (without them, torch pickled a tensor over a ``sess.empty`` array as a
     copy as soon as another argument came from ``__main__``)."""
 
-    def __init__(self, out: io.BytesIO, reducers: dict[type, Any], callback: Any) -> None:
-        super().__init__(out, protocol=5, buffer_callback=callback)
-        self._reducers = reducers
+    def __init__(self, out: io.BytesIO, table: dict[type, Any], callback: Any) -> None:
+        self.dispatch_table = table  # before: the C pickler reads it as it is made (once
+        super().__init__(out, protocol=5, buffer_callback=callback)  # made, it kept its own)
 
-    def reducer_override(self, obj: Any) -> Any:
-        reduce = self._reducers.get(type(obj))
-        if reduce is not None:
-            return reduce(obj)
-        return super().reducer_override(obj)
+
+class _Divert(Exception):
+    """The first pass met an object that only cloudpickle's may take, before any of its
+    reducers ran."""
+
+
+def _divert(obj: Any) -> Any:
+    raise _Divert
+
+
+_REDUCE_EX = operator.methodcaller("__reduce_ex__", 5)
+"""What pickle calls for a type that no table names, called from C as pickle does."""
+_REDUCER_NAMES = ("__reduce_ex__", "__reduce__", "__getstate__", "__getnewargs_ex__",
+                  "__getnewargs__", "__getattr__", "__getattribute__", "__class__", "__dict__")
+"""What pickle's reduction of an instance looks up on it (and may so call)."""
+_C_KINDS = (types.WrapperDescriptorType, types.MethodDescriptorType,
+            types.BuiltinFunctionType, types.ClassMethodDescriptorType,
+            types.GetSetDescriptorType, types.MemberDescriptorType)
+_ABSENT = object()
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made at run time (C's are named by pickle)
+_OBJECT_REDUCE_EX, _OBJECT_REDUCE = object.__dict__["__reduce_ex__"], object.__dict__["__reduce__"]
+_PURE = frozenset(sys.stdlib_module_names) | {"numpy", "torch"}
+"""Packages whose reducers give the same again (the standard library's, and those of the
+arrays this module knows); any other Python code's may not, and takes the second pass."""
+
+
+class _FirstTable(dict):  # type: ignore[type-arg]
+    """The first pass's dispatch table: ``_reducers``, then each type met as
+    ``_first_reducer`` judges it, once."""
+
+    def __missing__(self, kind: type) -> Any:
+        reduce = _first_reducer(kind)
+        if reduce is None:
+            raise KeyError(kind)
+        self[kind] = reduce
+        return reduce
+
+
+def _first_reducer(kind: type) -> Any:
+    """How the first pass reduces an instance of ``kind``: ``_REDUCE_EX`` (or the C
+    ``__reduce__`` it would call) where every reducer that would run is C's, ``_PURE``'s or
+    unison's own (all give the same again: ``ref_reduce``'s list is cleared before the
+    second pass); ``_divert`` for the rest; None for a class of a metaclass (pickled by
+    name, which runs nothing of it). Raises _Divert for a class that cloudpickle sends by
+    value (a ``__main__`` one: so that its instance takes one pass, not two)."""
+    try:
+        registered = copyreg.dispatch_table.get(kind)
+        if registered is not None:
+            return registered if _pure(registered) else _divert
+        if issubclass(kind, type):
+            return None
+        if _module_of(kind).startswith("unison."):
+            return _REDUCE_EX
+        if kind.__flags__ & _HEAPTYPE and (_should_pickle_by_reference is None
+                                           or not _should_pickle_by_reference(kind)):
+            raise _Divert  # not kept in the table, which would hold a class made at run time
+        names = _REDUCER_NAMES + (("__iter__",) if issubclass(kind, list) else ()) + (
+            ("items",) if issubclass(kind, dict) else ())  # (what their reduction calls)
+        found = {name: next((k.__dict__[name] for k in kind.__mro__ if name in k.__dict__),
+                            _ABSENT) for name in names}
+        if not all(attr is _ABSENT or _pure(attr) for attr in found.values()):
+            return _divert
+    except _Divert:
+        raise
+    except Exception:
+        return _divert
+    reduce = found["__reduce__"]
+    if (found["__reduce_ex__"] is _OBJECT_REDUCE_EX and type(reduce) is types.MethodDescriptorType
+            and reduce is not _OBJECT_REDUCE):
+        return reduce  # what object.__reduce_ex__ calls, without it (datetime's: 20% faster)
+    return _REDUCE_EX
+
+
+def _pure(attr: Any) -> bool:
+    """Whether ``attr`` (a reducer, or what an instance's reduction looks up) is C's or
+    ``_PURE``'s."""
+    if type(attr) in _C_KINDS:
+        return True
+    attr = getattr(attr, "__func__", attr)  # (a classmethod, a staticmethod)
+    return (isinstance(attr, types.FunctionType)
+            and _module_of(attr).partition(".")[0] in _PURE)
+
+
+def _module_of(obj: Any) -> str:
+    module = getattr(obj, "__module__", None)
+    return module if isinstance(module, str) else ""
 
 
 def bytes_apart(obj: Any) -> Any:
@@ -382,32 +512,28 @@ def bytes_apart(obj: Any) -> Any:
     return _LargeBytes(obj) if type(obj) is bytes and len(obj) >= OOB_MIN else obj
 
 
-def _dumps_with_tensors(obj: object, callback: Any, check: bool = False) -> bytes:
-    """Plain pickle where CPU torch tensors travel as numpy arrays: out of band, so a large
-    one is copied once into shared memory instead of being pickled in-band. ``check``: a
-    view of a shared array that pickle would copy raises (``dumps``)."""
-    out = io.BytesIO()
-    pickler = pickle.Pickler(out, protocol=5, buffer_callback=callback)
-    pickler.dispatch_table = _table(check)
-    pickler.dump(obj)
-    return out.getvalue()
+_by_value: set[str] = getattr(getattr(cloudpickle, "cloudpickle", None),
+                              "_PICKLE_BY_VALUE_MODULES", set())
+_made: dict[tuple[bool, bool], tuple[_FirstTable, dict[type, Any]]] = {}
+_made_of: tuple[dict[type, Any], set[str]] | None = None  # copyreg's table, by-value modules
 
 
-_tables: dict[tuple[bool, bool], dict[type, Any]] = {}
-_tables_of: dict[type, Any] | None = None  # the copyreg table they were made from
-
-
-def _table(check: bool) -> dict[type, Any]:
-    """copyreg's dispatch table with ``_reducers(check)`` over it."""
-    global _tables_of
-    if _tables_of != copyreg.dispatch_table:  # a reducer registered since: see it
-        _tables_of = dict(copyreg.dispatch_table)
-        _tables.clear()
+def _tables(check: bool) -> tuple[_FirstTable, dict[type, Any]]:
+    """The dispatch tables of the two passes: the first's, and copyreg's and cloudpickle's
+    with ``_reducers(check)`` over them. Made again when a reducer is registered, or a
+    module by value, since."""
+    global _made_of
+    if _made_of is None or _made_of[0] != copyreg.dispatch_table or _made_of[1] != _by_value:
+        _made_of = dict(copyreg.dispatch_table), set(_by_value)
+        _made.clear()
     key = ("torch" in sys.modules, check)
-    table = _tables.get(key)
-    if table is None:
-        table = _tables[key] = {**_tables_of, **_reducers(check)}
-    return table
+    tables = _made.get(key)
+    if tables is None:
+        reducers = _reducers(check)
+        first = _FirstTable(reducers)
+        table = {**_made_of[0], **cloudpickle.Pickler._dispatch_table, **reducers}
+        tables = _made[key] = first, table
+    return tables
 
 
 def _reducers(check: bool) -> dict[type, Any]:
