@@ -4,6 +4,7 @@ in one process. Calls, results and collectives all go through these functions.
 
 from __future__ import annotations
 
+import datetime
 import math
 import pickle
 import sys
@@ -200,6 +201,71 @@ def test_an_importable_value_holding_a_script_object_is_pickled_once() -> None:
     args = protocol.dumps_with_refs(((sent, script()), {}))[0]  # a call's arguments
     got = protocol.loads(args)[0][0]
     assert (got.msgs, got.pickled, sent.pickled) == (["c"], 1, 1)
+
+
+class _CountingSet(set):  # type: ignore[type-arg]
+    """A set whose iteration (what a set's C reduction calls) counts."""
+
+    iterated = 0
+
+    def __iter__(self) -> Any:
+        type(self).iterated += 1
+        return super().__iter__()
+
+
+def test_a_container_subclass_whose_method_its_c_reduction_calls_is_pickled_once() -> None:
+    """A set's reduction lists it (a deque's iterates it, a Counter's copies it): a method
+    the subclass overrides ran in the first pass, then again in cloudpickle's, where a
+    ``__main__`` object sat beside it."""
+    script = type("Script", (), {"__module__": "__main__"})
+    _CountingSet.iterated = 0
+    got = _round_trip([_CountingSet({1, 2}), script()])
+    assert got[0] == {1, 2} and _CountingSet.iterated == 1
+
+
+class _Dated(datetime.date):
+    pass
+
+
+def test_a_reducer_given_to_a_class_after_its_first_send_is_the_one_that_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first pass kept a C ``__reduce__`` it had found for a class made in Python:
+    one assigned later was ignored, and the old state arrived."""
+    assert _round_trip(_Dated(2020, 1, 1)) == datetime.date(2020, 1, 1)
+    monkeypatch.setattr(_Dated, "__reduce__", lambda self: (str, ("patched",)), raising=False)
+    assert _round_trip(_Dated(2020, 1, 1)) == "patched"
+
+
+class _PicklesInside:
+    """A reducer that pickles something of its own: a call's arguments (a nested send), or
+    a value that must go by value (a class of ``__main__``'s)."""
+
+    def __init__(self, nested_call: bool) -> None:
+        self.nested_call = nested_call
+
+    def __reduce__(self) -> Any:
+        if self.nested_call:
+            protocol.dumps_with_refs(((1,), {}))
+        else:
+            protocol.dumps(type("Script", (), {"__module__": "__main__"})())
+        return (int, (7,))
+
+
+def _ref(i: int) -> Ref:
+    ref = Ref.__new__(Ref)
+    ref._id, ref._freed, ref._session, ref.workers = i, True, None, (0,)
+    return ref
+
+
+@pytest.mark.parametrize("nested_call", [True, False])
+def test_a_reducer_that_pickles_something_itself_leaves_the_outer_refs_alone(
+        nested_call: bool) -> None:
+    """The Refs an argument list holds are counted in a per-thread list: a reducer that
+    pickled arguments itself reset it (the Ref after it then raised a misleading error),
+    and one whose pickle gave way to cloudpickle emptied it (a Ref went unchecked)."""
+    first, second = _ref(5), _ref(6)
+    seen = protocol.dumps_with_refs(((first, _PicklesInside(nested_call), second), {}))[2]
+    assert seen == [first, second]  # (loading needs a worker's register file)
 
 
 class _Custom(Exception):

@@ -340,6 +340,8 @@ def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None,
 
     check = shared and bool(_arena._shared_ranges)
     first, table = _tables(check)
+    refs = getattr(_local, "refs", None)
+    mark = 0 if refs is None else len(refs)  # (a reducer may pickle too: keep what is not ours)
     try:
         data = _first_pass(obj, callback, first)
         if _MAIN not in data:
@@ -350,9 +352,8 @@ def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None,
         pass  # (_Divert: nothing of that object ran; else only reducers that allow it)
     if buffers is not None:
         del buffers[start:]
-    refs = getattr(_local, "refs", None)
     if refs is not None:
-        refs.clear()  # the second pass sees every Ref again
+        del refs[mark:]  # the second pass sees every Ref of this value again
     out = io.BytesIO()
     _CloudPickler(out, table, callback).dump(obj)
     return out.getvalue()
@@ -464,6 +465,12 @@ def _first_reducer(kind: type) -> Any:
         if kind.__flags__ & _HEAPTYPE and (_should_pickle_by_reference is None
                                            or not _should_pickle_by_reference(kind)):
             raise _Divert  # not kept in the table, which would hold a class made at run time
+        if kind.__flags__ & _HEAPTYPE:  # a C base's reduction (a set's, a deque's) may call
+            base = next(k for k in kind.__mro__ if not k.__flags__ & _HEAPTYPE)  # any method
+            if base is not object and not issubclass(base, BaseException) and any(
+                    isinstance(v, types.FunctionType) and not _pure(v)  # overridden over it
+                    for k in kind.__mro__ if k.__flags__ & _HEAPTYPE for v in vars(k).values()):
+                return _divert
         names = _REDUCER_NAMES + (("__iter__",) if issubclass(kind, list) else ()) + (
             ("items",) if issubclass(kind, dict) else ())  # (what their reduction calls)
         found = {name: next((k.__dict__[name] for k in kind.__mro__ if name in k.__dict__),
@@ -476,7 +483,8 @@ def _first_reducer(kind: type) -> Any:
         return _divert
     reduce = found["__reduce__"]
     if (found["__reduce_ex__"] is _OBJECT_REDUCE_EX and type(reduce) is types.MethodDescriptorType
-            and reduce is not _OBJECT_REDUCE):
+            and reduce is not _OBJECT_REDUCE and not kind.__flags__ & _HEAPTYPE):  # (a class
+        # made in Python may be given another __reduce__ later: _REDUCE_EX looks it up)
         return reduce  # what object.__reduce_ex__ calls, without it (datetime's: 20% faster)
     return _REDUCE_EX
 
@@ -651,11 +659,11 @@ def dumps_with_refs(obj: object) -> tuple[bytes, list[pickle.PickleBuffer], list
     """Pickle call arguments out of band and say which Refs they hold, for checking."""
     refs: list[Ref] = []
     buffers: list[pickle.PickleBuffer] = []
-    _local.refs = refs
+    outer, _local.refs = getattr(_local, "refs", None), refs  # (a reducer may send a call)
     try:
         return dumps(obj, buffers, shared=True), buffers, refs
     finally:
-        _local.refs = None
+        _local.refs = outer
 
 
 def loads(data: bytes | memoryview | Reply, buffers: list[Any] | None = None) -> Any:
