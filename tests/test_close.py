@@ -296,6 +296,7 @@ def test_a_signal_handlers_close_inside_a_send_raises_session_closed(sess, closi
     Now close sends nothing there and stops the workers at once, and the send raises
     SessionClosed."""
     pids = sess.run(os.getpid)
+    sess.call(time.sleep, 10)  # busy workers: a goodbye would wait out the grace for them
     send = sess._chan.send
 
     def signalled(*args, **kwargs):

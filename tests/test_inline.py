@@ -428,6 +428,59 @@ def test_a_signal_handlers_close_inside_worker_0s_call(
     assert inline(2).run(unison.rank) == [0, 1]
 
 
+RAN: list[int] = []
+
+
+def note_rank(*, tag: int = 0) -> None:
+    RAN.append(unison.rank())
+
+
+def ran_here() -> list[int]:
+    return list(RAN)
+
+
+def forget_ran() -> None:
+    RAN.clear()
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("how", ["quick", "general"])
+def test_a_signal_handlers_call_inside_worker_0s_call_is_refused_before_it_is_sent(
+        inline: Callable[..., unison.Session], how: str) -> None:
+    """A handler's call (not a close) inside worker 0's call: worker 0 could not run it
+    until that call ends. It was refused only after the message went out, so the workers
+    ran it all the same (worker 0 later), behind an error that said it could not run. Now
+    it raises before anything is sent, and the session goes on."""
+    sess = inline(2)
+    sess.run(note_rank)  # both ways defined on the workers: the handler's call is a CALL
+    sess.run(note_rank, tag=1)
+    sess.run(forget_ran)
+    got: list[BaseException] = []
+
+    def call_inside(*_: object) -> None:
+        try:
+            if how == "quick":
+                sess.call(note_rank)
+            else:
+                sess.call(note_rank, tag=1)
+        except RuntimeError as exc:
+            got.append(exc)
+
+    previous = signal.signal(signal.SIGUSR1, call_inside)
+    timer = threading.Timer(0.2, signal.pthread_kill, (threading.get_ident(), signal.SIGUSR1))
+    timer.start()
+    try:
+        assert sess.run(sleep_for, seconds=0.6) == [None, None]
+    finally:
+        timer.join()
+        signal.signal(signal.SIGUSR1, previous)
+    try:
+        assert sess.run(ran_here) == [[], []]  # (before: the refused call ran all the same)
+    finally:
+        RAN.clear()  # (worker 0's list is this process's)
+    assert len(got) == 1 and "nothing was sent" in str(got[0])
+
+
 @pytest.mark.parametrize("path", ["quick", "general"])
 def test_ctrl_c_in_worker_0s_call_is_the_controllers(
         inline: Callable[..., unison.Session], path: str) -> None:

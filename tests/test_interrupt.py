@@ -276,6 +276,9 @@ class _CtrlCAfterAcquire:
     def release(self):
         self.lock.release()
 
+    def _is_owned(self):  # (as an RLock answers it: a close asks)
+        return self.lock._is_owned()
+
     def __enter__(self):
         return self.acquire()
 

@@ -83,16 +83,24 @@ class InlineLauncher(Launcher):
             self.stop(0)
             raise
 
+    def check_free(self) -> None:
+        """Raise RuntimeError where this thread is inside worker 0's call (code that
+        interrupted it, a signal handler, makes a call): worker 0 could not run another
+        until that one ends. The session asks before it sends anything (under its send
+        lock, which only this thread may then hold), so the workers never see that call."""
+        if self._pumping:
+            raise RuntimeError(
+                "worker 0 runs inline in this thread, where it is in the middle of a call "
+                "(this code interrupted it: a signal handler?), so it cannot run another: "
+                "nothing was sent. Leave inline_worker0 off to use the session from a signal "
+                "handler (close() works either way)")
+
     def pump(self, deadline: float | None = None) -> None:
         """Run what the ring holds for worker 0 now (after every send). ``deadline``: the
         sending call's, where its collectives give up waiting for peers (a stopped or stuck
         one would otherwise hold the controller past it)."""
         with self._lock:
-            if self._pumping:  # a signal handler's call, inside worker 0's own
-                raise RuntimeError(
-                    "worker 0 runs inline in this thread, where it is in the middle of a call "
-                    "(this code interrupted it: a signal handler?), so it cannot run another: "
-                    "leave inline_worker0 off to use the session from a signal handler")
+            self.check_free()  # (the session asked before it sent: never raises here)
             self._pumping = True
             try:
                 if self._worker is not None:

@@ -407,10 +407,13 @@ class Session(View):
         grace = _seconds(timeout, "timeout")
         if grace == math.inf:
             raise ValueError("close(timeout=...) needs a finite number of seconds")
-        if self._tracer is not None and not self._closed and self._dead is None:
-            # Session(trace=...): the workers' events, then the file; within the grace, so
-            # a stuck call does not stretch the close (half of it where a call is in
-            # flight: the other half is for idle workers' goodbye, their unfetched errors)
+        if (self._tracer is not None and not self._closed and self._dead is None
+                and not (_owned(self._send_lock) or _owned(self._router.recv_lock))):
+            # Session(trace=...): the workers' events, then the file; bounded by the grace
+            # (at least 1 s), so a stuck call does not stretch the close (half of it where a
+            # call is in flight: the other half is for idle workers' goodbye, their errors).
+            # Not nested in this thread's own send or read (a signal handler's close): its
+            # CALL would land amid theirs; the close writes the controller's half then
             start = time.monotonic()
             self._stop_trace(max(grace, _BUSY_COLLECT_S), grace / 2)
             grace = max(0.0, grace - (time.monotonic() - start))
@@ -419,9 +422,11 @@ class Session(View):
     def _shutdown(self, grace: float) -> None:
         with self._state_lock:
             self._closed = True
-            if self._stopping:
+            # one statement: a signal handler's close cannot land between the look and the
+            # store (the lock is re-entrant for it)
+            stopping, self._stopping = self._stopping, True
+            if stopping:
                 return
-            self._stopping = True
         router = getattr(self, "_router", None)
         if router is not None:
             router.closed = True
@@ -430,7 +435,7 @@ class Session(View):
             placed()
         if os.getpid() != self._owner:
             return  # a forked child's copy: the workers belong to the parent, leave them be
-        self._drop_trace()
+        dropped = self._drop_trace()  # (written once the workers are stopped, below)
         res = getattr(self, "_res", None)
         if res is None:
             return  # the resources' own creation failed, and released what it made
@@ -440,8 +445,10 @@ class Session(View):
         # a close inside this thread's own send or read (a signal handler's: the locks let
         # it through) sends no SHUTDOWN amid the message half written, and reads nothing amid
         # the read it cut short (the channel's rx lock, not re-entrant, would wait for ever)
-        sending, reading = ((_owned(self._send_lock), _owned(router.recv_lock)) if grace > 0
-                            else (False, False))  # (grace 0: a close of unison's own, not nested)
+        # (a death found in this thread's own send too; one found in a read was found after
+        # the channel's read let go, so its drain may read, as a close of grace 0 never does)
+        sending = _owned(self._send_lock)
+        reading = grace > 0 and _owned(router.recv_lock)
         dead = self._dead
         ranks = self.workers if dead is None else tuple(
             r for r in self.workers if r != getattr(dead, "worker", None))  # its survivors
@@ -481,6 +488,8 @@ class Session(View):
                     "the session was closed while this wait was pending"))
             finally:
                 _live.discard(self)
+                if dropped is not None:
+                    self._write_dropped(dropped)
         self._errors.warn_all(self.name)
         lost = [r for r in holding if goodbye is None or r in router.pending(goodbye)]
         if lost:
@@ -535,6 +544,8 @@ class Session(View):
                 if not lock.acquire(False):
                     self._lock_send(None)
                 try:
+                    if self._pump is not None:
+                        self._res.launcher.check_free()  # type: ignore[attr-defined]
                     fns = self._fns
                     plan = fns.last_plan  # see FunctionCache.last
                     fn_id = (0 if self._closed  # closed: under the lock
@@ -846,20 +857,24 @@ class Session(View):
         if tracer.path is not None:
             tracer.write(tracer.path)
 
-    def _drop_trace(self) -> None:
+    def _drop_trace(self) -> Trace | None:
         """A close with the trace still running (a death, Ctrl-C, a close that could not
-        wait for the workers): the controller's half is written all the same, as the trace
-        of a job that broke is the one worth having, and a warning says the workers' events
-        are missing."""
+        wait for the workers): it ends here, and the controller's half is written all the
+        same once the workers are stopped (``_write_dropped``), as the trace of a job that
+        broke is the one worth having. The trace to write, if it has a file."""
         tracer, self._tracer = getattr(self, "_tracer", None), None
         if tracer is None:
-            return
+            return None
         self._router.tracer = None
         tracer.end_ns = time.perf_counter_ns()
-        why = f" ({self._dead})" if self._dead is not None else ""
         self._last_trace = tracer
-        if tracer.path is None:
-            return
+        return tracer if tracer.path is not None else None
+
+    def _write_dropped(self, tracer: Trace) -> None:
+        """Write a trace the close ended (``_drop_trace``); warn that the workers' events
+        are missing."""
+        assert tracer.path is not None
+        why = f" ({self._dead})" if self._dead is not None else ""
         try:
             tracer.write(tracer.path)
         except OSError as exc:
@@ -1061,6 +1076,8 @@ class Session(View):
         nothing of the message sent."""
         if self._closed:
             self.check_open()
+        if self._pump is not None:
+            self._res.launcher.check_free()  # type: ignore[attr-defined]
         frees = self._take_frees() if self._frees else None
         try:
             if frees and len(ranks) != self.num_workers:  # frees must reach every worker
