@@ -125,3 +125,39 @@ def test_poll_timeouts_keep_their_units() -> None:
         _fdwait.readable([r])
     with pytest.raises(OSError):
         _fdwait.FdSet([r]).readable()
+
+
+def test_a_signal_handlers_runtime_error_in_a_poll_set_wait_goes_on() -> None:
+    """A poll object refuses a second thread's poll() with a RuntimeError, which FdSet
+    answers with a poll of its own; a RuntimeError a signal handler raised in the wait was
+    taken for that, eaten, and the wait began again (the handler's error lost)."""
+    import signal
+    import threading
+
+    r, w = os.pipe()
+    fds = _fdwait.FdSet([r])
+
+    def raising(*_: object) -> None:
+        raise RuntimeError("the handler's own")
+
+    previous = signal.signal(signal.SIGUSR1, raising)
+    timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGUSR1))
+    timer.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="the handler's own"):
+            fds.readable(2.0)
+        assert time.monotonic() - start < 1.5
+        got: list[list[int]] = []  # the other thread's case still works
+        other = threading.Thread(target=lambda: got.append(fds.readable(0.5)))
+        other.start()
+        time.sleep(0.1)
+        os.write(w, b"x")
+        assert fds.readable(0.5) == [r]
+        other.join()
+        assert got == [[r]]
+    finally:
+        timer.join()
+        signal.signal(signal.SIGUSR1, previous)
+        os.close(r)
+        os.close(w)

@@ -112,9 +112,15 @@ class FdSet:
         ms = poll_ms(timeout)
         try:
             got = self._poller.poll(ms)
-        except RuntimeError:  # another thread polls this set now
+        except RuntimeError as exc:  # another thread polls this set now; anything else (a
+            if str(exc) != _CONCURRENT:  # signal handler's RuntimeError) is not ours to eat
+                raise
             got = self._make().poll(ms)
         return _read(got) if got else []
+
+
+_CONCURRENT = "concurrent poll() invocation"
+"""CPython's message where a poll object is already polled by another thread."""
 
 
 def reuse(old: FdSet | None, fds: Sequence[int]) -> FdSet:

@@ -144,7 +144,13 @@ class MixedChannel(Channel):
         near = [index[r] for r in ranks if r in index]
         far = [r for r in ranks if r not in index]
         if near:
-            self.shm.send(data, near, buffers, deadline=deadline)
+            before = self.shm.published()
+            try:
+                self.shm.send(data, near, buffers, deadline=deadline)
+            except BaseException as exc:  # a handler's, once the entry was published (as the
+                if far and not own_error(exc) and self.shm.published() != before:  # C call
+                    raise half_sent(exc, "the local workers only") from exc  # returned)
+                raise
         if far:
             try:
                 self.tcp.send(data, far, buffers, deadline=deadline)

@@ -209,6 +209,9 @@ class PipeChannel(Channel):
         except BaseException as exc:  # (a signal handler's between two workers: the first
             if written and not own_error(exc):  # got it all, the next nothing)
                 raise half_sent(exc, f"the command pipes of workers {list(ranks)}") from exc
+            if refs and not written:  # nobody got it: its shared arrays were never sent
+                assert self.arena is not None
+                self.arena.unplace(refs, ranks)
             raise
         self._unread += 1
         if self._unread >= _DRAIN_EVERY:
@@ -257,6 +260,7 @@ class PipeChannel(Channel):
         as run."""
         queued = _queued(self._cmd[rank])
         if not queued:
+            self._extra[rank] = 0  # an empty pipe: every earlier write is gone
             return self._slots[rank]
         left = self._sent[rank] - (self._progress[rank] >> 1)
         if not left:
@@ -354,9 +358,10 @@ class PipeChannel(Channel):
 
     def _replies_set(self) -> FdSet:
         """The open reply pipes, in one poll set made once (again when they change)."""
-        got = self._reply_set
-        if got is None:
-            got = self._reply_set = FdSet([c.fileno() for c in self._open])
+        got = self._reply_set  # (checked against the open pipes: pending() builds it
+        fds = [c.fileno() for c in self._open]  # without the lock, and may race _end's reset)
+        if got is None or got.fds != tuple(fds):
+            got = self._reply_set = FdSet(fds)
         return got
 
     def _settle_set(self) -> select.poll:

@@ -353,6 +353,11 @@ class ShmChannel(Channel):
             self._q[(self._cmd_base + (pos & _CMD_MASK)) >> 3] = _WRAP  # past the published head
             self._head.wpos = pos + wrap
 
+    def published(self) -> int:
+        """The command ring's published position: where it moved during a send, the
+        workers may have the message."""
+        return int(self._q[0])
+
     def _slowest(self) -> int:
         q = self._q
         return min(q[i] for i in self._cr_idx)
