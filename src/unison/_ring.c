@@ -80,21 +80,27 @@ static void Sender_dealloc(Sender *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Every look at the mapping checks this first: after release() it raises, never reads. */
-static int released(Sender *self) {
-    if (self->q) return 0;
+/* Every look at the mapping (a Sender's or a Taker's words, ``q``) checks this first:
+ * after release() it raises, never reads. */
+static int released(const uint64_t *q) {
+    if (q) return 0;
     PyErr_SetString(PyExc_ValueError, "the channel is closed (its session was closed): "
                     "open a new Session to go on");
     return 1;
+}
+
+/* release()'s steps, a Sender's or a Taker's: the view let go, the pointers into it gone */
+static void let_go(Py_buffer *view, uint64_t **q, char **base) {
+    if (view->obj) PyBuffer_Release(view);
+    *q = NULL;
+    *base = NULL;
 }
 
 /* release(): let go of the mapping now, so the channel can unmap it whoever still holds
  * this object (a frame of a traceback, after a Ctrl-C in a wait); any use then raises */
 static PyObject *Sender_release(Sender *self, PyObject *unused) {
     (void)unused;
-    if (self->view.obj) PyBuffer_Release(&self->view);
-    self->q = NULL;
-    self->base = NULL;
+    let_go(&self->view, &self->q, &self->base);
     Py_RETURN_NONE;
 }
 
@@ -132,7 +138,7 @@ static int Sender_init(Sender *self, PyObject *args, PyObject *kw) {
  * takes it: shm._INLINE_MAX), a rank is out of range, or the entry does not fit between
  * the head and the ring's end or the limit: shm.py's send then makes room. */
 static PyObject *Sender_send(Sender *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (released(self)) return NULL;
+    if (released(self->q)) return NULL;
     if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "send takes 2 arguments"); return NULL; }
     PyObject *ranks = args[1];
     if (!PyTuple_Check(ranks)) Py_RETURN_FALSE;
@@ -201,7 +207,7 @@ static PyObject *Sender_replies(Sender *self, PyObject *args) {
 
 /* pending(positions) -> whether a worker's reply ring holds anything past positions[r] */
 static PyObject *Sender_pending(Sender *self, PyObject *positions) {
-    if (released(self)) return NULL;
+    if (released(self->q)) return NULL;
     if (!PyList_Check(positions) || PyList_GET_SIZE(positions) != self->n) {
         PyErr_SetString(PyExc_TypeError, "pending takes the list of reply positions");
         return NULL;
@@ -228,7 +234,7 @@ static PyObject *Sender_progress(Sender *self, PyObject *args) {
  * mark; else 1, or 2 where one of them holds errors nobody fetched (sync's check: one call
  * where Python took a loop and a function each) */
 static PyObject *Sender_settled(Sender *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (released(self)) return NULL;
+    if (released(self->q)) return NULL;
     if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "settled takes 2 arguments"); return NULL; }
     uint64_t mask = PyLong_AsUnsignedLongLong(args[0]);
     uint64_t mark = PyLong_AsUnsignedLongLong(args[1]);
@@ -280,7 +286,7 @@ static int next_reply(Sender *self, int r, uint64_t *pos, uint64_t end, const ch
  * its ring, past its published position), which the slow path then reports; nothing is
  * read outside the ring, and each step moves toward the published position. */
 static PyObject *Sender_collect(Sender *self, PyObject *positions) {
-    if (released(self)) return NULL;
+    if (released(self->q)) return NULL;
     if (!self->rring) { PyErr_SetString(PyExc_RuntimeError, "replies() was not called"); return NULL; }
     if (!PyList_Check(positions) || PyList_GET_SIZE(positions) != self->n) {
         PyErr_SetString(PyExc_TypeError, "collect takes the list of reply positions");
@@ -327,7 +333,7 @@ fail:
  * values in ranks' order, each positions[r] advanced past its reply and the space handed
  * back. */
 static PyObject *Sender_values(Sender *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (released(self)) return NULL;
+    if (released(self->q)) return NULL;
     if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "values takes 4 arguments"); return NULL; }
     if (!self->rring) { PyErr_SetString(PyExc_RuntimeError, "replies() was not called"); return NULL; }
     PyObject *positions = args[0], *ranks = args[1], *partial = args[3];
@@ -471,21 +477,11 @@ static void Taker_dealloc(Taker *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Every use of the mapping checks this first: after release() it raises, never reads. */
-static int taker_released(Taker *self) {
-    if (self->q) return 0;
-    PyErr_SetString(PyExc_ValueError, "the channel is closed (its session was closed): "
-                    "open a new Session to go on");
-    return 1;
-}
-
 /* release(): as Sender's, for worker 0 inline in the controller, whose serving frame a
  * traceback user code kept may hold this object past the session */
 static PyObject *Taker_release(Taker *self, PyObject *unused) {
     (void)unused;
-    if (self->view.obj) PyBuffer_Release(&self->view);
-    self->q = NULL;
-    self->base = NULL;
+    let_go(&self->view, &self->q, &self->base);
     Py_RETURN_NONE;
 }
 
@@ -519,7 +515,7 @@ static int Taker_init(Taker *self, PyObject *args, PyObject *kw) {
  * (False, pos) too: the caller's parser reports it. Nothing is read outside the ring. */
 static PyObject *Taker_take(Taker *self, PyObject *arg) {
     uint64_t pos = PyLong_AsUnsignedLongLong(arg);
-    if (PyErr_Occurred() || taker_released(self)) return NULL;
+    if (PyErr_Occurred() || released(self->q)) return NULL;
     uint64_t *q = self->q;
     for (;;) {
         if (__atomic_load_n(&q[self->done_idx], __ATOMIC_RELAXED) != pos) {
@@ -595,7 +591,7 @@ static int put_entry(Taker *self, const char *data, uint64_t n) {
 }
 
 static int replies_set(Taker *self) {
-    if (taker_released(self)) return 0;
+    if (released(self->q)) return 0;
     if (self->rring) return 1;
     PyErr_SetString(PyExc_RuntimeError, "replies() was not called");
     return 0;

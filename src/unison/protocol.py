@@ -522,25 +522,29 @@ def bytes_apart(obj: Any) -> Any:
 
 _by_value: set[str] = getattr(getattr(cloudpickle, "cloudpickle", None),
                               "_PICKLE_BY_VALUE_MODULES", set())
-_made: dict[tuple[bool, bool], tuple[_FirstTable, dict[type, Any]]] = {}
-_made_of: tuple[dict[type, Any], set[str]] | None = None  # copyreg's table, by-value modules
+_Tables = tuple["_FirstTable", dict[type, Any]]
+_Made = tuple[dict[type, Any], set[str], dict[tuple[bool, bool], _Tables]]
+_made: _Made | None = None
+"""copyreg's table and the by-value modules as the tables were made from them, and the tables
+(by torch imported, ``check``): one object, swapped whole, so that no thread takes tables
+made from another snapshot than the one it compared."""
 
 
 def _tables(check: bool) -> tuple[_FirstTable, dict[type, Any]]:
     """The dispatch tables of the two passes: the first's, and copyreg's and cloudpickle's
     with ``_reducers(check)`` over them. Made again when a reducer is registered, or a
     module by value, since."""
-    global _made_of
-    if _made_of is None or _made_of[0] != copyreg.dispatch_table or _made_of[1] != _by_value:
-        _made_of = dict(copyreg.dispatch_table), set(_by_value)
-        _made.clear()
+    global _made
+    made = _made
+    if made is None or made[0] != copyreg.dispatch_table or made[1] != _by_value:
+        made = _made = dict(copyreg.dispatch_table), set(_by_value), {}
     key = ("torch" in sys.modules, check)
-    tables = _made.get(key)
+    tables = made[2].get(key)
     if tables is None:
         reducers = _reducers(check)
         first = _FirstTable(reducers)
-        table = {**_made_of[0], **cloudpickle.Pickler._dispatch_table, **reducers}
-        tables = _made[key] = first, table
+        table = {**made[0], **cloudpickle.Pickler._dispatch_table, **reducers}
+        tables = made[2][key] = first, table
     return tables
 
 

@@ -338,6 +338,12 @@ def reported(sent: list[int], progress: list[int], ranks: Sequence[int]) -> int:
     return 1
 
 
+def held(progress: list[int], ranks: Sequence[int]) -> list[int]:
+    """The workers of ``ranks`` whose last progress word (as ``reported`` reads it) says
+    they hold errors nobody fetched: Channel.holding of the pipe and TCP channels."""
+    return [r for r in ranks if progress[r] & 1]
+
+
 def drain_fd(fd: int) -> None:
     """Empty a non-blocking wake pipe: read until nothing is left (or it is closed)."""
     try:

@@ -70,6 +70,7 @@ from unison.channel import (
     WorkerChannel,
     drain_fd,
     half_sent,
+    held,
     own_error,
     reported,
     write_frame,
@@ -416,7 +417,7 @@ class PipeChannel(Channel):
 
     def holding(self, ranks: Sequence[int]) -> list[int]:
         """Channel.holding: as of each worker's last reply or report read."""
-        return [r for r in ranks if self._progress[r] & 1]
+        return held(self._progress, ranks)
 
     def _read_now(self) -> list[tuple[int, bytes | Reply | None]]:
         """The whole replies the reply pipes hold now, without waiting; caller holds the rx

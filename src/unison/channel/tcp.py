@@ -68,6 +68,7 @@ from unison.channel import (
     WorkerChannel,
     drain_fd,
     half_sent,
+    held,
     own_error,
     reported,
     write_frame,
@@ -622,7 +623,7 @@ class TcpChannel(Channel):
 
     def holding(self, ranks: Sequence[int]) -> list[int]:
         """Channel.holding: as of each worker's last reply or report read."""
-        return [r for r in ranks if self._progress[r] & 1]
+        return held(self._progress, ranks)
 
     def _keep(self, got: list[tuple[int, bytes | Reply | None]]) -> None:
         """Replies read by a wait other than recv: into the backlog, for the next recv.

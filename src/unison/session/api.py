@@ -544,7 +544,8 @@ class Session(View):
                 if not lock.acquire(False):
                     self._lock_send(None)
                 try:
-                    if self._pump is not None:
+                    pump = self._pump  # (read once: both looks below cost one attribute)
+                    if pump is not None:
                         self._res.launcher.check_free()  # type: ignore[attr-defined]
                     fns = self._fns
                     plan = fns.last_plan  # see FunctionCache.last
@@ -573,7 +574,7 @@ class Session(View):
                                            0 if req is None else req.req_id)
                             if not self._chan.send_plain(msg, ranks):
                                 self._chan.send(msg, ranks)
-                            if self._pump is not None:
+                            if pump is not None:
                                 self._run_inline()
                         except BaseException as exc:
                             if req is not None:
