@@ -128,6 +128,18 @@ def test_token_ids_given_by_a_caller_are_checked(folder: Path, tokens: list[list
     assert check_tokens([(101, 7592, 102)], cfg) == [[101, 7592, 102]]
 
 
+@pytest.mark.timeout(120)
+def test_encode_async_refuses_token_ids_past_max_seq_length(folder: Path) -> None:
+    """The check above is the one encode_async makes, before anything reaches a worker."""
+    import asyncio
+
+    with ShardedEncoder(1, 1, path=folder, progress=False) as enc:
+        with pytest.raises(ValueError, match="302 ids; each needs 1 to 256"):
+            asyncio.run(enc.encode_async(tokens=[[101] + [1000] * 300 + [102]]))
+        got = asyncio.run(enc.encode_async(tokens=[[101, 7592, 102]]))
+    assert got.embeddings.shape == (1, 384)
+
+
 def test_layout_flags() -> None:
     assert layout(None, None, 1) == (2, 1)
     assert layout(4, None, 2) == (2, 2)

@@ -360,8 +360,9 @@ def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None,
 
 
 class _Reused:
-    """A first pass's pickler, used again (making one took 0.8 us of the 2.4 that a small
-    object's pickle took), its memo dropped after each: it holds what it pickled."""
+    """A first pass's pickler, used again (making one costs about a third of a small
+    object's pickle: benchmarks/dumps_cost.py), its memo dropped after each: it holds what
+    it pickled."""
 
     __slots__ = ("callback", "out", "pickler")
 
@@ -392,8 +393,8 @@ def _first_pass(obj: object, callback: Callable[[pickle.PickleBuffer], bool] | N
         pickler.dump(obj)
         return here.out.getvalue()
     finally:
-        pickler.memo = {}  # (clear_memo kept its table's size: after a large pickle, every
-        here.out.seek(0)   # later one cost 6 us more, to clear it)
+        pickler.memo = {}  # (clear_memo keeps its table's size: after a large pickle, every
+        here.out.seek(0)   # later one would pay to clear that whole table)
         here.out.truncate()
         here.callback = None
         _idle.append(here)
@@ -485,7 +486,7 @@ def _first_reducer(kind: type) -> Any:
     if (found["__reduce_ex__"] is _OBJECT_REDUCE_EX and type(reduce) is types.MethodDescriptorType
             and reduce is not _OBJECT_REDUCE and not kind.__flags__ & _HEAPTYPE):  # (a class
         # made in Python may be given another __reduce__ later: _REDUCE_EX looks it up)
-        return reduce  # what object.__reduce_ex__ calls, without it (datetime's: 20% faster)
+        return reduce  # what object.__reduce_ex__ calls, without it (datetime's: faster)
     return _REDUCE_EX
 
 

@@ -61,7 +61,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from unison._fdwait import FdSet, poll_fds, poll_ms, readable
+from unison._fdwait import FdSet, poll_fds, poll_ms, readable, reuse
 from unison.channel import (
     _IOV,
     Channel,
@@ -210,9 +210,12 @@ class PipeChannel(Channel):
         except BaseException as exc:  # (a signal handler's between two workers: the first
             if written and not own_error(exc):  # got it all, the next nothing)
                 raise half_sent(exc, f"the command pipes of workers {list(ranks)}") from exc
-            if refs and not written:  # nobody got it: its shared arrays were never sent
-                assert self.arena is not None
-                self.arena.unplace(refs, ranks)
+            if not written:  # nobody got it: its shared arrays and extra writes never went
+                if refs:
+                    assert self.arena is not None
+                    self.arena.unplace(refs, ranks)
+                for r in ranks:
+                    self._extra[r] -= calls - 1
             raise
         self._unread += 1
         if self._unread >= _DRAIN_EVERY:
@@ -359,10 +362,9 @@ class PipeChannel(Channel):
 
     def _replies_set(self) -> FdSet:
         """The open reply pipes, in one poll set made once (again when they change)."""
-        got = self._reply_set  # (checked against the open pipes: pending() builds it
-        fds = [c.fileno() for c in self._open]  # without the lock, and may race _end's reset)
-        if got is None or got.fds != tuple(fds):
-            got = self._reply_set = FdSet(fds)
+        # (checked against the open pipes: pending() builds it without the lock, and may race
+        # _end's reset)
+        got = self._reply_set = reuse(self._reply_set, [c.fileno() for c in self._open])
         return got
 
     def _settle_set(self) -> select.poll:

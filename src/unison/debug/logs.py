@@ -107,7 +107,9 @@ def _line(data: dict[str, Any], ascii: bool) -> str:
                 now = data[key]  # (the note it may hold is shorter than 48 characters)
                 data[key] = _cut(key, whole.setdefault(key, now),
                                  max(0, len(now) * level // size - 48))
-    raise ValueError("a logging record that does not fit in a line even with its texts cut")
+    raise ValueError(f"a logging record too large to ship to the controller (over {LINE_BYTES} "
+                     "bytes even with its texts cut) was dropped: log fewer or shorter fields "
+                     "(extra=, stack_info) in one record")
 
 
 def _level(sizes: list[int], budget: int) -> int:

@@ -195,7 +195,8 @@ def check_tokens(tokens: Sequence[Sequence[int]], cfg: ModelConfig) -> list[list
         if min(row) < 0 or max(row) >= cfg.vocab:
             bad = [t for t in row if not 0 <= t < cfg.vocab]
             raise ValueError(f"tokens[{i}] holds ids outside the vocabulary (0 to "
-                             f"{cfg.vocab - 1}): {bad[:5]}")
+                             f"{cfg.vocab - 1}): {bad[:5]}; tokenize with this model's own "
+                             "tokenizer (the encoder's): another model's ids do not fit")
         out.append(row)
     return out
 

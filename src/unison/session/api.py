@@ -422,8 +422,8 @@ class Session(View):
     def _shutdown(self, grace: float) -> None:
         with self._state_lock:
             self._closed = True
-            # one statement: a signal handler's close cannot land between the look and the
-            # store (the lock is re-entrant for it)
+            # looked at and set in one statement: no call between them where a signal
+            # handler's close (the lock is re-entrant for it) could run
             stopping, self._stopping = self._stopping, True
             if stopping:
                 return
@@ -458,7 +458,7 @@ class Session(View):
             holding = self._chan.holding(ranks)
         except (OSError, ValueError):  # the channel is closed already
             holding = []
-        if dead is not None and holding:
+        if dead is not None and holding and not sending:  # (no goodbye amid a send)
             # a death closes at once, but the errors survivors hold may be its cause: they
             # are asked for them, briefly (idle ones answer at once; WorkerDied waits)
             grace = _ASK_AFTER_DEATH_S
@@ -919,6 +919,9 @@ class Session(View):
                 ask = not (deadline is None and not self._closed
                            and chan.settled(ranks, router.slice))
                 if ask:  # the long way
+                    if self._pump is not None:  # (worker 0 inline is never done while
+                        # this thread is inside its call)
+                        self._res.launcher.check_free()  # type: ignore[attr-defined]
                     self._wait_done(ranks, deadline)
                     ask = chan.unreported(ranks)
             elif chan.settles and router.idle(ranks):  # reports in the reply streams: look
@@ -1077,7 +1080,8 @@ class Session(View):
         nothing of the message sent."""
         if self._closed:
             self.check_open()
-        if self._pump is not None:
+        pump = self._pump
+        if pump is not None:
             self._res.launcher.check_free()  # type: ignore[attr-defined]
         frees = self._take_frees() if self._frees else None
         try:
@@ -1086,7 +1090,7 @@ class Session(View):
                 frees = None
             msg = build(frees, *fields)
             self._chan.send(msg, ranks, buffers, deadline=deadline)
-            if self._pump is not None:
+            if pump is not None:
                 self._run_inline(deadline)
             if self._tracer is not None:
                 self._tracer.on_message(build, fields, ranks, len(msg) + sum(
