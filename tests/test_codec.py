@@ -5,6 +5,8 @@ in one process. Calls, results and collectives all go through these functions.
 from __future__ import annotations
 
 import datetime
+import enum
+import fractions
 import math
 import pickle
 import sys
@@ -221,6 +223,40 @@ def test_a_container_subclass_whose_method_its_c_reduction_calls_is_pickled_once
     _CountingSet.iterated = 0
     got = _round_trip([_CountingSet({1, 2}), script()])
     assert got[0] == {1, 2} and _CountingSet.iterated == 1
+
+
+class _Meta(type):
+    pass
+
+
+class _Tagged(metaclass=_Meta):
+    class Inner(metaclass=_Meta):
+        pass
+
+
+class _Color(enum.Enum):
+    RED = 1
+
+
+@pytest.mark.parametrize("value", [
+    _Tagged, _Tagged.Inner, [_Tagged, _Tagged.Inner, _Tagged], _Color, _Color.RED,
+    fractions.Fraction, fractions.Fraction(3, 7), np.dtype("f8"), np.arange(3),
+])
+def test_a_class_of_a_metaclass_is_pickled_by_name_as_pickle_does(value: Any) -> None:
+    """The first pass names such a class by a reducer of its own (a lookup that missed
+    cost a KeyError each time): the bytes are plain pickle's."""
+    assert protocol.dumps(value) == pickle.dumps(value, 5)
+
+
+def test_a_script_class_of_a_metaclass_still_travels_by_value(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    script = _Meta("Script", (), {"__module__": "__main__", "x": 5})
+    monkeypatch.setattr(sys.modules["__main__"], "Script", script, raising=False)
+    data = protocol.dumps([script, _Tagged])
+    monkeypatch.delattr(sys.modules["__main__"], "Script")  # as on a worker
+    got = protocol.loads(data)  # (by name, it would fail: __main__ has no Script now)
+    assert got[0].__name__ == "Script" and type(got[0]) is _Meta and got[0].x == 5
+    assert got[1] is _Tagged
 
 
 class _Dated(datetime.date):

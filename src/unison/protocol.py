@@ -290,7 +290,15 @@ def nop_msg(frees: tuple[int, ...] | None) -> bytes:
     return _dump((NOP, frees), 5)
 
 _MAIN = b"__main__"
-_local = threading.local()
+
+
+class _Local(threading.local):
+    refs: list[Ref] | None = None
+    """The Refs met while a call's arguments pickle (``dumps_with_refs``); None outside.
+    A class default: a missing attribute's lookup raised, and cost 0.4 µs a pickle."""
+
+
+_local = _Local()
 
 
 OOB_MIN = 1 << 16
@@ -340,7 +348,7 @@ def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None,
 
     check = shared and bool(_arena._shared_ranges)
     first, table = _tables(check)
-    refs = getattr(_local, "refs", None)
+    refs = _local.refs
     mark = 0 if refs is None else len(refs)  # (a reducer may pickle too: keep what is not ours)
     try:
         data = _first_pass(obj, callback, first)
@@ -422,6 +430,11 @@ def _divert(obj: Any) -> Any:
 
 _REDUCE_EX = operator.methodcaller("__reduce_ex__", 5)
 """What pickle calls for a type that no table names, called from C as pickle does."""
+_BY_NAME = operator.attrgetter("__qualname__")
+"""A class's reduction, where its metaclass is not ``type`` (an ABC's, an Enum's, numpy's
+dtype): the name that pickle then saves it by, as it does a class no table names. A miss
+in the table would cost a KeyError raised in Python for each such class pickled (1.7 µs of
+a Fraction's 3.3: benchmarks/dumps_cost.py)."""
 _REDUCER_NAMES = ("__reduce_ex__", "__reduce__", "__getstate__", "__getnewargs_ex__",
                   "__getnewargs__", "__getattr__", "__getattribute__", "__class__", "__dict__")
 """What pickle's reduction of an instance looks up on it (and may so call)."""
@@ -441,10 +454,7 @@ class _FirstTable(dict):  # type: ignore[type-arg]
     ``_first_reducer`` judges it, once."""
 
     def __missing__(self, kind: type) -> Any:
-        reduce = _first_reducer(kind)
-        if reduce is None:
-            raise KeyError(kind)
-        self[kind] = reduce
+        reduce = self[kind] = _first_reducer(kind)
         return reduce
 
 
@@ -452,15 +462,15 @@ def _first_reducer(kind: type) -> Any:
     """How the first pass reduces an instance of ``kind``: ``_REDUCE_EX`` (or the C
     ``__reduce__`` it would call) where every reducer that would run is C's, ``_PURE``'s or
     unison's own (all give the same again: ``ref_reduce``'s list is cleared before the
-    second pass); ``_divert`` for the rest; None for a class of a metaclass (pickled by
-    name, which runs nothing of it). Raises _Divert for a class that cloudpickle sends by
+    second pass); ``_divert`` for the rest; ``_BY_NAME`` for a class of a metaclass (pickled
+    by name, which runs nothing of it). Raises _Divert for a class that cloudpickle sends by
     value (a ``__main__`` one: so that its instance takes one pass, not two)."""
     try:
         registered = copyreg.dispatch_table.get(kind)
         if registered is not None:
             return registered if _pure(registered) else _divert
         if issubclass(kind, type):
-            return None
+            return _BY_NAME
         if _module_of(kind).startswith("unison."):
             return _REDUCE_EX
         if kind.__flags__ & _HEAPTYPE and (_should_pickle_by_reference is None
@@ -664,7 +674,7 @@ def dumps_with_refs(obj: object) -> tuple[bytes, list[pickle.PickleBuffer], list
     """Pickle call arguments out of band and say which Refs they hold, for checking."""
     refs: list[Ref] = []
     buffers: list[pickle.PickleBuffer] = []
-    outer, _local.refs = getattr(_local, "refs", None), refs  # (a reducer may send a call)
+    outer, _local.refs = _local.refs, refs  # (a reducer may send a call)
     try:
         return dumps(obj, buffers, shared=True), buffers, refs
     finally:
@@ -689,7 +699,7 @@ def code_in_file(filename: str, make: Callable[..., types.CodeType],
 
 def ref_reduce(ref: Ref) -> tuple[object, tuple[int]]:
     """How a Ref pickles: as a lookup, by id, in the register file of the worker that reads it."""
-    refs = getattr(_local, "refs", None)
+    refs = _local.refs
     if refs is None:
         raise TypeError(
             "a unison Ref can only travel as an argument of a call in the session that made it; "
