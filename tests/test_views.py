@@ -44,6 +44,16 @@ def test_slices_hold_global_ranks(sess4):
     assert sess4[::2].run(unison.rank) == [0, 2]
 
 
+@pytest.mark.parametrize("key", [slice(None, None, -1), slice(3, 1, -1), slice(None, None, -2)])
+def test_a_slice_in_falling_order_is_refused(sess4, key):
+    """A view goes in rank order (its workers, results, scatter, get's default worker):
+    ``sess[::-1]`` kept Python's falling order, so ``run`` gave [3, 2, 1, 0] where it
+    promised rank order, and ``scatter`` sent worker 0 the last value, without an error."""
+    with pytest.raises(ValueError, match="falling order"):
+        sess4[key]
+    assert sess4[2:1:-1].run(unison.rank) == [2]  # one worker: no order to get wrong
+
+
 def test_negative_index_counts_from_the_end(sess4):
     assert sess4[-1].run(unison.rank) == [3]
     assert sess4[-4].run(unison.rank) == [0]

@@ -311,6 +311,12 @@ class Session(View):
         self.check_open()
         if isinstance(key, slice):
             ranks = tuple(range(self.num_workers)[key])
+            if len(ranks) > 1 and ranks[0] > ranks[1]:
+                raise ValueError(
+                    f"sess[{key.start}:{key.stop}:{key.step}] would list workers in falling "
+                    "order, but a view's workers, results and scatter go in rank order: take "
+                    "the view with a positive step and reverse its results yourself"
+                )
             if not ranks:
                 raise ValueError(
                     f"sess[{key.start}:{key.stop}] selects no worker of {self.num_workers}"
