@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import math
 import os
 import signal
 import time
@@ -225,6 +226,30 @@ def test_cancel_of_a_call_its_worker_died_in_signals_no_stranger(make_session):
     finally:
         stranger.kill()
         stranger.wait()
+
+
+@pytest.mark.parametrize("timeout", [None, math.nan, -1, "1"])
+def test_a_bad_cancel_timeout_is_refused_before_anything_is_cancelled(sess, timeout):
+    """The timeout was read only after the cancel was posted: None raised TypeError with the
+    call cancelled all the same, NaN waited as long as the call stayed in C, -1 passed."""
+    ref = sess.call(time.sleep, 0.5)
+    running(sess, ref)
+    with pytest.raises((TypeError, ValueError), match="timeout must be a number of seconds"):
+        ref.cancel(timeout=timeout)
+    assert ref.gather(timeout=10) == [None, None]  # not cancelled
+
+
+def test_an_unbounded_cancel_ends_at_a_death_inside_the_call(make_session):
+    """``timeout=inf`` waits while a worker lives inside the call: one that died there
+    leaves its word set for good, and is WorkerDied at once, never a wait without end."""
+    sess = make_session(2)
+    worker = sess[1].run(os.getpid)[0]
+    ref = sess[1].call(die_inside)
+    wait_gone([worker], 10.0)
+    started = time.monotonic()
+    with pytest.raises(unison.WorkerDied):
+        ref.cancel(timeout=math.inf)
+    assert time.monotonic() - started < 5.0
 
 
 def note(marks: list[str]) -> int:

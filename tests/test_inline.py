@@ -357,7 +357,7 @@ def test_a_cancel_never_signals_the_controller() -> None:
     board = Board(2)
     try:
         board.mark(0).enter(7)
-        assert board.stop(7, [0], [os.getpid()], [None], timeout=0.05) == [0]
+        assert board.stop(7, [0], [os.getpid()], [None], timeout=0.05) == ([0], set())
     finally:
         board.close()
 

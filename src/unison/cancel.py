@@ -154,14 +154,16 @@ class Board:
         return int(self._q[_RUNNING + _LINE * rank])
 
     def stop(self, call_id: int, ranks: Sequence[int], pids: Sequence[int],
-             starts: Sequence[int | None], timeout: float) -> list[int]:
+             starts: Sequence[int | None], timeout: float) -> tuple[list[int], set[int]]:
         """Post ``call_id``, signal each worker of ``ranks`` seen inside it (``pids`` by
         rank, each the process that started at ``starts``: a worker that died inside the
         call leaves its word set, and its pid may be another program's by now), and wait up
-        to ``timeout`` for them to leave it; the ranks still inside."""
+        to ``timeout`` for them to leave it (inf: as long as one lives inside it). Returns the
+        ranks still inside, and those of them whose process ended (their word stays set)."""
         if not self.post(call_id, ranks):
-            return []
+            return [], set()
         signalled: dict[int, float] = {}  # rank -> when we last signalled it
+        gone: set[int] = set()
         end = time.monotonic() + timeout
         nap = 20e-6
         while True:
@@ -171,18 +173,19 @@ class Board:
                 # again if it is still inside a while later: a signal that found the call
                 # not yet begun, or lost (seen in the chaos loop, cause not found), is
                 # harmless to repeat: the handler raises only in a cancelled call
-                if now - signalled.get(r, -1.0) >= _RESIGNAL:
+                if r not in gone and now - signalled.get(r, -1.0) >= _RESIGNAL:
                     signalled[r] = now
                     if pids[r] == os.getpid():  # worker 0 inline in us: never signal ourself
                         continue
                     if not _proctree.same(pids[r], starts[r]):
-                        continue  # it ended: the session hears of it on its next wait
+                        gone.add(r)  # it ended: the session hears of it on its next wait
+                        continue
                     try:
                         signal_main_thread(pids[r], SIGNAL)
                     except ProcessLookupError:
-                        pass  # it died: the session hears of it on its next wait
-            if not inside or time.monotonic() >= end:
-                return inside
+                        gone.add(r)  # it died: the session hears of it on its next wait
+            if not inside or gone.issuperset(inside) or time.monotonic() >= end:
+                return inside, gone
             time.sleep(nap)
             nap = min(2 * nap, 5e-3)
 

@@ -59,10 +59,10 @@ class Ref:
         bytecode. Fetching the Ref then raises ``unison.CancelledError``; the session and
         every other object stay intact. Where the call had already finished, its result
         stays (as with ``concurrent.futures.Future.cancel``, work done is not undone), and
-        fetching gives it. Waits up to ``timeout`` seconds for the call to leave every
-        worker, then raises TimeoutError naming those stuck in C code. Raises RuntimeError,
-        cancelling nothing, where a call 2**20 ids away, cancelled earlier, still waits on
-        a worker (the two share a word of the cancellation board)."""
+        fetching gives it. Waits up to ``timeout`` seconds (inf: while they live) for the
+        call to leave every worker, then raises TimeoutError naming those stuck in C code.
+        Raises RuntimeError, cancelling nothing, where a call 2**20 ids away, cancelled
+        earlier, still waits on a worker (the two share a word of the cancellation board)."""
         self._session._cancel(self, timeout)
 
     def free(self) -> None:

@@ -1000,10 +1000,13 @@ class Session(View):
             )
         if ref._session is not self:
             raise ValueError(f"{ref!r} belongs to another session")
+        timeout = _seconds(timeout, "timeout")  # before the board: a refused cancel posts nothing
         self.check_open()
-        stuck = board.stop(ref._id, ref.workers, self._pids, self._starts, timeout)
+        stuck, gone = board.stop(ref._id, ref.workers, self._pids, self._starts, timeout)
         if stuck:
             self.check_alive("cancelling")  # a worker that died inside it: WorkerDied
+            if gone:  # (before its launcher told: a zygote's child is reaped by the zygote)
+                raise self.died("cancelling", min(gone))
             raise TimeoutError(
                 f"worker(s) {stuck} are still inside the call of {ref!r} {timeout} s after it "
                 "was cancelled: they are stuck in C code that does not return to Python (the "
