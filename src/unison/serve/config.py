@@ -3,6 +3,7 @@ built from it even where the ``serve`` extra is not installed)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 __all__ = ["ServeConfig"]
@@ -33,11 +34,23 @@ class ServeConfig:
 
     def check(self) -> None:
         """ValueError naming the flag when the options cannot work together."""
-        for name in ("tp", "dp", "max_batch", "max_queue", "max_inputs", "max_body_bytes"):
+        for name in ("tp", "dp", "max_batch", "max_queue", "max_inputs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-        if self.batch_window_ms < 0:
-            raise ValueError("--batch-window-ms must be at least 0")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"--max-body-mb must allow at least 1 byte, got "
+                             f"{self.max_body_bytes / 2**20:g} MiB")
+        # (NaN fails every comparison, so each bound is written as what must hold; inf would
+        # hold a lone request until a full batch came, or never time a batch out)
+        if not 0 <= self.batch_window_ms < math.inf:
+            raise ValueError(f"--batch-window-ms must be a finite number >= 0, got "
+                             f"{self.batch_window_ms}")
+        if not 0 < self.batch_timeout < math.inf:
+            raise ValueError(f"the batch timeout must be a finite number of seconds > 0, got "
+                             f"{self.batch_timeout}")
+        if not 0 <= self.drain_seconds < math.inf:
+            raise ValueError(f"--drain-seconds must be a finite number >= 0, got "
+                             f"{self.drain_seconds}")
         if self.max_inputs > self.max_queue:
             raise ValueError(f"--max-inputs {self.max_inputs} exceeds --max-queue "
                              f"{self.max_queue}: such a request could never be queued")

@@ -67,6 +67,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=("critical", "error", "warning", "info", "debug"))
 
 
+def _body_bytes(mb: float) -> int:
+    """--max-body-mb in bytes: ValueError naming the flag for NaN or inf (int() raised its
+    own OverflowError, a traceback)."""
+    if not math.isfinite(mb):
+        raise ValueError(f"--max-body-mb must be a finite number, got {mb}")
+    return int(mb * 2**20)
+
+
 def main(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or Ctrl-C; the exit status."""
     # The tokenizer's own thread pool buys nothing for a request's few texts, and would warn
@@ -105,7 +113,7 @@ def main(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, backend=args.backend, tp=args.tp, dp=args.dp,
             device=args.device, max_batch=args.max_batch,
             batch_window_ms=args.batch_window_ms, max_queue=args.max_queue,
-            max_inputs=args.max_inputs, max_body_bytes=int(args.max_body_mb * 2**20),
+            max_inputs=args.max_inputs, max_body_bytes=_body_bytes(args.max_body_mb),
             drain_seconds=args.drain_seconds, access_log=args.access_log)
         if cfg.backend == "unison":
             from unison.demo.config import load_config, model_dir
