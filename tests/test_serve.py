@@ -578,10 +578,81 @@ def test_sigterm_finishes_requests_in_flight_and_exits_0(tmp_path: Path) -> None
         print(f"SIGTERM with 6 requests in flight: exit 0 after {took:.2f} s")
 
 
-@pytest.mark.parametrize("flags", [["--max-inputs", "100", "--max-queue", "10"],
-                                   ["--tp", "13"], ["--max-batch", "0"]])
-def test_flags_that_cannot_work_are_refused_before_anything_starts(flags: list[str]) -> None:
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--max-inputs", "100", "--max-queue", "10"], "--max-inputs"), (["--tp", "13"], "tp=13"),
+    (["--max-batch", "0"], "--max-batch"),
+    # inf or NaN held a lone request until a full batch came (NaN: a timer out of order)
+    (["--batch-window-ms", "inf"], "--batch-window-ms"),
+    (["--batch-window-ms", "nan"], "--batch-window-ms"),
+    (["--drain-seconds", "inf"], "--drain-seconds"),  # a traceback
+    (["--drain-seconds", "-5"], "--drain-seconds"),  # a silent 1 s
+    (["--max-body-mb", "inf"], "--max-body-mb"),  # a traceback
+    (["--max-body-mb", "1e-9"], "--max-body-mb"),  # named --max-body-bytes, no such flag
+])
+def test_flags_that_cannot_work_are_refused_before_anything_starts(flags: list[str],
+                                                                    said: str) -> None:
     done = subprocess.run([sys.executable, "-m", "unison", "serve", "--port", "1", *flags],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("unison serve: ") and "Traceback" not in done.stderr
+    assert said in done.stderr, done.stderr
+
+
+class _SlowBackend:
+    """A model that takes ``delay`` seconds a batch, in this process."""
+
+    name = "slow"
+    broken = False
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.pids: list[int] = []
+
+    def gone(self) -> bool:
+        return False
+
+    async def probe(self) -> None:
+        return None
+
+    async def embed(self, texts: Sequence[str], tokens: Sequence[Sequence[int]]) -> np.ndarray:
+        await asyncio.sleep(self.delay)
+        return np.zeros((len(texts), 4), np.float32)
+
+    def close(self) -> None:
+        pass
+
+
+def test_stop_answers_the_batch_in_flight_as_well_as_the_queue() -> None:
+    """stop() cancels a batch past its timeout: the jobs it had taken off the queue were
+    never answered (CancelledError passed the batch task's handler), so their handlers
+    waited for good. Now they get 503, as the queued ones do."""
+    from unison.serve.batcher import Batcher
+    from unison.serve.metrics import Metrics
+
+    async def main() -> None:
+        batcher = Batcher(lambda: _SlowBackend(30.0), hidden=4, max_batch=2, window=0.0,
+                          max_queue=10, metrics=Metrics())
+        batcher.start()
+        while batcher.state != "ok":
+            await asyncio.sleep(0.01)
+        in_flight = batcher.submit(["a", "b"], [[1], [2]])
+        queued = batcher.submit(["c"], [[3]])
+        await asyncio.sleep(0.1)
+        await batcher.stop(timeout=0.2)
+        for job in (in_flight, queued):
+            assert job.future.done()
+            assert getattr(job.future.exception(), "status", None) == 503
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+@pytest.mark.parametrize("bad", [{"window": math.inf}, {"window": math.nan},
+                                 {"batch_timeout": math.inf}, {"batch_timeout": 0.0}])
+def test_a_batcher_refuses_a_window_or_timeout_that_cannot_work(bad: dict[str, float]) -> None:
+    from unison.serve.batcher import Batcher
+    from unison.serve.metrics import Metrics
+
+    args: dict[str, Any] = {"hidden": 4, "max_batch": 2, "window": 0.0, "max_queue": 10,
+                            "metrics": Metrics(), **bad}
+    with pytest.raises(ValueError, match="finite"):
+        Batcher(lambda: _SlowBackend(0.0), **args)

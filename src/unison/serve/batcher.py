@@ -22,6 +22,7 @@ import asyncio
 import collections
 import gc
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -83,8 +84,10 @@ class Batcher:
     def __init__(self, load: Callable[[], Backend], *, hidden: int, max_batch: int,
                  window: float, max_queue: int, metrics: Metrics,
                  batch_timeout: float = 60.0) -> None:
-        if max_batch < 1 or max_queue < 1 or window < 0:
-            raise ValueError("max_batch and max_queue must be at least 1, window at least 0")
+        if max_batch < 1 or max_queue < 1 or not 0 <= window < math.inf or not (
+                0 < batch_timeout < math.inf):
+            raise ValueError("max_batch and max_queue must be at least 1, window a finite "
+                             "number >= 0, batch_timeout a finite number > 0")
         self._load_backend = load
         self.hidden = hidden
         self.max_batch = max_batch
@@ -229,6 +232,9 @@ class Batcher:
             if parts:
                 try:
                     await self._batch(parts)
+                except asyncio.CancelledError:  # stop() gave up on it: its jobs get 503
+                    self._fail(parts, unavailable("stopping"))
+                    raise
                 except Exception as exc:  # a bug here must not leave requests hanging
                     log.exception("the batch task failed on %d inputs", len(parts))
                     self._fail(parts, APIError(500, f"internal error: {exc!r}",
