@@ -204,7 +204,7 @@ def test_workers_write_small_shared_arrays_and_their_slices(
     assert a[:2].tolist() == [1, 2]
 
 
-def _fill(x: object, v: float) -> None:
+def _fill(x: object, v: float, *rest: object) -> None:
     x[...] = v  # type: ignore[index]
 
 
@@ -228,6 +228,33 @@ def test_a_non_contiguous_view_of_a_shared_array_is_refused(sess: unison.Session
     sess[0].run(_fill, np.array(buf[:, 0]), 5.0)
     assert sess.run(_sum, np.arange(16.0).reshape(4, 4)[:, ::2]) == [56.0, 56.0]
     assert buf[:, 0].tolist() == [3.0, 4.0, 4.0, 3.0]
+
+
+class _Image(np.ndarray):
+    """A numpy subclass of the user's, importable (the first pickler's way)."""
+
+
+def test_a_numpy_subclass_view_of_a_shared_array_is_refused(sess: unison.Session) -> None:
+    """numpy pickles a subclass's elements into the pickle (np.matrix, a masked array, the
+    user's own), so such a view of a ``sess.empty`` array reached the workers as a copy and
+    their writes were lost, with no error. Now it raises, by either pickler (the string
+    ``"__main__"`` among the arguments takes cloudpickle's way), and in a put; a plain view
+    of it still goes by reference, and a subclass of an ordinary array travels as a value."""
+    buf = sess.empty((4, 5))
+    big = sess.empty((1000, 100))
+    buf[:] = 0
+    big[:] = 0
+    for bad in (buf.view(np.matrix), buf.view(_Image), big.view(_Image),
+                np.ma.masked_array(buf), [buf[1:].view(_Image)]):
+        for extra in ((), ("__main__",)):
+            with pytest.raises(ValueError, match=r"numpy subclass .* sess\.empty"):
+                sess[0].run(_fill, bad, 2.0, *extra)
+        with pytest.raises(ValueError, match=r"numpy subclass .* sess\.empty"):
+            sess.put(bad)
+    assert not buf.any() and not big.any()
+    sess[0].run(_fill, np.asarray(buf.view(_Image)), 3.0)
+    assert buf.min() == 3.0
+    assert sess.run(type, np.arange(3.0).view(_Image)) == [_Image, _Image]
 
 
 def test_a_non_contiguous_tensor_over_a_shared_array_is_refused(sess: unison.Session) -> None:

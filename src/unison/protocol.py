@@ -48,6 +48,7 @@ marshalled tuple's never is.
 from __future__ import annotations
 
 import copyreg
+import functools
 import io
 import marshal
 import operator
@@ -363,7 +364,7 @@ def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None,
     if refs is not None:
         del refs[mark:]  # the second pass sees every Ref of this value again
     out = io.BytesIO()
-    _CloudPickler(out, table, callback).dump(obj)
+    (_CheckedPickler if check else _CloudPickler)(out, table, callback).dump(obj)
     return out.getvalue()
 
 
@@ -419,6 +420,16 @@ class _CloudPickler(cloudpickle.Pickler):  # type: ignore[misc]
         super().__init__(out, protocol=5, buffer_callback=callback)  # made, it kept its own)
 
 
+class _CheckedPickler(_CloudPickler):
+    """The second pass where shared memory is checked: a numpy subclass's array is not in
+    the table (it names exact types), so it is looked at here, as the first pass does."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if _ndarray_subclass(type(obj)) and in_shared(obj):
+            raise _subclass_error(obj)
+        return super().reducer_override(obj)
+
+
 class _Divert(Exception):
     """The first pass met an object that only cloudpickle's may take, before any of its
     reducers ran."""
@@ -451,11 +462,42 @@ arrays this module knows); any other Python code's may not, and takes the second
 
 class _FirstTable(dict):  # type: ignore[type-arg]
     """The first pass's dispatch table: ``_reducers``, then each type met as
-    ``_first_reducer`` judges it, once."""
+    ``_first_reducer`` judges it, once; with ``check``, a numpy subclass's checked first."""
+
+    def __init__(self, reducers: dict[type, Any], check: bool) -> None:
+        super().__init__(reducers)
+        self.check = check
 
     def __missing__(self, kind: type) -> Any:
-        reduce = self[kind] = _first_reducer(kind)
+        reduce = _first_reducer(kind)
+        if self.check and _ndarray_subclass(kind):
+            reduce = functools.partial(_reduce_subclass_checked, reduce)
+        self[kind] = reduce
         return reduce
+
+
+def _ndarray_subclass(kind: type) -> bool:
+    np = sys.modules.get("numpy")
+    return np is not None and kind is not np.ndarray and issubclass(kind, np.ndarray)
+
+
+def _reduce_subclass_checked(then: Callable[[Any], Any], a: Any) -> Any:
+    """An array of a numpy subclass (np.matrix, a masked array, the user's own), reduced by
+    ``then``, unless it lies in shared memory: numpy pickles a subclass's elements into the
+    pickle, so the workers would write to a copy."""
+    if in_shared(a):
+        raise _subclass_error(a)
+    return then(a)
+
+
+def _subclass_error(a: Any) -> SharedCopyError:
+    return SharedCopyError(
+        f"an array of numpy subclass {type(a).__name__} over a sess.empty() array would reach "
+        "the workers as a copy (numpy pickles a subclass's elements by value), and their "
+        "writes would be lost: "
+        "pass np.asarray(x), a plain view that goes by reference, or np.array(x) to send a "
+        "copy on purpose"
+    )
 
 
 def _first_reducer(kind: type) -> Any:
@@ -553,7 +595,7 @@ def _tables(check: bool) -> tuple[_FirstTable, dict[type, Any]]:
     tables = made[2].get(key)
     if tables is None:
         reducers = _reducers(check)
-        first = _FirstTable(reducers)
+        first = _FirstTable(reducers, check)
         table = {**made[0], **cloudpickle.Pickler._dispatch_table, **reducers}
         tables = made[2][key] = first, table
     return tables
