@@ -424,6 +424,28 @@ def test_allreduce_of_python_numbers(shared, backend):
     assert got == [7 / 3] * 3 and all(type(g) is float for g in got)
 
 
+def reduce_masked(kind: str) -> str:
+    x = np.ma.masked_array([1.0, 2.0, 1e9], mask=[False, False, unison.rank() == 0])
+    try:
+        if kind == "allreduce":
+            unison.allreduce(x)
+        else:
+            unison.reduce_scatter(x)
+    except TypeError as exc:
+        return str(exc)
+    return "reduced"
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+@pytest.mark.parametrize("kind", ["allreduce", "reduce_scatter"])
+def test_a_masked_array_is_refused_by_the_reductions(shared, backend, kind):
+    """A masked array was reduced as its raw elements, the masked 1e9 added in, and came
+    back a plain array: a wrong result with no error."""
+    sess = backend_session(shared, 2, backend)
+    got = sess.run(reduce_masked, kind, timeout=QUICK)
+    assert all("masked array" in g and "filled" in g for g in got), got
+
+
 @pytest.mark.parametrize("n_workers", [2, 3])
 def test_allreduce_into_an_out_that_overlaps_its_input_at_an_offset(shared, n_workers):
     """An input of more than one slot reduces in rounds, each writing its share of out: an

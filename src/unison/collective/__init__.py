@@ -38,6 +38,7 @@ A CUDA tensor always goes through torch.distributed, which needs collectives="to
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -197,6 +198,7 @@ def allreduce(x: Any, op: str = "sum", *, group: bool = False, out: Any = None) 
     if (type(x) is np.ndarray and _on_shm[group] and _trace.events is None
             and _running[0] == _begun[0]):
         return _shm.allreduce(x, op, group, out)  # type: ignore[union-attr]  # _backend's
+    _refuse_masked(x, "allreduce")
     result = _backend(group, x).allreduce(x, op, group)
     return result if out is None else _into(out, result)
 
@@ -223,7 +225,20 @@ def gather(x: Any, dst: int = 0, *, group: bool = False) -> list[Any] | None:
 
 def reduce_scatter(x: Any, op: str = "sum", *, group: bool = False) -> Any:
     """Share r (``np.array_split`` along axis 0) of the reduction, on worker r."""
+    _refuse_masked(x, "reduce_scatter")
     return _backend(group, x).reduce_scatter(x, op, group)
+
+
+def _refuse_masked(x: Any, name: str) -> None:
+    """A masked array's reduction would take its raw elements, the masked ones too, and
+    give a plain array back: a wrong result with no error (both backends)."""
+    ma = sys.modules.get("numpy.ma")
+    if ma is not None and isinstance(x, ma.MaskedArray):
+        raise TypeError(
+            f"{name} of a masked array would reduce its masked elements too and drop the "
+            "mask: pass x.filled(v) with the value the op should ignore (0 for a sum, 1 for "
+            "a product), and reduce the mask apart if the result needs one"
+        )
 
 
 def barrier(*, group: bool = False) -> None:
