@@ -76,6 +76,18 @@ def test_a_large_array_goes_out_of_band_and_comes_back_over_its_buffer() -> None
     assert np.shares_memory(out["x"], np.frombuffer(raw, dtype=np.float64))  # no copy
 
 
+def test_arrays_past_max_buffers_are_pickled_in_band(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receiver maps each buffer apart (Linux allows a process about 65,000 mappings):
+    past MAX_BUFFERS in one message, the rest travel in band, and all come back."""
+    monkeypatch.setattr(protocol, "MAX_BUFFERS", 3)
+    sent = [np.full(protocol.OOB_MIN // 8, float(i)) for i in range(5)]
+    buffers: list[pickle.PickleBuffer] = []
+    data = protocol.dumps(sent, buffers)
+    assert len(buffers) == 3 and len(data) > 2 * protocol.OOB_MIN
+    got = protocol.loads(data, [b.raw() for b in buffers])
+    assert [a.tolist() for a in got] == [a.tolist() for a in sent]
+
+
 def test_a_large_array_without_a_buffer_list_is_pickled_in_band() -> None:
     a = np.ones(protocol.OOB_MIN, dtype=np.uint8)
     data = protocol.dumps(a)

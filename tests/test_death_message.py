@@ -90,3 +90,27 @@ def test_a_worker_whose_reply_pipe_breaks_the_format_is_reported_within_seconds(
     assert time.monotonic() - start < 5
     with pytest.raises(SessionClosed):
         sess.run(os.getpid)
+
+
+def test_a_reply_the_controller_cannot_map_blames_the_controller_not_the_worker(
+        make_session, monkeypatch):
+    """Mapping a reply's shared memory failed in the controller (ENOMEM: past the mappings
+    Linux allows a process), and the message said the worker's reply ring held bytes that
+    break the format. It now says that the controller could not map it, and why."""
+    import errno
+
+    import numpy as np
+
+    from unison.channel import arena
+
+    sess = make_session(2, channel="shm")
+
+    def no_room(self, desc):
+        raise OSError(errno.ENOMEM, "mapping shared memory: Cannot allocate memory")
+
+    monkeypatch.setattr(arena.ArenaReader, "view", no_room)
+    with pytest.raises(WorkerDied) as info:
+        sess[1].run(np.ones, 100_000, timeout=20)
+    text = str(info.value)
+    assert "could not map its reply's shared memory" in text, text
+    assert "break the format" not in text, text

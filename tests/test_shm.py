@@ -257,6 +257,25 @@ def test_a_numpy_subclass_view_of_a_shared_array_is_refused(sess: unison.Session
     assert sess.run(type, np.arange(3.0).view(_Image)) == [_Image, _Image]
 
 
+def _count(xs: list[object]) -> int:
+    return len(xs)
+
+
+def test_a_message_of_more_shared_views_than_a_process_may_map_is_refused(
+        sess: unison.Session) -> None:
+    """Each view of a ``sess.empty`` array goes out of band, and the worker mapped each one
+    apart: 65,535 rows in one call passed Linux's limit of mappings and the worker died; past
+    65,536 the ring entry's 16-bit count wrapped and the worker read garbage; past 87,000
+    the entry never fit and the send waited for good. Now past MAX_BUFFERS it is refused
+    with nothing sent, and the session goes on."""
+    from unison.channel import MAX_BUFFERS
+
+    rows = sess.empty((MAX_BUFFERS + 1, 2))
+    with pytest.raises(ValueError, match="at most 8,192 views"):
+        sess.run(_count, [rows[i : i + 1] for i in range(MAX_BUFFERS + 1)])
+    assert sess.run(_count, [rows[i : i + 1] for i in range(100)]) == [100, 100]
+
+
 def test_a_non_contiguous_tensor_over_a_shared_array_is_refused(sess: unison.Session) -> None:
     """The same for a CPU tensor over ``sess.empty`` memory: a column, or one torch pickles
     itself (requires_grad), would be a copy. A transposed one goes by reference, as its

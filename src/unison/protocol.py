@@ -67,7 +67,7 @@ try:  # cloudpickle's own choice of by reference or by value (2.0 on)
 except ImportError:
     _should_pickle_by_reference = None
 
-from unison.channel import Reply
+from unison.channel import MAX_BUFFERS, Reply, too_many_buffers
 from unison.channel import arena as _arena
 from unison.errors import RemoteError
 
@@ -344,6 +344,10 @@ def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None,
             # workers' writes to it would be lost
             if raw.nbytes < OOB_MIN and not (_arena._shared_ranges and _arena.is_shared(raw)):
                 return True
+            if len(buffers) - start >= MAX_BUFFERS:  # the receiver maps each one apart
+                if _arena._shared_ranges and _arena.is_shared(raw):
+                    raise SharedCopyError(str(too_many_buffers(MAX_BUFFERS + 1)))
+                return True  # the rest in band: copied, as any value may be
             buffers.append(pb)
             return False
 

@@ -45,6 +45,22 @@ __all__ = ["Channel", "PartialSendError", "Reply", "SendTimeout", "WorkerChannel
            "create"]
 
 
+MAX_BUFFERS = 8192
+"""Out-of-band buffers one message may carry. The receiving process maps each one apart,
+and Linux allows a process about 65,000 mappings (``vm.max_map_count``): past them a worker
+died, or the controller took its own ENOMEM for a worker's broken reply. ``protocol.dumps``
+keeps the rest in band (a copy), and refuses a view of a ``sess.empty`` array past them (it
+must go by reference); a message of more is refused (``too_many_buffers``)."""
+
+
+def too_many_buffers(count: int) -> ValueError:
+    return ValueError(
+        f"a message may carry at most {MAX_BUFFERS:,} views of sess.empty arrays and large "
+        f"arrays out of band, and this one holds {count:,} or more: nothing was sent. Pass "
+        "fewer, larger views (a whole sess.empty array rather than a list of its rows)"
+    )
+
+
 class Reply(NamedTuple):
     """A reply with out-of-band buffers: ``protocol.loads`` takes it as it is. Its buffers
     map shared memory that the worker will not reuse until they are garbage."""

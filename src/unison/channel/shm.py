@@ -81,7 +81,14 @@ from typing import Any, cast
 from unison import _native
 from unison._fdwait import FdSet
 from unison._native import fence as _fence
-from unison.channel import Channel, Reply, SendTimeout, WorkerChannel
+from unison.channel import (
+    MAX_BUFFERS,
+    Channel,
+    Reply,
+    SendTimeout,
+    WorkerChannel,
+    too_many_buffers,
+)
 from unison.channel.arena import Arena, ArenaReader, Malformed, create_file, sealed_memfd
 from unison.channel.ring import Ring
 from unison.pacing import (
@@ -312,6 +319,8 @@ class ShmChannel(Channel):
     def _send_large(self, data: bytes, ranks: tuple[int, ...], buffers: Sequence[Any],
                     deadline: float | None) -> None:
         """Wait for ring room first, then place the buffers: a timeout leaves nothing placed."""
+        if len(buffers) > MAX_BUFFERS:  # (the entry's count has 16 bits)
+            raise too_many_buffers(len(buffers))
         big = len(data) > _INLINE_MAX
         self._room(_entry_size(_DESC if big else len(data), len(buffers)), deadline)
         descs = self.arena.place([*buffers, data] if big else buffers, ranks)
@@ -687,6 +696,7 @@ class ShmChannel(Channel):
                 continue
             base = lay.reply_ring[r]
             problem = ""
+            unmapped: str | None = None
             if not 0 < end - pos <= REPLY_RING:
                 problem = f"its reply position went from {pos} to {end}"
                 end = pos
@@ -709,8 +719,11 @@ class ShmChannel(Channel):
                 if head >> _NDESC or head & _INDIRECT:
                     try:
                         reply = self._unpack_reply(r, head, buf[start : start + n])
-                    except OSError as exc:  # Malformed, or a mapping that failed
+                    except Malformed as exc:
                         problem = f"the entry at {pos}: {exc}"
+                        break
+                    except OSError as exc:  # ours: ENOMEM past the mappings a process may hold
+                        unmapped = str(exc)  # (not exc: its frames hold views of the ring)
                         break
                     pos += size
                     out.append((r, reply))
@@ -727,8 +740,9 @@ class ShmChannel(Channel):
                 out.append((r, chunk))
             self._reply_pos[r] = pos
             q[self._rr_idx[r]] = pos  # hand the space back
-            if problem:
-                broken[r] = f"its reply ring held bytes that break the format ({problem})"
+            if unmapped is not None or problem:
+                broken[r] = (_UNMAPPED.format(unmapped) if unmapped is not None else
+                             f"its reply ring held bytes that break the format ({problem})")
                 self._partial[r] = []
                 out.append((r, None))
         return out
@@ -1121,6 +1135,13 @@ def _unpack_descs(data: bytes | memoryview, count: int) -> list[tuple[int, int, 
 def _bad_command(pos: int, end: int, what: str) -> Malformed:
     return Malformed(f"the command ring holds bytes that break the format at position {pos} "
                      f"(the controller's position is {end}): {what}")
+
+
+_UNMAPPED = ("the controller could not map its reply's shared memory ({}): the controller "
+             "itself is short of memory or of mappings (Linux allows a process about 65,000, "
+             "vm.max_map_count; each fetched array kept alive holds one)")
+"""Why a worker's stream ended where the controller failed to map its reply: not the
+worker's bytes."""
 
 
 def _drain_eventfd(fd: int) -> None:

@@ -1089,6 +1089,8 @@ class Session(View):
         nothing of the message sent."""
         if self._closed:
             self.check_open()
+        if len(buffers) > channels.MAX_BUFFERS:
+            raise channels.too_many_buffers(len(buffers))
         pump = self._pump
         if pump is not None:
             self._res.launcher.check_free()  # type: ignore[attr-defined]
