@@ -267,6 +267,38 @@ def test_a_killed_worker_gives_worker_died_naming_it_within_2_s(tcp_session):
         sess.run(os.getpid)
 
 
+def _total(a: Any) -> float:
+    return float(a.sum())
+
+
+def test_a_busy_worker_with_more_queued_than_its_buffers_hold_is_alive(tcp_session):
+    """A worker reads its connection between calls: while it computes, what is queued past
+    the socket buffers keeps its window closed. With TCP_USER_TIMEOUT (1 s), Linux failed
+    such a connection though the worker answered every probe: a put of 256 KiB or more to
+    a worker busy for over a second gave WorkerDied and closed the session."""
+    import numpy as np
+
+    sess = tcp_session(1)
+    busy = sess.call(time.sleep, 3.0)
+    ref = sess.put(np.ones(8 << 20 >> 3))  # 8 MiB
+    assert busy.gather(timeout=30) == [None]
+    assert sess.run(_total, ref, timeout=30) == [float(1 << 20)]
+
+
+def test_a_stopped_tcp_worker_times_out_and_the_session_goes_on(tcp_session):
+    """A worker stopped (SIGSTOP) with a reply's worth queued for it: TimeoutError at the
+    deadline, as on the other channels, where its closed window was taken for a death."""
+    sess = tcp_session(1)
+    pid = sess.run(os.getpid)[0]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(TimeoutError):
+            sess.run(len, b"x" * 4_000_000, timeout=2.5)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert sess.run(len, b"abc", timeout=30) == [3]
+
+
 def test_the_workers_end_when_the_controller_is_killed(workers, tmp_path):
     script = tmp_path / "controller.py"
     script.write_text(textwrap.dedent(f"""

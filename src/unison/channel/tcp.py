@@ -37,9 +37,12 @@ reports before a worker blocks writing one.
 A dead worker's connection closes (its keeper holds a copy and dies with it). A silent
 death (a host powered off, a cable pulled) sends nothing, so here, and only here, where no
 pidfd can tell, the controller sends a heartbeat: an empty frame to each worker every
-``HEARTBEAT_S`` (the worker skips it). The kernel must see it acknowledged within
-TCP_USER_TIMEOUT, or it fails the connection: WorkerDied well within 2 s. The workers'
-side has the kernel's keepalive probes, which see a silent controller within about 2 s.
+``HEARTBEAT_S`` (the worker skips it), and looks at each connection's TCP_INFO: what it sent
+unacknowledged for 1 s, or two window probes unanswered, end that worker's stream
+(``_silent``): WorkerDied well within 2 s. A worker whose window stays closed while it
+computes answers the probes, and lives. The workers' side has the kernel's keepalive probes,
+which see a silent controller within about 2 s where nothing is in flight; a worker cut off
+in the middle of sending a reply ends when the kernel gives up retransmitting (minutes).
 """
 
 from __future__ import annotations
@@ -102,22 +105,44 @@ command, so a controller that only calls, never waiting, still reads the reports
 worker blocks writing one (and reads no command meanwhile)."""
 HEARTBEAT_S = 0.25
 """How often the controller sends each worker an empty frame (see the module's docstring)."""
-_USER_TIMEOUT_MS = 1000
-"""Data unacknowledged this long fails the connection (the kernel checks at its next
-retransmission: about 1.4 s after a heartbeat went unanswered)."""
+_SILENT_MS = 1000
+"""A worker's host that has acknowledged nothing of what we sent for this long is gone
+(``_silent``)."""
+_TCP_INFO = getattr(socket, "TCP_INFO", None)
+_INFO = struct.Struct("=3xB20xI28xI")  # struct tcp_info: probes, unacked, last_ack_recv
 
 
 def _tune(sock: socket.socket) -> None:
-    """No Nagle delay on small messages; the kernel's keepalive as the heartbeat: a peer
-    silent for 1 s is probed every second, and an unanswered probe or an unacknowledged
-    send fails the connection after about 2 s."""
+    """No Nagle delay on small messages; the kernel's keepalive as the heartbeat where
+    nothing is in flight: a peer silent for 1 s is probed every second, and an unanswered
+    probe fails the connection. Not TCP_USER_TIMEOUT: Linux fails a connection whose
+    receiver keeps its window closed that long, though it answers every probe (a worker
+    busy in a call while more is queued for it than the buffers hold, a controller that
+    reads nothing for a while): a healthy peer was reported dead (an audit, 2026-12-06).
+    The controller tells a host that is gone by ``_silent`` instead."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 1),
-                        ("TCP_USER_TIMEOUT", _USER_TIMEOUT_MS)):
+    for name, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 1)):
         opt = getattr(socket, name, None)
         if opt is not None:
             sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+
+
+def _silent(sock: socket.socket) -> bool:
+    """Whether the peer's host has stopped acknowledging: data in flight and no ACK for
+    _SILENT_MS, or two window probes in a row unanswered (its window closed, then it went).
+    A peer that keeps its window closed but answers the probes is alive: RFC 1122 keeps such
+    a connection open. False where the kernel does not say (not TCP, not Linux)."""
+    if _TCP_INFO is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return False
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _INFO.size)
+    except OSError:
+        return False  # closed meanwhile: the reader says why
+    if len(info) < _INFO.size:
+        return False
+    probes, unacked, last_ack = _INFO.unpack(info)
+    return bool(probes >= 2 or (unacked > 0 and last_ack > _SILENT_MS))
 
 
 def _timeouts(sock: socket.socket, seconds: float) -> None:
@@ -370,7 +395,7 @@ class TcpChannel(Channel):
         """Where worker ``rank`` connected from, and why its stream ended (if it did)."""
         peer = self._peers[rank]
         text = "" if peer is None else f"pid {peer.pid} on {peer.host}"
-        why = self._why.get(rank)
+        why = self._why.get(rank) or (peer.ended if peer is not None else "")
         return f"{text}; {why}" if why and text else why or text
 
     def started(self, watch: Sequence[int] = ()) -> None:
@@ -430,6 +455,8 @@ class TcpChannel(Channel):
         def check_watch() -> None:
             if self._watch and readable(self._watch):
                 raise BrokenPipeError("a worker died while its connection was full")
+            if peer.ended:  # (its host gone, say: the kernel would probe it for minutes)
+                raise BrokenPipeError(f"worker {peer.rank}'s connection ended: {peer.ended}")
 
         def wait(seconds: float) -> None:
             has_data, _ = poll_fds([peer.fd], [peer.fd], seconds)
@@ -471,7 +498,18 @@ class TcpChannel(Channel):
         malformed frame."""
         while not self._stop.wait(HEARTBEAT_S):
             for peer in list(self._peers):
-                if peer is None or not peer.open or not peer.write_lock.acquire(blocking=False):
+                if peer is None or not peer.open:
+                    continue
+                if not peer.ended and _silent(peer.sock):
+                    peer.ended = (f"its host acknowledged nothing we sent for over "
+                                  f"{_SILENT_MS / 1000:g} s (powered off, or the network "
+                                  "between us is down)")
+                    self._wake()  # recv drops it; a settled wait asks, and recv drops it
+                    try:
+                        os.write(self._yield_w, b"x")
+                    except OSError:
+                        pass
+                if not peer.write_lock.acquire(blocking=False):
                     continue
                 try:
                     beat = peer.owed or _HEAD.pack(_MAGIC, peer.incarnation, 0, 0)
