@@ -299,6 +299,38 @@ def test_a_stopped_tcp_worker_times_out_and_the_session_goes_on(tcp_session):
     assert sess.run(len, b"abc", timeout=30) == [3]
 
 
+def test_a_value_over_the_frame_limit_is_refused_with_nothing_sent(tcp_session, monkeypatch):
+    """The worker refused such a frame and left without a word: WorkerDied, "it stopped
+    answering", where the value was too big. Now the controller refuses it first."""
+    from unison.channel import tcp
+
+    sess = tcp_session(1)
+    monkeypatch.setattr(tcp, "MAX_FRAME", 1000)
+    with pytest.raises(ValueError, match="over the TCP channel's limit"):
+        sess.run(len, b"x" * 2000)
+    with pytest.raises(ValueError, match="over the TCP channel's limit"):
+        sess.put(b"y" * 2000)
+    assert sess.run(len, b"abc") == [3]
+
+
+def test_a_port_in_use_leaves_no_fd_behind():
+    """The channel's pipes and epoll were made before the listener: each session refused
+    for a port in use kept four pipe fds and an epoll open."""
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(5):
+            with pytest.raises(OSError):
+                unison.Session(1, launcher=ConnectLauncher(port=port, secret=SECRET,
+                                                           announce=False))
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        taken.close()
+    with pytest.raises(TypeError, match="bytes.fromhex"):
+        ConnectLauncher(secret=SECRET.hex())  # type: ignore[arg-type]
+
+
 def test_the_workers_end_when_the_controller_is_killed(workers, tmp_path):
     script = tmp_path / "controller.py"
     script.write_text(textwrap.dedent(f"""

@@ -242,15 +242,24 @@ class TcpChannel(Channel):
         """Every open connection and the wake pipe: readable when any is (for channel.mixed,
         whose waits sleep on shared memory's eventfd and this)."""
         self._epoll.register(self._wake_r, select.EPOLLIN)
-        self._listener = socket.create_server((bind, port), backlog=max(16, num_workers))
-        self.address = f"{advertise}:{self._listener.getsockname()[1]}"
         self.unix = ""
         self._unix: socket.socket | None = None
-        if local:  # abstract namespace: no file to leave behind; reachable on this host only
-            self.unix = f"unison-{secrets.token_hex(8)}"
-            self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._unix.bind("\0" + self.unix)
-            self._unix.listen(max(16, num_workers))
+        try:  # (a port in use, an address not ours: the fds made above go with the error)
+            self._listener = socket.create_server((bind, port), backlog=max(16, num_workers))
+            self.address = f"{advertise}:{self._listener.getsockname()[1]}"
+            if local:  # abstract namespace: no file to leave behind; this host only
+                self.unix = f"unison-{secrets.token_hex(8)}"
+                self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._unix.bind("\0" + self.unix)
+                self._unix.listen(max(16, num_workers))
+        except BaseException:
+            for fd in (self._yield_r, self._yield_w, self._wake_r, self._wake_w):
+                os.close(fd)
+            self._epoll.close()
+            for sock in (getattr(self, "_listener", None), self._unix):
+                if sock is not None:
+                    sock.close()
+            raise
         self._accepter = threading.Thread(target=self._accept_loop, name="unison-tcp-accept",
                                           daemon=True)
         self._accepter.start()
@@ -406,6 +415,12 @@ class TcpChannel(Channel):
     def send(self, data: bytes, ranks: Sequence[int], buffers: Sequence[Any] = (), *,
              deadline: float | None = None) -> None:
         raws = [pb.raw() for pb in buffers]
+        big = max([len(data), *(raw.nbytes for raw in raws)])
+        if big > MAX_FRAME:  # (the worker would refuse the frame, and leave without a word)
+            raise ValueError(
+                f"a value of {big:,} bytes is over the TCP channel's limit of {MAX_FRAME:,} "
+                "bytes per part of a message: nothing was sent. Send it in pieces (several "
+                "puts of slices), or make it on the workers")
         written = False  # once a worker has it, a timeout further on is a partial send
         for r in ranks:
             peer = self._peers[r]
