@@ -181,6 +181,34 @@ def test_a_rank_that_left_a_call_early_never_meets_a_peer_in_its_next_call(tcp_s
     assert sess.run(next_call, timeout=20) == [600.0] * 3
 
 
+def _send_then_raise(tag: str) -> str:
+    if unison.rank() == 0:
+        unison.send(tag, 1)
+        return "sent"
+    raise ValueError("gave up before its recv")
+
+
+def _send_then_recv(tag: str) -> str:
+    if unison.rank() == 0:
+        unison.send(tag, 1)
+        return "sent"
+    return unison.recv(0)
+
+
+def test_a_recv_across_hosts_never_takes_an_earlier_calls_message(tcp_session):
+    """gloo holds a send until a recv takes it: a message whose receiver left its call
+    (raised first) was handed to that receiver's recv in the next call, a stale value with
+    no error. Each message now names its call, and an earlier call's is dropped."""
+    pytest.importorskip("torch")
+    sess = tcp_session(2, collectives="torch")
+    first = sess.call(_send_then_raise, "call A's message")
+    second = sess.call(_send_then_recv, "call B's message")
+    assert second.gather(timeout=30) == ["sent", "call B's message"]
+    with pytest.raises(unison.WorkerError, match="gave up before its recv"):
+        first.gather(timeout=10)
+    assert sess.run(_send_then_recv, "C", timeout=30) == ["sent", "C"]
+
+
 def test_without_torch_collectives_a_tcp_session_says_what_to_do(tcp_session):
     sess = tcp_session(2)
     with pytest.raises(unison.WorkerError, match="collectives='torch'"):

@@ -61,6 +61,8 @@ class DistLocal(CallScope):
         self.held: Sized = () if shm is None else shm.held
         self.on_shm = on_shm
         self.owner: ClusterCollectives | None = None
+        self._early: dict[int, tuple[int, Any]] = {}
+        """Per source, a message of a later call that a recv of an earlier one took."""
 
     def begin(self, call_id: int, ranks: tuple[int, ...] | None) -> None:
         super().begin(call_id, ranks)
@@ -137,7 +139,7 @@ class DistLocal(CallScope):
             return shm.send(x, dst)
         check_peer(dst, self.rank, self.n, "send")
         dist, _ = self._group(False)
-        dist.send_object_list([x], dst=dst)
+        dist.send_object_list([(self._call, x)], dst=dst)  # its call: see recv
 
     def recv(self, src: int) -> Any:
         shm = self._shared(False)
@@ -145,9 +147,22 @@ class DistLocal(CallScope):
             return shm.recv(src)
         check_peer(src, self.rank, self.n, "recv")
         dist, _ = self._group(False)
-        box: list[Any] = [None]
-        dist.recv_object_list(box, src=src)
-        return box[0]
+        got = self._early.pop(src, None)
+        while True:
+            if got is None:
+                box: list[Any] = [None]
+                dist.recv_object_list(box, src=src)
+                got = box[0]
+            call, x = got
+            if call == self._call:
+                return x
+            if call > self._call:  # the sender went on to a later call: kept for it
+                self._early[src] = got
+                raise CollectiveError(
+                    f"recv from worker {src} on worker {self.rank} gave up: worker {src} left "
+                    f"the call without sending ({LEFT_WHY})", peer=src)
+            got = None  # an earlier call's, whose receiver left it (gloo holds a send
+            # until a recv takes it): taken for this call, it would be a stale value
 
 
 class ClusterCollectives(TorchCollectives):
