@@ -424,6 +424,67 @@ def test_allreduce_of_python_numbers(shared, backend):
     assert got == [7 / 3] * 3 and all(type(g) is float for g in got)
 
 
+def torch_kinds() -> list[Any]:
+    """What the torch backend gives for values torch would pick a dtype for."""
+    import torch
+
+    out: list[Any] = []
+    for x in ([2**62, 1], [True, True], [0.1], (0.1, 1e-50)):
+        try:
+            unison.allreduce(x)
+            out.append("reduced")
+        except unison.CollectiveError as exc:
+            out.append(str(exc))
+    out.append(unison.allreduce(1 + 2j, op="mean"))
+    out.append(unison.allreduce(torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64),
+                                op="mean").tolist())
+    return out
+
+
+def test_the_torch_backend_refuses_what_torch_would_give_a_dtype_and_keeps_complex(shared):
+    """A list or tuple went to torch.as_tensor: floats became float32, ints int64 (wrapping
+    past 2**63), bools a logical or, with no error; the mean of a complex number lost its
+    imaginary part (a cast to double)."""
+    sess = backend_session(shared, 2, "torch")
+    got = sess.run(torch_kinds, timeout=QUICK)
+    for out in got:
+        assert all("numpy arrays or numbers, not" in e for e in out[:4]), out
+        assert out[4] == 1 + 2j and out[5] == [1 + 2j, 3 - 1j], out
+
+
+def torch_broadcast_of_none() -> list[float]:
+    import torch
+
+    x = torch.arange(3.0) if unison.rank() == 1 else None
+    return unison.broadcast(x, src=1).tolist()
+
+
+def torch_scatter_of_shapes() -> Any:
+    import torch
+
+    xs = [torch.zeros(2), torch.zeros(3)] if unison.rank() == 0 else None
+    return unison.scatter(xs, src=0)
+
+
+def test_torch_broadcast_takes_none_on_the_receivers_and_scatter_says_what_it_cannot(shared):
+    """broadcast's receivers may pass None (``sess.broadcast_from`` does): the torch backend
+    made a tensor of it and raised on every call. A scatter of values of several shapes
+    was refused by gloo on the source alone, the receivers then waiting inside gloo for its
+    timeout (300 s); now the source says so at once, and the receivers give up."""
+    import torch
+
+    sess = backend_session(shared, 2, "torch")
+    assert sess.run(torch_broadcast_of_none, timeout=QUICK) == [[0.0, 1.0, 2.0]] * 2
+    ref = sess.broadcast_from(torch.arange(4.0), src=1)
+    assert [t.tolist() for t in ref.gather(timeout=QUICK)] == [[0.0, 1.0, 2.0, 3.0]] * 2
+    started = time.monotonic()
+    with pytest.raises(unison.WorkerError) as info:
+        sess.run(torch_scatter_of_shapes, timeout=QUICK)
+    assert time.monotonic() - started < 10
+    assert "one shape and dtype" in str(info.value.errors[0])
+    assert isinstance(info.value.errors[1], unison.CollectiveError)
+
+
 def reduce_masked(kind: str) -> str:
     x = np.ma.masked_array([1.0, 2.0, 1e9], mask=[False, False, unison.rank() == 0])
     try:

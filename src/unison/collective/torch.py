@@ -25,6 +25,7 @@ shared-memory backend's do.
 from __future__ import annotations
 
 import datetime
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +47,10 @@ backend is picked per value (a CUDA tensor takes torch in a scope on shared memo
 collective/__init__.py), a rank that passed None while the source passed CUDA tensors runs
 the shared-memory scatter, which meets with 0: every rank raises CollectiveError, instead
 of each waiting for the other."""
+
+
+TORCH_BROADCAST = 2
+"""The same for a torch broadcast's first meeting, where the receivers learn the shape."""
 
 
 class TorchCollectives(Collectives):
@@ -117,8 +122,8 @@ class TorchCollectives(Collectives):
         reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
                      "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
                      "max": dist.ReduceOp.MAX}[op]
-        if op == "mean" and not out.is_floating_point():
-            out = out.double()
+        if op == "mean" and not (out.is_floating_point() or out.is_complex()):
+            out = out.double()  # (as numpy's mean of integers; a complex one stays complex)
         dist.all_reduce(out, op=reduce_op, group=pg)
         if op == "mean":
             out /= len(ranks)
@@ -150,11 +155,27 @@ class TorchCollectives(Collectives):
         return out
 
     def broadcast(self, x: Any, src: int, group: bool) -> Any:
-        t = _tensor(x)
-        member(self.local.scope(group)[1], src, group, "src")
-        dist, pg, ranks = self._enter(group, "broadcast", [t], root=src)
-        out = t.clone()
-        dist.broadcast(out, member(ranks, src, group, "src"), group=pg)
+        """The others' ``x`` is ignored and may be None (``sess.broadcast_from`` passes
+        None): they learn the shape and dtype from the source through shared memory, as
+        scatter's receivers do, then torch moves the data."""
+        import torch
+
+        _, ranks = self.local.scope(group)
+        src_rank = member(ranks, src, group, "src")
+        mine = _tensor(x) if self.local.rank == src_rank else None
+        like = self.local.broadcast(
+            None if mine is None else (tuple(mine.shape), mine.dtype, mine.is_cuda), src,
+            group, kind="broadcast", sig=TORCH_BROADCAST)
+        if mine is not None:
+            out = mine.clone()
+        else:
+            shape, dtype, cuda = like
+            device = (x.device if isinstance(x, torch.Tensor) and x.is_cuda == cuda
+                      else torch.device("cuda", torch.cuda.current_device()) if cuda
+                      else torch.device("cpu"))
+            out = torch.empty(shape, dtype=dtype, device=device)
+        dist, pg, _ = self._enter(group, "broadcast", [out], root=src)
+        dist.broadcast(out, src_rank, group=pg)
         return out
 
     def scatter(self, xs: Sequence[Any] | None, src: int, group: bool) -> Any:
@@ -163,6 +184,12 @@ class TorchCollectives(Collectives):
         if self.local.rank == src_rank:
             mine = [_tensor(v) for v in check_scatter_values(xs, len(ranks))]
             like = mine[ranks.index(src_rank)]
+            for v in mine:  # gloo refuses it on the source alone, with the receivers
+                if v.shape != like.shape or v.dtype != like.dtype:  # inside its scatter:
+                    raise CollectiveError(  # they waited for its timeout (300 s)
+                        f"the torch backend scatters values of one shape and dtype, and "
+                        f"these hold {tuple(v.shape)} {v.dtype} beside {tuple(like.shape)} "
+                        f"{like.dtype}: pad them to one shape, or send each with send()")
         else:
             like = None
         # the receivers learn the shape through shared memory, then torch moves the data;
@@ -201,15 +228,25 @@ class TorchCollectives(Collectives):
 
 
 def _tensor(x: Any) -> Any:
+    """``x`` as a tensor of its own precision: a tensor, a plain numpy array or scalar, or a
+    Python number. Anything else (a list, a tuple, a masked array) is refused: torch would
+    pick a dtype for it (float32 for floats, int64 wrapping past 2**63, bool summing as a
+    logical or), a wrong result with no error."""
     import torch
 
     if isinstance(x, torch.Tensor):
         return x
     if type(x) is float or type(x) is complex:  # as double: torch's default is float32
         return torch.tensor(x, dtype=torch.float64 if type(x) is float else torch.complex128)
-    try:
-        return torch.as_tensor(x)
-    except Exception as exc:
-        raise CollectiveError(
-            f"the torch backend takes tensors or arrays, not {type(x).__name__}"
-        ) from exc
+    np = sys.modules.get("numpy")
+    if type(x) in (int, bool) or (np is not None and (type(x) is np.ndarray
+                                                      or isinstance(x, np.generic))):
+        try:
+            return torch.as_tensor(x)
+        except Exception as exc:
+            raise CollectiveError(f"the torch backend cannot take this {type(x).__name__}: "
+                                  f"{exc}") from exc
+    raise CollectiveError(
+        f"the torch backend takes tensors, numpy arrays or numbers, not {type(x).__name__}: "
+        "make a tensor of the dtype you mean (torch.tensor(x, dtype=torch.float64)), where "
+        "torch would pick one (float32 for Python floats)")
