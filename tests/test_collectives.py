@@ -485,6 +485,22 @@ def test_torch_broadcast_takes_none_on_the_receivers_and_scatter_says_what_it_ca
     assert isinstance(info.value.errors[1], unison.CollectiveError)
 
 
+def group_sum() -> float:
+    import torch
+
+    return float(unison.allreduce(torch.ones(1), group=True)[0])
+
+
+def test_a_fresh_torch_sessions_first_collective_may_be_on_one_group(make_session):
+    """torch.distributed's groups were made at the first collective: one on a single
+    group's view waited in init_process_group for the other group's workers, who never
+    came, until gloo's timeout (300 s). They are made by every worker at the start now."""
+    pytest.importorskip("torch.distributed")
+    sess = make_session(4, num_groups=2, collectives="torch")
+    assert sess.group(1).run(group_sum, timeout=QUICK) == [2.0, 2.0]
+    assert sess.run(group_sum, timeout=QUICK) == [2.0] * 4
+
+
 def reduce_masked(kind: str) -> str:
     x = np.ma.masked_array([1.0, 2.0, 1e9], mask=[False, False, unison.rank() == 0])
     try:

@@ -49,6 +49,7 @@ from unison import trace as _trace
 from unison.collective.base import Collectives
 from unison.collective.checks import into as _into
 from unison.collective.shm import ShmCollectives
+from unison.collective.torch import TorchCollectives
 from unison.errors import CollectiveError
 
 __all__ = [
@@ -109,6 +110,21 @@ def _unordered() -> tuple[str, str]:
     why = (_native.unordered_why("collectives through shared memory")
            + ": open the session with Session(..., collectives='torch')")
     return why, why
+
+
+def start_torch() -> None:
+    """torch.distributed's gloo groups, the world's and every group's, made by every worker
+    in the session's first call (where it has torch collectives): init_process_group and
+    new_group need every rank, so made lazily by a first collective on one group's view,
+    they waited for the other workers, who never came, until gloo's timeout (300 s)."""
+    if _torch is None:
+        return
+    torch = _torch
+    assert isinstance(torch, TorchCollectives)
+    dist = torch._dist()
+    torch._pg(dist, "gloo", False)
+    if torch.groups > 1:
+        torch._pg(dist, "gloo", True)
 
 
 def teardown() -> None:

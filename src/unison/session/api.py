@@ -274,6 +274,8 @@ class Session(View):
             self._last_trace: Trace | None = None
             if trace is not None:
                 self._start_trace(trace)
+            if collectives == "torch":  # on every worker, first (see start_torch)
+                self.call(collective.start_torch)
         except BaseException:
             self._shutdown(0)
             raise
