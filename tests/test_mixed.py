@@ -121,6 +121,18 @@ def test_local_workers_use_shared_memory_and_the_others_tcp(mixed):
     mixed.sync()
 
 
+def test_a_value_over_the_tcp_frame_limit_is_refused_before_the_local_half_goes(
+        mixed, monkeypatch):
+    """The TCP half refused it, after the shared-memory half had gone: the message half
+    sent, and the session closed, for a value that nothing should have sent."""
+    from unison.channel import tcp
+
+    monkeypatch.setattr(tcp, "MAX_FRAME", 1000)
+    with pytest.raises(ValueError, match="over the TCP channel's limit"):
+        mixed.run(len, b"x" * 2000)
+    assert mixed.run(len, b"abc") == [3, 3, 3]
+
+
 def test_a_mixed_session_refuses_shared_arrays_rather_than_copy_them(mixed):
     with pytest.raises(RuntimeError, match="join over TCP"):
         mixed.empty(10)

@@ -355,7 +355,7 @@ def test_a_port_in_use_leaves_no_fd_behind():
         assert len(os.listdir("/proc/self/fd")) == before
     finally:
         taken.close()
-    with pytest.raises(TypeError, match="bytes.fromhex"):
+    with pytest.raises(TypeError, match=r"bytes\.fromhex"):
         ConnectLauncher(secret=SECRET.hex())  # type: ignore[arg-type]
 
 

@@ -53,13 +53,13 @@ class Ref:
     def __await__(self) -> Generator[Any, None, list[Any]]:
         return self.gather_async().__await__()
 
-    def cancel(self, timeout: float = 1.0) -> None:
+    def cancel(self, timeout: float | None = 1.0) -> None:
         """Cancel the call behind this Ref on its workers: where it has not started it is
         skipped; where it runs, ``unison.Cancelled`` is raised in it at its next Python
         bytecode. Fetching the Ref then raises ``unison.CancelledError``; the session and
         every other object stay intact. Where the call had already finished, its result
         stays (as with ``concurrent.futures.Future.cancel``, work done is not undone), and
-        fetching gives it. Waits up to ``timeout`` seconds (inf: while they live) for the
+        fetching gives it. Waits up to ``timeout`` seconds (None or inf: while they live) for the
         call to leave every worker, then raises TimeoutError naming those stuck in C code.
         Raises RuntimeError, cancelling nothing, where a call 2**20 ids away, cancelled
         earlier, still waits on a worker (the two share a word of the cancellation board)."""

@@ -39,7 +39,7 @@ from unison.channel import (
     own_error,
 )
 from unison.channel.shm import ShmChannel
-from unison.channel.tcp import TcpChannel
+from unison.channel.tcp import TcpChannel, check_frame
 
 __all__ = ["MixedChannel"]
 
@@ -143,6 +143,8 @@ class MixedChannel(Channel):
         index = self._index
         near = [index[r] for r in ranks if r in index]
         far = [r for r in ranks if r not in index]
+        if far and near:  # refused before the local half goes: nothing sent, not half
+            check_frame(data, [pb.raw() for pb in buffers])
         if near:
             before = self.shm.published()
             try:

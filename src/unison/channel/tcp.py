@@ -40,7 +40,9 @@ pidfd can tell, the controller sends a heartbeat: an empty frame to each worker 
 ``HEARTBEAT_S`` (the worker skips it), and looks at each connection's TCP_INFO: what it sent
 unacknowledged for 1 s, or two window probes unanswered, end that worker's stream
 (``_silent``): WorkerDied well within 2 s. A worker whose window stays closed while it
-computes answers the probes, and lives. The workers' side has the kernel's keepalive probes,
+computes answers the probes, and lives; its host lost after the window has been closed
+for T seconds is seen after the next two probes, which the kernel spaces out as the wait
+grows: up to about 2T (4 minutes at most). The workers' side has the kernel's keepalive probes,
 which see a silent controller within about 2 s where nothing is in flight; a worker cut off
 in the middle of sending a reply ends when the kernel gives up retransmitting (minutes).
 """
@@ -78,7 +80,7 @@ from unison.channel import (
 )
 from unison.pacing import SPIN, cores, crowd, spin
 
-__all__ = ["MAX_FRAME", "TcpChannel", "TcpWorkerChannel", "dial"]
+__all__ = ["MAX_FRAME", "TcpChannel", "TcpWorkerChannel", "check_frame", "dial"]
 
 log = logging.getLogger("unison.tcp")
 
@@ -415,12 +417,7 @@ class TcpChannel(Channel):
     def send(self, data: bytes, ranks: Sequence[int], buffers: Sequence[Any] = (), *,
              deadline: float | None = None) -> None:
         raws = [pb.raw() for pb in buffers]
-        big = max([len(data), *(raw.nbytes for raw in raws)])
-        if big > MAX_FRAME:  # (the worker would refuse the frame, and leave without a word)
-            raise ValueError(
-                f"a value of {big:,} bytes is over the TCP channel's limit of {MAX_FRAME:,} "
-                "bytes per part of a message: nothing was sent. Send it in pieces (several "
-                "puts of slices), or make it on the workers")
+        check_frame(data, raws)
         written = False  # once a worker has it, a timeout further on is a partial send
         for r in ranks:
             peer = self._peers[r]
@@ -859,6 +856,18 @@ class TcpChannel(Channel):
         for line in self._lifelines:
             line.close()
         self._lifelines = []
+
+
+def check_frame(data: bytes, raws: Sequence[memoryview]) -> None:
+    """ValueError, before anything is sent, for a part of a message over MAX_FRAME: the
+    worker would refuse the frame and leave without a word (WorkerDied, "it stopped
+    answering"). channel.mixed asks before its shared-memory half goes."""
+    if len(data) > MAX_FRAME or any(raw.nbytes > MAX_FRAME for raw in raws):
+        big = max([len(data), *(raw.nbytes for raw in raws)])
+        raise ValueError(
+            f"a value of {big:,} bytes is over the TCP channel's limit of {MAX_FRAME:,} "
+            "bytes per part of a message: nothing was sent. Send it in pieces (several "
+            "puts of slices), or make it on the workers")
 
 
 def _nothing(*_: object) -> None:

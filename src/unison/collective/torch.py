@@ -174,7 +174,8 @@ class TorchCollectives(Collectives):
                       else torch.device("cuda", torch.cuda.current_device()) if cuda
                       else torch.device("cpu"))
             out = torch.empty(shape, dtype=dtype, device=device)
-        dist, pg, _ = self._enter(group, "broadcast", [out], root=src)
+        dist = self._dist()  # (no second meeting: the first checked the call, and the
+        pg = self._pg(dist, "nccl" if out.is_cuda else "gloo", group)  # shape is the source's)
         dist.broadcast(out, src_rank, group=pg)
         return out
 

@@ -42,9 +42,10 @@ class ConnectLauncher(Launcher):
         if secret is None:
             env = os.environ.get(SECRET_VAR, "")
             secret = bytes.fromhex(env) if env else secrets.token_bytes(32)
-        if not isinstance(secret, bytes):
+        if not isinstance(secret, (bytes, bytearray)):
             raise TypeError(f"the secret must be bytes, not {type(secret).__name__} (from hex: "
                             "bytes.fromhex(text))")
+        secret = bytes(secret)
         if len(secret) < 16:
             raise ValueError("the secret must be at least 16 bytes")
         if advertise is None:

@@ -271,11 +271,11 @@ class Session(View):
                                               children=the_launcher.children)
             if hang_timeout is not None and hang_timeout != math.inf:
                 self._router.hang = Watchdog(hang_timeout, self._pids, self._starts)
+            if collectives == "torch":  # on every worker, first (see start_torch)
+                self.call(collective.start_torch)
             self._last_trace: Trace | None = None
             if trace is not None:
                 self._start_trace(trace)
-            if collectives == "torch":  # on every worker, first (see start_torch)
-                self.call(collective.start_torch)
         except BaseException:
             self._shutdown(0)
             raise
@@ -314,10 +314,12 @@ class Session(View):
         if isinstance(key, slice):
             ranks = tuple(range(self.num_workers)[key])
             if len(ranks) > 1 and ranks[0] > ranks[1]:
+                written = ":".join("" if v is None else str(v)
+                                   for v in (key.start, key.stop, key.step))
                 raise ValueError(
-                    f"sess[{key.start}:{key.stop}:{key.step}] would list workers in falling "
-                    "order, but a view's workers, results and scatter go in rank order: take "
-                    "the view with a positive step and reverse its results yourself"
+                    f"sess[{written}] would list workers in falling order, but a view's "
+                    "workers, results and scatter go in rank order: take the view with a "
+                    "positive step and reverse its results yourself"
                 )
             if not ranks:
                 raise ValueError(
@@ -990,7 +992,7 @@ class Session(View):
             self.interrupted()
             raise
 
-    def _cancel(self, ref: Ref, timeout: float) -> None:
+    def _cancel(self, ref: Ref, timeout: float | None) -> None:
         board = self._res.board
         if board is None:
             why = ("its platform has no memfd, or its workers join over TCP"
@@ -1002,7 +1004,8 @@ class Session(View):
             )
         if ref._session is not self:
             raise ValueError(f"{ref!r} belongs to another session")
-        timeout = _seconds(timeout, "timeout")  # before the board: a refused cancel posts nothing
+        # checked before the board: a refused cancel posts nothing (None: while they live)
+        timeout = math.inf if timeout is None else _seconds(timeout, "timeout")
         self.check_open()
         stuck, gone = board.stop(ref._id, ref.workers, self._pids, self._starts, timeout)
         if stuck:
@@ -1091,8 +1094,6 @@ class Session(View):
         nothing of the message sent."""
         if self._closed:
             self.check_open()
-        if len(buffers) > channels.MAX_BUFFERS:
-            raise channels.too_many_buffers(len(buffers))
         pump = self._pump
         if pump is not None:
             self._res.launcher.check_free()  # type: ignore[attr-defined]
