@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import warnings
 
-import cloudpickle
 import pytest
 
 import unison
@@ -319,6 +318,33 @@ def test_a_method_or_attribute_deleted_from_a_script_class_is_gone_on_the_worker
     assert sess.run(probe) == [probe()] * 2 == [("base", "base speaks", False, False)] * 2
 
 
+def _bump_class(obj):
+    type(obj).scale = 1000
+
+
+def test_fetching_a_workers_object_leaves_the_controllers_class_as_it_is(sess):
+    """Unpickling a worker's object of a script class set the state its pickle carried on
+    the controller's own class (cloudpickle's tracker id maps to the original): a method
+    or attribute changed since the workers got the class came back old, and a change a
+    worker made to its copy landed in the controller's class."""
+
+    class Acc:
+        scale = 1
+
+        def add(self, x):
+            return x * self.scale
+
+    ref = sess.put(Acc())
+    Acc.scale = 10
+    Acc.add = lambda self, x: -1
+    ref.get()
+    assert (Acc.scale, Acc().add(3)) == (10, -1)
+    ref = sess.put(Acc())
+    sess.run(_bump_class, ref)
+    ref.get()
+    assert Acc.scale == 10
+
+
 def test_a_script_class_called_after_a_method_was_deleted_has_it_no_more(sess):
     class Base:
         def describe(self):
@@ -342,5 +368,5 @@ def test_a_script_class_called_after_a_method_was_deleted_has_it_no_more(sess):
     assert sess.run(show, sess.call(Model)) == [(20, "base")] * 2
     assert sess.run(show, Model()) == [(20, "base")] * 2  # (the class inside an argument)
     back = sess.run(Model)  # a worker's instance comes back: to the controller's own class,
-    assert type(back[0]) is Model and back[0].v == 20  # whose setstate deletes nothing
-    assert not hasattr(cloudpickle.cloudpickle._class_setstate, "__wrapped__")
+    assert type(back[0]) is Model and back[0].v == 20  # which its state leaves as it is
+    assert Model.scale == 2 and "describe" not in vars(Model)

@@ -47,6 +47,7 @@ marshalled tuple's never is.
 
 from __future__ import annotations
 
+import abc
 import copyreg
 import functools
 import io
@@ -57,6 +58,7 @@ import sys
 import threading
 import traceback
 import types
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, SupportsIndex
 
@@ -914,3 +916,73 @@ def safe_repr(value: object, interrupts: bool = False) -> str:
         _interrupt(broken, interrupts)
         return f"<repr() of this {type(value).__qualname__} failed: {type(broken).__name__}>"
     return text if len(text) <= 1000 else text[:1000] + "..."
+
+
+_CLASS_KEEP = frozenset({
+    "__module__", "__doc__", "__qualname__", "__dict__", "__weakref__", "_abc_impl",
+    "__annotations__", "__annotate__", "__annotate_func__", "__annotations_cache__",
+})
+"""What a class built by cloudpickle may hold that its pickled state never carries: never
+deleted (with any descriptor of a slot, ``__dict__`` or ``__weakref__``)."""
+_forget_deleted = [False]
+_built: weakref.WeakSet[type] = weakref.WeakSet()
+"""The classes cloudpickle built in this process from a pickle (its skeletons)."""
+
+
+def _own_classes_stay() -> None:
+    """cloudpickle gives a class pickled by value a tracker id, and a later pickle of it
+    with that id, unpickled in the process that made the class, set the state it carried
+    on the original: fetching a worker's object of a script class reverted the controller's
+    class to what the workers got (a method or attribute changed since came back old), and
+    a change a worker made to its copy landed in the controller's. Now state is set only
+    on a class that cloudpickle built here from a pickle (a worker's copy, updated by each
+    later one). Pickled back, each wrapper names cloudpickle's own function."""
+    from cloudpickle import cloudpickle as module
+
+    lookup = getattr(module, "_lookup_class_or_track", None)
+    setstate = getattr(module, "_class_setstate", None)
+    if lookup is None or setstate is None or getattr(setstate, "__wrapped__", None):
+        return
+    plain = (type, abc.ABCMeta)
+    descriptors = (types.MemberDescriptorType, types.GetSetDescriptorType)
+
+    @functools.wraps(lookup)
+    def lookup_class_or_track(class_tracker_id: Any, class_def: type) -> type:
+        found: type = lookup(class_tracker_id, class_def)
+        if found is class_def:
+            _built.add(found)
+        return found
+
+    @functools.wraps(setstate)
+    def class_setstate(obj: Any, state: Any) -> Any:
+        if obj not in _built:
+            return obj  # this process's own class: it is the current one
+        obj = setstate(obj, state)
+        if (_forget_deleted[0] and type(obj) in plain and isinstance(state, tuple)
+                and isinstance(state[0], dict)):  # (see forget_deleted_class_attributes)
+            given = state[0]
+            for name, value in list(obj.__dict__.items()):
+                if (name not in given and name not in _CLASS_KEEP
+                        and not isinstance(value, descriptors)):
+                    try:
+                        delattr(obj, name)
+                    except (AttributeError, TypeError):
+                        pass
+        return obj
+
+    module.__dict__["_lookup_class_or_track"] = lookup_class_or_track
+    module.__dict__["_class_setstate"] = class_setstate
+
+
+def forget_deleted_class_attributes() -> None:
+    """Make a class that cloudpickle rebuilds here from a later pickle (the same class
+    tracker id: it reuses the class it built first) lose the attributes that its new state
+    no longer has. cloudpickle only sets what the state holds, so a method or attribute
+    deleted from a script's class stayed on the workers, and they ran it. Only in a worker
+    process, and only for classes whose metaclass is ``type`` or ``ABCMeta`` (an enum or
+    another metaclass adds attributes that the state leaves out: left as cloudpickle
+    builds them)."""
+    _forget_deleted[0] = True
+
+
+_own_classes_stay()

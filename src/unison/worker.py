@@ -41,7 +41,6 @@ import signal
 import sys
 import threading
 import time
-import types
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
@@ -821,51 +820,6 @@ def _reaped_within(worker: int, seconds: float) -> bool:
     return _reap(worker) is not None
 
 
-_CLASS_KEEP = frozenset({
-    "__module__", "__doc__", "__qualname__", "__dict__", "__weakref__", "_abc_impl",
-    "__annotations__", "__annotate__", "__annotate_func__", "__annotations_cache__",
-})
-"""What a class built by cloudpickle may hold that its pickled state never carries: never
-deleted (with any descriptor of a slot, ``__dict__`` or ``__weakref__``)."""
-
-
-def _forget_deleted_class_attributes() -> None:
-    """Make a class that cloudpickle rebuilds here from a later pickle (the same class
-    tracker id: it reuses the class it built first) lose the attributes that its new state
-    no longer has. cloudpickle only sets what the state holds, so a method or attribute
-    deleted from a script's class stayed on the workers, and they ran it. Only in a worker
-    process (never the controller's, whose classes are the originals), and only for classes
-    whose metaclass is ``type`` or ``ABCMeta`` (an enum or another metaclass adds attributes
-    that the state leaves out: left as cloudpickle builds them). Pickled back, the wrapper
-    names cloudpickle's own function."""
-    import abc
-    import functools
-
-    from cloudpickle import cloudpickle as module
-
-    setstate = getattr(module, "_class_setstate", None)
-    if setstate is None or getattr(setstate, "__wrapped__", None) is not None:
-        return
-    plain = (type, abc.ABCMeta)
-    descriptors = (types.MemberDescriptorType, types.GetSetDescriptorType)
-
-    @functools.wraps(setstate)
-    def class_setstate(obj: Any, state: Any) -> Any:
-        obj = setstate(obj, state)
-        if type(obj) in plain and isinstance(state, tuple) and isinstance(state[0], dict):
-            given = state[0]
-            for name, value in list(obj.__dict__.items()):
-                if (name not in given and name not in _CLASS_KEEP
-                        and not isinstance(value, descriptors)):
-                    try:
-                        delattr(obj, name)
-                    except (AttributeError, TypeError):
-                        pass
-        return obj
-
-    module.__dict__["_class_setstate"] = class_setstate
-
-
 def run(spec: WorkerSpec, chan: WorkerChannel | None = None) -> None:
     """Be worker ``spec.rank`` until the controller says stop: import path, affinity and
     identity from the spec, then connect (unless ``chan`` is the connection already) and
@@ -874,7 +828,7 @@ def run(spec: WorkerSpec, chan: WorkerChannel | None = None) -> None:
     for path in reversed(spec.sys_path):
         if path not in sys.path:
             sys.path.insert(0, path)
-    _forget_deleted_class_attributes()
+    protocol.forget_deleted_class_attributes()
     if spec.cpus and spec.spread:
         placement.hold(spec.cpus)
     elif spec.cpus:
