@@ -291,8 +291,17 @@ def test_a_function_of_a_module_registered_to_go_by_value_is_kept_current(
         assert sess.run(mod.total) == [11, 11]
         mod.SCALE = 100
         assert sess.run(mod.total) == [1100, 1100]
+        # passed as an argument (or inside one), it went by reference: the standard
+        # pickler names it, and the workers ran their own import (stale, or none here)
+        assert sess.run(_call_it, mod.total) == [1100, 1100]
+        mod.SCALE = 2
+        assert sess.run(_call_it, [mod.total]) == [22, 22]
     finally:
         cloudpickle.unregister_pickle_by_value(mod)
+
+
+def _call_it(fn: Any) -> Any:
+    return (fn[0] if isinstance(fn, list) else fn)()
 
 
 def test_a_module_not_in_sys_modules_that_a_function_reads_is_kept_current(

@@ -360,7 +360,7 @@ def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None,
     mark = 0 if refs is None else len(refs)  # (a reducer may pickle too: keep what is not ours)
     try:
         data = _first_pass(obj, callback, first)
-        if _MAIN not in data:
+        if _MAIN not in data and not (_by_value and _names_by_value(data)):
             return data
     except SharedCopyError:
         raise
@@ -373,6 +373,15 @@ def dumps(obj: object, buffers: list[pickle.PickleBuffer] | None = None,
     out = io.BytesIO()
     (_CheckedPickler if check else _CloudPickler)(out, table, callback).dump(obj)
     return out.getvalue()
+
+
+def _names_by_value(data: bytes) -> bool:
+    """Whether a first pass's pickle may name something of a module registered with
+    ``cloudpickle.register_pickle_by_value`` (the standard pickler sends its functions and
+    classes by reference, so the workers would run their own import of it, not the
+    controller's): then cloudpickle's pass takes the value. A name that merely appears in
+    the data costs that pass, never a wrong result."""
+    return any(name.encode() in data for name in list(_by_value))
 
 
 class _Reused:
