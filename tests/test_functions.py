@@ -367,6 +367,5 @@ def test_a_script_class_called_after_a_method_was_deleted_has_it_no_more(sess):
     del Model.describe
     assert sess.run(show, sess.call(Model)) == [(20, "base")] * 2
     assert sess.run(show, Model()) == [(20, "base")] * 2  # (the class inside an argument)
-    back = sess.run(Model)  # a worker's instance comes back: to the controller's own class,
-    assert type(back[0]) is Model and back[0].v == 20  # which its state leaves as it is
-    assert Model.scale == 2 and "describe" not in vars(Model)
+    back = sess.run(Model)  # a worker's instance comes back: to the controller's own class
+    assert type(back[0]) is Model and back[0].v == 20

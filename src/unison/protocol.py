@@ -945,7 +945,8 @@ def _own_classes_stay() -> None:
     class to what the workers got (a method or attribute changed since came back old), and
     a change a worker made to its copy landed in the controller's. Now state is set only
     on a class that cloudpickle built here from a pickle (a worker's copy, updated by each
-    later one). Pickled back, each wrapper names cloudpickle's own function."""
+    later one). Pickled back, each wrapper names cloudpickle's own function. (cloudpickle
+    3.0 on, which keeps both functions in ``cloudpickle.cloudpickle``: pyproject's floor.)"""
     from cloudpickle import cloudpickle as module
 
     lookup = getattr(module, "_lookup_class_or_track", None)
@@ -957,9 +958,10 @@ def _own_classes_stay() -> None:
 
     @functools.wraps(lookup)
     def lookup_class_or_track(class_tracker_id: Any, class_def: type) -> type:
+        _built.add(class_def)  # before it is tracked: another thread may find it at once
         found: type = lookup(class_tracker_id, class_def)
-        if found is class_def:
-            _built.add(found)
+        if found is not class_def:
+            _built.discard(class_def)
         return found
 
     @functools.wraps(setstate)
