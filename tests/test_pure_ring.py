@@ -28,7 +28,8 @@ FILES = ("test_shm.py", "test_stacks.py", "test_hang.py", "test_cancel.py", "tes
          "test_sync_progress.py", "test_inline.py", "test_api.py", "test_free.py",
          "test_interrupt.py")
 """The worker's loop, the ring, progress and sync, cancellation, deaths, inline worker 0,
-and the stacks and hang reports: about 80 s on 2 vCPUs."""
+and the stacks and hang reports, on the shm channel (the pipe channel has no C code to
+fall back from): about 140 s on 2 vCPUs."""
 
 
 @pytest.mark.timeout(900)
@@ -38,7 +39,7 @@ def test_the_pure_ring_passes_the_loop_and_channel_tests() -> None:
     # the child's own faulthandler watches its tests; ours (faulthandler_timeout, 100 s)
     # would dump this wait's stack on a slow machine: wait as long as the timeout instead
     faulthandler.dump_traceback_later(880)
-    env = {**os.environ, "UNISON_PURE": "1",
+    env = {**os.environ, "UNISON_PURE": "1", "UNISON_TEST_CHANNELS": "shm",  # (see conftest)
            MARKER: secrets.token_hex(8)}  # its own hygiene check counts its own workers
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
