@@ -933,7 +933,7 @@ _CLASS_KEEP = frozenset({
 })
 """What a class built by cloudpickle may hold that its pickled state never carries: never
 deleted (with any descriptor of a slot, ``__dict__`` or ``__weakref__``)."""
-_forget_deleted = [False]
+_forget_deleted = False
 _built: weakref.WeakSet[type] = weakref.WeakSet()
 """The classes cloudpickle built in this process from a pickle (its skeletons)."""
 
@@ -969,7 +969,7 @@ def _own_classes_stay() -> None:
         if obj not in _built:
             return obj  # this process's own class: it is the current one
         obj = setstate(obj, state)
-        if (_forget_deleted[0] and type(obj) in plain and isinstance(state, tuple)
+        if (_forget_deleted and type(obj) in plain and isinstance(state, tuple)
                 and isinstance(state[0], dict)):  # (see forget_deleted_class_attributes)
             given = state[0]
             for name, value in list(obj.__dict__.items()):
@@ -993,7 +993,8 @@ def forget_deleted_class_attributes() -> None:
     process, and only for classes whose metaclass is ``type`` or ``ABCMeta`` (an enum or
     another metaclass adds attributes that the state leaves out: left as cloudpickle
     builds them)."""
-    _forget_deleted[0] = True
+    global _forget_deleted
+    _forget_deleted = True
 
 
 _own_classes_stay()

@@ -517,10 +517,7 @@ class TcpChannel(Channel):
                                   f"{_SILENT_MS / 1000:g} s (powered off, or the network "
                                   "between us is down)")
                     self._wake()  # recv drops it; a settled wait asks, and recv drops it
-                    try:
-                        os.write(self._yield_w, b"x")
-                    except OSError:
-                        pass
+                    self._unsettle()
                 if not peer.write_lock.acquire(blocking=False):
                     continue
                 try:
@@ -567,11 +564,15 @@ class TcpChannel(Channel):
         waiting for progress reports, it sees the yield pipe readable and lets go (its sync
         asks instead): a thread waiting for its replies never waits for another's sync. A
         byte left behind where the holder was not settled makes the next settled ask once."""
+        self._unsettle()
+        self._rx.acquire()
+
+    def _unsettle(self) -> None:
+        """Make a settled wait let go of the connections (the yield pipe readable)."""
         try:
             os.write(self._yield_w, b"x")
         except OSError:
             pass  # it is readable already (or closed: close() is under way)
-        self._rx.acquire()
 
     def _read_ready(self, peers: list[_Peer], ready: set[int], held: list[_Peer],
                     out: list[tuple[int, bytes | Reply | None]]) -> None:
@@ -814,10 +815,7 @@ class TcpChannel(Channel):
         # the pipes by number: closed under it, those numbers go to the next file opened,
         # whose bytes it would take. Wake it, and go on once it has let go of them.
         self._wake()
-        try:
-            os.write(self._yield_w, b"x")
-        except OSError:
-            pass
+        self._unsettle()
         if not self._rx.acquire(timeout=_LET_GO_S):
             log.warning("unison: a thread kept reading the closed session's connections; "
                         "they are left open")
@@ -862,7 +860,7 @@ def check_frame(data: bytes, raws: Sequence[memoryview]) -> None:
     """ValueError, before anything is sent, for a part of a message over MAX_FRAME: the
     worker would refuse the frame and leave without a word (WorkerDied, "it stopped
     answering"). channel.mixed asks before its shared-memory half goes."""
-    if len(data) > MAX_FRAME or any(raw.nbytes > MAX_FRAME for raw in raws):
+    if len(data) > MAX_FRAME or (raws and any(raw.nbytes > MAX_FRAME for raw in raws)):
         big = max([len(data), *(raw.nbytes for raw in raws)])
         raise ValueError(
             f"a value of {big:,} bytes is over the TCP channel's limit of {MAX_FRAME:,} "

@@ -80,8 +80,7 @@ class DistLocal(CallScope):
 
     def _group(self, group: bool) -> tuple[Any, Any]:
         assert self.owner is not None
-        dist = self.owner._dist()
-        return dist, self.owner._pg(dist, "gloo", group)
+        return self.owner._group(group, False)
 
     def arrive(self, group: bool, kind: str, op: str | None = None, root: int | None = None,
                sig: int = 0) -> tuple[int, ...]:

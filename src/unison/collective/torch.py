@@ -107,8 +107,13 @@ class TorchCollectives(Collectives):
             t = tensors[0]
             sig = shape_signature(tuple(t.shape), str(t.dtype)) << 1 | cuda
         ranks = self.local.arrive(group, kind, op, root, sig)
+        return (*self._group(group, cuda), ranks)
+
+    def _group(self, group: bool, cuda: bool) -> tuple[Any, Any]:
+        """torch.distributed and the process group of ``group``'s scope for the data's
+        device, once the ranks have met."""
         dist = self._dist()
-        return dist, self._pg(dist, "nccl" if cuda else "gloo", group), ranks
+        return dist, self._pg(dist, "nccl" if cuda else "gloo", group)
 
     def allreduce(self, x: Any, op: str, group: bool, *, kind: str = "allreduce") -> Any:
         """``kind`` names the collective this reduction serves, for the mismatch check."""
@@ -174,8 +179,8 @@ class TorchCollectives(Collectives):
                       else torch.device("cuda", torch.cuda.current_device()) if cuda
                       else torch.device("cpu"))
             out = torch.empty(shape, dtype=dtype, device=device)
-        dist = self._dist()  # (no second meeting: the first checked the call, and the
-        pg = self._pg(dist, "nccl" if out.is_cuda else "gloo", group)  # shape is the source's)
+        # no second meeting: the first checked the call, and the shape is the source's
+        dist, pg = self._group(group, out.is_cuda)
         dist.broadcast(out, src_rank, group=pg)
         return out
 
