@@ -158,3 +158,33 @@ def test_a_huge_line_without_a_newline_is_relayed_in_pieces(capfd):
     out, _ = capfd.readouterr()
     relayed = "".join(line.removeprefix("[worker 0] ") for line in out.splitlines())
     assert relayed == "y" * 3_000_000
+
+
+@pytest.mark.parametrize("char", ["€", "😀", "é"])
+def test_a_long_line_of_multibyte_characters_is_relayed_intact(capfd, char):
+    """A 64 KiB piece of a line with no newline in sight ended inside a character: decoded
+    apart, its two halves each became U+FFFD."""
+    sess = unison.Session(1)
+    try:
+        sess.run(lambda: print("x" + char * 50_000, end="", flush=True))
+    finally:
+        sess.close()
+    out, _ = capfd.readouterr()
+    relayed = "".join(line.removeprefix("[worker 0] ") for line in out.splitlines())
+    assert "\ufffd" not in relayed
+    assert relayed == "x" + char * 50_000
+
+
+def test_a_line_our_stdout_cannot_encode_is_escaped_and_its_neighbours_arrive():
+    """An ASCII stdout (a C locale's console) refused one line, and every line read with it
+    was lost in silence."""
+    out, err = _run_controller("""
+        import io, sys
+        import unison
+        sys.stdout = io.TextIOWrapper(sys.stdout.buffer, encoding="ascii", line_buffering=True)
+        sess = unison.Session(1)
+        sess.run(lambda: print("line-1\\nline-2 caf\\u00e9\\nline-3", flush=True))
+        sess.run(lambda: print("line-4", flush=True))
+        sess.close()
+    """)
+    assert _lines_of(out, 0) == ["line-1", "line-2 caf\\xe9", "line-3", "line-4"], err

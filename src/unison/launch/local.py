@@ -373,6 +373,9 @@ class LocalLauncher(Launcher):
                     if sum(map(len, partial)) >= _LINE_CHARS:  # no newline in sight: bound it
                         data, rest = _piece(b"".join(partial)) if is_err else (
                             b"".join(partial), b"")
+                        if not rest:  # a character cut in two by the read waits for its end
+                            cut = _whole(data)
+                            data, rest = data[:cut], data[cut:]
                         partial[:] = [rest] if rest else []
                         if data:
                             self._emit(worker, is_err, [data.decode(errors="replace")])
@@ -516,6 +519,19 @@ def _piece(data: bytes) -> tuple[bytes, bytes]:
     return data, b""  # (a mark at its start: longer than any record, so plain output)
 
 
+def _whole(data: bytes) -> int:
+    """Where ``data``'s last whole UTF-8 character ends: before a sequence its last bytes
+    begin but do not end (decoded apart, each half became U+FFFD)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte < 0x80:
+            return len(data)
+        if byte >= 0xC0:  # a sequence's first byte: 2, 3 or 4 long
+            length = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return len(data) - back if length > back else len(data)
+    return len(data)  # no sequence's start in sight: not UTF-8, replaced as it is
+
+
 def _emit(worker: WorkerProcess, is_err: bool, lines: list[str],
           cut: Callable[[], bool]) -> list[str]:
     """Keep stderr's tail, and write the lines to whatever sys.stdout/sys.stderr is now.
@@ -539,7 +555,12 @@ def _emit(worker: WorkerProcess, is_err: bool, lines: list[str],
         return lines
     text = "".join(f"[worker {worker.rank}] {line}\n" for line in lines)
     try:
-        out.write(text)
+        try:
+            out.write(text)
+        except UnicodeEncodeError:  # a character our stream cannot take (an ASCII console):
+            # escaped, as Python's own stderr does, so the lines read with it are not lost
+            enc = getattr(out, "encoding", None) or "ascii"
+            out.write(text.encode(enc, "backslashreplace").decode(enc))
         flush = getattr(out, "flush", None)
         if flush is not None:
             flush()
