@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 
 import numpy as np
 import pytest
 
 import unison
+import unison.trace
+from support import wait_gone
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -171,3 +174,138 @@ def test_a_trace_of_a_job_a_death_ended_is_still_written(make_session, tmp_path,
             sess.run(exit_on_rank_one)
     names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
     assert {"call", "reply arrived"} <= names, names  # the controller's side of the run
+
+
+def noop() -> None:
+    pass
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["workers", "inline-worker0"])
+def test_workers_on_this_host_share_the_clock_so_no_call_starts_before_its_message(
+        make_session, inline):
+    """The offsets were the midpoint of one round trip to all workers, off by up to half of
+    it (milliseconds on a busy machine), and a message's time was taken after its send
+    returned (after inline worker 0 had run the call): calls began before the messages that
+    asked for them, and stats() named stragglers by the error alone."""
+    sess = make_session(2, inline_worker0=inline)
+    with sess.trace() as tr:
+        for _ in range(20):
+            sess.run(noop)
+    assert tr.offsets == {0: 0, 1: 0}
+    doc = tr.chrome()["traceEvents"]
+    sent = {e["args"]["id"]: e["ts"] for e in doc if e.get("cat") == "request"}
+    calls = [e for e in doc if e.get("cat") == "call"]
+    assert len(calls) == 40
+    for c in calls:
+        assert c["ts"] >= sent[c["args"]["request"]], c
+
+
+def test_another_hosts_clock_offset_comes_from_its_shortest_round_trip():
+    tr = unison.trace.Trace(2)
+    pings = iter([(0, 5_000, 400), (1_000, 5_200, 1_100), (2_000, 5_900, 2_600)] * 2)
+    # rank 0 read 50 inside the round trip 0..300: the same clock; rank 1 read 7_000 outside
+    # it, so its offset comes from the shortest ping (1_000..1_100, its clock 5_200 there)
+    tr.set_offsets(0, [50, 7_000], [0, 1], 300, lambda rank: next(pings))
+    assert tr.offsets == {0: 0, 1: 1_050 - 5_200}
+
+
+def _collectives(lateness_ns: list[int]) -> dict[int, list[tuple]]:
+    """Worker events of one call with a collective per item: rank 1 enters each that much
+    after rank 0, and rank 2 with rank 0."""
+    evs: dict[int, list[tuple]] = {0: [], 1: [], 2: []}
+    for i, late in enumerate(lateness_ns):
+        t = 1_000_000 * i
+        for rank in evs:
+            evs[rank].append(("coll", 1, "allreduce", t + (late if rank == 1 else 0), t + 900))
+    for rank in evs:
+        evs[rank].append(("call", 1, 1, "f", 0, 1_000_000 * len(lateness_ns)))
+    return evs
+
+
+def test_a_rank_a_little_later_by_chance_is_no_straggler():
+    """Who wakes first decides the order into an empty collective: a rank 0.4 µs later on
+    average is noise, not a straggler (named before, 0.02 ms late over 50 collectives)."""
+    for late, named in [(400, None), (5_000, None), (200_000, 1)]:
+        tr = unison.trace.Trace(3)
+        for rank, evs in _collectives([late] * 50).items():
+            tr.add_worker(rank, evs)
+        assert tr.stats().straggler == named, late
+
+
+def test_two_threads_starting_traces_at_once_one_is_refused(make_session, tmp_path):
+    """The check and the claim of the trace slot were a whole round trip apart: both blocks
+    ran, one of them recorded nothing and wrote no file, without a word."""
+    sess = make_session(2)
+    for round_ in range(4):
+        gate = threading.Barrier(2)
+        got: dict[int, object] = {}
+
+        def traced(i: int) -> None:
+            path = tmp_path / f"{round_}-{i}.json"
+            gate.wait()
+            try:
+                with sess.trace(path) as tr:
+                    for _ in range(5):
+                        sess.run(noop)
+                got[i] = (path.exists() and path.stat().st_size > 0, len(tr.workers))
+            except RuntimeError as exc:
+                got[i] = str(exc)
+
+        threads = [threading.Thread(target=traced, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        refused = [v for v in got.values() if isinstance(v, str)]
+        assert len(refused) == 1 and "one at a time" in refused[0], got
+        assert [v for v in got.values() if not isinstance(v, str)] == [(True, 2)], got
+    with sess.trace() as tr:  # the slot is free again
+        sess.run(noop)
+    assert len(tr.workers) == 2
+
+
+def test_a_trace_file_that_cannot_be_written_is_refused_before_the_work(make_session, tmp_path):
+    """Found at the end, the close raised and left the session open, its workers running."""
+    bad = tmp_path / "no-such-folder" / "run.json"
+    with pytest.raises(FileNotFoundError):
+        make_session(2, trace=bad)
+    sess = make_session(2)
+    with pytest.raises(FileNotFoundError), sess.trace(bad):
+        pass
+    with sess.trace(tmp_path / "ok.json"):  # the slot was let go
+        sess.run(noop)
+    assert sess.run(abs, -1) == [1, 1]
+
+
+def test_a_close_whose_trace_cannot_be_written_still_stops_the_workers(tmp_path):
+    folder = tmp_path / "gone"
+    folder.mkdir()
+    sess = unison.Session(2, trace=folder / "run.json")
+    try:
+        pids = sess.run(os.getpid)
+        (folder / "run.json").unlink()
+        folder.rmdir()
+        with pytest.raises(FileNotFoundError):
+            sess.close()
+        assert sess.closed
+        assert wait_gone(pids, 5.0) == []
+    finally:
+        sess.close(timeout=0)
+
+
+def sleep_5ms() -> None:
+    time.sleep(0.005)
+
+
+def test_a_worker_sent_more_calls_alone_is_not_called_slow(make_session, caplog):
+    """Each rank's median over whatever calls it got: worker 1, sent only the 5 ms calls
+    both ran, was "5000x slower" than worker 0, which also ran ten empty calls alone."""
+    sess = make_session(2)
+    with sess.trace():
+        for _ in range(10):
+            sess[0].run(noop)
+        for _ in range(3):
+            sess.run(sleep_5ms)
+    with caplog.at_level(logging.WARNING, logger="unison.trace"):
+        sess.stats()
+    assert "is slow" not in caplog.text

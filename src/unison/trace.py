@@ -11,10 +11,11 @@
       -> Chrome/Perfetto JSON (one track per rank, one for the controller) and Stats
 
 Off by default: then the worker loop and the collectives test one module attribute per
-call, and the controller one attribute per message. Times are ``perf_counter_ns``; a
-worker's clock is mapped onto the controller's with the offset measured at start (the
-midpoint of the round trip), so workers on other hosts line up too, to within half a
-round trip.
+call, and the controller one attribute per message. Times are ``perf_counter_ns``, the
+machine's monotonic clock: a worker whose clock read inside the start's round trip shares
+the controller's (it runs on this host) and needs no offset, as any estimate would only add
+error. Another host's clock is mapped onto the controller's by the midpoint of the shortest
+of a few round trips to that worker alone, so it lines up to within half of that.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import logging
 import os
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,11 +34,33 @@ __all__ = ["Stats", "Trace"]
 
 log = logging.getLogger("unison.trace")
 _clock = time.perf_counter_ns
+PINGS = 5
+"""Round trips to a worker on another host, for its clock's offset: the shortest counts."""
+LATE_NS = 10_000
+"""A straggler came later than this into its collectives, on average: less is the noise of
+who wakes first."""
+SLOW_NS = 50_000
+"""A worker whose median call exceeds the others' by less than this is not called slow."""
 
 # -- the worker's side ---------------------------------------------------------------------
 
 events: list[tuple[Any, ...]] | None = None
 """This worker's events while a trace runs, else None (what the hot paths test)."""
+
+
+clock = _clock
+
+
+def now() -> int:
+    """This worker's clock: a round trip's middle, for another host's offset."""
+    return _clock()
+
+
+def check_writable(path: str | os.PathLike[str]) -> None:
+    """Raise now, where a trace's file cannot be written (a missing folder, no permission),
+    rather than after the work it records; the file is left empty until the trace ends."""
+    with open(path, "w", encoding="utf-8"):
+        pass
 
 
 def begin() -> int:
@@ -131,26 +154,35 @@ class Trace:
         self.end_ns = 0
 
     # the hot paths call these two while the trace runs
-    def on_send(self, kind: str, ident: int, ranks: tuple[int, ...], nbytes: int) -> None:
-        self.sent.append((_clock(), kind, ident, ranks, nbytes))
-
-    def on_message(self, build: Any, fields: tuple[Any, ...], ranks: tuple[int, ...],
-                   nbytes: int) -> None:
-        """A message as the session built it (``build``: a protocol builder): named, and
-        matched to its request, when the trace is read."""
+    def on_message(self, sent: int, build: Any, fields: tuple[Any, ...],
+                   ranks: tuple[int, ...], nbytes: int) -> None:
+        """A message as the session built it (``build``: a protocol builder), its send
+        begun at ``sent``: named, and matched to its request, when the trace is read."""
         ident = fields[4] if len(fields) == 5 and fields[4] else fields[0]
-        self.sent.append((_clock(), build, ident, ranks, nbytes))
+        self.sent.append((sent, build, ident, ranks, nbytes))
 
     def on_reply(self, req_id: int, rank: int, data: Any) -> None:
         """``data``: the reply, bytes or a channel's Reply (its pickle and buffers)."""
         size = len(data) if type(data) is bytes else _size(data)
         self.replies.append((_clock(), req_id, rank, size))
 
-    def set_offsets(self, sent: int, clocks: Sequence[int], ranks: Sequence[int],
-                    back: int) -> None:
-        mid = (sent + back) // 2
+    def set_offsets(self, sent: int, clocks: Sequence[int], ranks: Sequence[int], back: int,
+                    ping: Callable[[int], tuple[int, int, int]] | None = None) -> None:
+        """Each worker's offset from its clock read during one round trip to all of them
+        (``sent`` to ``back``): 0 where that reading lies inside the round trip (the same
+        clock, or one that 0 fits as well as any other guess); else the midpoint of the
+        shortest of PINGS round trips to it alone (``ping(rank)``: sent, its clock, back).
+        The midpoint of the first round trip was off by up to half of it, milliseconds on a
+        busy machine, and named stragglers that were none."""
         for rank, clock in zip(ranks, clocks):
-            self.offsets[rank] = mid - clock
+            if sent <= clock <= back:
+                self.offsets[rank] = 0
+                continue
+            trips = [(back - sent, sent, clock, back)]
+            if ping is not None:
+                trips += [(b - s, s, c, b) for s, c, b in map(ping, [rank] * PINGS)]
+            _, s, c, b = min(trips)
+            self.offsets[rank] = (s + b) // 2 - c
 
     def add_worker(self, rank: int, evs: list[tuple[Any, ...]]) -> None:
         off = self.offsets.get(rank, 0)
@@ -256,7 +288,8 @@ class Trace:
         total = sum(late.values())
         if full >= 3 and total > 0:
             rank, worst = late.most_common(1)[0]
-            if worst * 2 > total:  # more than all the others' lateness together
+            # more than all the others' lateness together, and more than who wakes first
+            if worst * 2 > total and worst > LATE_NS * full:
                 straggler = rank
         per_rank = {r: {"calls": float(len(d)), "busy_ms": sum(d),
                         "median_call_ms": _median(d), "max_call_ms": max(d)}
@@ -267,20 +300,35 @@ class Trace:
         stats = Stats(calls=len(spans), per_rank=per_rank, collectives=full,
                       last_in=dict(last_in), late_ms={r: v / 1e6 for r, v in late.items()},
                       straggler=straggler, slowest=slowest)
-        self._warn(stats)
+        self._warn()
         return stats
 
-    def _warn(self, stats: Stats) -> None:
+    def _warn(self) -> None:
+        """Warn of a worker whose calls take ``straggler_factor`` times its peers' in the
+        same calls: its median over the calls several ranks ran, against the median of
+        its peers' times in each of those calls (a median over whatever calls each rank
+        got compared one worker's 5 ms calls with its peer's empty ones)."""
         factor = self.straggler_factor
-        if factor is None or len(stats.per_rank) < 2:
+        if factor is None:
             return
-        medians = {r: row["median_call_ms"] for r, row in stats.per_rank.items()}
-        for rank, m in sorted(medians.items()):
-            middle = _median(v for r, v in medians.items() if r != rank)
-            if middle > 0 and m > factor * middle:
-                log.warning("unison: worker %d is slow: its median call took %.3f ms, %.1fx "
-                            "the median of the other workers (%.3f ms)", rank, m, m / middle,
-                            middle)
+        calls: dict[tuple[int, int], dict[int, int]] = defaultdict(dict)
+        for rank, evs in self.workers.items():
+            for ev in evs:
+                if ev[0] == "call":
+                    calls[(ev[1], ev[2])][rank] = ev[5] - ev[4]
+        own: dict[int, list[float]] = defaultdict(list)
+        peers: dict[int, list[float]] = defaultdict(list)
+        for times in calls.values():
+            if len(times) > 1:
+                for rank, t in times.items():
+                    own[rank].append(t)
+                    peers[rank].append(_median(v for r, v in times.items() if r != rank))
+        for rank in sorted(own):
+            m, middle = _median(own[rank]), _median(peers[rank])
+            if m > factor * middle and m - middle > SLOW_NS:
+                log.warning("unison: worker %d is slow: its median call took %.3f ms, %s "
+                            "its peers' median in the same calls (%.3f ms)", rank, m / 1e6,
+                            f"{m / middle:.1f}x" if middle else "against", middle / 1e6)
 
 
 def _size(data: Any) -> int:

@@ -238,6 +238,8 @@ class Session(View):
         self._dead: BaseException | None = None
         self._send_timeout = None if send_timeout == math.inf else send_timeout
         self._tracer: Trace | None = None
+        self._tracing = False  # the trace slot is claimed (set before _tracer, which the
+        # hot paths test, is)
         self._ids = itertools.count(1)
         self._frees: collections.deque[int] = collections.deque()
         self._fns = FunctionCache(_FN_CACHE)
@@ -425,8 +427,12 @@ class Session(View):
             # Not nested in this thread's own send or read (a signal handler's close): its
             # CALL would land amid theirs; the close writes the controller's half then
             start = time.monotonic()
-            self._stop_trace(max(grace, _BUSY_COLLECT_S), grace / 2)
-            grace = max(0.0, grace - (time.monotonic() - start))
+            try:
+                self._stop_trace(max(grace, _BUSY_COLLECT_S), grace / 2)
+            finally:  # also where the file could not be written (a full disk): the
+                # workers stop all the same, then its error goes on
+                self._shutdown(max(0.0, grace - (time.monotonic() - start)))
+            return
         self._shutdown(grace)
 
     def _shutdown(self, grace: float) -> None:
@@ -820,9 +826,9 @@ class Session(View):
             # left on an error: it goes on at once where a worker is still in a call (one
             # that timed out, say), as the workers' events would come after that call
             if failed:
-                self._stop_trace(_BUSY_COLLECT_S, _FAILED_COLLECT_S)
+                self._stop_trace(_BUSY_COLLECT_S, _FAILED_COLLECT_S, tracer)
             else:
-                self._stop_trace(_COLLECT_S, _BUSY_COLLECT_S)
+                self._stop_trace(_COLLECT_S, _BUSY_COLLECT_S, tracer)
 
     def stats(self) -> Stats:
         """Per-call and per-rank times of the last trace, and the rank that entered most
@@ -833,23 +839,45 @@ class Session(View):
         return self._last_trace.stats()
 
     def _start_trace(self, path: str | os.PathLike[str] | None) -> Trace:
-        if self._tracer is not None:
-            raise RuntimeError("a trace is running already: one at a time")
-        tracer = Trace(self.num_workers, path)
-        sent = time.perf_counter_ns()
-        clocks = self.run(_trace.begin)
-        tracer.set_offsets(sent, clocks, self.workers, time.perf_counter_ns())
+        """Claim the one trace slot (under the state lock: two threads' ``trace()`` blocks
+        started at once lost one trace in silence), check that ``path`` can be written
+        (before the work it would record, not at the end), then start the workers'."""
+        with self._state_lock:
+            if self._tracing:
+                raise RuntimeError("a trace is running already: one at a time")
+            self._tracing = True
+        try:
+            if path is not None:
+                _trace.check_writable(path)
+            tracer = Trace(self.num_workers, path)
+            sent = time.perf_counter_ns()
+            clocks = self.run(_trace.begin)
+            tracer.set_offsets(sent, clocks, self.workers, time.perf_counter_ns(), self._ping)
+        except BaseException:
+            self._tracing = False
+            raise
         self._tracer = self._router.tracer = tracer
         return tracer
 
-    def _stop_trace(self, idle_limit: float, busy_limit: float) -> None:
-        """End the trace: the workers' events, then the file. Their events are waited for
+    def _ping(self, rank: int) -> tuple[int, int, int]:
+        """(sent, worker rank's clock, back): one round trip to it alone, for a clock
+        offset (Trace.set_offsets)."""
+        sent = time.perf_counter_ns()
+        (clock,) = self[rank : rank + 1].run(_trace.now)
+        return sent, clock, time.perf_counter_ns()
+
+    def _stop_trace(self, idle_limit: float, busy_limit: float,
+                    tracer: Trace | None = None) -> None:
+        """End the trace (``tracer``, where a ``trace()`` block ends its own: never another
+        thread's): the workers' events, then the file. Their events are waited for
         ``idle_limit`` seconds, or ``busy_limit`` where a call to a worker is in flight
         (they come after it)."""
-        tracer = self._tracer
         if tracer is None:
-            return
+            tracer = self._tracer
+        if tracer is None or tracer is not self._tracer:
+            return  # ended by a close already (_drop_trace): it wrote or keeps it
         self._tracer = self._router.tracer = None
+        self._tracing = False
         tracer.end_ns = time.perf_counter_ns()
         busy = self._in_call()
         limit = busy_limit if busy else idle_limit
@@ -874,6 +902,7 @@ class Session(View):
         same once the workers are stopped (``_write_dropped``), as the trace of a job that
         broke is the one worth having. The trace to write, if it has a file."""
         tracer, self._tracer = getattr(self, "_tracer", None), None
+        self._tracing = False
         if tracer is None:
             return None
         self._router.tracer = None
@@ -1103,12 +1132,15 @@ class Session(View):
                 self._chan.send(nop_msg(frees), self.workers, deadline=deadline)
                 frees = None
             msg = build(frees, *fields)
+            tracer = self._tracer
+            sent = _trace.clock() if tracer is not None else 0  # before: a quick worker's
+            # call must not start before the message that asked for it
             self._chan.send(msg, ranks, buffers, deadline=deadline)
+            if tracer is not None:
+                tracer.on_message(sent, build, fields, ranks, len(msg) + sum(
+                    memoryview(b).nbytes for b in buffers) if buffers else len(msg))
             if pump is not None:
                 self._run_inline(deadline)
-            if self._tracer is not None:
-                self._tracer.on_message(build, fields, ranks, len(msg) + sum(
-                    memoryview(b).nbytes for b in buffers) if buffers else len(msg))
         except BaseException as exc:
             self._closed_under(exc)
             raise self._send_failed(exc, frees, ranks)  # noqa: B904 (its cause is set there)
