@@ -236,22 +236,23 @@ def test_two_threads_starting_traces_at_once_one_is_refused(make_session, tmp_pa
     """The check and the claim of the trace slot were a whole round trip apart: both blocks
     ran, one of them recorded nothing and wrote no file, without a word."""
     sess = make_session(2)
+
+    def traced(i: int, gate: threading.Barrier, got: dict[int, object], round_: int) -> None:
+        path = tmp_path / f"{round_}-{i}.json"
+        gate.wait()
+        try:
+            with sess.trace(path) as tr:
+                for _ in range(5):
+                    sess.run(noop)
+            got[i] = (path.exists() and path.stat().st_size > 0, len(tr.workers))
+        except RuntimeError as exc:
+            got[i] = str(exc)
+
     for round_ in range(4):
         gate = threading.Barrier(2)
         got: dict[int, object] = {}
-
-        def traced(i: int) -> None:
-            path = tmp_path / f"{round_}-{i}.json"
-            gate.wait()
-            try:
-                with sess.trace(path) as tr:
-                    for _ in range(5):
-                        sess.run(noop)
-                got[i] = (path.exists() and path.stat().st_size > 0, len(tr.workers))
-            except RuntimeError as exc:
-                got[i] = str(exc)
-
-        threads = [threading.Thread(target=traced, args=(i,)) for i in range(2)]
+        threads = [threading.Thread(target=traced, args=(i, gate, got, round_))
+                   for i in range(2)]
         for t in threads:
             t.start()
         for t in threads:
@@ -309,3 +310,16 @@ def test_a_worker_sent_more_calls_alone_is_not_called_slow(make_session, caplog)
     with caplog.at_level(logging.WARNING, logger="unison.trace"):
         sess.stats()
     assert "is slow" not in caplog.text
+
+
+@pytest.mark.parametrize("bad", [True, 1, 3, b"run.json"])
+def test_a_trace_path_that_is_no_path_is_refused(make_session, bad):
+    """``open`` took an int (True is 1) as a file descriptor: the trace went into stdout,
+    or into the session's own command ring, and that fd was closed after."""
+    with pytest.raises(TypeError, match="trace's path"):
+        make_session(2, trace=bad)
+    sess = make_session(2)
+    with pytest.raises(TypeError, match="trace's path"), sess.trace(bad):
+        pass
+    assert sess.run(abs, -1) == [1, 1]
+    os.fstat(1)  # still open

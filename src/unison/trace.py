@@ -58,7 +58,12 @@ def now() -> int:
 
 def check_writable(path: str | os.PathLike[str]) -> None:
     """Raise now, where a trace's file cannot be written (a missing folder, no permission),
-    rather than after the work it records; the file is left empty until the trace ends."""
+    rather than after the work it records; the file is left empty until the trace ends.
+    A path only: ``open`` takes an int (or ``True``) for a file descriptor, and wrote the
+    trace into it, then closed it (stdout, or the session's own ring)."""
+    if isinstance(path, (int, bool)) or not isinstance(os.fspath(path), str):
+        raise TypeError(f"a trace's path must be a str or os.PathLike of one, not "
+                        f"{type(path).__name__} {path!r}")
     with open(path, "w", encoding="utf-8"):
         pass
 
