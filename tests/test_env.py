@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -263,3 +265,24 @@ def test_the_spread_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     assert plan(3, None) == {}  # workers elsewhere (Ray, hand-started): not ours to place
     assert plan(3, False, children=True) == {}
     assert plan(3, True) == {0: [3], 1: [5], 2: [3]}
+
+
+def test_a_removed_current_folder_is_named_when_the_workers_would_import_from_it(tmp_path):
+    """sys.path's '' (python -c, a notebook) is the current folder, which the workers get; a
+    removed one failed with a bare FileNotFoundError that named no path."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    code = textwrap.dedent(f"""
+        import os, sys
+        import unison
+        sys.path.insert(0, "")
+        os.chdir({str(gone)!r})
+        os.rmdir({str(gone)!r})
+        try:
+            unison.Session(1)
+        except FileNotFoundError as exc:
+            print("refused:", exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert "refused: the current folder was removed" in out.stdout, out.stderr

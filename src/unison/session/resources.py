@@ -230,8 +230,17 @@ class Resources:
 
 def sys_path() -> list[str]:
     """The controller's import path, for the workers (so functions pickled by reference and
-    the classes of arguments import there too)."""
-    return [os.getcwd() if p == "" else p for p in sys.path]
+    the classes of arguments import there too). ``""`` is the current folder, now."""
+    if "" not in sys.path:
+        return list(sys.path)
+    try:
+        here = os.getcwd()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            "the current folder was removed, and sys.path holds '' (the current folder, as "
+            "under python -c or a notebook), which the workers would import from: os.chdir "
+            "to a folder that exists before starting a Session") from None
+    return [here if p == "" else p for p in sys.path]
 
 
 def _network_channel(name: str, num_workers: int, num_groups: int, channel: str,
