@@ -3,9 +3,12 @@ is right, nothing deadlocks, and a long wait in one thread does not hold up the 
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
 import time
+
+import pytest
 
 import unison
 
@@ -214,6 +217,9 @@ def test_a_call_held_up_before_it_is_sent_never_overtakes_with_a_lower_id(make_s
         def release(self):
             return plain.release()
 
+        def _is_owned(self):
+            return plain._is_owned()
+
         def __enter__(self):  # the send's with-statement (_send_quick)
             return self.acquire()
 
@@ -239,3 +245,52 @@ def test_a_call_held_up_before_it_is_sent_never_overtakes_with_a_lower_id(make_s
     finally:
         sess._send_lock = plain
     assert got == {"A": [3.0, 3.0], "B": [3.0, 3.0]}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("inner", ["call", "run"])
+def test_a_del_the_garbage_collector_runs_inside_a_send_or_wait_is_refused(make_session,
+                                                                            inner):
+    """A ``__del__`` that tells the workers to drop their state, run by the cyclic garbage
+    collector in the middle of the session's own send: the send lock is re-entrant, so the
+    nested call got in and the outer run sent the inner call's function with its own
+    arguments ([("drop", 2)] where ("ident", 2) was asked). Inside a wait, a nested run took
+    the outer call's replies and waited for ever. Now the nested use raises RuntimeError
+    (which Python prints as an ignored exception of __del__), and the outer call is right."""
+    sess = make_session(2)
+    refused: list[str] = []
+    done: list[int] = []
+
+    def ident(i):  # the script's own functions: sent by value, each proved current at a call
+        return ("ident", i)
+
+    def drop(key):
+        return ("drop", key)
+
+    class Remote:
+        def __init__(self, key):
+            self.key, self.me = key, self  # a cycle: only the cyclic collector frees it
+
+        def __del__(self):
+            try:
+                if inner == "call":
+                    sess.call(drop, self.key)
+                else:
+                    sess.run(drop, self.key, timeout=10)
+                done.append(self.key)
+            except RuntimeError as exc:
+                refused.append(str(exc))
+
+    old = gc.get_threshold()
+    gc.set_threshold(3)  # collections land inside the session's steps often
+    try:
+        for i in range(300):
+            Remote(-i)
+            assert sess.run(ident, i) == [("ident", i)] * 2  # (no timeout: the quick path)
+    finally:
+        gc.set_threshold(*old)
+        gc.collect()
+    assert refused, "no collection landed inside a send or a wait"
+    assert all("middle of its own send or wait" in r for r in refused)
+    assert done  # outside the session's steps, a __del__'s call goes through
+    sess.sync()

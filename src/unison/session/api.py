@@ -63,7 +63,7 @@ from unison.session import checks
 from unison.session.aio import Waits
 from unison.session.fncache import FunctionCache
 from unison.session.resources import Resources
-from unison.session.router import OutOfStep, Request, Router
+from unison.session.router import OutOfStep, Request, Router, reentered
 from unison.session.unreported import UnreportedErrors
 from unison.trace import Stats, Trace
 
@@ -557,6 +557,8 @@ class Session(View):
             # the try leaves the lock held: then waiters see the close, see _lock_send.)
             try:
                 lock = self._send_lock
+                if lock._is_owned():  # type: ignore[attr-defined]  # (_owned, inlined)
+                    raise self._reentered()
                 if not lock.acquire(False):
                     self._lock_send(None)
                 try:
@@ -624,7 +626,9 @@ class Session(View):
         if blob is _PICKLED:
             blob, bufs = self._encode_args(ranks, fn, args, kwargs)
         try:  # Ctrl-C in here closes the session (see _send_quick)
-            if not self._send_lock.acquire(False):  # _lock_send's first step, inlined
+            if self._send_lock._is_owned():  # type: ignore[attr-defined]  # (_lock_send's
+                raise self._reentered()  # first steps, inlined)
+            if not self._send_lock.acquire(False):
                 self._lock_send(deadline)
             try:
                 # taken under the send lock, so that ids grow in the order calls reach the
@@ -1098,6 +1102,8 @@ class Session(View):
         a Ctrl-C that lands just after a thread's acquire closes the session with the lock
         still held, so a waiter looks for the close every ``_CLOSED_LOOK_S``."""
         lock = self._send_lock
+        if _owned(lock):
+            raise self._reentered()
         if lock.acquire(False):
             return
         while True:
@@ -1112,6 +1118,15 @@ class Session(View):
                     "command queue is full: a worker is busy or stuck). Nothing was sent: "
                     "wait for the workers (sync) or close the session."
                 )
+
+    def _reentered(self) -> RuntimeError:
+        """This thread is inside the session's own send (code run there used the session:
+        a ``__del__`` that the garbage collector ran, a weakref callback, a signal
+        handler). Its call would cut into the one in progress: the re-entrant lock let it
+        in, and it sent its own function's id with the outer call's arguments."""
+        if self._pump is not None:  # inside worker 0's inline call: its own message
+            self._res.launcher.check_free()  # type: ignore[attr-defined]
+        return reentered()
 
     def _send(
         self, build: Callable[..., bytes], fields: tuple[Any, ...], ranks: tuple[int, ...],

@@ -44,9 +44,22 @@ if TYPE_CHECKING:
     from unison.debug.hang import Watchdog
     from unison.trace import Trace
 
-__all__ = ["Request", "Router", "RouterOwner"]
+__all__ = ["Request", "Router", "RouterOwner", "reentered"]
 
 SLICE = 0.5  # the longest single sleep of a wait, so close() and deadlines are noticed
+
+
+def reentered() -> RuntimeError:
+    """A session used from inside its own send or read, in the same thread: by code that
+    ran there (a ``__del__`` the garbage collector ran, a weakref callback, a signal
+    handler). The locks are re-entrant, so it got in, and cut into the call in progress: it
+    sent its own function with that call's arguments, or took its replies."""
+    return RuntimeError(
+        "the session was used from code that ran in the middle of its own send or wait in "
+        "this thread (a __del__ run by the garbage collector, a weakref callback, a signal "
+        "handler), where it would cut into the call in progress: it is refused, and that "
+        "call goes on. Defer the work (queue it, and make the call after the session's call "
+        "returns), or close() there, which works")
 
 
 class Request:
@@ -146,6 +159,8 @@ class Router:
     def wait(self, req: Request, deadline: float | None, during: str) -> None:
         """Until every rank of ``req`` has replied; TimeoutError at ``deadline`` (the request
         is then abandoned: its late replies' errors are kept for the next sync)."""
+        if self._recv_lock._is_owned():  # type: ignore[attr-defined]
+            raise reentered()
         try:
             while req.remaining:
                 if self._recv_lock.acquire(False):
@@ -179,6 +194,8 @@ class Router:
         where that cannot be (another thread reads, a trace runs, a reply that is not a
         plain value, not all in within one wait slice, or ``timeout``): then ``wait`` as
         ever."""
+        if self._recv_lock._is_owned():  # type: ignore[attr-defined]
+            raise reentered()
         try:
             if self.tracer is not None or not self._recv_lock.acquire(False):
                 return None
