@@ -499,3 +499,23 @@ def test_ctrl_c_in_worker_0s_call_is_the_controllers(
     finally:
         timer.join()
     assert sess.closed
+
+
+def _sleep_then(x: float) -> float:
+    time.sleep(x)
+    return x
+
+
+def test_a_sync_from_one_thread_waits_for_worker_0s_call_in_another(make_session) -> None:
+    """The check that this thread is not inside worker 0's inline call looked at a flag of
+    the whole process: a plain sync() from thread A raised "worker 0 runs inline in this
+    thread, where it is in the middle of a call" while thread B's call ran worker 0."""
+    sess = make_session(2, inline_worker0=True)
+    t = threading.Thread(target=lambda: sess.call(_sleep_then, 1.0))
+    t.start()
+    try:
+        time.sleep(0.2)
+        sess.sync(timeout=30)  # waits for B's call
+    finally:
+        t.join(30)
+    assert sess.run(abs, -3) == [3, 3]

@@ -66,7 +66,8 @@ class InlineLauncher(Launcher):
         self._chan = chan
         self._worker: _InlineWorker | None = None
         self._lock = threading.RLock()  # pump() from several threads: one loop at a time
-        self._pumping = False  # (re-entrant for stop(): a signal handler's close, in pump)
+        self._pumping = 0  # the thread inside worker 0's call, if any (re-entrant for stop():
+        # a signal handler's close, in pump)
         self._closing = False
 
     def start(self, specs: Sequence[WorkerSpec], env: Mapping[int, Mapping[str, str]]) -> None:
@@ -88,8 +89,8 @@ class InlineLauncher(Launcher):
         interrupted it, a signal handler, makes a call): worker 0 could not run another
         until that one ends. The session asks before it sends anything (under its send
         lock, which only this thread may then hold), so the workers never see that call."""
-        if self._pumping:
-            raise RuntimeError(
+        if self._pumping == threading.get_ident():  # (another thread's call: a sync
+            raise RuntimeError(  # from here waits for it)
                 "worker 0 runs inline in this thread, where it is in the middle of a call "
                 "(this code interrupted it: a signal handler?), so it cannot run another: "
                 "nothing was sent. Leave inline_worker0 off to use the session from a signal "
@@ -101,12 +102,12 @@ class InlineLauncher(Launcher):
         one would otherwise hold the controller past it)."""
         with self._lock:
             self.check_free()  # (the session asked before it sent: never raises here)
-            self._pumping = True
+            self._pumping = threading.get_ident()
             try:
                 if self._worker is not None:
                     self._worker.pump(deadline)
             finally:
-                self._pumping = False
+                self._pumping = 0
                 if self._closing:  # stop() came from inside worker 0's call (below)
                     self._end(run_rest=False)
 
@@ -129,8 +130,9 @@ class InlineLauncher(Launcher):
             self._rest.stop(grace)
         finally:
             with self._lock:
-                if self._pumping:  # this thread is inside worker 0's call (a signal handler's
-                    self._closing = True  # close): pump closes it once that call returns
+                if self._pumping == threading.get_ident():  # this thread is inside worker
+                    # 0's call (a signal handler's close): pump closes it once that returns
+                    self._closing = True
                 else:
                     self._end(run_rest=True)
 
