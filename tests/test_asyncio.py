@@ -5,10 +5,12 @@ wait; a death or a close ends every pending wait with the session's error."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -522,3 +524,24 @@ def test_a_close_from_another_thread_returns_once_the_loop_watches_none_of_its_f
 
     asyncio.run(main())
     assert seen == [set()]
+
+
+def test_a_session_dropped_inside_a_running_loop_closes_at_garbage_collection(channel):
+    """The loop's readers were bound methods of the router and of the waits, which held the
+    session: dropped (never closed) inside a long-running loop, it stayed open with its
+    workers up for as long as the loop ran."""
+
+    async def main():
+        sess = unison.Session(2, channel=channel)
+        try:
+            pids = await sess.run_async(os.getpid)
+        except BaseException:
+            sess.close(timeout=0)
+            raise
+        gone = weakref.ref(sess)
+        del sess
+        gc.collect()
+        assert gone() is None, gc.get_referrers(gone())
+        assert wait_gone(pids, 10.0) == []
+
+    asyncio.run(main())

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from unison.channel import Channel
@@ -198,10 +200,14 @@ class Waits:
         self._thread = threading.get_ident()
         self._fds = self._chan.wake_fds()
         self._watch = self._owner.watch_fds()
+        # weakly: the loop's selector holds its callbacks, and through a bound method it
+        # held the session, which then stayed open (its workers up) after the program
+        # dropped it, for as long as the loop ran
+        poll, death = _weakly(self._router.poll), _weakly(self._death)
         for fd in self._fds:
-            loop.add_reader(fd, self._router.poll)
+            loop.add_reader(fd, poll)
         for fd in self._watch:
-            loop.add_reader(fd, self._death)
+            loop.add_reader(fd, death)
 
     def _end(self, slept: bool) -> None:
         """A wait is over (``slept``: in the selector); the last sleeper lowers the flag."""
@@ -260,6 +266,18 @@ class Waits:
                 loop, self._loop = self._loop, None
             if loop is not None:
                 self._detach(loop)
+
+
+def _weakly(method: Callable[[], None]) -> Callable[[], None]:
+    """``method``, called through a weak reference to its object (nothing once it is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
 
 
 def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
