@@ -294,3 +294,54 @@ def test_a_del_the_garbage_collector_runs_inside_a_send_or_wait_is_refused(make_
     assert all("middle of its own send or wait" in r for r in refused)
     assert done  # outside the session's steps, a __del__'s call goes through
     sess.sync()
+
+
+class _SlowToPickle:
+    def __reduce__(self):
+        time.sleep(0.5)
+        return (_SlowToPickle, ())
+
+
+def _sleeper(s):
+    time.sleep(s)
+    return s
+
+
+def test_a_sync_does_not_raise_the_error_of_a_call_still_on_its_way_out(make_session):
+    """Thread B's call took its id under the send lock, then pickled its new function for
+    0.5 s; thread A's sync began meanwhile, with a floor above B's id. A's sync raised B's
+    error and B's own sync returned quietly. A call is a sync's only once it is sent, and
+    B's sync must find the error although A's SYNC brought it in."""
+    sess = make_session(2)
+    sess.run(unison.rank)
+    out = {}
+    c_ref = sess.call(_sleeper, 1.5)
+    tc = threading.Thread(target=lambda: out.setdefault("C", c_ref.get()))  # a GET in flight
+    tc.start()
+    time.sleep(0.1)
+    slow = _SlowToPickle()
+
+    def b_fails():
+        slow  # noqa: B018  # captured: the function is pickled by value, slowly
+        raise ValueError("B's call failed")
+
+    def b():
+        sess.call(b_fails)
+        time.sleep(0.3)
+        try:
+            sess.sync()
+            out["B"] = "quiet"
+        except unison.WorkerError as e:
+            out["B"] = str(e.__cause__)
+
+    tb = threading.Thread(target=b)
+    tb.start()
+    time.sleep(0.1)  # B holds its id and the send lock, pickling
+    try:
+        sess.sync()
+        out["A"] = "quiet"
+    except unison.WorkerError as e:
+        out["A"] = str(e.__cause__)
+    tb.join(30)
+    tc.join(30)
+    assert out == {"C": 1.5, "A": "quiet", "B": "B's call failed"}

@@ -63,7 +63,7 @@ from unison.session import checks
 from unison.session.aio import Waits
 from unison.session.fncache import FunctionCache
 from unison.session.resources import Resources
-from unison.session.router import OutOfStep, Request, Router, reentered
+from unison.session.router import WHOLE, OutOfStep, Request, Router, reentered
 from unison.session.unreported import UnreportedErrors
 from unison.trace import Stats, Trace
 
@@ -241,6 +241,7 @@ class Session(View):
         self._tracing = False  # the trace slot is claimed (set before _tracer, which the
         # hot paths test, is)
         self._ids = itertools.count(1)
+        self._unsent = 0  # the id of a call still on its way out (taken under the send lock)
         self._frees: collections.deque[int] = collections.deque()
         self._fns = FunctionCache(_FN_CACHE)
         self._errors = UnreportedErrors()
@@ -634,7 +635,7 @@ class Session(View):
                 # taken under the send lock, so that ids grow in the order calls reach the
                 # workers: a worker's collectives tell calls apart by their ids, and a call that
                 # overtook a lower one made its peers think they had left (several threads)
-                ref_id = next(self._ids)
+                self._unsent = ref_id = next(self._ids)  # (see _sent_below)
                 if req is not None:
                     req.ref_id = ref_id
                 fn_id, fresh = self._fns.lookup(fn)
@@ -653,6 +654,7 @@ class Session(View):
                         self._router.forget(req, ranks)
                     raise
                 finally:
+                    self._unsent = 0
                     if not cached:
                         self._frees.append(fn_id)  # dropped with the next message, after this call
             finally:
@@ -681,7 +683,7 @@ class Session(View):
         try:  # Ctrl-C in here closes the session (see _send_quick)
             self._lock_send(deadline)
             try:
-                ref_id = next(self._ids)  # under the send lock, as a call's
+                self._unsent = ref_id = next(self._ids)  # under the send lock, as a call's
                 if len(blobs) == 1:
                     self._send(put_msg, (ref_id, blobs[0][0]), ranks, blobs[0][1], deadline)
                 else:
@@ -691,6 +693,7 @@ class Session(View):
                 self._frees.append(ref_id)  # the workers that got their value drop it again
                 raise
             finally:
+                self._unsent = 0
                 self._send_lock.release()
             return Ref(self, ref_id, ranks)
         except KeyboardInterrupt:
@@ -801,9 +804,10 @@ class Session(View):
         ``python benchmarks/async_bench.py``)."""
         chan = self._chan
         floor = next(self._ids)  # the calls this sync covers: those sent before it
+        below = self._sent_below(floor)
         if not ((chan.tracks_progress or chan.settles) and self._router.idle(ranks)
                 and not self._closed and self._waits.settled(ranks, timeout)):
-            req = Request(floor, len(ranks))  # (its id: the floor's, one id a sync)
+            req = _sync_request(floor, ranks)
             fut = self._waits.prepare(req)
             try:
                 self._request(sync_msg, 0, ranks, _deadline(timeout), req)
@@ -811,8 +815,8 @@ class Session(View):
                 self._waits.cancel(req)
                 raise
             await self._waits.wait(req, fut, timeout, "syncing")
-            self._keep_errors(req, ranks)
-        self._raise_held(ranks, floor)
+            self._router.keep_answers(req)  # (where the reader has not yet)
+        self._raise_held(ranks, below)
 
     # -- the timeline (unison.trace) ------------------------------------------------------------
 
@@ -956,6 +960,7 @@ class Session(View):
         chan, router = self._chan, self._router
         deadline = None if timeout is None else _deadline(timeout)
         floor = next(self._ids)  # the calls this sync covers: those sent before it
+        below = self._sent_below(floor)
         try:  # Ctrl-C in here closes the session, as in a wait (see _send_quick)
             if chan.tracks_progress and router.idle(ranks):
                 # the usual case, done within one slice and no error: one call (see _send_quick)
@@ -975,19 +980,20 @@ class Session(View):
             else:
                 ask = True
             if ask:
-                req = self._request(sync_msg, 0, ranks, deadline,
-                                    Request(floor, len(ranks)))  # (one id a sync)
+                req = self._request(sync_msg, 0, ranks, deadline, _sync_request(floor, ranks))
                 self._router.wait(req, deadline, "syncing")
-                self._keep_errors(req, ranks)
+                self._router.keep_answers(req)  # (where the reader has not yet)
         except KeyboardInterrupt:
             self.interrupted()
             raise
-        self._raise_held(ranks, floor)
+        self._raise_held(ranks, below)
 
-    def _keep_errors(self, req: Request, ranks: tuple[int, ...]) -> None:
-        """A SYNC's answers: the errors each worker held, kept until raised."""
-        for rank, (_, errs) in zip(ranks, self._decode(req, ranks)):
-            self._errors.add_all(rank, errs)
+    def _sent_below(self, floor: int) -> int:
+        """The first id a sync taking ``floor`` does not cover: ``floor``, or lower where a
+        call that took its id before it is still on its way out (pickling its function,
+        waiting for ring room): that call's error is its own thread's sync's to raise."""
+        unsent = self._unsent
+        return unsent if unsent and unsent < floor else floor
 
     def _raise_held(self, ranks: tuple[int, ...], floor: int) -> None:
         """sync's end: WorkerError for the earliest errors held of ``ranks`` among the calls
@@ -1408,6 +1414,14 @@ class _Both:
     def __exit__(self, *exc: object) -> None:
         self._second.release()
         self._first.release()
+
+
+def _sync_request(floor: int, ranks: tuple[int, ...]) -> Request:
+    """A SYNC (its id: the floor's, one id a sync), whose answers the reader keeps once all
+    are in (router.WHOLE)."""
+    req = Request(floor, len(ranks))
+    req.abandoned = WHOLE
+    return req
 
 
 def _owned(lock: threading.RLock) -> bool:

@@ -44,9 +44,14 @@ if TYPE_CHECKING:
     from unison.debug.hang import Watchdog
     from unison.trace import Trace
 
-__all__ = ["Request", "Router", "RouterOwner", "reentered"]
+__all__ = ["WHOLE", "Request", "Router", "RouterOwner", "reentered"]
 
 SLICE = 0.5  # the longest single sleep of a wait, so close() and deadlines are noticed
+WHOLE = 2
+"""Request.abandoned for a SYNC: the reader keeps its answers' errors the moment the last
+one is in (Router.keep_answers), all ranks at once: a sync of another thread that ends
+after it finds them (kept by the waiting thread after its wait, they could come too late
+for that one, and be raised by neither), and never half of one call's errors."""
 
 
 def reentered() -> RuntimeError:
@@ -72,7 +77,8 @@ class Request:
         self.ref_id = ref_id  # for GET: whose value (or error) the replies carry
         self.remaining = count
         self.replies: dict[int, bytes | Reply] = {}
-        self.abandoned = False  # its wait timed out: errors in late replies must be kept
+        self.abandoned: bool | int = False  # its wait timed out: errors in late replies
+        # must be kept; or WHOLE, a SYNC whose answers are kept once all are in
         self.salvaged: set[int] | None = None  # ranks whose late reply was read after a
         # timeout (made then: run's hot path makes a Request per call)
         self.done: Callable[[BaseException | None], None] | None = None
@@ -525,7 +531,27 @@ class Router:
         for rank in list(req.replies):
             self._salvage(req, rank)
 
+    def keep_answers(self, req: Request) -> None:
+        """A complete SYNC's answers (``WHOLE``): every worker's errors, kept at once.
+        Whoever comes first does it: the reader, or the waiting thread after its wait."""
+        with self._state_lock:
+            if req.remaining or req.salvaged is not None:
+                return
+            req.salvaged = set(req.replies)
+        answers = {}
+        for rank, raw in req.replies.items():
+            if not raw:  # an empty ack: nothing held
+                continue
+            got, _, payload = read_reply(raw)
+            if got != req.req_id:  # another call's reply: never read as this one's errors
+                raise self._owner.out_of_step(rank)
+            answers[rank] = payload
+        self._errors.add_answers(answers)
+
     def _salvage(self, req: Request, rank: int) -> None:
+        if req.abandoned is WHOLE:
+            self.keep_answers(req)
+            return
         with self._state_lock:
             if req.salvaged is None:
                 req.salvaged = set()

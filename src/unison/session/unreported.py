@@ -36,6 +36,14 @@ class UnreportedErrors:
             for ref_id, error in errors:
                 self._errors.setdefault(ref_id, {})[rank] = error
 
+    def add_answers(self, answers: dict[int, list[tuple[int, Error]]]) -> None:
+        """``add_all`` for several workers' answers to one SYNC, under one hold of the lock:
+        a sync between two of them would raise half of a call's errors, then the rest."""
+        with self._lock:
+            for rank, errors in answers.items():
+                for ref_id, error in errors:
+                    self._errors.setdefault(ref_id, {})[rank] = error
+
     def forget(self, ref_id: int, ranks: tuple[int, ...]) -> None:
         """That call's errors on ``ranks`` were just raised to the user (a get of one
         worker leaves the others' for a sync: a late error of a timed-out get among them)."""
