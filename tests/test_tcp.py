@@ -482,6 +482,15 @@ def test_no_worker_comes_so_start_times_out_cleanly():
     assert threading.active_count() <= before
 
 
+def test_a_start_that_times_out_with_some_workers_up_raises_timeout_error(workers):
+    """Worker 0's hello came, worker 1 never joined: the abandoned start read the hello's
+    pid as a list of errors (TypeError: 'int' object is not iterable)."""
+    launcher = ConnectLauncher(secret=SECRET,
+                               announce=lambda address, _: workers.start(address, 1))
+    with pytest.raises(TimeoutError, match=r"starting timed out: 1 worker\(s\) \[1\]"):
+        unison.Session(2, launcher=launcher, start_timeout=4.0)
+
+
 def test_a_send_to_a_dead_worker_blames_that_worker(tcp_session):
     sess = tcp_session(3)
     pid = sess[2].run(os.getpid)[0]

@@ -569,7 +569,8 @@ class Router:
             raise self._owner.out_of_step(rank)
         if req.ref_id and status != OK:
             self._errors.add(req.ref_id, rank, payload)
-        elif not req.ref_id:
+        elif not req.ref_id and got != protocol.READY_REQ:  # a SYNC's or SHUTDOWN's list
+            # (a worker's hello carries its pid, no errors)
             self._errors.add_all(rank, payload)
 
 
