@@ -140,6 +140,21 @@ def test_encode_async_refuses_token_ids_past_max_seq_length(folder: Path) -> Non
     assert got.embeddings.shape == (1, 384)
 
 
+@pytest.mark.timeout(120)
+def test_one_str_or_bytes_is_refused_not_embedded_per_character(folder: Path) -> None:
+    """A str is a sequence of str: encode("one sentence") embedded each character as a
+    sentence (12 rows), where sentence-transformers gives one embedding."""
+    import asyncio
+
+    with ShardedEncoder(1, 1, path=folder, progress=False) as enc:
+        for bad in ("A man is eating food.", b"A man is eating food."):
+            with pytest.raises(TypeError, match=r"pass \[sentence\]"):
+                enc.encode(bad)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match=r"pass \[sentence\]"):
+                asyncio.run(enc.encode_async(bad))  # type: ignore[arg-type]
+        assert enc.encode(["A man is eating food."]).embeddings.shape == (1, 384)
+
+
 def test_layout_flags() -> None:
     assert layout(None, None, 1) == (2, 1)
     assert layout(4, None, 2) == (2, 2)

@@ -29,7 +29,17 @@ class Tokenizer:
 
     def encode(self, sentences: Sequence[str]) -> list[list[int]]:
         """Each sentence's token ids, [CLS] ... [SEP]."""
-        return [e.ids for e in self._tok.encode_batch(list(sentences))]
+        return [e.ids for e in self._tok.encode_batch(check_sentences(sentences))]
+
+
+def check_sentences(sentences: Sequence[str]) -> list[str]:
+    """``sentences`` as a list, refused where it is one str or bytes: those are sequences
+    too, so each character (or byte) was embedded as a sentence of its own, where
+    sentence-transformers gives one embedding for a str."""
+    if isinstance(sentences, (str, bytes, bytearray)):
+        raise TypeError(f"sentences must be a list of str, not one {type(sentences).__name__}: "
+                        "to embed one sentence, pass [sentence]")
+    return list(sentences)
 
 
 def pad_batch(tokens: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
