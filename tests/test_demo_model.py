@@ -140,6 +140,24 @@ def test_encode_async_refuses_token_ids_past_max_seq_length(folder: Path) -> Non
     assert got.embeddings.shape == (1, 384)
 
 
+@pytest.mark.parametrize(("sentences", "error", "match"), [
+    (["ok", None], TypeError, r"sentences\[1\] is NoneType, not str"),
+    ([123], TypeError, r"sentences\[0\] is int"),
+    ([b"bytes"], TypeError, r"is bytes, not str: pass text \(decode bytes first\)"),
+    ([("a pair", "of str")], TypeError, r"is tuple"),  # (tokenized as two segments before)
+    (["ok", "caf\udce9"], ValueError, r"sentences\[1\] is not valid Unicode: .*'\\udce9' at 3"),
+    (["\ud800"], ValueError, r"sentences\[0\] is not valid Unicode"),
+])
+def test_a_sentence_that_is_not_text_is_named(folder: Path, sentences: list[Any],
+                                               error: type[Exception], match: str) -> None:
+    """What encode and encode_async tokenize first: tokenizers' own error ("TextEncodeInput
+    must be Union[...]") named neither the sentence nor the fault."""
+    tokenizer = Tokenizer(folder, load_config(folder).max_seq_length)
+    with pytest.raises(error, match=match):
+        tokenizer.encode(sentences)
+    assert len(tokenizer.encode(["café", "東京"])) == 2
+
+
 @pytest.mark.timeout(120)
 def test_one_str_or_bytes_is_refused_not_embedded_per_character(folder: Path) -> None:
     """A str is a sequence of str: encode("one sentence") embedded each character as a
@@ -300,6 +318,16 @@ def test_command_refuses_a_bad_tp() -> None:
     proc = subprocess.run(_demo("--tp", "13"), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "tp=13" in proc.stderr and "12 attention heads" in proc.stderr
+
+
+def test_a_query_that_is_not_utf8_is_refused_before_the_model_loads() -> None:
+    """A byte that does not decode came through argv as a lone surrogate: the demo loaded
+    the model, then died in the tokenizer with a traceback that named neither."""
+    proc = subprocess.run([*_demo("--no-baseline", "--repeat", "1"), "--query", b"caf\xe9"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "--query 'caf\\udce9' is not UTF-8" in proc.stderr
+    assert "Traceback" not in proc.stderr and "loading shards" not in proc.stderr
 
 
 @pytest.mark.timeout(60)

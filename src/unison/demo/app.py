@@ -120,6 +120,18 @@ def read_sentences(path: Path) -> list[str]:
     return sentences
 
 
+def check_queries(queries: list[str]) -> list[str]:
+    """The ``--query`` values, refused before the model loads where one is not UTF-8: argv
+    keeps such bytes as lone surrogates (\\udcXX), which the tokenizer refuses."""
+    for text in queries:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"--query {text!r} is not UTF-8 text (each \\udcXX is a byte "
+                             "that does not decode): give the query in UTF-8") from None
+    return list(queries)
+
+
 def search(queries: np.ndarray, corpus: np.ndarray, top: int) -> list[list[tuple[int, float]]]:
     """For each query, the ``top`` corpus rows by cosine similarity (rows are unit length,
     so the dot product), best first."""
@@ -138,7 +150,7 @@ def main(args: argparse.Namespace) -> int:
         if args.batch_size < 1 or args.repeat < 1 or args.top < 1:
             raise ValueError("--batch-size, --repeat and --top must be at least 1")
         corpus = read_sentences(args.file) if args.file else list(CORPUS)
-        queries = list(args.query) if args.query else list(QUERIES)
+        queries = check_queries(args.query) if args.query else list(QUERIES)
         return _run(args, tp, dp, corpus, queries)
     except unison.UnisonError as exc:  # WorkerDied names the worker; the session is closed
         print(f"unison demo: {exc}", file=sys.stderr)

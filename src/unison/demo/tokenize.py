@@ -35,11 +35,27 @@ class Tokenizer:
 def check_sentences(sentences: Sequence[str]) -> list[str]:
     """``sentences`` as a list, refused where it is one str or bytes: those are sequences
     too, so each character (or byte) was embedded as a sentence of its own, where
-    sentence-transformers gives one embedding for a str."""
+    sentence-transformers gives one embedding for a str. Each item must be a str that
+    encodes to UTF-8: tokenizers' own error for another (None, bytes, a lone surrogate)
+    names neither the item nor the fault, and a pair of str is tokenized as two segments."""
     if isinstance(sentences, (str, bytes, bytearray)):
         raise TypeError(f"sentences must be a list of str, not one {type(sentences).__name__}: "
                         "to embed one sentence, pass [sentence]")
-    return list(sentences)
+    out = list(sentences)
+    for i, text in enumerate(out):
+        if not isinstance(text, str):
+            raise TypeError(f"sentences[{i}] is {type(text).__name__}, not str: pass text "
+                            "(decode bytes first)")
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:  # "\ud800", or undecodable bytes kept as
+                # "\udcXX" (surrogateescape: argv, os.listdir)
+                raise ValueError(f"sentences[{i}] is not valid Unicode: it holds a lone "
+                                 f"surrogate, {text[exc.start]!r} at {exc.start}; decode "
+                                 "its text from UTF-8 (or its own encoding) with "
+                                 "errors='strict' or 'replace'") from None
+    return out
 
 
 def pad_batch(tokens: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
