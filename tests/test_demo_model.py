@@ -30,7 +30,7 @@ import pytest
 from support import wait_gone
 from unison import cli
 from unison.demo import reference
-from unison.demo.app import layout
+from unison.demo.app import layout, read_sentences
 from unison.demo.config import load_config, model_dir
 from unison.demo.encoder import ShardedEncoder, check_tokens, shard_bytes
 from unison.demo.plan import check_tp, plan, split
@@ -327,6 +327,22 @@ def test_a_query_that_is_not_utf8_is_refused_before_the_model_loads() -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert "--query 'caf\\udce9' is not UTF-8" in proc.stderr
+    assert "Traceback" not in proc.stderr and "loading shards" not in proc.stderr
+
+
+def test_a_file_holds_one_sentence_a_line_and_must_be_utf8(tmp_path: Path) -> None:
+    """--file was split with str.splitlines(), which also cuts at \\f, \\x85, \\u2028 and
+    more: one line became several sentences, in silence. A file that is not UTF-8 gave
+    the codec's message, naming neither the file nor the flag."""
+    text = tmp_path / "sentences.txt"
+    text.write_bytes("one\fpage\r\nnext\x85line \u2028 here\n\n  \rlast\v\n".encode())
+    assert read_sentences(text) == ["one\fpage", "next\x85line \u2028 here", "last"]
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes(b"caf\xe9 au lait\n")
+    proc = subprocess.run(_demo("--no-baseline", "--repeat", "1", "--file", str(latin)),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert f"--file {latin} is not UTF-8 text (byte 0xe9 at offset 3)" in proc.stderr
     assert "Traceback" not in proc.stderr and "loading shards" not in proc.stderr
 
 

@@ -112,8 +112,15 @@ def cpu_model() -> str:
 
 
 def read_sentences(path: Path) -> list[str]:
-    """One sentence a line; blank lines skipped."""
-    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    """One sentence a line; blank lines skipped. Lines end at "\\n" only (the reading
+    turns "\\r\\n" and "\\r" into it): str.splitlines() also cut a sentence at \\v, \\f,
+    \\x1c-\\x1e, \\x85, \\u2028 and \\u2029."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--file {path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+                         f"at offset {exc.start}): save it as UTF-8") from None
+    lines = [line.strip() for line in text.split("\n")]
     sentences = [line for line in lines if line]
     if not sentences:
         raise ValueError(f"{path} holds no sentences (one a line)")
