@@ -432,6 +432,19 @@ def test_worker_command_errors_say_what_to_do(workers):
     assert unreachable.returncode == 2 and "could not reach" in unreachable.stderr
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--timeout", "nan"), "--timeout takes seconds >= 0 (inf: keep trying), not nan"),
+    (("--timeout", "-1"), "--timeout takes seconds >= 0"),
+])
+def test_worker_flags_out_of_range_are_refused_naming_the_flag(flags: tuple[str, ...],
+                                                                message: str) -> None:
+    """--timeout nan retried for ever (its deadline was never reached)."""
+    proc = subprocess.run(worker_cmd("127.0.0.1:1", *flags), capture_output=True, text=True,
+                          timeout=20, env=dict(os.environ, UNISON_SECRET=SECRET.hex()))
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 NICE_CHILD = """
 import os, sys
 from unison.worker import set_niceness

@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--rank", type=int, default=-1,
                         help="the rank to take (default: the first free one)")
     worker.add_argument("--timeout", type=float, default=60.0,
-                        help="seconds to keep trying to reach the controller (default 60)")
+                        help="seconds to keep trying to reach the controller (default 60; inf: "
+                             "for ever)")
     worker.add_argument("--unix", default="", metavar="NAME",
                         help="the session's Unix socket, for a worker on the controller's "
                              "host (its launcher passes it): it then uses shared memory")

@@ -933,6 +933,8 @@ def dial(address: str, secret: bytes, rank: int = -1, timeout: float = 60.0,
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"--connect takes HOST:PORT, not {address!r}")
+    if math.isnan(timeout) or timeout < 0:  # NaN: a deadline never reached, retried for ever
+        raise ValueError(f"--timeout takes seconds >= 0 (inf: keep trying), not {timeout}")
     deadline = time.monotonic() + timeout
     while True:
         try:
