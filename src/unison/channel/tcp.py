@@ -931,8 +931,9 @@ def dial(address: str, secret: bytes, rank: int = -1, timeout: float = 60.0,
     worker on the controller's host, ``unix``: the name of its Unix socket, gets its shared
     memory's), and whether our waits should spin (TcpWorkerChannel's ``spin``)."""
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"--connect takes HOST:PORT, not {address!r}")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:  # (99999 would dial
+        # 99999 mod 65536)
+        raise ValueError(f"--connect takes HOST:PORT, a port from 1 to 65535, not {address!r}")
     if math.isnan(timeout) or timeout < 0:  # NaN: a deadline never reached, retried for ever
         raise ValueError(f"--timeout takes seconds >= 0 (inf: keep trying), not {timeout}")
     deadline = time.monotonic() + timeout
