@@ -581,6 +581,7 @@ def test_sigterm_finishes_requests_in_flight_and_exits_0(tmp_path: Path) -> None
 @pytest.mark.parametrize(("flags", "said"), [
     (["--max-inputs", "100", "--max-queue", "10"], "--max-inputs"), (["--tp", "13"], "tp=13"),
     (["--max-batch", "0"], "--max-batch"),
+    (["--tp", "0"], "--tp must be at least 1, got 0"),  # "tp must be ...", no flag named
     # inf or NaN held a lone request until a full batch came (NaN: a timer out of order)
     (["--batch-window-ms", "inf"], "--batch-window-ms"),
     (["--batch-window-ms", "nan"], "--batch-window-ms"),

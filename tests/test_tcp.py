@@ -438,11 +438,14 @@ def test_worker_command_errors_say_what_to_do(workers):
     (("--connect", "127.0.0.1:99999", "--timeout", "0.5"),
      "a port from 1 to 65535, not '127.0.0.1:99999'"),
     (("--connect", "127.0.0.1:0", "--timeout", "0.5"), "a port from 1 to 65535"),
+    (("--rank", "-5", "--timeout", "0.5"),
+     "--rank takes a rank from 0 (leave it out for the first free one), not -5"),
+    (("--rank", str(2**31), "--timeout", "0.5"), "--rank takes a rank from 0"),
 ])
 def test_worker_flags_out_of_range_are_refused_naming_the_flag(flags: tuple[str, ...],
                                                                 message: str) -> None:
     """--timeout nan retried for ever (its deadline was never reached); a port over 65535
-    dialled another port (99999 dialled 34463)."""
+    dialled another port (99999 dialled 34463); --rank -5 took the first free rank."""
     proc = subprocess.run(worker_cmd("127.0.0.1:1", *flags), capture_output=True, text=True,
                           timeout=20, env=dict(os.environ, UNISON_SECRET=SECRET.hex()))
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr

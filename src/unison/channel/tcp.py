@@ -934,6 +934,9 @@ def dial(address: str, secret: bytes, rank: int = -1, timeout: float = 60.0,
     if not host or not port.isdigit() or not 0 < int(port) < 65536:  # (99999 would dial
         # 99999 mod 65536)
         raise ValueError(f"--connect takes HOST:PORT, a port from 1 to 65535, not {address!r}")
+    if not -1 <= rank < 2**31:  # -1: the first free rank (what no --rank asks for)
+        raise ValueError(f"--rank takes a rank from 0 (leave it out for the first free one), "
+                         f"not {rank}")
     if math.isnan(timeout) or timeout < 0:  # NaN: a deadline never reached, retried for ever
         raise ValueError(f"--timeout takes seconds >= 0 (inf: keep trying), not {timeout}")
     deadline = time.monotonic() + timeout

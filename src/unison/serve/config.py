@@ -36,7 +36,8 @@ class ServeConfig:
         """ValueError naming the flag when the options cannot work together."""
         for name in ("tp", "dp", "max_batch", "max_queue", "max_inputs"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got "
+                                 f"{getattr(self, name)}")
         if self.max_body_bytes < 1:
             raise ValueError(f"--max-body-mb must allow at least 1 byte, got "
                              f"{self.max_body_bytes / 2**20:g} MiB")

@@ -115,6 +115,7 @@ def main(args: argparse.Namespace) -> int:
             batch_window_ms=args.batch_window_ms, max_queue=args.max_queue,
             max_inputs=args.max_inputs, max_body_bytes=_body_bytes(args.max_body_mb),
             drain_seconds=args.drain_seconds, access_log=args.access_log)
+        cfg.check()  # before check_tp, whose words are the Python API's ("tp", not "--tp")
         if cfg.backend == "unison":
             from unison.demo.config import load_config, model_dir
             from unison.demo.plan import check_tp
