@@ -257,6 +257,46 @@ def test_a_numpy_subclass_view_of_a_shared_array_is_refused(sess: unison.Session
     assert sess.run(type, np.arange(3.0).view(_Image)) == [_Image, _Image]
 
 
+def _fill_dates(x: np.ndarray) -> None:
+    x[...] = np.datetime64("2024-01-01", "ns")
+
+
+def _fill_ones(x: np.ndarray, *rest: object) -> None:
+    x[...] = np.ones((), x.dtype)
+
+
+def _fill_viewed(x: np.ndarray, dtype: np.dtype) -> None:
+    _fill_dates(x.view(dtype)["t"] if dtype.names else x.view(dtype))
+
+
+@pytest.mark.parametrize("channel", ["shm", "pipe"])
+def test_a_shared_array_of_datetimes_is_refused(make_session) -> None:  # type: ignore[no-untyped-def]
+    """numpy pickles datetime64 and timedelta64 elements (a structured dtype's too) by
+    value, with no buffer to send by reference: such a ``sess.empty`` array reached the
+    workers as a copy and their writes were lost, with no error. Now it raises, in a call
+    and a put, saying to pass a view as plain numbers, which goes by reference."""
+    sess = make_session(2)
+    stamp = np.datetime64("2024-01-01", "ns")
+    rec = np.dtype([("n", "i8"), ("t", "M8[ns]")])
+    for dtype in ("M8[ns]", "m8[s]", rec):
+        for shape in (4, 10_000):
+            a = sess.empty(shape, dtype)
+            a[...] = np.zeros((), dtype)
+            for extra in ((), ("__main__",)):
+                with pytest.raises(ValueError, match=r"dtype .* view of it as plain numbers"):
+                    sess[0].run(_fill_ones, a, *extra)
+            with pytest.raises(ValueError, match=r"a\.view\('i8'\)"):
+                sess.put([a])
+            assert not a.view(np.uint8).any()
+    dates = sess.empty(4, "M8[ns]")
+    sess[0].run(_fill_viewed, dates.view("i8"), dates.dtype)
+    assert (dates == stamp).all()
+    recs = sess.empty(4, rec)
+    sess[0].run(_fill_viewed, recs.view(np.uint8), rec)
+    assert (recs["t"] == stamp).all()
+    assert sess.run(_count, [np.array(dates)]) == [1, 1]
+
+
 def _count(xs: list[object]) -> int:
     return len(xs)
 

@@ -634,10 +634,20 @@ def _reducers(check: bool) -> dict[type, Any]:
 
 def _reduce_array_checked(a: Any) -> Any:
     """A numpy array as pickle reduces it, unless pickle would copy shared memory: only a
-    C or Fortran contiguous array goes out of band (by reference where shared)."""
+    C or Fortran contiguous array goes out of band (by reference where shared), and only
+    where its dtype lets numpy hand over a buffer (not datetimes, timedeltas, objects)."""
     if not a.flags.forc and in_shared(a):
         raise _copy_error("a non-contiguous view of a sess.empty() array", "np.array(x)")
-    return a.__reduce_ex__(5)
+    reduced = a.__reduce_ex__(5)
+    if type(reduced[1][0]) is not pickle.PickleBuffer and in_shared(a):  # pickled in band
+        raise SharedCopyError(
+            f"a sess.empty() array of dtype {a.dtype} would reach the workers as a copy "
+            "(numpy pickles datetime64, timedelta64 and object elements by value), and their "
+            "writes would be lost: pass a view of it as plain numbers, a.view('i8') (or "
+            "a.view(np.uint8) for a structured dtype), and view it back in the worker "
+            "(x.view(dtype)); or np.array(a) to send a copy on purpose"
+        )
+    return reduced
 
 
 def _copy_error(what: str, copy: str) -> SharedCopyError:
