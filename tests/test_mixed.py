@@ -138,6 +138,26 @@ def test_a_mixed_session_refuses_shared_arrays_rather_than_copy_them(mixed):
         mixed.empty(10)
 
 
+def _fill_sevens(a: np.ndarray) -> None:
+    a[...] = 7.0
+
+
+def test_another_sessions_shared_array_is_refused_for_the_tcp_workers_too(mixed):
+    """Shared memory refused another session's ``sess.empty`` array, but a message only for
+    the workers over TCP sent it as a copy, their writes lost in silence. Now it raises
+    ValueError for either half, with nothing sent, and the session goes on."""
+    with unison.Session(1) as local:
+        a = local.empty(1000)
+        a[:] = 0
+        for view in (mixed, mixed[1], mixed[1:]):
+            with pytest.raises(ValueError, match="shared memory of another session"):
+                view.run(_fill_sevens, a)
+            with pytest.raises(ValueError, match="shared memory of another session"):
+                view.put(a)
+        assert not a.any()
+    assert mixed.run(len, b"abc") == [3, 3, 3]
+
+
 @pytest.mark.parametrize("waiting", ["gather", "await", "sync", "sync_async"])
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_killed_worker_local_or_not_gives_worker_died_within_2_s(mixed, victim, waiting):

@@ -341,6 +341,27 @@ def test_a_value_over_the_frame_limit_is_refused_with_nothing_sent(tcp_session, 
     assert sess.run(len, b"abc") == [3]
 
 
+def _fill_sevens(a: np.ndarray) -> None:
+    a[...] = 7.0
+
+
+def test_another_sessions_shared_array_is_refused_with_nothing_sent(tcp_session, make_session):
+    """A TCP session has no shared memory: a ``sess.empty`` array of another session went
+    to its workers as a copy, and their writes were lost with no error (shared memory and
+    pipes refused it already). Now a call or put raises ValueError, large or small."""
+    local = make_session(1)
+    small, big = local.empty(4), local.empty(100_000)
+    small[:] = big[:] = 0
+    sess = tcp_session(2)
+    for a in (small, big, big[10:20]):
+        with pytest.raises(ValueError, match="shared memory of another session"):
+            sess.run(_fill_sevens, a)
+        with pytest.raises(ValueError, match="shared memory of another session"):
+            sess[1].put(a)
+    assert not small.any() and not big.any()
+    assert sess.run(_total, np.array(small) + 1) == [4.0, 4.0]
+
+
 def test_a_port_in_use_leaves_no_fd_behind():
     """The channel's pipes and epoll were made before the listener: each session refused
     for a port in use kept four pipe fds and an epoll open."""

@@ -204,11 +204,7 @@ class Arena:
         """Raise where a command's buffer lies in another session's shared array: it would
         go as a copy, and the workers' writes to it would be lost in silence."""
         if self._commands and is_shared(mv):
-            raise ValueError(
-                "an array passed to this session lies in the shared memory of another "
-                "session (made by that session's empty()): this session's workers would "
-                "write to a copy, and their writes would be lost. Pass it to the session "
-                "that made it, or copy it first (np.array(a)) to send its values")
+            raise anothers_error()
 
     def _find_shared(self, mv: memoryview) -> tuple[_Block, int] | None:
         if not self._shared:
@@ -403,6 +399,16 @@ def _forget_dead(_: object) -> None:
             _shared_ranges = tuple(r for r in _shared_ranges if r[2]() is not None)
         finally:
             _ranges_lock.release()
+
+
+def anothers_error() -> ValueError:
+    """What a session raises for a buffer in another session's shared array (a session
+    with no arena of its own, TCP, has none of its own)."""
+    return ValueError(
+        "an array passed to this session lies in the shared memory of another "
+        "session (made by that session's empty()): this session's workers would "
+        "write to a copy, and their writes would be lost. Pass it to the session "
+        "that made it, or copy it first (np.array(a)) to send its values")
 
 
 def _unhold(block: _Block) -> None:

@@ -71,6 +71,7 @@ from unison.channel import (
     Reply,
     SendTimeout,
     WorkerChannel,
+    arena,
     drain_fd,
     half_sent,
     held,
@@ -859,7 +860,11 @@ class TcpChannel(Channel):
 def check_frame(data: bytes, raws: Sequence[memoryview]) -> None:
     """ValueError, before anything is sent, for a part of a message over MAX_FRAME: the
     worker would refuse the frame and leave without a word (WorkerDied, "it stopped
-    answering"). channel.mixed asks before its shared-memory half goes."""
+    answering"); or for a buffer in another session's shared array (``sess.empty``): it
+    would go as a copy, and the workers' writes to it would be lost. channel.mixed asks
+    before its shared-memory half goes."""
+    if raws and arena._shared_ranges and any(arena.is_shared(raw) for raw in raws):
+        raise arena.anothers_error()
     if len(data) > MAX_FRAME or (raws and any(raw.nbytes > MAX_FRAME for raw in raws)):
         big = max([len(data), *(raw.nbytes for raw in raws)])
         raise ValueError(
