@@ -133,3 +133,17 @@ def test_dropping_refs_never_waits_for_a_busy_worker(sess):
     gc.collect()  # not timed: a full collection of a big test process takes its own time
     assert took < 0.5
     assert count(sess) == baseline
+
+
+def test_a_scatter_refused_at_a_later_rank_leaves_nothing_on_the_earlier_ones(make_session):
+    """A scatter sends one message a worker: when a later rank's value was refused (another
+    session's ``sess.empty`` array), the earlier ranks kept theirs, with no Ref to free
+    them. Now the scatter's id is freed on every worker with the next message."""
+    np = pytest.importorskip("numpy")
+    foreign = make_session(1).empty(4)
+    sess = make_session(3)
+    baseline = count(sess)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="another session"):
+            sess.scatter([np.ones(1 << 14), b"small", foreign])
+    assert count(sess) == baseline

@@ -689,8 +689,9 @@ class Session(View):
                 else:
                     for rank, (blob, bufs) in zip(ranks, blobs):
                         self._send(put_msg, (ref_id, blob), (rank,), bufs, deadline)
-            except TimeoutError:
-                self._frees.append(ref_id)  # the workers that got their value drop it again
+            except BaseException:  # a deadline, or a later rank's value refused (another
+                # session's array, a full arena): the workers that got theirs drop it again
+                self._frees.append(ref_id)
                 raise
             finally:
                 self._unsent = 0
