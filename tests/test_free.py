@@ -147,3 +147,26 @@ def test_a_scatter_refused_at_a_later_rank_leaves_nothing_on_the_earlier_ones(ma
         with pytest.raises(ValueError, match="another session"):
             sess.scatter([np.ones(1 << 14), b"small", foreign])
     assert count(sess) == baseline
+
+
+@pytest.mark.parametrize("channel", ["shm"])
+def test_refs_dropped_before_a_send_the_full_arena_refused_are_still_freed(
+        make_session, monkeypatch):
+    """A send refused for a full arena (MemoryError: nothing was sent) dropped the frees it
+    carried, so those Refs stayed on the workers for good. Now they ride on the next
+    message, as after a deadline or a refused buffer."""
+    np = pytest.importorskip("numpy")
+    from unison.channel import arena
+
+    monkeypatch.setattr(arena, "default_size", lambda: 4 << 20)  # a 4 MiB arena
+    sess = make_session(2)
+    baseline = count(sess)
+    pin = sess.empty(3 << 20, np.uint8)  # the whole arena, untouched
+    ref = sess.put("payload")
+    assert count(sess) == [b + 1 for b in baseline]
+    del ref
+    gc.collect()  # its free waits for the next message
+    with pytest.raises(MemoryError, match="shared memory is full"):
+        sess.put(np.ones(1 << 17))  # 1 MiB: out of band, through the arena
+    assert count(sess) == baseline
+    del pin

@@ -1195,9 +1195,9 @@ class Session(View):
         through (nothing of the message went), and closes the session where the message was
         half sent (PartialSendError)."""
         err: BaseException
-        if frees and isinstance(exc, (channels.SendTimeout, ValueError)):  # nothing of it was
-            self._frees.extend(frees)  # sent (a deadline, or a buffer the arena refused): the
-            # frees ride on the next message instead
+        if frees and isinstance(exc, (channels.SendTimeout, ValueError, MemoryError)):
+            self._frees.extend(frees)  # nothing of it was sent (a deadline, a buffer the
+            # arena refused, a full arena): the frees ride on the next message instead
         if isinstance(exc, channels.SendTimeout):
             err = TimeoutError(
                 "the workers did not take the message by the deadline (their command queue is "
