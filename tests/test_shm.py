@@ -159,6 +159,39 @@ def test_arena_blocks_are_reused_after_free(sess: unison.Session) -> None:
     assert _arena_top(sess) <= top + 2 * a.nbytes  # steady state: blocks come back
 
 
+def test_a_freed_large_block_makes_room_for_a_smaller_one(
+        make_session, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A freed block stayed in its power-of-two size class: with a 23 MiB arena, once a
+    16 MiB block was freed an 8 MiB request said the shared memory was full though nothing
+    was held. Now the free blocks at the arena's end are given back to it first; a request
+    larger than the whole arena says so."""
+    from unison.channel import arena
+
+    monkeypatch.setattr(arena, "default_size", lambda: 23 << 20)
+    sess = make_session(2)
+    small = sess.empty(8)  # a 64 KiB block, at the arena's start
+    small[:] = 1
+    a = sess.empty(9 << 20, np.uint8)  # a 16 MiB block after it
+    a[:10] = 1
+    assert sess.run(_sum, a[:10]) == [10.0, 10.0]
+    assert sess.run(_sum, small) == [8.0, 8.0]  # (the workers drop the last message's views)
+    del a
+    b = sess.empty(5 << 20, np.uint8)  # an 8 MiB block, where the 16 MiB one was
+    sess[1].run(_fill, b, 2)
+    assert b.min() == 2
+    with pytest.raises(MemoryError, match=r"full .* 8 MiB of it in 2 blocks in use"):
+        sess.empty(9 << 20, np.uint8)
+    sess[1].run(_sum, small)
+    del b
+    with pytest.raises(MemoryError, match="more than the session's shared memory holds"):
+        sess.empty(30 << 20, np.uint8)
+    c = sess.empty(9 << 20, np.uint8)
+    sess[0].run(_fill, c[-5:], 3)
+    assert c[-5:].tolist() == [3] * 5
+    base = sess._chan.arena._base  # type: ignore[attr-defined]
+    assert _arena_top(sess) == base + (64 << 10) + (16 << 20)  # c took a's room
+
+
 def test_worker_keeping_an_array_keeps_its_block(sess: unison.Session) -> None:
     a = np.full(1 << 20, 3.0)
     keep = sess.call(lambda x: x, a)  # the workers' result is the received array itself

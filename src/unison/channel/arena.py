@@ -106,8 +106,9 @@ class Arena:
         self._keep = keep
         base = counters_size(num_readers)
         self._counters = memoryview(self._map)[:base].cast("I")  # [slot*n*2 + 2r] sent, +1 done
-        self._top = base
+        self._base = self._top = base
         self._slots = 0
+        self._spare: list[int] = []  # slots of blocks given back below _top (_lower_top)
         self._free: dict[int, list[_Block]] = {}
         self._busy: list[_Block] = []
         self._kept = 0
@@ -241,19 +242,56 @@ class Arena:
                 block.backed = False
                 self._kept -= block.cap
         else:
-            if self._top + cap > self.size or self._slots >= SLOTS:
+            if not self._fits(cap):
                 self._reclaim(give_back_all=True)
-                raise MemoryError(
-                    f"the session's shared memory is full ({self.size >> 20} MiB, as much as "
-                    f"this machine's memory, in {self._slots} blocks): free the Refs that "
-                    "hold large arrays (ref.free(), or drop them), or send smaller ones, and "
-                    "drop fetched results that are no longer needed"
-                )
-            block = _Block(self._top, cap, self._slots)
+                self._lower_top()
+                if not self._fits(cap):
+                    raise self._full(nbytes, cap)
+            if self._spare:
+                slot = self._spare.pop()
+            else:
+                slot = self._slots
+                self._slots += 1
+            block = _Block(self._top, cap, slot)
             self._top += cap
-            self._slots += 1
         self._busy.append(block)
         return block
+
+    def _fits(self, cap: int) -> bool:
+        """Whether a new block of ``cap`` bytes fits above ``_top``, with a slot for it."""
+        return self._top + cap <= self.size and (bool(self._spare) or self._slots < SLOTS)
+
+    def _lower_top(self) -> None:
+        """Give back the free blocks that end at ``_top``, so that their room may take a
+        block of another size (a freed block stays in its size class). Their slots are
+        reused: a free block's counters are equal (sent == done), so no reader counts on
+        them any more."""
+        ends = {b.offset + b.cap: b for free in self._free.values() for b in free}
+        while (block := ends.pop(self._top, None)) is not None:
+            self._free[block.cap].remove(block)
+            if block.backed:
+                self._map.madvise(mmap.MADV_REMOVE, block.offset, block.cap)
+                block.backed = False
+                self._kept -= block.cap
+            self._top = block.offset
+            self._spare.append(block.slot)
+
+    def _full(self, nbytes: int, cap: int) -> MemoryError:
+        room = self.size - self._base
+        if cap > room:
+            return MemoryError(
+                f"{nbytes:,} bytes need a block of {cap >> 20} MiB (blocks come in powers of "
+                f"two), more than the session's shared memory holds ({room >> 20} MiB, as "
+                "much as this machine's memory) even with nothing else in it: send smaller "
+                "arrays (several puts of slices, several sess.empty), or make the data on "
+                "the workers")
+        held = sum(b.cap for b in self._busy)
+        return MemoryError(
+            f"the session's shared memory is full ({self.size >> 20} MiB, as much as this "
+            f"machine's memory; {held >> 20} MiB of it in {len(self._busy)} blocks in use): "
+            "free the Refs that hold large arrays (ref.free(), or drop them), or send "
+            "smaller ones, and drop fetched results and sess.empty arrays that are no "
+            "longer needed")
 
     def _reclaim(self, give_back_all: bool = False) -> None:
         still = []
