@@ -267,3 +267,13 @@ def test_scatter_of_a_dict_set_or_string_is_a_type_error(sess, values):
     with pytest.raises(TypeError, match="one per worker"):
         sess.scatter_from(values)
     assert sess.scatter(("a", "b")).gather() == ["a", "b"]
+
+
+@pytest.mark.parametrize("shape", [(4, (1 << 62) + 1), ((1 << 32) + 1, 1 << 32), (1 << 32,) * 2])
+def test_empty_of_more_bytes_than_an_array_can_hold_says_so(sess, shape):
+    """numpy's int64 product of the shape wrapped: a shape of 2**64 + 4 elements took 4,
+    allocated them, then failed in numpy's reshape; one of 2**64 + 2**32 reported a
+    MemoryError for 32 GiB. Now the true size is refused up front."""
+    with pytest.raises(ValueError, match="more than any array can"):
+        sess.empty(shape)
+    assert sess.empty(3).shape == (3,)

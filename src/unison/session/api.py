@@ -22,6 +22,7 @@ import math
 import os
 import pickle
 import secrets
+import sys
 import threading
 import time
 import warnings
@@ -385,7 +386,11 @@ class Session(View):
         self.check_open()
         dt = np.dtype(dtype)
         shape_t = checks.shape(shape)
-        count = int(np.prod(shape_t, dtype=np.int64))
+        count = math.prod(shape_t)  # (exact: numpy's int64 product wraps, past 2**63)
+        if count * dt.itemsize > sys.maxsize:
+            raise ValueError(
+                f"sess.empty({shape_t}, {dt}) would take {count * dt.itemsize:,} bytes, more "
+                f"than any array can ({sys.maxsize:,}): ask for a smaller shape")
         if count * dt.itemsize == 0:
             return np.empty(shape_t, dt)
         arena = self._chan.arena
