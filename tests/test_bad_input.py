@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 
 import pytest
 
@@ -30,6 +31,19 @@ def test_num_workers_below_one_is_a_value_error(n):
 def test_num_workers_that_is_not_an_int_is_a_type_error(n):
     with pytest.raises(TypeError):
         unison.Session(n)
+
+
+@pytest.mark.parametrize("n", [4097, 10**10])
+def test_num_workers_past_the_bound_is_a_value_error_at_once_and_leaks_nothing(n):
+    # before, 10**10 built a per-rank CPU plan of 10**10 entries (the controller's memory
+    # filled); 10**6 failed late, fds left open
+    gc.collect()
+    before = open_fds()
+    t = time.monotonic()
+    with pytest.raises(ValueError, match="4096 one session takes"):
+        unison.Session(n)
+    assert time.monotonic() - t < 1.0
+    assert open_fds() == before
 
 
 @pytest.mark.parametrize("n, groups", [(4, 3), (3, 2), (2, 0), (2, -1)])

@@ -12,8 +12,13 @@ from typing import Any
 from unison import placement
 from unison.protocol import CONTAINERS, array_payload, is_plain
 
-__all__ = ["as_rank", "call_parts", "check_env", "check_sizes", "cpu_plan", "plain_args",
-           "ref_names", "ref_positions", "shape", "values_per_worker"]
+__all__ = ["MAX_WORKERS", "as_rank", "call_parts", "check_env", "check_sizes", "cpu_plan",
+           "plain_args", "ref_names", "ref_positions", "shape", "values_per_worker"]
+
+MAX_WORKERS = 4096
+"""The most workers one session takes: the controller holds fds and tables for each, made
+at start, so a mistyped size (10**10) filled its memory before any error. Far more than
+one controller can drive well (ten times a large node's cores)."""
 
 
 def check_sizes(num_workers: object, num_groups: object) -> None:
@@ -23,6 +28,12 @@ def check_sizes(num_workers: object, num_groups: object) -> None:
         if v < 1:
             raise ValueError(f"{name} must be at least 1, got {v}")
     assert isinstance(num_workers, int) and isinstance(num_groups, int)
+    if num_workers > MAX_WORKERS:
+        raise ValueError(
+            f"num_workers ({num_workers}) is above the {MAX_WORKERS} one session takes (its "
+            "controller keeps fds and tables per worker): open several sessions, or fewer "
+            "workers each running more of the work"
+        )
     if num_workers % num_groups:
         raise ValueError(
             f"num_workers ({num_workers}) must be divisible by num_groups ({num_groups}), "
