@@ -257,6 +257,26 @@ def test_a_negative_timeout_is_a_value_error(sess):
     assert sess.run(unison.rank) == [0, 1]
 
 
+@pytest.mark.parametrize("variables", [
+    {"A=B": "1"}, {"": "1"}, {"A\0": "1"}, {"A": "x\0y"},
+    {"UNISON_LOG_LEVELS": "[1]"}, {"UNISON_LOG_LEVELS": '{"": "loud"}'},
+    {"UNISON_LOG_LEVELS": "garbage"},
+])
+def test_env_variables_no_process_can_hold_are_refused_before_any_worker_starts(variables):
+    # before, the worker died at start with a traceback (WorkerDied), or, for log levels
+    # that are not JSON, ignored them in silence
+    before = open_fds()
+    with pytest.raises(ValueError, match=r"env\[1\]"):
+        unison.Session(2, env={1: variables})
+    assert open_fds() == before
+
+
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_inline_worker0_that_is_not_a_bool_is_a_type_error(value):
+    with pytest.raises(TypeError, match="True or False"):  # before, "no" ran worker 0 inline
+        unison.Session(2, inline_worker0=value)
+
+
 @pytest.mark.parametrize("env", [{0: "A=1"}, {0: ["A", "1"]}, {0: None}, {"0": {"A": "1"}}])
 def test_env_values_that_are_not_mappings_are_refused_before_any_worker_starts(env):
     before = open_fds()

@@ -380,6 +380,17 @@ def test_a_port_in_use_leaves_no_fd_behind():
         ConnectLauncher(secret=SECRET.hex())  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("value", ["zz", "abcd"])
+def test_a_bad_unison_secret_is_refused_naming_the_variable(monkeypatch, value):
+    # before, bytes.fromhex's "non-hexadecimal number found" or "the secret must be at
+    # least 16 bytes", neither naming where the secret came from
+    monkeypatch.setenv("UNISON_SECRET", value)
+    with pytest.raises(ValueError, match="UNISON_SECRET must hold the session's secret in hex"):
+        ConnectLauncher(announce=False)
+    monkeypatch.setenv("UNISON_SECRET", SECRET.hex())
+    assert ConnectLauncher(announce=False).network().secret == SECRET
+
+
 def test_the_workers_end_when_the_controller_is_killed(workers, tmp_path):
     script = tmp_path / "controller.py"
     script.write_text(textwrap.dedent(f"""

@@ -30,7 +30,7 @@ import os
 import sys
 from typing import Any, TextIO
 
-__all__ = ["ENV", "MARK", "install", "levels", "relay"]
+__all__ = ["ENV", "MARK", "install", "levels", "parse_levels", "relay"]
 
 ENV = "UNISON_LOG_LEVELS"
 MARK = "\x1eunison-log "
@@ -54,6 +54,20 @@ def levels() -> str:
         if isinstance(logger, logging.Logger) and logger.level != logging.NOTSET:
             out[name] = logger.level
     return json.dumps(out)
+
+
+def parse_levels(text: str) -> dict[str, int]:
+    """``ENV``'s value as ``levels`` writes it: a JSON object of logger name -> int level.
+    ValueError says what is wrong (a value given by hand in a worker's env)."""
+    try:
+        wanted = json.loads(text)
+    except ValueError:
+        wanted = None
+    if not isinstance(wanted, dict) or not all(
+            isinstance(k, str) and type(v) is int for k, v in wanted.items()):
+        raise ValueError(f"{ENV} must be a JSON object of logger name to int level, e.g. "
+                         f'{{"": 20, "app": 10}} ("" is the root logger), not {text!r}')
+    return wanted
 
 
 class _Ship(logging.Handler):
@@ -146,14 +160,14 @@ def install() -> None:
     if spec is None or sys.stderr is None:
         return
     try:
-        wanted = json.loads(spec)
+        wanted = parse_levels(spec)  # the controller checked a value given in env=
     except ValueError:
         return
     root = logging.getLogger()
     if any(isinstance(h, _Ship) for h in root.handlers):
         return
     for name, level in wanted.items():
-        logging.getLogger(name or None).setLevel(int(level))
+        logging.getLogger(name or None).setLevel(level)
     root.addHandler(_Ship(sys.stderr))
 
 

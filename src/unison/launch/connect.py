@@ -24,6 +24,22 @@ from unison.spec import WorkerSpec
 __all__ = ["ConnectLauncher"]
 
 
+def _env_secret() -> bytes:
+    """UNISON_SECRET as bytes (hex, at least 16 bytes), else a fresh random secret."""
+    text = os.environ.get(SECRET_VAR, "")
+    if not text:
+        return secrets.token_bytes(32)
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        secret = b""
+    if len(secret) < 16:
+        raise ValueError(f"{SECRET_VAR} must hold the session's secret in hex, at least 16 "
+                         "bytes (32 hex digits, e.g. secrets.token_hex(32)), and its value does "
+                         "not: fix it, or unset it for a fresh random secret")
+    return secret
+
+
 class ConnectLauncher(Launcher):
     """Waits for hand-started workers to connect.
 
@@ -40,8 +56,7 @@ class ConnectLauncher(Launcher):
                  advertise: str | None = None,
                  announce: bool | Callable[[str, bytes], None] = True) -> None:
         if secret is None:
-            env = os.environ.get(SECRET_VAR, "")
-            secret = bytes.fromhex(env) if env else secrets.token_bytes(32)
+            secret = _env_secret()
         if not isinstance(secret, (bytes, bytearray)):
             raise TypeError(f"the secret must be bytes, not {type(secret).__name__} (from hex: "
                             "bytes.fromhex(text))")

@@ -215,6 +215,8 @@ class Session(View):
         False never; None holds local workers one to a CPU only where the session's
         processes outnumber the CPUs, until the machine looks crowded (unison.placement)."""
         checks.check_sizes(num_workers, num_groups)
+        if not isinstance(inline_worker0, bool):  # "no" would be true
+            raise TypeError(f"inline_worker0 must be True or False, not {inline_worker0!r}")
         if inline_worker0:
             checks.inline_worker0(num_workers, launcher, channel, collectives)
         if collectives not in ("shm", "torch"):

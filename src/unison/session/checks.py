@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from unison import placement
+from unison.debug import logs as _logs
 from unison.protocol import CONTAINERS, array_payload, is_plain
 
 __all__ = ["MAX_WORKERS", "as_rank", "call_parts", "check_env", "check_sizes", "cpu_plan",
@@ -75,7 +76,23 @@ def check_env(n: int, env: Mapping[int, Mapping[str, str]] | None) -> dict[int, 
                 f"{{{key!r}: {{'NAME': 'value'}}}}, got {type(values).__name__}"
             )
         out[rank] = {str(k): str(v) for k, v in values.items()}
+        for name, value in out[rank].items():
+            _check_variable(key, name, value)
     return out
+
+
+def _check_variable(key: object, name: str, value: str) -> None:
+    """A variable the OS can set (else the worker died at start with a traceback)."""
+    if not name or "=" in name or "\0" in name or "\0" in value:
+        raise ValueError(
+            f"env[{key!r}] has {name!r}: {value!r}, which no process can hold (a variable's "
+            "name must be non-empty, without '=' or a NUL byte; its value without a NUL byte)"
+        )
+    if name == _logs.ENV:  # unison's own: a worker would ignore or trip over a bad one
+        try:
+            _logs.parse_levels(value)
+        except ValueError as exc:
+            raise ValueError(f"env[{key!r}]: {exc}") from None
 
 
 def cpu_plan(n: int, plan: bool | Mapping[int, Iterable[int]] | None, *,
