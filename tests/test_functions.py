@@ -6,6 +6,7 @@ travel by value."""
 
 from __future__ import annotations
 
+import textwrap
 import warnings
 
 import pytest
@@ -369,3 +370,48 @@ def test_a_script_class_called_after_a_method_was_deleted_has_it_no_more(sess):
     assert sess.run(show, Model()) == [(20, "base")] * 2  # (the class inside an argument)
     back = sess.run(Model)  # a worker's instance comes back: to the controller's own class
     assert type(back[0]) is Model and back[0].v == 20
+
+
+SESSION_AT_IMPORT = """
+    import os, unison
+    depth = int(os.environ.get("UNISON_TEST_IMPORT_DEPTH", "0"))
+    os.environ["UNISON_TEST_IMPORT_DEPTH"] = str(depth + 1)
+
+    class Box:
+        pass
+
+    def where():
+        return depth
+
+    if depth < 2:  # the test's brake: before, each worker's import opened a session too
+        with unison.Session(1) as sess:
+            sess.run({call})
+"""
+
+
+@pytest.mark.parametrize("call", ["where", "repr, Box()"])
+def test_a_module_that_opens_a_session_when_imported_is_refused_in_the_workers(
+        controller, tmp_path, call):
+    # multiprocessing refuses its analogue (a child starting a process while it imports
+    # the main module); before, each worker loading the function (or an argument's class)
+    # imported the module, which opened its own session, whose workers did the same
+    (tmp_path / "opens_at_import.py").write_text(
+        textwrap.dedent(SESSION_AT_IMPORT).format(call=call))
+    out = run_script(controller, f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import unison
+        try:
+            import opens_at_import
+        except unison.WorkerError as exc:
+            print("refused:", exc.__cause__)
+
+        def nested():  # a session opened by a call's body, not by an import: still fine
+            with unison.Session(1) as inner:
+                return inner.run(unison.rank)
+
+        with unison.Session(1) as sess:
+            print("nested:", sess.run(nested))
+    """)
+    assert "refused: " in out and 'Guard the session with if __name__ == "__main__"' in out
+    assert "nested: [[0]]" in out

@@ -148,8 +148,11 @@ class _Unloaded:
         return "a function this worker could not load"
 
     def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
+        why = str(self.error[2])
+        if why.startswith(_SESSION_AT_IMPORT):  # importable: the import opened a session
+            raise RuntimeError(f"the function could not be loaded on this worker: {why}")
         raise RuntimeError(
-            f"the function could not be loaded on this worker: {self.error[2]}. Make its "
+            f"the function could not be loaded on this worker: {why}. Make its "
             "module importable here (workers get the controller's sys.path and cwd), or "
             "define it in the script that drives the session"
         )
@@ -180,6 +183,21 @@ _board: Board | None = None
 
 _forked = [False]  # set in a child that a worker's function forks (os.register_at_fork)
 _inline = [False]  # serving as worker 0 inside the controller: a KeyboardInterrupt is Ctrl-C
+_SESSION_AT_IMPORT = "a Session was opened"
+_loading = [0]
+"""The thread that is unpickling a function, arguments or a put value now (0: none): a
+module those import that opens a Session at import would make each worker open its own,
+whose workers import it again, without end (Session refuses; see ``check_not_loading``)."""
+
+
+def check_not_loading() -> None:
+    """Refuse a Session opened while this thread unpickles what the controller sent."""
+    if _loading[0] == threading.get_ident():
+        raise RuntimeError(
+            f"{_SESSION_AT_IMPORT} while a worker was importing the module of a function or "
+            "value sent to it: that module opens a session when imported, so each worker "
+            "would open its own, whose workers import it again, without end. Guard the "
+            "session with if __name__ == \"__main__\": or move it into a function")
 
 
 def _end_fork() -> NoReturn:
@@ -304,7 +322,11 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                     elif type(blob) is dict:  # plain keyword values alone
                         value = fn(**blob)  # type: ignore[misc]
                     else:
-                        args, kwargs = loads(blob, bufs)
+                        _loading[0] = threading.get_ident()
+                        try:
+                            args, kwargs = loads(blob, bufs)
+                        finally:
+                            _loading[0] = 0
                         value = fn(*args, **kwargs)  # type: ignore[misc]
                 finally:
                     if _forked[0]:  # a child the call forked came back here: not ours
@@ -369,6 +391,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                 return
         elif op == DEFINE:
             fn_id, fn_pickle = read_define(msg)
+            _loading[0] = threading.get_ident()
             try:
                 fns[fn_id] = loads(fn_pickle)
             except BaseException as exc:
@@ -376,6 +399,8 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                     raise  # worker 0 inline: the controller's Ctrl-C, never the function's
                 fns[fn_id] = _Unloaded(protocol.pack_error(exc, "loading a function",
                                                               interrupts))
+            finally:
+                _loading[0] = 0
         elif op == PUT:
             ref_id, value = read_put(msg)
             if isinstance(value, tuple):  # a plain value, marshalled inside the message
@@ -384,6 +409,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
             if isinstance(value, dict):  # every worker's plain value: ours by our rank
                 regs[ref_id] = value[me]
                 continue
+            _loading[0] = threading.get_ident()
             try:  # its pickle, or a small numpy value as array_payload made it
                 regs[ref_id] = (array_value(value[0]) if isinstance(value, list)
                                 else loads(value, bufs))
@@ -394,6 +420,8 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                 regs[ref_id] = Failed(err)
                 unreported[ref_id] = err
                 chan.unreported(len(unreported))
+            finally:
+                _loading[0] = 0
 
 
 _MISSING = object()

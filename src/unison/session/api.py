@@ -67,6 +67,7 @@ from unison.session.resources import Resources
 from unison.session.router import WHOLE, OutOfStep, Request, Router, reentered
 from unison.session.unreported import UnreportedErrors
 from unison.trace import Stats, Trace
+from unison.worker import check_not_loading
 
 __all__ = ["Session", "View"]
 
@@ -214,6 +215,7 @@ class Session(View):
         ``cpu_affinity``: True pins worker r to one CPU, round robin; a dict as given;
         False never; None holds local workers one to a CPU only where the session's
         processes outnumber the CPUs, until the machine looks crowded (unison.placement)."""
+        check_not_loading()  # a module that opens a session at import, in a worker
         checks.check_sizes(num_workers, num_groups)
         if not isinstance(inline_worker0, bool):  # "no" would be true
             raise TypeError(f"inline_worker0 must be True or False, not {inline_worker0!r}")
