@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = """
     import os, sys
     import unison
@@ -106,3 +108,31 @@ def test_a_worker_waiting_for_its_spec_leaves_when_its_starter_goes(tmp_path):
     finally:
         os.close(w)
     assert not worker.is_running()
+
+
+CLOSED_STD_FD = """
+    import os, sys
+    import unison
+
+    log = open({log!r}, "w", buffering=1)
+    for n, channel in ((1, "auto"), (2, "auto"), (2, "pipe")):
+        try:
+            os.close({fd})  # as a daemon, cron or `prog <&-` starts the controller
+        except OSError:
+            pass
+        with unison.Session(n, channel=channel, start_timeout=20) as sess:
+            log.write(f"{{n}} {{channel}} {{sess.run(unison.rank, timeout=20)}}\\n")
+"""
+
+
+@pytest.mark.parametrize("fd", [0, 1, 2])
+def test_a_controller_started_with_a_standard_stream_closed_starts_sessions(tmp_path, fd):
+    # before, the session's memfds and pipes took the closed number, which each worker's
+    # start then set to its own stdin, stdout or stderr: shm workers died at start
+    # (PermissionError mapping the ring); the pipe channel waited for good with fd 1 closed
+    log = tmp_path / "log"
+    code = textwrap.dedent(CLOSED_STD_FD.format(log=str(log), fd=fd))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr
+    assert log.read_text().splitlines() == ["1 auto [0]", "2 auto [0, 1]", "2 pipe [0, 1]"]

@@ -63,7 +63,7 @@ from unison.refs import Ref
 from unison.session import checks
 from unison.session.aio import Waits
 from unison.session.fncache import FunctionCache
-from unison.session.resources import Resources
+from unison.session.resources import Resources, open_std_fds
 from unison.session.router import WHOLE, OutOfStep, Request, Router, reentered
 from unison.session.unreported import UnreportedErrors
 from unison.trace import Stats, Trace
@@ -227,6 +227,7 @@ class Session(View):
         _deadline(send_timeout, "send_timeout")
         if hang_timeout is not None and not _seconds(hang_timeout, "hang_timeout") > 0:
             raise ValueError(f"hang_timeout must be a number of seconds > 0, got {hang_timeout}")
+        open_std_fds()  # before any fd of ours: none may take the number of a closed one
         the_launcher = create_launcher(launcher)
         cpus = checks.cpu_plan(num_workers, cpu_affinity, children=the_launcher.children,
                                inline=inline_worker0)

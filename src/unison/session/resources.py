@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import pickle
 import secrets
@@ -31,7 +32,7 @@ from unison.collective import shm as collective_shm
 from unison.launch import DeathReport, Launcher, Network
 from unison.spec import WorkerSpec
 
-__all__ = ["Resources", "sys_path"]
+__all__ = ["Resources", "open_std_fds", "sys_path"]
 
 
 class Resources:
@@ -226,6 +227,25 @@ class Resources:
                 if self.board is not None:
                     self.board.close()
                 self._store = None  # its server thread ends with the object
+
+
+def open_std_fds() -> None:
+    """Open os.devnull onto whichever of fds 0, 1 and 2 is closed (a daemon's, cron's,
+    ``prog <&-``), as daemons do: else the session's memfds and pipes take those numbers,
+    and a worker's start, which sets its stdin, stdout and stderr there, overwrites them
+    (its ring then failed to map, or the pipe channel waited for good)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError as exc:
+            if exc.errno != errno.EBADF:
+                continue
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: fd, unless a
+            if null != fd:  # thread took it meanwhile
+                os.dup2(null, fd)
+                os.close(null)
+            else:
+                os.set_inheritable(fd, True)  # as a standard stream is
 
 
 def sys_path() -> list[str]:
