@@ -136,3 +136,45 @@ def test_a_controller_started_with_a_standard_stream_closed_starts_sessions(tmp_
                           timeout=120, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr
     assert log.read_text().splitlines() == ["1 auto [0]", "2 auto [0, 1]", "2 pipe [0, 1]"]
+
+
+FD_STARVED = """
+    import errno, os, resource, sys
+    import unison
+
+    def fds():
+        return {f: os.readlink(f"/proc/self/fd/{f}") for f in os.listdir("/proc/self/fd")
+                if os.path.exists(f"/proc/self/fd/{f}")}
+
+    n, channel = int(sys.argv[1]), sys.argv[2]
+    base = fds()
+    for limit in range(len(base) + 2, 80):  # just enough fds for part of the start, then more
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, 1024))
+        try:
+            unison.Session(n, channel=channel).close()
+            err = None
+        except OSError as exc:
+            err = exc
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+        left = {f: path for f, path in fds().items() if f not in base}
+        if err is None:
+            print("started at", limit, "left", left)
+            break
+        print("failed at", limit, err.errno == errno.EMFILE and "ulimit -n" in str(err),
+              "left", left)
+"""
+
+
+@pytest.mark.parametrize("n, channel", [(1, "shm"), (2, "shm"), (2, "pipe")])
+def test_a_start_out_of_fds_leaks_none_and_says_to_raise_the_limit(tmp_path, n, channel):
+    # before, the channel's memfds and eventfds, the pipes made before a later one failed
+    # and the cancellation board's memfd stayed open, and the error was a bare EMFILE
+    code = textwrap.dedent(FD_STARVED)
+    proc = subprocess.run([sys.executable, "-c", code, str(n), channel], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    shown = "\n".join(line[:300] for line in lines[:8])
+    assert lines[-1].startswith("started at") and len(lines) > 5, shown
+    assert all(line.endswith("left {}") for line in lines), shown
+    assert all(" True left" in line for line in lines[:-1]), shown

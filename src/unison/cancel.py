@@ -104,7 +104,12 @@ class Board:
         if self.owner:
             fd = sealed_memfd(f"{name}-cancel", size)
         self.fd = fd
-        self._mm = mmap.mmap(fd, size)
+        try:
+            self._mm = mmap.mmap(fd, size)
+        except BaseException:
+            if self.owner:  # ours: a failed start must not leave it open
+                os.close(fd)
+            raise
         self._q = memoryview(self._mm).cast("Q")
         self._marks: dict[int, Mark] = {}
         self._ranks: dict[int, tuple[int, ...]] = {}  # slot -> the workers of the id in it

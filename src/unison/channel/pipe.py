@@ -111,17 +111,26 @@ class PipeChannel(Channel):
         """Per worker, the pages its command pipe holds (its capacity, which only we set)."""
         self._watch: list[int] = []
         self.arena: Arena | None = None  # where memfd exists (sess.empty is shared there)
-        try:
+        try:  # each fd is owned (closed by close()) as soon as it is made
             for _ in range(num_workers):
                 cmd_r, cmd_w = os.pipe()
-                rep_r, rep_w = os.pipe()
+                self._cmd.append(cmd_w)
+                try:
+                    rep_r, rep_w = os.pipe()
+                except BaseException:
+                    _close_fd(cmd_r)
+                    raise
+                self._child_fds.append((cmd_r, rep_w))
+                self._replies.append(Connection(rep_r, writable=False))  # owns rep_r
                 _grow(cmd_w)
                 os.set_blocking(cmd_w, False)
-                self._cmd.append(cmd_w)
                 self._slots.append(_capacity(cmd_w) // _PAGE)
                 os.set_blocking(rep_r, False)
-                self._replies.append(Connection(rep_r, writable=False))  # owns rep_r
-                self._child_fds.append((cmd_r, rep_w))
+            self._yield_r, self._yield_w = os.pipe()
+            """Written by a recv that finds the rx lock held: a settled holding it lets go."""
+            self._wake_r, self._wake_w = os.pipe()
+            for fd in (self._yield_r, self._yield_w, self._wake_r, self._wake_w):
+                os.set_blocking(fd, False)
             if hasattr(os, "memfd_create"):
                 from unison.channel.arena import Arena
 
@@ -136,10 +145,6 @@ class PipeChannel(Channel):
         self._rx = threading.Lock()
         """Held by whoever reads the reply pipes: recv, settled, or a send that waits for
         room. A recv that waits for it makes a settled let go (``_wait_rx``)."""
-        self._yield_r, self._yield_w = os.pipe()
-        """Written by a recv that finds the rx lock held: a settled holding it lets go."""
-        for fd in (self._yield_r, self._yield_w):
-            os.set_blocking(fd, False)
         self._backlog: list[tuple[int, bytes | Reply | None]] = []
         """Replies a waiting send read, for the next recv."""
         self._begun = [bytearray() for _ in range(num_workers)]
@@ -162,9 +167,6 @@ class PipeChannel(Channel):
         nobody fetched (``settled``)."""
         self._scratch = bytearray(_PIPE_SIZE)
         self._scratch_view = memoryview(self._scratch)
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
         self._poller: select.poll | None = None
         """recv's set of reply and watch fds, made once (multiprocessing's ``wait`` made a
         selector at every call: tens of µs a round at N=8); made again when the fds change."""

@@ -171,16 +171,32 @@ class ShmChannel(Channel):
             )
         self.n = num_workers
         self._lay = lay = _Layout(num_workers)
-        self._fd = sealed_memfd(f"{name}-ctl", lay.size)
-        self._mm = mmap.mmap(self._fd, lay.size)
+        self._reply_fds: list[int] = []
+        made: list[Any] = []  # what holds an fd, in order: closed if the start fails
+        try:
+            self._fd = sealed_memfd(f"{name}-ctl", lay.size)
+            made.append(self._fd)
+            self._mm = mmap.mmap(self._fd, lay.size)  # (it holds a copy of the fd)
+            made.append(self._mm)
+            self.arena: Arena = Arena(f"{name}-arena", num_workers, commands=True)
+            made.append(self.arena)
+            for r in range(num_workers):
+                self._reply_fds.append(create_file(f"{name}-reply{r}", 1))
+                made.append(self._reply_fds[-1])
+            for _ in range(num_workers + 2):  # a worker's each, then ctl_efd and done_efd
+                made.append(os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
+        except BaseException:
+            for held in reversed(made):
+                if isinstance(held, int):
+                    os.close(held)
+                else:
+                    held.close()
+            raise
+        self._efd = made[-num_workers - 2 : -2]
+        self._ctl_efd, self._done_efd = made[-2:]
         self._buf = memoryview(self._mm)
         self._q = self._buf.cast("Q")
-        self.arena: Arena = Arena(f"{name}-arena", num_workers, commands=True)
-        self._reply_fds = [create_file(f"{name}-reply{r}", 1) for r in range(num_workers)]
         self._readers = [ArenaReader(fd, 0, 1, shared=True) for fd in self._reply_fds]
-        self._efd = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(num_workers)]
-        self._ctl_efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._done_efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._done_lock = threading.Lock()  # one thread sleeps on the done eventfd at a time
         self._reply_pos = [0] * num_workers
         self._partial: list[list[bytes]] = [[] for _ in range(num_workers)]

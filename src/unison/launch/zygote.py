@@ -221,9 +221,11 @@ def fork_workers(ranks: Sequence[int], fds: Mapping[int, Sequence[int]],
     try:
         for rank in ranks:
             in_r, in_w = os.pipe()
+            made += [in_r, in_w]  # each pair at once: the next pipe may fail (EMFILE)
             out_r, out_w = os.pipe()
+            made += [out_r, out_w]
             err_r, err_w = os.pipe()
-            made += [in_r, in_w, out_r, out_w, err_r, err_w]
+            made += [err_r, err_w]
             pipes[rank] = (in_w, out_r, err_r)
             plan.append((rank, in_r, out_w, err_w, tuple(fds[rank]),
                          dict(rank_env.get(rank, {}))))

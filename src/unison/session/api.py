@@ -17,10 +17,12 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import errno
 import itertools
 import math
 import os
 import pickle
+import resource
 import secrets
 import sys
 import threading
@@ -255,8 +257,12 @@ class Session(View):
         # re-entrant: a signal handler's close() may land in the thread inside _shutdown's
         # first lines (a SIGTERM as a with-block exits): whichever sets _stopping closes
         self._state_lock = threading.RLock()
-        self._res = Resources(self.name, num_workers, num_groups, channel, collectives,
-                              the_launcher)  # on failure, it releases what it made
+        try:
+            self._res = Resources(self.name, num_workers, num_groups, channel, collectives,
+                                  the_launcher)  # on failure, it releases what it made
+        except OSError as exc:
+            _too_many_files(exc, num_workers)
+            raise
         try:
             self._chan = self._res.chan
             self._pump = self._res.inline_worker0() if inline_worker0 else None
@@ -285,8 +291,9 @@ class Session(View):
             self._last_trace: Trace | None = None
             if trace is not None:
                 self._start_trace(trace)
-        except BaseException:
+        except BaseException as exc:
             self._shutdown(0)
+            _too_many_files(exc, num_workers)
             raise
         _live.add(self)
 
@@ -1433,6 +1440,20 @@ def _sync_request(floor: int, ranks: tuple[int, ...]) -> Request:
     req = Request(floor, len(ranks))
     req.abandoned = WHOLE
     return req
+
+
+def _too_many_files(exc: BaseException, num_workers: int) -> None:
+    """A start that ran out of file descriptors (EMFILE) says how many it needs and what
+    to do, where it said only "Too many open files" at some step of the start."""
+    if not isinstance(exc, OSError) or exc.errno != errno.EMFILE:
+        return
+    need = 16 + 10 * num_workers  # the channel's, the workers' pipes and pidfds, a margin
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    raise OSError(errno.EMFILE, (
+        f"Too many open files: a session of {num_workers} workers needs up to about {need} "
+        f"file descriptors besides those this process holds, and its limit (RLIMIT_NOFILE) "
+        f"is {soft}: raise it (ulimit -n, or resource.setrlimit), or close files"
+    )) from exc
 
 
 def _owned(lock: threading.RLock) -> bool:
