@@ -4,11 +4,13 @@ message (no round trip of their own), freeing twice is harmless, and nothing acc
 from __future__ import annotations
 
 import gc
+import sys
 import time
 
 import pytest
 
 import unison
+from unison.refs import Ref
 from unison.worker import object_count
 
 
@@ -170,3 +172,49 @@ def test_refs_dropped_before_a_send_the_full_arena_refused_are_still_freed(
         sess.put(np.ones(1 << 17))  # 1 MiB: out of band, through the arena
     assert count(sess) == baseline
     del pin
+
+
+def _ctrl_c_at_opcode(code, k):
+    """A trace function that raises KeyboardInterrupt (what a Ctrl-C does, between any two
+    bytecodes) at the ``k``-th opcode run in ``code``, once; ``fired`` says whether it did."""
+    seen, fired = [0], [False]
+
+    def local(frame, event, arg):
+        if event == "opcode" and not fired[0]:
+            if seen[0] == k:
+                fired[0] = True
+                raise KeyboardInterrupt
+            seen[0] += 1
+        return local
+
+    def tracer(frame, event, arg):
+        if frame.f_code is code:
+            frame.f_trace_opcodes = True
+            return local
+        return None
+
+    return tracer, fired
+
+
+def test_ctrl_c_at_any_point_of_free_never_leaks_the_workers_object(sess):
+    """Ref.free (and __del__) marked the Ref freed before it queued its id: a Ctrl-C between
+    the two left the Ref freed and the workers holding its object for the session's life."""
+    baseline = count(sess)
+    old = sys.gettrace()
+    for k in range(100):
+        ref = sess.put(k)
+        tracer, fired = _ctrl_c_at_opcode(Ref.free.__code__, k)
+        sys.settrace(tracer)
+        try:
+            ref.free()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(old)
+        del ref  # freed now, where the Ctrl-C came before anything was done
+        gc.collect()
+        assert count(sess) == baseline, f"Ctrl-C at opcode {k} of Ref.free"
+        if not fired[0]:  # past the end of free: every point was tried
+            break
+    else:
+        pytest.fail("Ref.free ran more than 100 opcodes: raise the bound")

@@ -68,10 +68,12 @@ class Ref:
     def free(self) -> None:
         """Free the workers' objects now (with the next message). Idempotent."""
         # also __del__, in any thread: so no lock. The session's free list is a deque, whose
-        # append is atomic; the next message to every worker carries it
+        # append is atomic; the next message to every worker carries it. The append comes
+        # first: a Ctrl-C between the two steps then frees it twice (the workers ignore an
+        # id they do not hold), never not at all
         if not self._freed:
-            self._freed = True
             self._session._frees.append(self._id)
+            self._freed = True
 
     __del__ = free
 
