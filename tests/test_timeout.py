@@ -3,6 +3,8 @@ later calls queue behind it, the Ref stays valid and the session stays usable.""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -288,3 +290,23 @@ def test_a_reply_stopped_half_written_still_times_out_at_the_deadline(sess):
     time.sleep(0.8)  # leaves: the workers stop while blocked writing the reply nobody reads
     took = _timed(ref.gather, timeout=0.5)
     assert took < 0.5 + 1.0, took
+
+
+def test_a_signal_handlers_bare_timeout_error_in_a_run_goes_on_as_it_is(sess):
+    """A signal handler's bare ``raise TimeoutError`` (a time limit on a block) ending a
+    run's wait: run put its function's name before the error's first argument, which it
+    had not, and raised IndexError instead."""
+    def on_signal(*_):
+        raise TimeoutError
+
+    old = signal.signal(signal.SIGUSR1, on_signal)  # (SIGALRM is pytest-timeout's)
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
+    timer.start()
+    try:
+        with pytest.raises(TimeoutError) as info:
+            sess.run(time.sleep, 3)
+    finally:
+        timer.cancel()
+        timer.join()
+        signal.signal(signal.SIGUSR1, old)
+    assert info.value.args == ()

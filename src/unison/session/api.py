@@ -736,7 +736,8 @@ class Session(View):
                     return values
             router.wait(req, deadline, "running a call")
         except TimeoutError as exc:  # name the function (here: no cost unless it times out)
-            exc.args = (f"run({_fn_name(fn)}): {exc.args[0]}", *exc.args[1:])
+            if exc.args and isinstance(exc.args[0], str):  # (not a bare `raise TimeoutError`)
+                exc.args = (f"run({_fn_name(fn)}): {exc.args[0]}", *exc.args[1:])
             raise
         except KeyboardInterrupt:
             self.interrupted()
