@@ -317,3 +317,127 @@ def test_ctrl_c_just_after_taking_the_send_lock_never_blocks_another_thread(make
     assert not thread.is_alive(), "a thread's call waited for a lock a Ctrl-C left held"
     assert len(got) == 1 and isinstance(got[0], unison.SessionClosed)
     _closed_and_gone(sess, pids)
+
+
+class _Alarm(Exception):
+    """A signal handler's own exception: a time limit on a block of user code."""
+
+
+@pytest.fixture
+def alarm_handler():
+    """A SIGUSR1 handler raising ``kind("time limit")`` (set by the test), as one that puts a
+    time limit on a block would (SIGALRM is pytest-timeout's); the old one back at the end."""
+    kind = [_Alarm]
+
+    def on_signal(*_):
+        raise kind[0]("time limit")
+
+    old = signal.signal(signal.SIGUSR1, on_signal)
+    try:
+        yield kind
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def _alarm_after(obj, name, read=False):
+    """``_ctrl_c_after`` with the SIGUSR1 handler's exception; with ``read``, only once the
+    method returned a value (Channel.plain_values: the replies were read)."""
+    real = getattr(obj, name)
+
+    def once(*args, **kwargs):
+        got = real(*args, **kwargs)
+        if not (read and got is None):
+            setattr(obj, name, real)
+            signal.raise_signal(signal.SIGUSR1)
+        return got
+
+    setattr(obj, name, once)
+
+
+@pytest.mark.parametrize("kind", [_Alarm, TimeoutError])
+@pytest.mark.parametrize("where", ["run-sent", "call-sent", "put-sent", "read", "fetched",
+                                   "in-a-wait"])
+def test_a_signal_handlers_exception_inside_a_send_or_a_wait_closes_the_session(
+    make_session, alarm_handler, where, kind
+):
+    """Any signal handler's exception (a time limit's, raised from a SIGALRM handler, say)
+    inside the session's steps is handled as Ctrl-C is: it goes on as it was raised, and
+    the session closes, as whether the message went or a reply was read is not known.
+    Before, only KeyboardInterrupt was: after a message went out the request was forgotten
+    (the next run raised "sent a reply that no request was waiting for"; a CALL's or PUT's
+    object stayed on the workers), after the quick path read a run's replies the request
+    stayed first in line (the next run waited for ever), and in a wait the call's later
+    error was lost."""
+    alarm_handler[0] = kind
+    sess = make_session(2)
+    pids = sess.run(ident, 0) and sess.run(os.getpid)
+    timer = None
+    if where == "run-sent":
+        _alarm_after(sess._chan, "send_plain")
+        go = lambda: sess.run(ident, 1)
+    elif where == "call-sent":
+        _alarm_after(sess._chan, "send_plain")
+        go = lambda: sess.call(ident, 1)
+    elif where == "put-sent":
+        _alarm_after(sess._chan, "send")
+        go = lambda: sess.put(1)
+    elif where == "read":
+        _alarm_after(sess._chan, "plain_values", read=True)
+        go = lambda: sess.run(ident, 1)
+    elif where == "fetched":
+        ref = sess.call(ident, 1)
+        _alarm_after(sess, "_request")
+        go = ref.gather
+    else:
+        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
+        timer.start()
+        go = lambda: sess.run(time.sleep, 30)
+    try:
+        with pytest.raises(kind) as info:
+            go()
+    finally:
+        if timer is not None:
+            timer.cancel()
+            timer.join()
+    assert type(info.value) is kind and info.value.args == ("time limit",)
+    _closed_and_gone(sess, pids)
+
+
+HANDLER_EXITS_JUST_AFTER_A_SEND = """
+    import os, signal, sys
+    import unison
+
+    def ident(x):
+        return x
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
+    with unison.Session(2) as sess:
+        print(*sess.run(os.getpid), flush=True)
+        sess.run(ident, 0)  # (defined on the workers: the next run is one message)
+        real = sess._chan.send_plain
+
+        def once(*args):  # SIGTERM lands just after the run's message went out
+            sess._chan.send_plain = real
+            got = real(*args)
+            signal.raise_signal(signal.SIGTERM)
+            return got
+
+        sess._chan.send_plain = once
+        sess.run(ident, 1)
+"""
+
+
+def test_a_sigterm_handlers_sys_exit_just_after_a_send_exits_with_its_code(controller):
+    """A SIGTERM handler's sys.exit(7) just after a run's message went out, inside
+    ``with Session``: the session closes and the process exits 7, quietly. Before, the
+    request was forgotten and the close read its reply as out of step: exit 1, two
+    tracebacks."""
+    proc = controller(HANDLER_EXITS_JUST_AFTER_A_SEND)
+    pids = read_pids(proc)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the controller did not exit within 30 s")
+    assert proc.returncode == 7, err
+    assert "Traceback" not in err, err
+    assert wait_gone(pids, 2.0) == []

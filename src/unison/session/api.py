@@ -67,6 +67,7 @@ from unison.session.aio import Waits
 from unison.session.fncache import FunctionCache
 from unison.session.resources import Resources, open_std_fds
 from unison.session.router import WHOLE, OutOfStep, Request, Router, reentered
+from unison.session.signals import raised_by_a_signal
 from unison.session.unreported import UnreportedErrors
 from unison.trace import Stats, Trace
 from unison.worker import check_not_loading
@@ -570,9 +571,10 @@ class Session(View):
                 blob = _PICKLED  # (for _send_call: no second look at them)
         if not (send_by is not None or self._send_timeout is not None
                 or self._tracer is not None or blob is _PICKLED):
-            # Ctrl-C anywhere in here closes the session, as during a wait: whether the
-            # workers got the message is not known. (One that lands between the acquire and
-            # the try leaves the lock held: then waiters see the close, see _lock_send.)
+            # Ctrl-C anywhere in here (or any signal handler's exception: session/signals.py)
+            # closes the session, as during a wait: whether the workers got the message is
+            # not known. (One that lands between the acquire and the try leaves the lock
+            # held: then waiters see the close, see _lock_send.)
             try:
                 lock = self._send_lock
                 if lock._is_owned():  # type: ignore[attr-defined]  # (_owned, inlined)
@@ -620,8 +622,9 @@ class Session(View):
                         return ref_id
                 finally:
                     lock.release()
-            except KeyboardInterrupt:
-                self.interrupted()
+            except BaseException as exc:
+                if raised_by_a_signal(exc):
+                    self.interrupted()
                 raise
         return self._send_call(ranks, fn, args, kwargs,
                                self._send_deadline() if send_by is None else send_by, req,
@@ -677,8 +680,9 @@ class Session(View):
             finally:
                 self._send_lock.release()
             return ref_id
-        except KeyboardInterrupt:
-            self.interrupted()
+        except BaseException as exc:
+            if raised_by_a_signal(exc):
+                self.interrupted()
             raise
 
     def _put(self, ranks: tuple[int, ...], values: list[Any]) -> Ref:
@@ -714,8 +718,9 @@ class Session(View):
                 self._unsent = 0
                 self._send_lock.release()
             return Ref(self, ref_id, ranks)
-        except KeyboardInterrupt:
-            self.interrupted()
+        except BaseException as exc:
+            if raised_by_a_signal(exc):
+                self.interrupted()
             raise
 
     def _run(
@@ -735,12 +740,12 @@ class Session(View):
                 if values is not None:
                     return values
             router.wait(req, deadline, "running a call")
-        except TimeoutError as exc:  # name the function (here: no cost unless it times out)
-            if exc.args and isinstance(exc.args[0], str):  # (not a bare `raise TimeoutError`)
+        except BaseException as exc:
+            if raised_by_a_signal(exc):
+                self.interrupted()
+            elif isinstance(exc, TimeoutError) and exc.args and isinstance(exc.args[0], str):
+                # name the function (here: no cost unless it times out)
                 exc.args = (f"run({_fn_name(fn)}): {exc.args[0]}", *exc.args[1:])
-            raise
-        except KeyboardInterrupt:
-            self.interrupted()
             raise
         return self._values(req, ranks)
 
@@ -781,8 +786,9 @@ class Session(View):
         try:  # Ctrl-C between the send and the wait, too, closes the session (_send_quick)
             req = self._request(get_msg, ref._id, ranks, deadline)
             return self._results(req, ranks, deadline, "fetching a value")
-        except KeyboardInterrupt:
-            self.interrupted()
+        except BaseException as exc:
+            if raised_by_a_signal(exc):
+                self.interrupted()
             raise
 
     def _check_fetch(self, ref: Ref) -> None:
@@ -1002,8 +1008,9 @@ class Session(View):
                 req = self._request(sync_msg, 0, ranks, deadline, _sync_request(floor, ranks))
                 self._router.wait(req, deadline, "syncing")
                 self._router.keep_answers(req)  # (where the reader has not yet)
-        except KeyboardInterrupt:
-            self.interrupted()
+        except BaseException as exc:
+            if raised_by_a_signal(exc):
+                self.interrupted()
             raise
         self._raise_held(ranks, below)
 
@@ -1046,8 +1053,9 @@ class Session(View):
                 if router.hang is not None:
                     router.hang.poll(("sync", mark), lambda: [
                         r for r in ranks if not chan.wait_done((r,), mark, 0.0)], "syncing")
-        except KeyboardInterrupt:
-            self.interrupted()
+        except BaseException as exc:
+            if raised_by_a_signal(exc):
+                self.interrupted()
             raise
 
     def _cancel(self, ref: Ref, timeout: float | None) -> None:
@@ -1103,8 +1111,9 @@ class Session(View):
             finally:
                 self._send_lock.release()
             return req
-        except KeyboardInterrupt:
-            self.interrupted()
+        except BaseException as exc:
+            if raised_by_a_signal(exc):
+                self.interrupted()
             raise
 
     def _decode(self, req: Request, ranks: tuple[int, ...], values: bool = False
@@ -1189,7 +1198,7 @@ class Session(View):
         """A send's error once the session is closed: a close in a signal handler (in this
         thread, whose locks let it through) let go of the channel under it (shm's released
         ring: ValueError; pipe's emptied fd list: IndexError). SessionClosed says so."""
-        if self._closed and isinstance(exc, Exception):
+        if self._closed and isinstance(exc, Exception) and not raised_by_a_signal(exc):
             self.check_open()
 
     def _run_inline(self, deadline: float | None = None) -> None:
@@ -1198,8 +1207,9 @@ class Session(View):
         assert self._pump is not None
         try:
             self._pump(deadline)
-        except KeyboardInterrupt:  # Ctrl-C in worker 0's call: as during a wait
-            self.interrupted()
+        except BaseException as exc:
+            if raised_by_a_signal(exc):  # Ctrl-C in worker 0's call: as during a wait
+                self.interrupted()
             raise
         if self._closed:  # closed inside worker 0's call (a signal handler's close)
             self.check_open()
@@ -1225,13 +1235,15 @@ class Session(View):
         elif isinstance(exc, channels.PartialSendError):  # some workers got it, some not:
             self._shutdown(0)  # no lockstep
             cause = exc.__cause__
-            if cause is not None and not isinstance(cause, Exception):
-                return cause  # Ctrl-C, SystemExit: goes on, the session closed (its context
-                # says why)
+            if cause is not None and (not isinstance(cause, Exception)
+                                      or raised_by_a_signal(cause)):
+                return cause  # Ctrl-C, SystemExit, a signal handler's: goes on, the session
+                # closed (its context says why)
             err = SessionClosed(f"the session is closed because {exc}")
             err.__cause__ = exc
             return err
-        elif isinstance(exc, OSError) and not isinstance(exc, TimeoutError):
+        elif (isinstance(exc, OSError) and not isinstance(exc, TimeoutError)
+              and not raised_by_a_signal(exc)):  # (a handler's OSError is no death)
             err = self.died("sending a message", None)
         else:
             return exc
@@ -1373,7 +1385,8 @@ class Session(View):
         return self._dead
 
     def interrupted(self) -> None:
-        """Ctrl-C during a wait: stop the workers now, quietly."""
+        """Ctrl-C (or another signal handler's exception: session/signals.py) during a send
+        or a wait: stop the workers now, quietly."""
         self._shutdown(0)
 
     def out_of_step(self, rank: int) -> BaseException:

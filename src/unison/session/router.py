@@ -38,6 +38,7 @@ from unison import protocol
 from unison.channel import Channel, Reply
 from unison.errors import start_timed_out
 from unison.protocol import ARRAY, ERR, OK, PICKLED, array_value, loads_plain, read_reply
+from unison.session.signals import raised_by_a_signal
 from unison.session.unreported import UnreportedErrors
 
 if TYPE_CHECKING:
@@ -99,7 +100,7 @@ class RouterOwner(Protocol):
         """Raise (as died() does) if a worker has ended."""
 
     def interrupted(self) -> None:
-        """Ctrl-C during a wait: stop the workers."""
+        """Ctrl-C (or another signal handler's exception) during a wait: stop the workers."""
 
     def out_of_step(self, rank: int) -> BaseException:
         """Worker ``rank`` sent a reply no request waits for: close the session; the error
@@ -181,15 +182,15 @@ class Router:
                                 self._cv.notify_all()
                 else:
                     self._follow(req, deadline, during)
-        except TimeoutError:
-            self._abandon(req)
-            raise
-        except KeyboardInterrupt:
-            self._owner.interrupted()
-            raise
-        except (ValueError, OSError):
-            if self.closed:  # closed under the wait (a signal handler's close, this thread's
-                self._owner.check_open()  # locks): the released ring's error says nothing
+        except BaseException as exc:
+            if raised_by_a_signal(exc):  # Ctrl-C, a signal handler's: replies may be read
+                self._owner.interrupted()  # and not delivered, so the session closes
+                raise
+            if isinstance(exc, TimeoutError):
+                self._abandon(req)
+            elif isinstance(exc, (ValueError, OSError)) and self.closed:  # closed under the
+                # wait (a signal handler's close, this thread's locks): the released ring's
+                self._owner.check_open()  # error says nothing
             raise
 
     def quick(self, req: Request, ranks: tuple[int, ...],
@@ -231,11 +232,10 @@ class Router:
                 if self._followers:
                     with self._cv:
                         self._cv.notify_all()
-        except KeyboardInterrupt:  # a reply may be read and not delivered: as in wait
-            self._owner.interrupted()
-            raise
-        except (ValueError, OSError):
-            if self.closed:  # (as in wait)
+        except BaseException as exc:
+            if raised_by_a_signal(exc):  # a reply may be read and not delivered: as in wait
+                self._owner.interrupted()
+            elif isinstance(exc, (ValueError, OSError)) and self.closed:  # (as in wait)
                 self._owner.check_open()
             raise
 
@@ -447,12 +447,12 @@ class Router:
                 if self._followers:
                     with self._cv:
                         self._cv.notify_all()
-        except KeyboardInterrupt:  # (an event loop's reader: run_until_complete raises it
-            self._owner.interrupted()  # here) replies may be read and not delivered, as
-            raise  # in wait: the session closes
-        except (ValueError, OSError):
-            if not self.closed:  # closed under the look (as in wait): the waits were failed
-                raise  # with the reason
+        except BaseException as exc:
+            if raised_by_a_signal(exc):  # (an event loop's reader: run_until_complete raises
+                self._owner.interrupted()  # it here) replies may be read and not delivered,
+                raise  # as in wait: the session closes
+            if not (isinstance(exc, (ValueError, OSError)) and self.closed):  # closed under
+                raise  # the look (as in wait): the waits were failed with the reason
 
     def _rearm(self) -> None:
         """A poll found the recv lock taken (``_missed``): make the event loop's wake fd
