@@ -441,3 +441,47 @@ def test_a_sigterm_handlers_sys_exit_just_after_a_send_exits_with_its_code(contr
     assert proc.returncode == 7, err
     assert "Traceback" not in err, err
     assert wait_gone(pids, 2.0) == []
+
+
+def _signalled():
+    """Raise SIGUSR1 here: its handler's exception comes out of this unpickling (or this
+    pickling, through ``_SignalsWhenPickled``)."""
+    signal.raise_signal(signal.SIGUSR1)
+
+
+class _SignalsWhenPickled:
+    def __reduce__(self):
+        _signalled()
+        return (int, ())
+
+
+class _SignalsWhenLoaded:
+    def __reduce__(self):
+        return (_signalled, ())
+
+
+def _loaded_here():
+    return _SignalsWhenLoaded()  # (on the controller, its load raises the signal)
+
+
+@pytest.mark.parametrize("where", ["argument", "put", "function", "reply"])
+def test_a_signal_handlers_exception_while_pickling_goes_on_as_it_is(
+    make_session, alarm_handler, where
+):
+    """A signal handler's exception that lands while the controller pickles a call's
+    arguments, a put value or a function, or unpickles a reply, goes on as it was raised.
+    Before, it was taken for that object's fault: "cannot be pickled: time limit"
+    (TypeError), or the reply's worker's error (WorkerError)."""
+    sess = make_session(2)
+    pids = sess.run(os.getpid)
+    held = _SignalsWhenPickled()
+    go = {"argument": lambda: sess.call(ident, held),
+          "put": lambda: sess.put(held),
+          "function": lambda: sess.run(lambda: held and 1),  # by value: held is captured
+          "reply": lambda: sess.run(_loaded_here)}[where]
+    with pytest.raises(_Alarm, match="time limit"):
+        go()
+    if where == "function":  # under the send lock, in the send: as any signal handler's
+        _closed_and_gone(sess, pids)  # exception there
+    else:  # before the send, or once every reply was in: the session goes on in step
+        assert sess.run(ident, 2) == [2, 2]

@@ -1277,11 +1277,15 @@ class Session(View):
         except protocol.SharedCopyError as exc:
             raise ValueError(str(exc)) from None
         except Exception as exc:
+            if raised_by_a_signal(exc):  # a signal handler's, not the arguments' fault
+                raise
             for what, value in [*((f"argument {i}", a) for i, a in enumerate(args)),
                                 *((f"keyword argument {k!r}", v) for k, v in kwargs.items())]:
                 try:
                     protocol.dumps_with_refs(value)
                 except Exception as bad:
+                    if raised_by_a_signal(bad):
+                        raise
                     raise _unpicklable(f"{what} of {_fn_name(fn)}", value, bad) from bad
             raise _unpicklable(f"the arguments of {_fn_name(fn)}", args, exc) from exc
         for ref in refs:
@@ -1331,6 +1335,8 @@ class Session(View):
         except protocol.SharedCopyError as exc:
             raise ValueError(str(exc)) from None
         except Exception as exc:
+            if raised_by_a_signal(exc):  # a signal handler's, not the value's fault
+                raise
             raise _unpicklable(what, value, exc) from exc
 
     def _check_ref_arg(self, ref: Ref, ranks: tuple[int, ...]) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 import cloudpickle
 
 from unison.protocol import code_in_file, in_shared
+from unison.session.signals import raised_by_a_signal
 
 try:  # cloudpickle's own choice of by reference or by value (2.0 on): see _by_reference
     from cloudpickle.cloudpickle import _should_pickle_by_reference as _cloudpickle_by_reference
@@ -227,6 +228,8 @@ def pickle_function(fn: Callable[..., Any]) -> bytes:
     try:
         _Pickler(out, protocol=5).dump(fn)
     except Exception as exc:
+        if raised_by_a_signal(exc):  # a signal handler's, not the function's fault
+            raise
         raise TypeError(f"the function {fn!r} cannot be pickled for the workers: {exc}") from exc
     return out.getvalue()
 
@@ -262,7 +265,9 @@ def _by_reference(obj: Any) -> bool:
         return False
     try:
         return bool(_cloudpickle_by_reference(obj))
-    except Exception:
+    except Exception as exc:
+        if raised_by_a_signal(exc):  # a signal handler's: never swallowed
+            raise
         return False
 
 

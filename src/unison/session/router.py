@@ -257,7 +257,9 @@ class Router:
                         return None
                     value = array_value(value)
                 out.append(value)
-        except Exception:
+        except Exception as exc:
+            if raised_by_a_signal(exc):  # a signal handler's: never swallowed
+                raise
             return None
         return out
 
@@ -282,6 +284,8 @@ class Router:
             try:  # (not run's usual case: ``values`` reads that)
                 got_id, status, payload = read_reply(raw)
             except Exception as exc:
+                if raised_by_a_signal(exc):  # a signal handler's, not the reply's fault
+                    raise
                 err = _undecodable(r, exc)
                 if not values:  # (a SYNC's errors are plain data: they always unpickle)
                     raise err from exc
@@ -563,7 +567,9 @@ class Router:
             return
         try:
             got, status, payload = read_reply(raw)
-        except Exception:
+        except Exception as exc:
+            if raised_by_a_signal(exc):  # a signal handler's: never swallowed
+                raise
             return  # a value that cannot be unpickled here carries no error
         if got != req.req_id:  # another call's reply: never read as this one's errors
             raise self._owner.out_of_step(rank)
