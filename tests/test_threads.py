@@ -4,7 +4,9 @@ is right, nothing deadlocks, and a long wait in one thread does not hold up the 
 from __future__ import annotations
 
 import gc
+import os
 import random
+import signal
 import threading
 import time
 
@@ -264,8 +266,14 @@ def test_a_del_the_garbage_collector_runs_inside_a_send_or_wait_is_refused(make_
     def ident(i):  # the script's own functions: sent by value, each proved current at a call
         return ("ident", i)
 
-    def drop(key):
+    def drop(key):  # counted on each worker: a refused call must never run
+        import builtins
+        builtins.unison_test_drops = getattr(builtins, "unison_test_drops", 0) + 1
         return ("drop", key)
+
+    def drops():
+        import builtins
+        return getattr(builtins, "unison_test_drops", 0)
 
     class Remote:
         def __init__(self, key):
@@ -294,6 +302,7 @@ def test_a_del_the_garbage_collector_runs_inside_a_send_or_wait_is_refused(make_
     assert all("middle of its own send or wait" in r for r in refused)
     assert done  # outside the session's steps, a __del__'s call goes through
     sess.sync()
+    assert sess.run(drops) == [len(done)] * 2  # (before, a run refused in a wait was sent)
 
 
 class _SlowToPickle:
@@ -305,6 +314,55 @@ class _SlowToPickle:
 def _sleeper(s):
     time.sleep(s)
     return s
+
+
+def test_a_call_whose_function_cannot_be_pickled_leaves_later_syncs_whole(make_session):
+    """A call whose DEFINE raised (a closure over a lock) left its id as the one still on
+    its way out, so every later sync stopped below it and returned quietly."""
+    sess = make_session(2)
+    sess.call(fail, 0)  # defined: its next call takes the quick path
+    with pytest.raises(unison.WorkerError, match="failure 0"):
+        sess.sync()
+    lock = threading.Lock()
+    with pytest.raises(TypeError):
+        sess.call(lambda: lock)
+    sess.call(fail, 1)
+    with pytest.raises(unison.WorkerError, match="failure 1"):
+        sess.sync()
+
+
+def _count_on_worker():
+    import builtins
+    builtins.unison_test_counted = getattr(builtins, "unison_test_counted", 0) + 1
+
+
+def _counted():
+    import builtins
+    return getattr(builtins, "unison_test_counted", 0)
+
+
+def test_a_run_from_a_signal_handler_during_a_wait_is_refused_before_it_is_sent(make_session):
+    """The refusal of a use inside the session's own wait came after the inner run's
+    message had gone: the workers ran it, and its reply was read and thrown away."""
+    sess = make_session(2)
+    refused = []
+
+    def handler(signum, frame):
+        try:
+            sess.run(_count_on_worker)
+        except RuntimeError as exc:
+            refused.append(str(exc))
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
+    try:
+        timer.start()
+        assert sess.run(time.sleep, 1.0) == [None, None]
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, old)
+    assert refused and "middle of its own send or wait" in refused[0]
+    assert sess.run(_counted) == [0, 0]
 
 
 def test_a_sync_does_not_raise_the_error_of_a_call_still_on_its_way_out(make_session):

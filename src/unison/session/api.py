@@ -66,7 +66,7 @@ from unison.session import checks
 from unison.session.aio import Waits
 from unison.session.fncache import FunctionCache
 from unison.session.resources import Resources, open_std_fds
-from unison.session.router import WHOLE, OutOfStep, Request, Router, reentered
+from unison.session.router import WHOLE, OutOfStep, Reentered, Request, Router, reentered
 from unison.session.signals import raised_by_a_signal
 from unison.session.unreported import UnreportedErrors
 from unison.trace import Stats, Trace
@@ -610,8 +610,12 @@ class Session(View):
                             msg = call_msg(frees, ref_id, fn_id, blob,
                                            None if everyone else ranks,
                                            0 if req is None else req.req_id)
-                            if not self._chan.send_plain(msg, ranks):
-                                self._chan.send(msg, ranks)
+                            if not self._chan.send_plain(msg, ranks):  # room to wait for:
+                                self._unsent = ref_id  # not sent yet (see _sent_below)
+                                try:
+                                    self._chan.send(msg, ranks)
+                                finally:
+                                    self._unsent = 0
                             if pump is not None:
                                 self._run_inline()
                         except BaseException as exc:
@@ -674,10 +678,10 @@ class Session(View):
                         self._router.forget(req, ranks)
                     raise
                 finally:
-                    self._unsent = 0
                     if not cached:
                         self._frees.append(fn_id)  # dropped with the next message, after this call
             finally:
+                self._unsent = 0  # (also where the lookup or the DEFINE raised)
                 self._send_lock.release()
             return ref_id
         except BaseException as exc:
@@ -1223,9 +1227,11 @@ class Session(View):
         through (nothing of the message went), and closes the session where the message was
         half sent (PartialSendError)."""
         err: BaseException
-        if frees and isinstance(exc, (channels.SendTimeout, ValueError, MemoryError)):
+        if frees and isinstance(exc, (channels.SendTimeout, ValueError, MemoryError,
+                                      Reentered)):
             self._frees.extend(frees)  # nothing of it was sent (a deadline, a buffer the
-            # arena refused, a full arena): the frees ride on the next message instead
+            # arena refused, a full arena, a use from inside a read): the frees ride on the
+            # next message instead
         if isinstance(exc, channels.SendTimeout):
             err = TimeoutError(
                 "the workers did not take the message by the deadline (their command queue is "

@@ -45,22 +45,28 @@ if TYPE_CHECKING:
     from unison.debug.hang import Watchdog
     from unison.trace import Trace
 
-__all__ = ["WHOLE", "Request", "Router", "RouterOwner", "reentered"]
+__all__ = ["WHOLE", "Reentered", "Request", "Router", "RouterOwner", "reentered"]
 
 SLICE = 0.5  # the longest single sleep of a wait, so close() and deadlines are noticed
 WHOLE = 2
 """Request.abandoned for a SYNC: the reader keeps its answers' errors the moment the last
 one is in (Router.keep_answers), all ranks at once: a sync of another thread that ends
 after it finds them (kept by the waiting thread after its wait, they could come too late
-for that one, and be raised by neither), and never half of one call's errors."""
+for that one, and be raised by neither), and never half of one call's errors (unless the
+sync timed out: then, as any abandoned wait's, each late answer is kept as it comes)."""
 
 
-def reentered() -> RuntimeError:
+class Reentered(RuntimeError):
     """A session used from inside its own send or read, in the same thread: by code that
     ran there (a ``__del__`` the garbage collector ran, a weakref callback, a signal
     handler). The locks are re-entrant, so it got in, and cut into the call in progress: it
-    sent its own function with that call's arguments, or took its replies."""
-    return RuntimeError(
+    sent its own function with that call's arguments, or took its replies. Raised before
+    anything of it is sent."""
+
+
+def reentered() -> Reentered:
+    """The refusal, saying what to do."""
+    return Reentered(
         "the session was used from code that ran in the middle of its own send or wait in "
         "this thread (a __del__ run by the garbage collector, a weakref callback, a signal "
         "handler), where it would cut into the call in progress: it is refused, and that "
@@ -151,7 +157,11 @@ class Router:
         return self._recv_lock
 
     def expect(self, req: Request, ranks: Sequence[int]) -> None:
-        """``req`` is about to be sent to ``ranks`` (caller holds the send lock)."""
+        """``req`` is about to be sent to ``ranks`` (caller holds the send lock). Refused
+        where this thread is inside a read (code run there: a ``__del__``, a signal
+        handler): that read would take its replies for the request ahead of it."""
+        if self._recv_lock._is_owned():  # type: ignore[attr-defined]
+            raise reentered()
         for r in ranks:
             self._expect[r].append(req)
 
@@ -201,9 +211,7 @@ class Router:
         where that cannot be (another thread reads, a trace runs, a reply that is not a
         plain value, not all in within one wait slice, or ``timeout``): then ``wait`` as
         ever."""
-        if self._recv_lock._is_owned():  # type: ignore[attr-defined]
-            raise reentered()
-        try:
+        try:  # (a read inside a read was refused at expect)
             if self.tracer is not None or not self._recv_lock.acquire(False):
                 return None
             try:
@@ -546,7 +554,12 @@ class Router:
         for rank, raw in req.replies.items():
             if not raw:  # an empty ack: nothing held
                 continue
-            got, _, payload = read_reply(raw)
+            try:
+                got, _, payload = read_reply(raw)
+            except Exception as exc:  # (in whichever thread reads: the session closes)
+                if raised_by_a_signal(exc):
+                    raise
+                got = None
             if got != req.req_id:  # another call's reply: never read as this one's errors
                 raise self._owner.out_of_step(rank)
             answers[rank] = payload
