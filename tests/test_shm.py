@@ -530,3 +530,22 @@ def test_the_look_for_shared_arrays_ends_with_the_last_one(sess: unison.Session)
     del buf
     assert arena._shared_ranges == ()
     assert sess.run(len, np.zeros(100_000)) == [100_000] * 2
+
+
+def test_a_workers_last_call_lets_go_of_its_arguments(
+        make_session, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A worker kept a call's pickled arguments until its next call with pickled arguments:
+    the mapping of a dropped sess.empty array (or of a freed value's block) stayed, and its
+    block could not be reused, while calls with plain arguments went by."""
+    from unison.channel import arena
+
+    monkeypatch.setattr(arena, "default_size", lambda: 23 << 20)
+    sess = make_session(2)
+    a = sess.empty(9 << 20, np.uint8)  # a 16 MiB block
+    a[:10] = 1
+    assert sess.run(_sum, a[:10]) == [10.0, 10.0]
+    assert sess.run(abs, -1) == [1, 1]  # a plain call: no array of its own
+    del a
+    b = sess.empty(9 << 20, np.uint8)  # a's block, given back
+    b[:10] = 2
+    assert sess.run(_sum, b[:10]) == [20.0, 20.0]

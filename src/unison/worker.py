@@ -270,6 +270,8 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
     # bound once: each call's steps (collectives, the board) without an attribute lookup
     begin, end, held = (None, None, ()) if coll is None else (coll.begin, coll.end, coll.held)
     enter, leave = (None, None) if mark is None else (mark.enter, mark.leave)
+    args: Any  # a call's arguments, let go after it (see the call's finally)
+    kwargs: Any
     while True:
         got = recv()
         if got is None:
@@ -331,6 +333,8 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                 finally:
                     if _forked[0]:  # a child the call forked came back here: not ours
                         _end_fork()
+                    args = kwargs = None  # (held until the next such call: the mapping of
+                    # a freed value's block, or of a dropped sess.empty array, with them)
                     _current[0] = 0  # a signal in here still lands in the except below
                     if leave is not None:
                         leave()
