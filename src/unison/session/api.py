@@ -505,7 +505,7 @@ class Session(View):
                 # the workers answer SHUTDOWN with their unreported errors, read below
                 goodbye = Request(next(self._ids), len(ranks))
                 goodbye.abandoned = True
-                router.expect(goodbye, ranks)
+                router.expect_goodbye(goodbye, ranks)
                 self._chan.send(shutdown_msg(None, goodbye.req_id), ranks, deadline=deadline)
             except OSError:  # TimeoutError too: the workers are stopped all the same
                 goodbye = None

@@ -165,6 +165,12 @@ class Router:
         for r in ranks:
             self._expect[r].append(req)
 
+    def expect_goodbye(self, req: Request, ranks: Sequence[int]) -> None:
+        """``expect`` for the close's SHUTDOWN, which may come from inside a read (a signal
+        handler's close, a death found there): its answers are drained, not waited for."""
+        for r in ranks:
+            self._expect[r].append(req)
+
     def forget(self, req: Request, ranks: Sequence[int]) -> None:
         """``req`` could not be sent after all."""
         for r in ranks:
