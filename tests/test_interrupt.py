@@ -157,18 +157,25 @@ def ident(x):
     return x
 
 
-def _ctrl_c_after(obj, name):
-    """Make ``obj.name`` raise Ctrl-C's KeyboardInterrupt right after it returns, once: where
-    CPython checks for a signal after a C call (the real one, delivered at that point)."""
+def _signal_after(obj, name, sig=signal.SIGINT, read=False):
+    """Make ``obj.name`` raise signal ``sig`` (Ctrl-C's SIGINT, or a test handler's) right
+    after it returns, once: where CPython checks for a signal after a C call (the real one,
+    delivered at that point). With ``read``, only once the method returned a value
+    (Channel.plain_values: the replies were read)."""
     real = getattr(obj, name)
 
     def once(*args, **kwargs):
-        setattr(obj, name, real)
         got = real(*args, **kwargs)
-        signal.raise_signal(signal.SIGINT)
+        if not (read and got is None):
+            setattr(obj, name, real)
+            signal.raise_signal(sig)
         return got
 
     setattr(obj, name, once)
+
+
+def _ctrl_c_after(obj, name):
+    _signal_after(obj, name)
 
 
 def _closed_and_gone(sess, pids):
@@ -340,18 +347,8 @@ def alarm_handler():
 
 
 def _alarm_after(obj, name, read=False):
-    """``_ctrl_c_after`` with the SIGUSR1 handler's exception; with ``read``, only once the
-    method returned a value (Channel.plain_values: the replies were read)."""
-    real = getattr(obj, name)
-
-    def once(*args, **kwargs):
-        got = real(*args, **kwargs)
-        if not (read and got is None):
-            setattr(obj, name, real)
-            signal.raise_signal(signal.SIGUSR1)
-        return got
-
-    setattr(obj, name, once)
+    """``_signal_after`` with the SIGUSR1 handler's exception."""
+    _signal_after(obj, name, signal.SIGUSR1, read)
 
 
 @pytest.mark.parametrize("kind", [_Alarm, TimeoutError])

@@ -48,14 +48,6 @@ events: list[tuple[Any, ...]] | None = None
 """This worker's events while a trace runs, else None (what the hot paths test)."""
 
 
-clock = _clock
-
-
-def now() -> int:
-    """This worker's clock: a round trip's middle, for another host's offset."""
-    return _clock()
-
-
 def check_writable(path: str | os.PathLike[str]) -> None:
     """Raise now, where a trace's file cannot be written (a missing folder, no permission),
     rather than after the work it records; the file is left empty until the trace ends.

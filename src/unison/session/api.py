@@ -627,8 +627,7 @@ class Session(View):
                 finally:
                     lock.release()
             except BaseException as exc:
-                if raised_by_a_signal(exc):
-                    self.interrupted()
+                self._close_if_signalled(exc)
                 raise
         return self._send_call(ranks, fn, args, kwargs,
                                self._send_deadline() if send_by is None else send_by, req,
@@ -685,8 +684,7 @@ class Session(View):
                 self._send_lock.release()
             return ref_id
         except BaseException as exc:
-            if raised_by_a_signal(exc):
-                self.interrupted()
+            self._close_if_signalled(exc)
             raise
 
     def _put(self, ranks: tuple[int, ...], values: list[Any]) -> Ref:
@@ -723,8 +721,7 @@ class Session(View):
                 self._send_lock.release()
             return Ref(self, ref_id, ranks)
         except BaseException as exc:
-            if raised_by_a_signal(exc):
-                self.interrupted()
+            self._close_if_signalled(exc)
             raise
 
     def _run(
@@ -791,8 +788,7 @@ class Session(View):
             req = self._request(get_msg, ref._id, ranks, deadline)
             return self._results(req, ranks, deadline, "fetching a value")
         except BaseException as exc:
-            if raised_by_a_signal(exc):
-                self.interrupted()
+            self._close_if_signalled(exc)
             raise
 
     def _check_fetch(self, ref: Ref) -> None:
@@ -900,7 +896,7 @@ class Session(View):
         """(sent, worker rank's clock, back): one round trip to it alone, for a clock
         offset (Trace.set_offsets)."""
         sent = time.perf_counter_ns()
-        (clock,) = self[rank : rank + 1].run(_trace.now)
+        (clock,) = self[rank : rank + 1].run(time.perf_counter_ns)
         return sent, clock, time.perf_counter_ns()
 
     def _stop_trace(self, idle_limit: float, busy_limit: float,
@@ -1013,8 +1009,7 @@ class Session(View):
                 self._router.wait(req, deadline, "syncing")
                 self._router.keep_answers(req)  # (where the reader has not yet)
         except BaseException as exc:
-            if raised_by_a_signal(exc):
-                self.interrupted()
+            self._close_if_signalled(exc)
             raise
         self._raise_held(ranks, below)
 
@@ -1058,8 +1053,7 @@ class Session(View):
                     router.hang.poll(("sync", mark), lambda: [
                         r for r in ranks if not chan.wait_done((r,), mark, 0.0)], "syncing")
         except BaseException as exc:
-            if raised_by_a_signal(exc):
-                self.interrupted()
+            self._close_if_signalled(exc)
             raise
 
     def _cancel(self, ref: Ref, timeout: float | None) -> None:
@@ -1116,8 +1110,7 @@ class Session(View):
                 self._send_lock.release()
             return req
         except BaseException as exc:
-            if raised_by_a_signal(exc):
-                self.interrupted()
+            self._close_if_signalled(exc)
             raise
 
     def _decode(self, req: Request, ranks: tuple[int, ...], values: bool = False
@@ -1186,7 +1179,7 @@ class Session(View):
                 frees = None
             msg = build(frees, *fields)
             tracer = self._tracer
-            sent = _trace.clock() if tracer is not None else 0  # before: a quick worker's
+            sent = time.perf_counter_ns() if tracer is not None else 0  # before: a worker's
             # call must not start before the message that asked for it
             self._chan.send(msg, ranks, buffers, deadline=deadline)
             if tracer is not None:
@@ -1212,8 +1205,7 @@ class Session(View):
         try:
             self._pump(deadline)
         except BaseException as exc:
-            if raised_by_a_signal(exc):  # Ctrl-C in worker 0's call: as during a wait
-                self.interrupted()
+            self._close_if_signalled(exc)  # Ctrl-C in worker 0's call: as during a wait
             raise
         if self._closed:  # closed inside worker 0's call (a signal handler's close)
             self.check_open()
@@ -1395,6 +1387,13 @@ class Session(View):
                                 report.reason)
         self._shutdown(0)
         return self._dead
+
+    def _close_if_signalled(self, exc: BaseException) -> None:
+        """Close, where ``exc`` came from Ctrl-C or another signal handler in the middle of a
+        send or a wait (session/signals.py): whether a message went, or a reply was read,
+        is not known there. The exception goes on, raised by the caller."""
+        if raised_by_a_signal(exc):
+            self.interrupted()
 
     def interrupted(self) -> None:
         """Ctrl-C (or another signal handler's exception: session/signals.py) during a send

@@ -182,9 +182,7 @@ class Router:
     def wait(self, req: Request, deadline: float | None, during: str) -> None:
         """Until every rank of ``req`` has replied; TimeoutError at ``deadline`` (the request
         is then abandoned: its late replies' errors are kept for the next sync)."""
-        if self._recv_lock._is_owned():  # type: ignore[attr-defined]
-            raise reentered()
-        try:
+        try:  # (a wait inside a read cannot come: its request was refused at expect)
             while req.remaining:
                 if self._recv_lock.acquire(False):
                     try:

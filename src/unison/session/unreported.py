@@ -32,9 +32,7 @@ class UnreportedErrors:
 
     def add_all(self, rank: int, errors: list[tuple[int, Error]]) -> None:
         """A worker's list of unreported errors, as a SYNC (or SHUTDOWN) reply carries it."""
-        with self._lock:
-            for ref_id, error in errors:
-                self._errors.setdefault(ref_id, {})[rank] = error
+        self.add_answers({rank: errors})
 
     def add_answers(self, answers: dict[int, list[tuple[int, Error]]]) -> None:
         """``add_all`` for several workers' answers to one SYNC, under one hold of the lock:
