@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from unison import _proctree, cgroup, pacing, placement
+from unison.launch import local
 from unison.pacing import crowd
 from unison.session import checks
 
@@ -81,7 +82,7 @@ def test_workers_share_the_cores_among_their_thread_pools(make_session, monkeypa
         monkeypatch.delenv(var, raising=False)
     sess = make_session(2, env={1: {"OMP_NUM_THREADS": "7"}})
     share = str(max(1, len(os.sched_getaffinity(0)) // 2))
-    assert sess.run(_threads_env) == [(share, share), ("7", share)]
+    assert sess.run(_threads_env) == [(share, share), ("7", "7")]
 
 
 def test_the_thread_pools_share_a_cpu_quota_not_the_cpus(make_session, monkeypatch):
@@ -100,6 +101,36 @@ def test_a_thread_setting_of_the_user_wins(make_session, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     sess = make_session(2)
     assert [omp for omp, _ in sess.run(_threads_env)] == ["3", "3"]
+
+
+def _pools() -> tuple[list[str], list[int] | None]:
+    """In a worker: its _THREAD_VARS, and its OpenBLAS pools' sizes where threadpoolctl is
+    there to read them (None where not)."""
+    env = [os.environ.get(var, "") for var in local._THREAD_VARS]
+    try:
+        import numpy  # noqa: F401  (loads its OpenBLAS)
+        import threadpoolctl
+    except ImportError:
+        return env, None
+    return env, [pool["num_threads"] for pool in threadpoolctl.threadpool_info()
+                 if pool["internal_api"] == "openblas"]
+
+
+def test_a_thread_setting_of_the_user_reaches_every_library(make_session, monkeypatch):
+    """README: the pools get cores / N "unless you set OMP_NUM_THREADS and friends". The
+    others were still set to the share, and OpenBLAS reads OPENBLAS_NUM_THREADS first: numpy
+    in the workers ran the share's threads, not the user's. Now the unset ones get the
+    user's value."""
+    share = max(1, pacing.pool_cores() // 2)
+    mine = "1" if share > 1 else "2"
+    for var in local._THREAD_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", mine)
+    sess = make_session(2, cpu_affinity=False)  # (a pinned worker's OpenBLAS takes 1 CPU)
+    for env, openblas in sess.run(_pools):
+        assert env == [mine] * len(local._THREAD_VARS)
+        if openblas and len(os.sched_getaffinity(0)) >= 2:
+            assert openblas == [int(mine)] * len(openblas)
 
 
 @pytest.fixture

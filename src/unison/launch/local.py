@@ -86,6 +86,16 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                 "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
 
 
+def _thread_pools(env: Mapping[str, str], share: str) -> dict[str, str]:
+    """_THREAD_VARS for a worker whose environment is ``env``: ``share`` where the user set
+    none of them, else the user's (the first set, in _THREAD_VARS order) for those left
+    unset, so that every library's pool agrees. Forcing ``share`` on the unset ones had
+    OpenBLAS, which reads OPENBLAS_NUM_THREADS before OMP_NUM_THREADS, ignore the user's
+    OMP_NUM_THREADS."""
+    chosen = next((env[var] for var in _THREAD_VARS if env.get(var)), share)
+    return {var: env.get(var) or chosen for var in _THREAD_VARS}
+
+
 class WorkerProcess:
     """One local worker: its process, pidfd, lifeline and the tail of what it printed."""
 
@@ -251,11 +261,13 @@ class LocalLauncher(Launcher):
         # over the cores (and their spinning threads over our waits): share them out, as
         # loky and torchrun do, unless the user chose already.
         share = str(max(1, pool_cores() // max(1, len(specs))))
-        for var in _THREAD_VARS:
-            base_env.setdefault(var, share)
+        base_env.update(_thread_pools(os.environ, share))
         base_env[_logs.ENV] = _logs.levels()  # workers' logging records come to ours
         rank_env = {rank: {str(k): str(v) for k, v in vars.items()}
                     for rank, vars in (env or {}).items()}
+        for vars in rank_env.values():  # a rank's own choice, over the controller's
+            if any(var in vars for var in _THREAD_VARS):
+                vars.update(_thread_pools({**os.environ, **vars}, share))
         try:
             # one layout for every worker (unison.launch.zygote); a lone worker has no one
             # to share it with, so a zygote would only be one more process to start
