@@ -4,6 +4,7 @@ in /tmp must not run in the workers)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -178,3 +179,53 @@ def test_a_start_out_of_fds_leaks_none_and_says_to_raise_the_limit(tmp_path, n, 
     assert lines[-1].startswith("started at") and len(lines) > 5, shown
     assert all(line.endswith("left {}") for line in lines), shown
     assert all(" True left" in line for line in lines[:-1]), shown
+
+
+INTERPRETER = """
+    import json, os, sys
+    sys.path.insert(0, {root!r})  # (-E and -I ignore PYTHONPATH)
+    import unison
+
+    def interpreter():
+        return [repr(sys.flags), sys.warnoptions, sys._xoptions]
+
+    got = {{}}
+    for n in (1, 2):  # a lone worker starts as an interpreter of its own; two, from a zygote
+        with unison.Session(n) as sess:
+            got[n] = sess.run(interpreter)
+    if sys.flags.ignore_environment:
+        try:
+            unison.Session(2, env={{1: {{"PYTHONHASHSEED": "0"}}}})
+        except ValueError as exc:
+            got["refused"] = str(exc)
+    print(json.dumps([interpreter(), got]))
+"""
+
+
+@pytest.mark.parametrize("flags", [
+    ["-O", "-W", "error::RuntimeWarning", "-b", "-X", "utf8", "-X", "int_max_str_digits=900"],
+    ["-I", "-X", "faulthandler", "-B"],
+])
+def test_the_workers_start_with_the_controllers_interpreter_options(flags):
+    """The workers started as plain ``python -c``: under ``python -O`` they ran the asserts
+    the controller skipped, under ``-W error`` they returned inf where the controller
+    raised, under ``-I`` they read the PYTHONOPTIMIZE it ignored. Now they, and the zygote
+    that forks them, start with the controller's options."""
+    import unison
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(unison.__file__)))
+    env = dict(os.environ)
+    env.pop("PYTHONWARNINGS", None)  # (its filters would come twice: by -W, and from here)
+    if "-I" in flags:
+        env["PYTHONOPTIMIZE"] = "2"  # what -I ignores, and the workers with it
+    proc = subprocess.run([sys.executable, *flags, "-c", textwrap.dedent(
+        INTERPRETER.format(root=root))], capture_output=True, text=True, timeout=120,
+        env=env)
+    assert proc.returncode == 0, proc.stderr
+    mine, got = json.loads(proc.stdout)
+    assert got["1"] == [mine] and got["2"] == [mine, mine]
+    if "-I" in flags:
+        assert "isolated=1" in mine[0] and "optimize=0" in mine[0]
+        assert "env[1] sets PYTHONHASHSEED, which the worker would ignore" in got["refused"]
+    else:
+        assert "optimize=1" in mine[0] and "error::RuntimeWarning" in mine[1]

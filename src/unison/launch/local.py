@@ -33,6 +33,7 @@ and death() turns a WorkerProcess into a DeathReport.
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import pickle
 import selectors
@@ -56,9 +57,11 @@ from unison.spec import WorkerSpec
 
 # python -c puts the current directory first on sys.path (unless safe_path is set): drop it
 # before anything is imported, so a numpy.py lying there is never run. The process group
-# first: see _OWN_GROUP.
+# first: see _OWN_GROUP. unison's own folder is put first by hand, not only by PYTHONPATH,
+# which a worker started with the controller's -E or -I ignores.
 _BOOTSTRAP = ("import os, sys\nos.setpgid(0, 0)\n"
               "if not getattr(sys.flags, 'safe_path', False): del sys.path[0]\n"
+              "if {root!r} not in sys.path: sys.path.insert(0, {root!r})\n"
               "from unison.worker import main; main({pid})")
 _TAIL_CHARS = 64 * 1024
 """How much of a worker's stderr is kept, as its last whole lines, for WorkerDied.output."""
@@ -84,6 +87,39 @@ _LATE_REPORT = 5.0
 a zygote that was not scheduled for a while (a loaded machine, a CPU quota) reports late."""
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                 "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+def interpreter() -> list[str]:
+    """The command line of a worker's interpreter (and the zygote's): this Python with the
+    controller's options, as multiprocessing's spawn starts its children. Without them the
+    workers ran other code than the controller: asserts under -O, a warning under ``-W
+    error``, the text encoding under ``-X utf8``. With -E or -I, the workers ignore the
+    PYTHON* variables the controller ignored (they inherit its environment, as its own
+    children do), so what unison sets for them does not rest on one: unison's folder goes
+    on sys.path in the bootstraps, and -u stands for PYTHONUNBUFFERED. -S, -s and -P reach
+    them too: their sys.path is the controller's (unison.session.resources.sys_path)."""
+    # -O, -B, -b, -S, -E, -I, -W, -X dev... (private, but what multiprocessing's spawn uses)
+    args: list[str] = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
+    named = {arg.partition("=")[0] for flag, arg in itertools.pairwise(args) if flag == "-X"}
+    for key, value in sys._xoptions.items():  # the -X options it leaves out (3.11's leaves
+        if key not in named:  # int_max_str_digits, pycache_prefix, warn_default_encoding)
+            args += ["-X", key if value is True else f"{key}={value}"]
+    return [sys.executable, *args, "-u"]
+
+
+def _ignored_env(rank_env: Mapping[int, Mapping[str, str]]) -> None:
+    """Refuse a rank's PYTHON* variable where its interpreter would ignore it: the
+    controller's -E or -I, which the workers start with too (``interpreter``)."""
+    if not sys.flags.ignore_environment:
+        return
+    for rank, vars in rank_env.items():
+        for name in vars:
+            if name.startswith("PYTHON"):
+                raise ValueError(
+                    f"env[{rank}] sets {name}, which the worker would ignore: this "
+                    "controller runs with -E or -I (sys.flags.ignore_environment), and its "
+                    "workers start with the same options. Run the controller without them, "
+                    "or give the setting as an option of its python (-O, -X, -W ...)")
 
 
 def _thread_pools(env: Mapping[str, str], share: str) -> dict[str, str]:
@@ -249,6 +285,7 @@ class LocalLauncher(Launcher):
         """Start one worker per spec; each inherits the fds its spec names."""
         if self._started or self.stopped:
             raise RuntimeError("a LocalLauncher starts its workers once: make a new one")
+        _ignored_env(env or {})
         self._started = True
         selector = self._selector = selectors.DefaultSelector()
         base_env = dict(os.environ)
@@ -273,14 +310,16 @@ class LocalLauncher(Launcher):
             # to share it with, so a zygote would only be one more process to start
             if len(specs) > 1 and zygote.usable(env):
                 self._zygote, forked = zygote.fork_workers(
-                    [init.rank for init in specs], {init.rank: init.fds for init in specs},
-                    base_env, rank_env, _OWN_GROUP, self.start_deadline)
+                    interpreter(), [init.rank for init in specs],
+                    {init.rank: init.fds for init in specs}, base_env, rank_env, _OWN_GROUP,
+                    self.start_deadline)
                 self.workers = [WorkerProcess(init.rank, proc)
                                 for init, proc in zip(specs, forked)]
             else:
                 for init in specs:  # each one kept at once: a failed start stops them
                     self.workers.append(WorkerProcess(init.rank, subprocess.Popen(
-                        [sys.executable, "-c", _BOOTSTRAP.format(pid=os.getpid())],
+                        [*interpreter(), "-c", _BOOTSTRAP.format(root=pkg_root,
+                                                                 pid=os.getpid())],
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE,

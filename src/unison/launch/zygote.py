@@ -36,7 +36,6 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -57,11 +56,14 @@ _AT_START = ("PYTHON", "LD_", "GLIBC_TUNABLES", "MALLOC_")
 _BOOTSTRAP = ("# unison.worker zygote\n"
               "import os, sys\nos.setpgid(0, 0)\n"  # local._OWN_GROUP says why
               "if not getattr(sys.flags, 'safe_path', False): del sys.path[0]\n"
+              "if {root!r} not in sys.path: sys.path.insert(0, {root!r})\n"
               "import runpy; runpy.run_path({path!r})['main']({pid})")
 """The zygote runs this file, not the unison package: what unison reads as it is imported
 (UNISON_PURE, the logging levels) is each worker's, from its own environment, and no
 library has started a thread in the process that forks. The comment names the workers in
-``ps``, whose command line is the zygote's."""
+``ps``, whose command line is the zygote's. unison's folder goes first on sys.path, as in
+unison.launch.local's bootstrap (where it says why)."""
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def usable(env: Mapping[int, Mapping[str, str]] | None) -> bool:
@@ -204,13 +206,14 @@ class Zygote:
         self.reports.close()
 
 
-def fork_workers(ranks: Sequence[int], fds: Mapping[int, Sequence[int]],
+def fork_workers(python: Sequence[str], ranks: Sequence[int], fds: Mapping[int, Sequence[int]],
                  env: Mapping[str, str], rank_env: Mapping[int, Mapping[str, str]],
                  process_group: Mapping[str, Any], deadline: float | None = None,
                  ) -> tuple[Zygote, list[Forked]]:
-    """Start the zygote and have it fork a keeper per rank (each keeping ``fds[rank]``);
-    the zygote and the keepers, in ``ranks`` order. ``deadline``: the session's start
-    deadline (time.monotonic()), past which the start fails with TimeoutError."""
+    """Start the zygote (``python``: its interpreter and options, which the workers it
+    forks keep) and have it fork a keeper per rank (each keeping ``fds[rank]``); the zygote
+    and the keepers, in ``ranks`` order. ``deadline``: the session's start deadline
+    (time.monotonic()), past which the start fails with TimeoutError."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # one per send
     made: list[int] = []  # fds of ours to close on failure
     plan = []
@@ -231,7 +234,7 @@ def fork_workers(ranks: Sequence[int], fds: Mapping[int, Sequence[int]],
                          dict(rank_env.get(rank, {}))))
             keep += [in_r, out_w, err_w, *fds[rank]]
         zygote = subprocess.Popen(
-            [sys.executable, "-c", _BOOTSTRAP.format(path=__file__, pid=os.getpid())],
+            [*python, "-c", _BOOTSTRAP.format(root=_ROOT, path=__file__, pid=os.getpid())],
             stdin=subprocess.PIPE, pass_fds=sorted(set(keep)), env=dict(env),
             **process_group)
         assert zygote.stdin is not None
