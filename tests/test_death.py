@@ -4,6 +4,7 @@ later use raises SessionClosed caused by that WorkerDied, and no other worker su
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -101,6 +102,37 @@ def test_a_worker_killed_while_idle_is_noticed_by_sync(sess):
         sess.sync()
     assert (info.value.worker, info.value.exitcode) == (0, -9)
     _assert_closed_by(sess, info.value)
+
+
+def stop_own_group():
+    """What a worker's code may do to pause itself and its children (the shell's Ctrl-Z)."""
+    signal.signal(signal.SIGTSTP, signal.SIG_IGN)
+    os.killpg(os.getpgrp(), signal.SIGTSTP)
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["lone", "zygote"])
+@pytest.mark.parametrize("who", ["outside", "worker"])
+def test_a_worker_killed_while_its_process_group_is_stopped(make_session, n, who):
+    # kill -STOP -PGID of a worker's group (or the worker's own killpg of SIGTSTP), then the
+    # worker dies: its keeper, outside that group, still reports it. Before, the keeper
+    # shared the group, stopped too, and the wait hung (a timeout said "the work goes on").
+    sess = make_session(n)
+    pid = sess[n - 1].run(os.getpid)[0]
+    group = os.getpgid(pid)
+    try:
+        if who == "outside":
+            os.killpg(group, signal.SIGSTOP)
+        else:
+            sess[n - 1].run(stop_own_group)
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerDied) as info:
+            sess.run(unison.rank, timeout=10)
+        assert time.monotonic() - start < 2 * DETECT
+        assert (info.value.worker, info.value.exitcode) == (n - 1, -9)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGCONT)  # (the keeper's number: held until it is reaped)
 
 
 # -- a death while the controller waits --------------------------------------------------------

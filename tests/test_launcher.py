@@ -112,13 +112,22 @@ def test_workers_lead_their_own_process_groups_in_the_controllers_session(
         launched: tuple[Launcher, channels.Channel]) -> None:
     """Not our process group: a terminal's Ctrl-C reaches the controller alone. Our
     session: a session of its own would put a worker in a scheduler autogroup of its own
-    (Linux), where its yields hand the core over to nobody outside it (issue 9)."""
+    (Linux), where its yields hand the core over to nobody outside it (issue 9). The
+    group is the worker's alone, numbered by its keeper's pid: the keeper is in its
+    parent's (the zygote's, or ours for a worker started apart, where it ignores the
+    terminal's signals), so a signal that stops the worker's group never stops the keeper,
+    which must report the worker's death."""
     launcher, _ = launched
     for rank in range(2):
         keeper = _keeper(launcher, rank)
         worker = keeper.children()[0]
+        assert os.getpgid(worker.pid) == keeper.pid != os.getpgid(0)
+        assert os.getpgid(keeper.pid) == os.getpgid(keeper.ppid()) != keeper.pid
+        with open(f"/proc/{keeper.pid}/status") as f:
+            ignored = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+        for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTSTP, signal.SIGHUP):
+            assert ignored >> (sig - 1) & 1, sig
         for pid in (keeper.pid, worker.pid):
-            assert os.getpgid(pid) == keeper.pid != os.getpgid(0)
             assert os.getsid(pid) == os.getsid(0)
             assert autogroup(pid) == autogroup()
 

@@ -22,7 +22,9 @@ never wait for a GIL that a long C call holds. The keeper
 
 The worker dies with its keeper (PR_SET_PDEATHSIG: the keeper is single-threaded, so the
 signal is tied to its life, not to a thread's). Ctrl-C is ignored in both (the controller
-handles it and stops us), so a terminal never shows one traceback per worker.
+handles it and stops us), so a terminal never shows one traceback per worker. The worker
+has a process group to itself (numbered by the keeper's pid); the keeper joins its parent's,
+so signals sent to the worker's group never stop or kill the keeper.
 
 Inside a function a worker runs, ``unison.rank()`` and friends say who this worker is.
 """
@@ -629,8 +631,32 @@ def _exit_like(status: int) -> NoReturn:
     os._exit(os.waitstatus_to_exitcode(status))
 
 
+_KEEPER_IGNORES = tuple(getattr(signal, name) for name in (
+    "SIGHUP", "SIGQUIT", "SIGTSTP", "SIGTTIN", "SIGTTOU") if hasattr(signal, name))
+"""A terminal's signals, besides SIGINT (ignored from the start): sent to a group the keeper
+is in, never meant for it (its lifeline tells it when the controller goes)."""
+
+
+def _leave_group(controller: int) -> None:
+    """Move the keeper out of the process group it leads into its parent's (the zygote's, or
+    the controller's for a lone worker), leaving the worker alone in the group, which keeps
+    the keeper's number. A signal aimed at the worker's group (``kill -STOP -PGID``, or
+    the worker's own ``killpg(getpgrp(), SIGTSTP)``) then misses the keeper, which goes on
+    reporting the worker's death; before, it stopped both, and the death was never seen.
+    The launcher's and the zygote's ``killpg`` of the keeper's number still reach all the
+    worker left there, and the keeper is killed by its pid."""
+    for sig in _KEEPER_IGNORES:
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        os.setpgid(0, os.getpgid(controller))
+    except OSError:  # the parent is gone (the lifeline says so next) or in another session
+        pass
+
+
 def _become_keeper(worker: int, controller: int, rank: int) -> NoReturn:
-    """The parent side of the fork: drop everything but the lifeline and stderr."""
+    """The parent side of the fork: leave the worker's process group, and drop everything
+    but the lifeline and stderr."""
+    _leave_group(controller)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 1)  # the relay sees EOF once the worker and its children are done
     os.close(devnull)

@@ -75,7 +75,8 @@ rest of close's grace where more is left): the controller's handlers may be slow
 _CUT_S = 0.5
 """How long the relay then goes on reading, to count what it drops, before it lets go."""
 _OWN_GROUP: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {}
-"""Each worker leads a process group of its own, in the controller's session. A session of
+"""Each worker leads a process group of its own, in the controller's session (its keeper,
+which starts it, leaves the group to the worker: unison.worker._leave_group). A session of
 its own (setsid) would also give it a scheduler autogroup of its own (Linux, where
 autogroups are on), and a yield then hands the core over only within the worker's group:
 the worker kept the core from the controller in a quarter of its turns, dispatch at N=2 ran
