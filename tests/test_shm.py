@@ -549,3 +549,36 @@ def test_a_workers_last_call_lets_go_of_its_arguments(
     b = sess.empty(9 << 20, np.uint8)  # a's block, given back
     b[:10] = 2
     assert sess.run(_sum, b[:10]) == [20.0, 20.0]
+
+
+def _cap_address_space() -> None:
+    """Cap this worker's address space at what it maps now, and 64 MiB more."""
+    import resource
+
+    with open("/proc/self/status") as f:
+        size = next(int(line.split()[1]) for line in f if line.startswith("VmSize")) << 10
+    resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 20), resource.RLIM_INFINITY))
+
+
+@pytest.mark.parametrize("channel", ["shm", "pipe"])
+def test_a_worker_that_cannot_map_a_commands_buffers_fails_that_command(  # type: ignore[no-untyped-def]
+        make_session, channel: str) -> None:
+    # ENOMEM mapping a command's buffers (an RLIMIT_AS the worker's code set, or
+    # vm.max_map_count) fails that command, as a MemoryError in the function would; the
+    # worker, the channel and the arena's counts stay in step. Before, the worker died and
+    # the session closed.
+    sess = make_session(2, channel=channel)
+    sess[1].run(_cap_address_space)
+    big = sess.empty(100 << 17)  # 100 MiB, by reference on both channels
+    big[:] = 1.0
+    for _ in range(2):  # twice: the blocks are counted done, so the writer goes on
+        with pytest.raises(unison.WorkerError, match="could not map the message's") as info:
+            sess.run(_sum, big)
+        assert info.value.worker == 1 and "RLIMIT_AS" in str(info.value)
+    ref = sess.put(big)
+    assert sess[0].run(_sum, ref) == [float(100 << 17)]
+    with pytest.raises(unison.WorkerError, match="could not map"):
+        sess[1].run(_sum, ref)
+    with pytest.raises(unison.WorkerError, match="could not map"):
+        sess.sync()  # the puts' errors, nobody fetched
+    assert sess.run(_sum, big[:1000]) == [1000.0, 1000.0]

@@ -31,7 +31,7 @@ import os
 import pickle
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 PAGE = mmap.ALLOCATIONGRANULARITY
@@ -366,10 +366,48 @@ class ArenaReader:
             self._done(done)  # never mapped: the block may go back at once
             raise
 
+    def views(self, descs: Sequence[tuple[int, int, int]]) -> list[memoryview]:
+        """``view`` of each of a message's descriptors, or ``Unmapped`` where one cannot be
+        mapped (an address space the worker's code capped with RLIMIT_AS, or full to
+        vm.max_map_count): every block is then counted done (those mapped as their views
+        go), so the writer gets them back, and the message's command fails, not the
+        receiver. A descriptor that breaks the format still raises Malformed."""
+        got: list[memoryview] = []
+        for i, desc in enumerate(descs):
+            try:
+                got.append(self.view(desc))
+            except Malformed:
+                raise
+            except (OSError, MemoryError) as exc:  # (view counted this one done)
+                for rest in descs[i + 1:]:
+                    self.view((rest[0], 0, rest[2]))  # nothing mapped: counted done
+                return Unmapped(sum(d[1] for d in descs), exc)
+        return got
+
     def _done(self, i: int) -> None:
         with self._lock:
             c = self._counters
             c[i] = (c[i] + 1) & 0xFFFFFFFF
+
+
+class Unmapped(list[memoryview]):
+    """A message's buffers that could not be mapped, as ``ArenaReader.views`` hands them on:
+    the unpickling that asks for them (the call's arguments, the put's value) raises why,
+    as the command's own error, and the worker goes on. Before, the mapping's OSError left
+    the worker's loop and the session closed, where a MemoryError in the function itself
+    was only that call's error."""
+
+    def __init__(self, nbytes: int, exc: BaseException) -> None:
+        super().__init__()
+        self.nbytes = nbytes
+        self.why = f"{type(exc).__name__}: {exc}"
+
+    def __iter__(self) -> Iterator[memoryview]:
+        raise MemoryError(
+            f"this worker could not map the message's {self.nbytes:,} bytes of buffers "
+            f"(shared memory): {self.why}. Its address space is full: an RLIMIT_AS set by "
+            "the worker's code (resource.setrlimit), or too many mappings for the kernel's "
+            "vm.max_map_count; raise the limit, or send smaller values")
 
 
 # -- mappings without a file descriptor each ----------------------------------------------------

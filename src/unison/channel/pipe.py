@@ -632,13 +632,25 @@ class PipeWorkerChannel(WorkerChannel):
             n, count = _HEAD.unpack(self._read(_HEAD.size))
             data = memoryview(self._read(n))
             bufs: list[Any] = []
+            by_ref: list[int] = []
             for _ in range(count):
                 kind, size = _BUF.unpack(self._read(_BUF.size))
                 got = self._read(size)
                 if kind == _BY_REF and self._arena is not None:
-                    bufs.append(self._arena.view(_DESC.unpack(got)))
+                    by_ref.append(len(bufs))
+                    bufs.append(_DESC.unpack(got))
                 else:
                     bufs.append(memoryview(got))
+            if by_ref:  # mapped once the frame is read whole: a failure leaves us in step
+                from unison.channel.arena import Unmapped  # (imported with ArenaReader)
+
+                assert self._arena is not None
+                views = self._arena.views([bufs[i] for i in by_ref])
+                if isinstance(views, Unmapped):
+                    bufs = views  # the command fails, not the worker
+                else:
+                    for i, view in zip(by_ref, views):
+                        bufs[i] = view
         except (EOFError, OSError):
             return None
         self._taken += 1

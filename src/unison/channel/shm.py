@@ -923,7 +923,7 @@ class ShmWorkerChannel(WorkerChannel):
             self._pos = q[self._read_idx] = pos + size
             if meta >> 16 & _OOB:
                 payload = self._arena.view(_unpack_descs(payload, 1)[0])
-            return payload, [self._arena.view(d) for d in descs]
+            return payload, self._arena.views(descs)  # (Unmapped: the command fails)
 
     def _progress(self, pos: int) -> None:
         """Publish how far this worker has run; wake the controller if it waits on that."""
