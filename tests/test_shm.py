@@ -582,3 +582,45 @@ def test_a_worker_that_cannot_map_a_commands_buffers_fails_that_command(  # type
     with pytest.raises(unison.WorkerError, match="could not map"):
         sess.sync()  # the puts' errors, nobody fetched
     assert sess.run(_sum, big[:1000]) == [1000.0, 1000.0]
+
+
+def _close_low_fds_and_open_files(path: str) -> list[int]:
+    """What worker code may do: close every fd it did not open, then open files of its own."""
+    os.closerange(3, 1024)
+    files = [open(os.path.join(path, f"f{i}"), "wb", buffering=0) for i in range(20)]  # noqa: SIM115
+    globals()["_KEPT"] = files
+    return [f.fileno() for f in files]
+
+
+@pytest.mark.parametrize("channel", ["shm", "pipe"])
+def test_worker_code_that_closes_low_fds_and_opens_files_leaves_unison_alone(  # type: ignore[no-untyped-def]
+        make_session, channel: str, tmp_path) -> None:
+    # the worker's own fds lie high (4096, or below a lower ulimit -n), where files opened
+    # after a closerange do not land. Before, the files took unison's numbers: one got the
+    # eventfd's counter bytes, and the worker died (EBADF) or exited as if the controller
+    # had gone (pipe).
+    sess = make_session(2, channel=channel)
+    sess[1].run(_close_low_fds_and_open_files, str(tmp_path))
+    for _ in range(3):
+        assert sess.run(_sleep, 0.2) == [None, None]  # the controller sleeps: woken each time
+    assert sess.run(_sum, np.ones(1 << 18)) == [float(1 << 18)] * 2
+    assert [p.read_bytes() for p in sorted(tmp_path.iterdir())] == [b""] * 20
+
+
+def _close_unisons_eventfds() -> None:
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[eventfd]":
+                os.close(int(name))
+        except OSError:
+            pass
+    time.sleep(0.3)  # the controller sleeps by the time the reply comes: it needs a wake
+
+
+def test_a_worker_whose_eventfds_were_closed_dies_saying_so(make_session) -> None:  # type: ignore[no-untyped-def]
+    # Before, C's wake ignored the write's EBADF (each wait slept out its second), and the
+    # Python ring died with a bare EBADF traceback.
+    sess = make_session(2, channel="shm")
+    with pytest.raises(unison.WorkerDied, match="closed or replaced unison's descriptor"):
+        sess[1].run(_close_unisons_eventfds)
+        sess.run(_sleep, 0.3)

@@ -31,6 +31,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
+#include <errno.h>
 
 /* The start of this file's sha256, set by setup.py; unison._native refuses a module whose
    SOURCE differs from the file beside it (a stale build). */
@@ -49,6 +50,25 @@ static inline void wake(int fd) {
     uint64_t one = 1;
     ssize_t r = write(fd, &one, sizeof one);
     (void)r; /* EAGAIN: the counter is already non-zero, the sleeper wakes anyway */
+}
+
+/* A worker's wake of the controller: 0, or -1 with OSError set where the write failed but
+ * for a full counter (EAGAIN): code in this process closed unison's eventfd (EBADF), or put
+ * something that is no eventfd under its number (EINVAL). Ignored, each wake was lost and
+ * the controller slept out its timeout; the worker now ends, saying why. */
+static int wake_checked(int fd) {
+    uint64_t one = 1;
+    if (write(fd, &one, sizeof one) >= 0 || errno == EAGAIN) return 0;
+    int err = errno;
+    PyObject *exc = PyObject_CallFunction(PyExc_OSError, "iN", err, PyUnicode_FromFormat(
+        "%s: worker code closed or replaced unison's descriptor %d (an eventfd), so the "
+        "controller cannot be woken; leave alone the descriptors it did not open (no "
+        "os.closerange or os.dup2 over them)", strerror(err), fd));
+    if (exc) {
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+    }
+    return -1;
 }
 
 /* ---- the controller's end --------------------------------------------------------------- */
@@ -521,7 +541,9 @@ static PyObject *Taker_take(Taker *self, PyObject *arg) {
         if (__atomic_load_n(&q[self->done_idx], __ATOMIC_RELAXED) != pos) {
             __atomic_store_n(&q[self->done_idx], pos, __ATOMIC_RELEASE);
             __atomic_thread_fence(__ATOMIC_SEQ_CST);
-            if (__atomic_load_n(&q[self->ctl_done_idx], __ATOMIC_RELAXED)) wake(self->done_efd);
+            if (__atomic_load_n(&q[self->ctl_done_idx], __ATOMIC_RELAXED) &&
+                wake_checked(self->done_efd) < 0)
+                return NULL;
         }
         uint64_t end = __atomic_load_n(&q[0], __ATOMIC_ACQUIRE);
         if (end == pos)
@@ -568,7 +590,8 @@ static PyObject *Taker_replies(Taker *self, PyObject *args) {
 
 /* One plain reply entry of n bytes at this worker's reply position (its own word, written
  * by nobody else): header n, then the bytes; release-store of the position, a full fence,
- * then the controller's two wake flags. 0, or -1 with nothing written where the entry would
+ * then the controller's two wake flags. 0; -2, with OSError set, where the entry went out but
+ * its wake failed (wake_checked); or -1 with nothing written where the entry would
  * cross the ring's end, the ring is full, or the body is over a quarter of the ring (it goes
  * through the reply arena: shm._REPLY_INLINE): the caller's slow path. */
 static int put_entry(Taker *self, const char *data, uint64_t n) {
@@ -586,7 +609,7 @@ static int put_entry(Taker *self, const char *data, uint64_t n) {
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     if (__atomic_load_n(&q[self->ctl_sleep_idx], __ATOMIC_RELAXED) ||
         __atomic_load_n(&q[self->ctl_async_idx], __ATOMIC_RELAXED))
-        wake(self->ctl_efd);
+        return wake_checked(self->ctl_efd) < 0 ? -2 : 0;  /* -2: published, OSError set */
     return 0;
 }
 
@@ -604,6 +627,7 @@ static PyObject *Taker_put(Taker *self, PyObject *data) {
     if (PyObject_GetBuffer(data, &p, PyBUF_SIMPLE) < 0) return NULL;
     int r = put_entry(self, p.buf, (uint64_t)p.len);
     PyBuffer_Release(&p);
+    if (r == -2) return NULL;
     return PyBool_FromLong(r == 0);
 }
 
@@ -626,6 +650,7 @@ static PyObject *Taker_put_plain(Taker *self, PyObject *const *args, Py_ssize_t 
     if (!data) return NULL;
     int r = put_entry(self, PyBytes_AS_STRING(data), (uint64_t)PyBytes_GET_SIZE(data));
     Py_DECREF(data);
+    if (r == -2) return NULL;
     return PyBool_FromLong(r == 0);
 }
 

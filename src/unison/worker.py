@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import fcntl
 import gc
 import io
 import os
@@ -878,11 +879,36 @@ def _reaped_within(worker: int, seconds: float) -> bool:
     return _reap(worker) is not None
 
 
+_HIGH_FDS = 4096
+"""Where a worker moves the fds it inherits (``_fds_up_high``), or below that, under a lower
+limit on open files: far from the low numbers ordinary opens take."""
+
+
+def _fds_up_high(spec: WorkerSpec) -> WorkerSpec:
+    """The spec with its fds (the channel's, the collectives', the board's) moved up to
+    ``_HIGH_FDS``, each keeping its close-on-exec flag. unison uses them by number: at low
+    numbers, worker code that closed one (os.closerange, a stray close) had the next file
+    it opened take the number, and unison wrote its counters into that file, or mapped it
+    as the arena. Left where they are under a limit too low for it (``ulimit -n``)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    base = _HIGH_FDS if soft == resource.RLIM_INFINITY else min(_HIGH_FDS, soft - 64)
+    fds = list(dict.fromkeys(spec.fds))
+    if base < 256 or not fds or len(fds) != len(spec.fds):
+        return spec
+    moved = []
+    for fd in fds:
+        inherit = not fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+        moved.append(fcntl.fcntl(fd, fcntl.F_DUPFD if inherit else fcntl.F_DUPFD_CLOEXEC, base))
+        os.close(fd)
+    return spec.with_fds(moved)
+
+
 def run(spec: WorkerSpec, chan: WorkerChannel | None = None) -> None:
     """Be worker ``spec.rank`` until the controller says stop: import path, affinity and
     identity from the spec, then connect (unless ``chan`` is the connection already) and
     serve. What is launcher-specific (how the spec arrived, what ends us with the
     controller) is done before; main() is the local one, connect_main() the TCP one."""
+    spec = _fds_up_high(spec)
     for path in reversed(spec.sys_path):
         if path not in sys.path:
             sys.path.insert(0, path)
