@@ -24,7 +24,7 @@ import unison
 # leaks.py is also this suite's plugin (pytest_plugins below): let pytest rewrite it first.
 pytest.register_assert_rewrite("leaks")
 
-from leaks import Resources, module_check, processes, shm_entries  # noqa: E402
+from leaks import Resources, memfd_holders, module_check, processes, shm_entries  # noqa: E402
 from support import (  # noqa: E402
     MARKER,
     SharedSessions,
@@ -75,18 +75,17 @@ def _parametrizes_channel(metafunc: pytest.Metafunc) -> bool:
     return False
 
 
-_SHM_BEFORE = pytest.StashKey[set[str]]()
-
-
-def pytest_sessionstart(session: pytest.Session) -> None:
-    session.stash[_SHM_BEFORE] = shm_entries()
-
-
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """The hygiene check once every test and fixture is done: no worker process of this run,
-    no child process of the test runner and no new "unison" entry in /dev/shm. What is left
-    is reported, swept (so one broken run cannot poison the next) and fails the run."""
+    no child process of the test runner, no "unison" entry in /dev/shm (whoever left it:
+    unison makes none, its segments are memfds) and no process of this run holding a unison
+    memfd. What is left is reported, swept (so one broken run cannot poison the next) and
+    fails the run."""
     gc.unfreeze()  # what the per-test checks froze (leaks.py) is collectable again
+    for name in ("last_exc", "last_type", "last_value", "last_traceback"):
+        # pytest keeps the last failure here (for pdb): its frames may hold a closed
+        # session's views of its memfds, which the check below would blame on unison
+        sys.__dict__.pop(name, None)
     gc.collect()  # sessions dropped without close() are closed by now
     problems = []
     workers = wait_gone([p.pid for p in stray_workers()], 3.0)
@@ -95,14 +94,20 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     children = wait_gone(_running_children(), 3.0)
     if children:
         problems.append(f"child processes of the test runner outlived the tests: {children}")
-    before: set[str] = session.stash[_SHM_BEFORE]
-    shm = sorted(shm_entries() - before)
+    shm = sorted(shm_entries())
     if shm:
-        problems.append(f"shared-memory segments outlived their sessions: {shm}")
+        problems.append(f"entries in /dev/shm named unison (removed now): {shm}")
+    ours = [os.getpid(), *children, *(p.pid for p in stray_workers())]
+    held = memfd_holders(ours)
+    if held:
+        problems.append(f"processes of this run hold unison memfds: {held}")
     if not problems:
         return
     kill_all(p for p in stray_workers() if p.pid in workers)
     kill_all(processes(children))
+    for name in shm:
+        with contextlib.suppress(OSError):  # another run's sweep, or another user's entry
+            os.unlink(os.path.join("/dev/shm", name))
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.ensure_newline()

@@ -6,9 +6,10 @@
                               what survived is frozen (gc.freeze), so collections stay cheap;
                               what is new since the snapshot is a leak of THIS test: its
                               teardown errors, and leaked processes are killed
-    end of the run .......... no worker process of this run, no child of the test runner and
-                              no new /dev/shm entry named "unison" may be left: else the run
-                              exits non-zero (and what is left is swept)
+    end of the run .......... no worker process of this run, no child of the test runner, no
+                              /dev/shm entry named "unison" and no unison memfd held by a
+                              process of this run may be left: else the run exits non-zero
+                              (and what is left is swept)
 
 What counts, in the spirit of dask's resource-leak plugin:
 - file descriptors (each with what it points to, so a reused number counts as new), memfds
@@ -228,3 +229,32 @@ def shm_entries() -> set[str]:
         return {name for name in os.listdir("/dev/shm") if "unison" in name}
     except FileNotFoundError:
         return set()
+
+
+MEMFD = "/memfd:unison-"
+"""How a unison memfd shows in /proc/<pid>/fd links and /proc/<pid>/maps (every memfd unison
+and these tests make is named "unison-...")."""
+
+
+def memfds_of(pid: int) -> set[tuple[int, str]]:
+    """The unison memfds process ``pid`` holds, as an fd or a mapping: (inode, name) pairs;
+    empty if it is gone or not ours to read."""
+    out = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                path = f"/proc/{pid}/fd/{fd}"
+                if os.readlink(path).startswith(MEMFD):
+                    out.add((os.stat(path).st_ino, os.readlink(path)))
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(MEMFD):
+                out.add((int(fields[4]), fields[5].rstrip("\n")))
+    return out
+
+
+def memfd_holders(pids: Iterable[int]) -> dict[int, list[str]]:
+    """Which of ``pids`` hold a unison memfd, and which."""
+    held = {pid: sorted({name for _, name in memfds_of(pid)}) for pid in pids}
+    return {pid: names for pid, names in held.items() if names}

@@ -3,13 +3,16 @@ workers started, is gone within 2 seconds."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 
+import psutil
 import pytest
 
-from support import alive, read_pids
+from leaks import memfds_of
+from support import alive, read_pids, wait_gone
 
 GONE_WITHIN = 2.0  # the contract
 PATIENCE = 3.0  # how long the assertion loop looks, to tell "slow" from "never"
@@ -181,3 +184,41 @@ def test_workers_exit_when_the_controller_is_killed_though_a_fork_of_it_lives(co
         assert alive(helper)  # it held the lifelines all along
     finally:
         os.kill(helper, signal.SIGKILL)  # (init reaps it: it is no child of ours)
+
+
+# Every segment of a session is a memfd: SIGKILL of the controller and of every process of
+# the session must leave nothing of them on the machine (no /dev/shm path, no holder).
+CONTROLLER_WITH_SEGMENTS = """
+    import os, time
+    import numpy as np
+    import unison
+
+    sess = unison.Session(2)
+    sess.run(lambda: unison.allreduce(np.ones(1 << 16)))  # the collectives' segment too
+    print(os.getpid(), *sess.run(os.getpid), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_no_segment_outlives_a_sigkill_of_the_controller_and_its_workers(controller):
+    proc = controller(CONTROLLER_WITH_SEGMENTS)
+    pid, *workers = read_pids(proc)
+    tree = {pid, *workers, *(p.pid for p in psutil.Process(pid).children(recursive=True))}
+    segments = set().union(*(memfds_of(p) for p in tree))
+    kinds = {name.split()[0].rpartition("-")[2] for _, name in segments
+             if name.startswith(f"/memfd:unison-{pid}-")}  # the session's own, by kind
+    assert {"arena", "coll", "cancel"} <= kinds, segments
+    assert not [e for e in os.listdir("/dev/shm") if f"unison-{pid}-" in e]
+    for p in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    proc.wait()
+    assert not wait_gone(tree, PATIENCE)
+    inodes = {inode for inode, _ in segments}
+    holders = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            held = {name for inode, name in memfds_of(int(entry)) if inode in inodes}
+            if held:
+                holders[int(entry)] = sorted(held)
+    assert not holders, f"the killed session's memfds are still held: {holders}"
