@@ -22,6 +22,8 @@ from support import (
     recorded,
     wait_gone,
 )
+from unison.session import api
+from unison.session.router import Request
 
 pytestmark = pytest.mark.channels
 
@@ -545,3 +547,56 @@ def test_a_session_dropped_inside_a_running_loop_closes_at_garbage_collection(ch
         assert wait_gone(pids, 10.0) == []
 
     asyncio.run(main())
+
+
+def test_an_await_timed_out_as_another_threads_run_delivers_its_last_reply(
+        sess, monkeypatch):
+    """A blocking run in another thread reads the await's last reply; between its check of
+    the await's callback and its call, the loop's ``wait_for`` times out and clears it (the
+    hold below waits for that, at the moment the reader looks at what is left). Before, the
+    reader then called None: its run raised TypeError and dropped the rest of the replies it
+    had read, leaving a worker a request behind. Now the callback is read once."""
+    reader: list[threading.Thread] = []
+    held: list[bool] = []
+
+    class Held(Request):
+        __slots__ = ("_left",)
+
+        @property  # type: ignore[override]
+        def remaining(self) -> int:
+            if self._left == 0 and self.done is not None and threading.current_thread() in reader:
+                deadline = time.monotonic() + 5
+                while self.done is not None and time.monotonic() < deadline:
+                    time.sleep(0.005)  # the loop's wait_for times out meanwhile
+                held.append(self.done is None)
+            return self._left
+
+        @remaining.setter
+        def remaining(self, value: int) -> None:
+            self._left = value
+
+    monkeypatch.setattr(api, "Request", Held)
+    got: list[object] = []
+
+    def run() -> None:
+        try:
+            got.append(sess.run(unison.rank))
+        except BaseException as exc:
+            got.append(exc)
+
+    reader.append(threading.Thread(target=run))
+
+    async def main() -> None:
+        task = asyncio.ensure_future(asyncio.wait_for(sess.run_async(nap_then_rank, 0.3), 1))
+        await asyncio.sleep(0.1)  # sent, and asleep: the reader's run goes after it
+        reader[0].start()
+        with pytest.raises(asyncio.TimeoutError):
+            await task
+        await asyncio.get_running_loop().run_in_executor(None, reader[0].join, 10)
+
+    asyncio.run(main())
+    assert held == [True]  # the window was hit: the reader held the await's last reply
+    assert got == [[0, 1]]
+    monkeypatch.undo()
+    assert sess.run(unison.rank) == [0, 1]
+    sess.sync()

@@ -647,6 +647,59 @@ def test_stop_answers_the_batch_in_flight_as_well_as_the_queue() -> None:
     asyncio.run(asyncio.wait_for(main(), 20))
 
 
+@pytest.mark.timeout(90)
+def test_an_apps_stop_answers_a_batch_stuck_in_its_workers_with_503() -> None:
+    """The app's own shutdown (its lifespan's stop, 1 s) while a batch is in the real model,
+    its worker stopped (SIGSTOP): the request gets 503 ("shutting down"). Before, the request taken
+    off the queue for that batch was never answered (here: the post never returned)."""
+    from unison.serve.app import create_app
+    from unison.serve.config import ServeConfig
+
+    app = create_app(ServeConfig(tp=1))
+    batcher = app.state.batcher
+
+    async def main() -> Any:
+        async with app.router.lifespan_context(app):
+            while batcher.state != "ok":
+                assert batcher.state == "starting", batcher.state
+                await asyncio.sleep(0.05)
+            pids = batcher.pids
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                       base_url="http://app")
+            post = asyncio.ensure_future(client.post("/v1/embeddings",
+                                                     json={"model": MODEL, "input": "stuck"}))
+            deadline = time.monotonic() + 10
+            while True:  # taken off the queue: in the model, whose worker is stopped
+                doc = (await client.get("/health")).json()
+                if doc["in_flight"] == 1 and doc["queue"] == 0:
+                    break
+                assert time.monotonic() < deadline, doc
+                await asyncio.sleep(0.01)
+
+            async def resume_once_answered() -> None:  # so that the model's close is quick
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(post), 10)
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):  # (the close killed it)
+                        os.kill(pid, signal.SIGCONT)
+
+            resume = asyncio.ensure_future(resume_once_answered())
+        await resume
+        try:
+            return await asyncio.wait_for(post, 1)
+        except asyncio.TimeoutError:
+            raise AssertionError("the request of the batch in the model was never answered"
+                                 ) from None
+        finally:
+            await client.aclose()
+
+    reply = asyncio.run(main())
+    assert reply.status_code == 503, reply.text
+    assert "shutting down" in reply.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("bad", [{"window": math.inf}, {"window": math.nan},
                                  {"batch_timeout": math.inf}, {"batch_timeout": 0.0}])
 def test_a_batcher_refuses_a_window_or_timeout_that_cannot_work(bad: dict[str, float]) -> None:
