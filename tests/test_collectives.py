@@ -452,6 +452,38 @@ def test_the_torch_backend_refuses_what_torch_would_give_a_dtype_and_keeps_compl
         assert out[4] == 1 + 2j and out[5] == [1 + 2j, 3 - 1j], out
 
 
+def numpy_through_every_collective() -> tuple[bool, Any, list[np.ndarray]]:
+    """Numpy values through each collective: whether allreduce's out= returned that buffer,
+    the allreduce of a numpy scalar, and every array result, in order."""
+    r = unison.rank()
+    x = np.arange(4.0) + r
+    buf = np.empty(4)
+    into = unison.allreduce(x, out=buf) is buf
+    arrays = [unison.allreduce(x), buf, unison.allreduce(np.arange(3) + r, op="mean"),
+              *unison.allgather(x), unison.broadcast(x if r == 1 else None, src=1),
+              unison.scatter([np.full(2, 5.0), np.full(2, 6.0)] if r == 0 else None),
+              unison.reduce_scatter(x), *(unison.gather(x, dst=0) or [])]
+    return into, unison.allreduce(np.float64(r)), arrays
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_numpy_values_come_back_as_numpy_on_either_backend(shared, backend):
+    """With collectives="torch" a numpy array came back as a torch.Tensor from allreduce,
+    allgather, broadcast and reduce_scatter, and allreduce(x, out=buf) refused a numpy buf
+    ("out= must be ... Tensor"). Now numpy in, numpy out, as on shared memory."""
+    sess = backend_session(shared, 2, backend)
+    x0, x1 = np.arange(4.0), np.arange(4.0) + 1
+    total = x0 + x1
+    for r, (into, scalar, arrays) in enumerate(sess.run(numpy_through_every_collective,
+                                                        timeout=QUICK)):
+        assert into and type(scalar) is np.float64 and scalar == 1.0, (into, scalar)
+        want = [total, total, np.array([0.5, 1.5, 2.5]), x0, x1, x1, np.full(2, 5.0 + r),
+                total[2 * r:2 * r + 2], *([x0, x1] if r == 0 else [])]
+        assert len(arrays) == len(want), [type(a) for a in arrays]
+        for got, expected in zip(arrays, want):
+            assert_same(got, expected)
+
+
 def torch_broadcast_of_none() -> list[float]:
     import torch
 

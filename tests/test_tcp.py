@@ -145,6 +145,11 @@ def test_collectives_across_tcp_workers_go_through_torch(tcp_session):
     with pytest.raises(unison.WorkerError, match=r"different collectives|shapes") as info:
         sess.run(lambda: unison.allreduce(True if unison.rank() else 1))
     assert sorted(info.value.errors) == [0, 1, 2], info.value.errors
+    # numpy in, numpy out, as on shared memory (a torch.Tensor came back before 2026-12-06)
+    kinds = sess.run(lambda: [type(v).__name__ for v in (
+        unison.allreduce(np.ones(3)), unison.reduce_scatter(np.ones(3)),
+        unison.broadcast(np.ones(2) if unison.rank() == 1 else None, src=1))])
+    assert kinds == [["ndarray"] * 3] * 3, kinds
 
 
 def test_a_rank_that_left_a_call_early_never_meets_a_peer_in_its_next_call(tcp_session):

@@ -185,12 +185,6 @@ class ClusterCollectives(TorchCollectives):
             self._ready = True
         return dist
 
-    def reduce_scatter(self, x: Any, op: str, group: bool) -> Any:
-        full = self.allreduce(x, op, group, kind="reduce_scatter")
-        _, ranks = self.local.scope(group)
-        k = ranks.index(self.local.rank)
-        return full.tensor_split(len(ranks))[k].clone()
-
 
 def setup(spec: dict[str, Any], rank: int, n: int, groups: int
           ) -> tuple[ShmCollectives | None, ClusterCollectives | None, tuple[bool, bool]]:

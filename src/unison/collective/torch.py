@@ -13,6 +13,10 @@ others blocked in gloo or NCCL until their timeout; and a mismatch (a different 
 op, root, shape or dtype) raises CollectiveError on every rank instead of reaching gloo,
 which would abort the process.
 
+A numpy array (or scalar) comes back as numpy, as the shared-memory backend gives it: the
+CPU tensor's own memory (``Tensor.numpy()``, no copy), so ``allreduce(x, out=buf)`` takes a
+numpy ``buf`` too. broadcast's and scatter's receivers get the kind the source passed.
+
 Python ints and bools are no tensors: their allreduce moves the values as objects and
 reduces them with Python's own arithmetic, exact at any size, as the shared-memory backend
 does (an int64 tensor would wrap past 2**63, and a bool tensor sum as a logical or).
@@ -115,11 +119,15 @@ class TorchCollectives(Collectives):
         dist = self._dist()
         return dist, self._pg(dist, "nccl" if cuda else "gloo", group)
 
-    def allreduce(self, x: Any, op: str, group: bool, *, kind: str = "allreduce") -> Any:
-        """``kind`` names the collective this reduction serves, for the mismatch check."""
-        check_op(op)
-        if (type(x) is int or type(x) is bool) and kind == "allreduce":
+    def allreduce(self, x: Any, op: str, group: bool) -> Any:
+        if type(x) is int or type(x) is bool:
             return self._allreduce_python(x, op, group)
+        return _like(x, self._reduce(x, op, group, "allreduce"))
+
+    def _reduce(self, x: Any, op: str, group: bool, kind: str) -> Any:
+        """The reduction as a tensor (a Python float or complex for one); ``kind`` names
+        the collective it serves, for the mismatch check."""
+        check_op(op)
         t = _tensor(x)
         scalar = type(x) is float or type(x) is complex  # a Python number back, as shm gives
         dist, pg, ranks = self._enter(group, kind, [t], op=op)
@@ -140,6 +148,7 @@ class TorchCollectives(Collectives):
         tensor would wrap (and a bool tensor sum as a logical or). Their signature tells an
         int from a bool and from any tensor, so a rank that passes another kind raises
         CollectiveError on every rank at the arrival."""
+        check_op(op)
         dist, pg, ranks = self._enter(group, "allreduce", [], op=op,
                                       sig=PYTHON_SIGNATURES[type(x)])
         values: list[Any] = [None] * len(ranks)
@@ -147,17 +156,17 @@ class TorchCollectives(Collectives):
         return reduce_python(values, op)
 
     def reduce_scatter(self, x: Any, op: str, group: bool) -> Any:
-        full = self.allreduce(x, op, group, kind="reduce_scatter")  # gloo has none
+        full = self._reduce(x, op, group, "reduce_scatter")  # gloo has none
         _, ranks = self.local.scope(group)
         k = ranks.index(self.local.rank)
-        return full.tensor_split(len(ranks))[k].clone()
+        return _like(x, full.tensor_split(len(ranks))[k].clone())
 
     def allgather(self, x: Any, group: bool) -> list[Any]:
         t = _tensor(x)
         dist, pg, ranks = self._enter(group, "allgather", [t])
         out = [t.new_empty(t.shape) for _ in ranks]
         dist.all_gather(out, t.contiguous(), group=pg)
-        return out
+        return [_like(x, o) for o in out]
 
     def broadcast(self, x: Any, src: int, group: bool) -> Any:
         """The others' ``x`` is ignored and may be None (``sess.broadcast_from`` passes
@@ -169,12 +178,12 @@ class TorchCollectives(Collectives):
         src_rank = member(ranks, src, group, "src")
         mine = _tensor(x) if self.local.rank == src_rank else None
         like = self.local.broadcast(
-            None if mine is None else (tuple(mine.shape), mine.dtype, mine.is_cuda), src,
-            group, kind="broadcast", sig=TORCH_BROADCAST)
+            None if mine is None else (tuple(mine.shape), mine.dtype, mine.is_cuda, _kind(x)),
+            src, group, kind="broadcast", sig=TORCH_BROADCAST)
         if mine is not None:
             out = mine.clone()
         else:
-            shape, dtype, cuda = like
+            shape, dtype, cuda, _ = like
             device = (x.device if isinstance(x, torch.Tensor) and x.is_cuda == cuda
                       else torch.device("cuda", torch.cuda.current_device()) if cuda
                       else torch.device("cpu"))
@@ -182,32 +191,33 @@ class TorchCollectives(Collectives):
         # no second meeting: the first checked the call, and the shape is the source's
         dist, pg = self._group(group, out.is_cuda)
         dist.broadcast(out, src_rank, group=pg)
-        return out
+        return _as(like[3], out)  # the source's kind
 
     def scatter(self, xs: Sequence[Any] | None, src: int, group: bool) -> Any:
         _, ranks = self.local.scope(group)
         src_rank = member(ranks, src, group, "src")
         if self.local.rank == src_rank:
-            mine = [_tensor(v) for v in check_scatter_values(xs, len(ranks))]
-            like = mine[ranks.index(src_rank)]
+            values = check_scatter_values(xs, len(ranks))
+            mine = [_tensor(v) for v in values]
+            own = mine[ranks.index(src_rank)]
             for v in mine:  # gloo refuses it on the source alone, with the receivers
-                if v.shape != like.shape or v.dtype != like.dtype:  # inside its scatter:
+                if v.shape != own.shape or v.dtype != own.dtype:  # inside its scatter:
                     raise CollectiveError(  # they waited for its timeout (300 s)
                         f"the torch backend scatters values of one shape and dtype, and "
-                        f"these hold {tuple(v.shape)} {v.dtype} beside {tuple(like.shape)} "
-                        f"{like.dtype}: pad them to one shape, or send each with send()")
+                        f"these hold {tuple(v.shape)} {v.dtype} beside {tuple(own.shape)} "
+                        f"{own.dtype}: pad them to one shape, or send each with send()")
+            like = (own.shape, own.dtype, _kind(values[ranks.index(src_rank)]))
         else:
             like = None
         # the receivers learn the shape through shared memory, then torch moves the data;
         # sig tells this from the shared-memory scatter, where a session picks per value
-        like = self.local.broadcast(None if like is None else (like.shape, like.dtype), src, group,
-                                    kind="scatter", sig=TORCH_SCATTER)
+        like = self.local.broadcast(like, src, group, kind="scatter", sig=TORCH_SCATTER)
         import torch
 
         dist, pg, _ = self._enter(group, "scatter", [], root=src)
         out = torch.empty(like[0], dtype=like[1])
         dist.scatter(out, mine if self.local.rank == src_rank else None, src=src_rank, group=pg)
-        return out
+        return _as(like[2], out)  # the source's kind
 
     def gather(self, x: Any, dst: int, group: bool) -> list[Any] | None:
         t = _tensor(x)
@@ -215,7 +225,7 @@ class TorchCollectives(Collectives):
         dist, pg, ranks = self._enter(group, "gather", [t], root=dst)
         out = [t.new_empty(t.shape) for _ in ranks] if self.local.rank == dst_rank else None
         dist.gather(t.contiguous(), out, dst=dst_rank, group=pg)
-        return out
+        return None if out is None else [_like(x, o) for o in out]
 
     def begin(self, call_id: int, ranks: tuple[int, ...] | None) -> None:
         self.local.begin(call_id, ranks)
@@ -231,6 +241,27 @@ class TorchCollectives(Collectives):
 
     def recv(self, src: int) -> Any:
         return self.local.recv(src)
+
+
+def _kind(x: Any) -> str:
+    """"array" for a numpy array, "scalar" for a numpy scalar, else "" (numpy is imported
+    wherever one exists)."""
+    np = sys.modules.get("numpy")
+    if np is None:
+        return ""
+    return "array" if type(x) is np.ndarray else "scalar" if isinstance(x, np.generic) else ""
+
+
+def _as(kind: str, out: Any) -> Any:
+    """A result tensor as ``kind`` (``_kind``) says: numpy for numpy, as the shared-memory
+    backend gives it (the tensor's own memory: it is on the CPU, as torch.as_tensor made
+    it); else unchanged."""
+    return out.numpy() if kind == "array" else out.numpy()[()] if kind == "scalar" else out
+
+
+def _like(x: Any, out: Any) -> Any:
+    """A result tensor as the kind ``x`` was (``_as``)."""
+    return _as(_kind(x), out)
 
 
 def _tensor(x: Any) -> Any:
