@@ -379,6 +379,24 @@ def test_a_bad_request_gets_a_4xx_json_error(server: Server, why: str, body: Any
     assert error["code"] == code and error["message"] and error["type"]
 
 
+def test_another_model_gets_404_model_not_found_as_from_openai(server: Server) -> None:
+    """A request for another model (``"gpt"``) got 200 and this model's embeddings. Now 404
+    with OpenAI's error (the official client raises NotFoundError); the model's
+    sentence-transformers name is this model."""
+    reply = post(server.url, {"model": "text-embedding-3-small", "input": "x"})
+    assert reply.status_code == 404, reply.text[:300]
+    error = reply.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error", "model", "model_not_found"), error
+    assert "text-embedding-3-small" in error["message"] and MODEL in error["message"]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.embeddings.create(model="gpt", input="x")
+    for name in (f"sentence-transformers/{MODEL}", None):
+        body = {"input": "x"} if name is None else {"model": name, "input": "x"}
+        assert post(server.url, body).status_code == 200, name
+
+
 def test_bad_routes_and_methods_get_json_errors_and_nothing_breaks(
         server: Server, reference: dict[str, np.ndarray]) -> None:
     for method, path, status in [("GET", "/v1/embeddings", 405), ("GET", "/nowhere", 404),

@@ -17,7 +17,11 @@ modules that need them.
 
 from __future__ import annotations
 
-__all__ = ["MODEL_NAME"]
+__all__ = ["MODEL_NAME", "MODEL_NAMES"]
 
 MODEL_NAME = "all-MiniLM-L6-v2"
-"""The model the server names in its replies (the ``model`` of a request is not checked)."""
+"""The model the server names in its replies."""
+MODEL_NAMES = (MODEL_NAME, f"sentence-transformers/{MODEL_NAME}")
+"""What a request's ``model`` may say (its sentence-transformers name too); another name gets
+404 model_not_found, as from OpenAI, so a client never takes these embeddings for another
+model's. A request without ``model`` is served."""

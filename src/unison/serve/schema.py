@@ -1,12 +1,13 @@
 """The OpenAI embeddings API, as far as this server speaks it: the request checked, the reply
 built, and errors in OpenAI's shape.
 
-    POST /v1/embeddings  {"input": "text" | ["text", ...], "model": "...",
+    POST /v1/embeddings  {"input": "text" | ["text", ...], "model": MODEL_NAMES (or none),
                           "encoding_format": "float" | "base64", "dimensions": 384, "user": ...}
     200  {"object": "list", "model": ..., "data": [{"object": "embedding", "index": i,
           "embedding": [...] | "<base64 of little-endian float32>"}],
           "usage": {"prompt_tokens": n, "total_tokens": n}}
     4xx/5xx  {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+             (another model: 404, code "model_not_found", as OpenAI answers)
 
 The official ``openai`` client asks for base64 unless told otherwise (and decodes it), so both
 encodings are served. Token-id inputs (lists of ints) are refused: they would be ids of
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from unison.serve import MODEL_NAMES
 
 __all__ = ["APIError", "EmbeddingRequest", "embedding_reply", "error_body", "parse_request"]
 
@@ -105,6 +108,10 @@ def parse_request(body: bytes, *, max_inputs: int, dimensions: int) -> Embedding
     model = doc.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad(f"'model' must be a string, not {_kind(model)}", "model")
+    if model is not None and model not in MODEL_NAMES:
+        raise APIError(404, f"The model {model!r} does not exist: this server serves "
+                       f"{' or '.join(map(repr, MODEL_NAMES))}", param="model",
+                       code="model_not_found")
     fmt = doc.get("encoding_format", "float")
     if fmt is None:
         fmt = "float"
