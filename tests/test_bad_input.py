@@ -23,13 +23,13 @@ def echo(*args, **kwargs):
 
 @pytest.mark.parametrize("n", [0, -1])
 def test_num_workers_below_one_is_a_value_error(n):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"num_workers must be at least 1, got {n}"):
         unison.Session(n)
 
 
 @pytest.mark.parametrize("n", [2.0, "2", None, True])
 def test_num_workers_that_is_not_an_int_is_a_type_error(n):
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="num_workers must be an int"):
         unison.Session(n)
 
 
@@ -46,27 +46,30 @@ def test_num_workers_past_the_bound_is_a_value_error_at_once_and_leaks_nothing(n
     assert open_fds() == before
 
 
-@pytest.mark.parametrize("n, groups", [(4, 3), (3, 2), (2, 0), (2, -1)])
-def test_num_workers_not_divisible_by_num_groups_is_a_value_error(n, groups):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("n, groups, said", [
+    (4, 3, "divisible by num_groups"), (3, 2, "divisible by num_groups"),
+    (2, 0, "num_groups must be at least 1"), (2, -1, "num_groups must be at least 1"),
+])
+def test_num_workers_not_divisible_by_num_groups_is_a_value_error(n, groups, said):
+    with pytest.raises(ValueError, match=said):
         unison.Session(n, num_groups=groups)
 
 
 def test_an_unknown_launcher_is_a_value_error():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown launcher 'no-such-launcher': use one of"):
         unison.Session(1, launcher="no-such-launcher")
 
 
-@pytest.mark.parametrize("kw", [
-    {"env": {5: {"A": "1"}}},
-    {"cpu_affinity": {7: [0]}},
-    {"cpu_affinity": {0: [4096]}},  # a CPU this machine lacks
-    {"cpu_affinity": {0: []}},
+@pytest.mark.parametrize("kw, said", [
+    ({"env": {5: {"A": "1"}}}, r"env has key 5, which is not a rank in 0\.\.1"),
+    ({"cpu_affinity": {7: [0]}}, r"cpu_affinity has key 7, which is not a rank in 0\.\.1"),
+    ({"cpu_affinity": {0: [4096]}}, "cannot use"),  # a CPU this machine lacks
+    ({"cpu_affinity": {0: []}}, "cannot use"),
 ])
-def test_settings_for_a_rank_that_does_not_exist_are_a_value_error_and_leak_nothing(kw):
+def test_settings_for_a_rank_that_does_not_exist_are_a_value_error_and_leak_nothing(kw, said):
     gc.collect()
     before = open_fds()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=said):
         unison.Session(2, **kw)
     gc.collect()
     leaked = open_fds() - before
@@ -280,7 +283,8 @@ def test_inline_worker0_that_is_not_a_bool_is_a_type_error(value):
 @pytest.mark.parametrize("env", [{0: "A=1"}, {0: ["A", "1"]}, {0: None}, {"0": {"A": "1"}}])
 def test_env_values_that_are_not_mappings_are_refused_before_any_worker_starts(env):
     before = open_fds()
-    with pytest.raises((TypeError, ValueError)):
+    with pytest.raises((TypeError, ValueError),
+                       match=r"must be a dict of environment variables|env has key '0'"):
         unison.Session(2, env=env)
     gc.collect()
     assert not open_fds() - before

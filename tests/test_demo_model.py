@@ -181,6 +181,9 @@ def test_layout_flags() -> None:
     for bad in [(5, None, 2), (4, 3, 1), (None, None, 0)]:
         with pytest.raises(ValueError):
             layout(*bad)
+    # no --workers given: the message names the default, not a flag the user never gave
+    with pytest.raises(ValueError, match=r"the default of 2 workers \(--workers not given\)"):
+        layout(None, None, 3)
 
 
 def test_replicas_get_about_equal_tokens() -> None:

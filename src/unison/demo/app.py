@@ -68,7 +68,10 @@ def layout(workers: int | None, tp: int | None, dp: int) -> tuple[int, int]:
     if tp is None:
         total = 2 if workers is None else workers
         if total < dp or total % dp:
-            raise ValueError(f"--workers {total} cannot be split into --dp {dp} equal replicas")
+            given = (f"--workers {total}" if workers is not None else
+                     f"the default of {total} workers (--workers not given)")
+            raise ValueError(f"{given} cannot be split into --dp {dp} equal replicas: give "
+                             f"--workers as a multiple of {dp}, or --tp")
         tp = total // dp
     elif workers is not None and workers != tp * dp:
         raise ValueError(f"--workers {workers} but --tp {tp} x --dp {dp} = {tp * dp}")

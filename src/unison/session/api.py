@@ -204,20 +204,36 @@ class Session(View):
         hang_timeout: float | None = None,
         inline_worker0: bool = False,
     ) -> None:
-        """``launcher`` is "local" or a Launcher instance. ``send_timeout`` bounds how long
-        ``call``, ``put`` and ``scatter`` may block when the workers fall behind and the
-        command queue is full (TimeoutError; nothing of that message was sent). ``trace``
-        records a timeline of every call from now until close(), written there in the
-        Chrome/Perfetto trace format (see ``trace()``). With ``hang_timeout``, a wait whose
-        workers make no progress (use no CPU, as /proc shows it for the workers on this
-        host) for that many seconds raises unison.HangError, saying where each worker is
-        (docs/debugging.md).
-        ``inline_worker0`` runs worker 0's share in this process, in the thread that sends
-        each call, as Disco does: one process fewer on the cores (the fastest round trip),
-        for worker 0's failure isolation (unison.launch.inline says what it gives up).
-        ``cpu_affinity``: True pins worker r to one CPU, round robin; a dict as given;
-        False never; None holds local workers one to a CPU only where the session's
-        processes outnumber the CPUs, until the machine looks crowded (unison.placement)."""
+        """Start the workers.
+
+        num_workers: how many worker processes (ranks 0..num_workers-1).
+        num_groups: split them into this many equal groups (it must divide num_workers),
+            for ``group=True`` collectives (tensor parallel inside a group, data parallel
+            across them).
+        launcher: "local" (processes on this host), "ray" (Ray actors, docs/cluster.md),
+            "connect" (workers started with ``unison worker --connect``), or a
+            unison.launch.Launcher instance.
+        channel: "auto" (shared memory where the platform has it, else pipes), "shm" or
+            "pipe".
+        env: {rank: {"NAME": "value"}}, environment variables set for those workers.
+        cpu_affinity: True pins worker r to one CPU, round robin; {rank: [cpus]} as given;
+            False never; None holds local workers one to a CPU only where the session's
+            processes outnumber the CPUs, until the machine looks crowded (unison.placement).
+        collectives: "shm" (shared memory) or "torch" (torch.distributed: gloo, NCCL for
+            CUDA tensors; across hosts, the only ones).
+        start_timeout: seconds the workers may take to start (TimeoutError; what started
+            is stopped).
+        send_timeout: how long ``call``, ``put`` and ``scatter`` may block when the workers
+            fall behind and the command queue is full (TimeoutError; nothing of that
+            message was sent).
+        trace: a path: a timeline of every call from now until close(), written there in
+            the Chrome/Perfetto trace format (see ``trace()``).
+        hang_timeout: a wait whose workers make no progress (use no CPU, as /proc shows it
+            for the workers on this host) for that many seconds raises unison.HangError,
+            saying where each worker is (docs/debugging.md).
+        inline_worker0: run worker 0's share in this process, in the thread that sends each
+            call, as Disco does: one process fewer on the cores (the fastest round trip),
+            for worker 0's failure isolation (unison.launch.inline says what it gives up)."""
         check_not_loading()  # a module that opens a session at import, in a worker
         checks.check_sizes(num_workers, num_groups)
         if not isinstance(inline_worker0, bool):  # "no" would be true
