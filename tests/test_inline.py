@@ -86,6 +86,21 @@ def test_worker_0_is_this_process_and_results_are_right(inline: Callable[..., un
     assert sess[1:].run(add, 1, 2) == [3, 3]
 
 
+def test_who_this_is_answers_only_inside_worker_0s_calls(
+        inline: Callable[..., unison.Session]) -> None:
+    """While an inline session was open, unison.rank() anywhere in the controller said 0
+    (and world_size() N), where it should raise as without a session."""
+    sess = inline(2, num_groups=2)
+    asks = (unison.rank, unison.world_size, unison.group, unison.group_rank,
+            unison.group_size)
+    for _ in range(2):  # before any call, and after one
+        for ask in asks:
+            with pytest.raises(RuntimeError, match="only works inside a function that a "
+                                                   "unison worker runs"):
+                ask()
+        assert sess.run(lambda: [ask() for ask in asks]) == [[0, 2, 0, 0, 1], [1, 2, 1, 0, 1]]
+
+
 def test_data_in_and_out_and_frees(inline: Callable[..., unison.Session]) -> None:
     sess = inline(2)
     big = np.arange(1 << 20, dtype=np.float64)  # 8 MiB: through the arena

@@ -29,7 +29,8 @@ What worker 0 gives up, and why it is opt-in (docs/architecture.md):
 * Ctrl-C in its call is Ctrl-C in the controller: KeyboardInterrupt, the session closed.
 
 One such session per process at a time: worker 0's registers and identity are the
-``unison.worker`` module's, as in a worker process.
+``unison.worker`` module's, as in a worker process (its identity only while it runs what
+it was sent: ``unison.rank()`` elsewhere in the controller raises, as without a session).
 """
 
 from __future__ import annotations
@@ -157,7 +158,9 @@ class _InlineWorker:
         self._fds = [os.dup(fd) for fd in spec.fds]
         try:
             spec = spec.with_fds(self._fds)
-            worker._identity.update(
+            # unison.rank() and friends answer inside worker 0's calls only (pump sets them):
+            # elsewhere in the controller they raise, as in any process that is no worker
+            self._identity = dict(
                 rank=spec.rank, world_size=spec.world_size, group=spec.group,
                 group_rank=spec.group_rank, group_size=spec.group_size)
             # its collectives run in the controller's thread, so no controller wait sees a
@@ -179,6 +182,7 @@ class _InlineWorker:
     def pump(self, deadline: float | None = None) -> None:
         if self._coll is not None:
             self._coll.give_up_at = deadline
+        worker._identity.update(self._identity)
         try:
             worker.serve(self._chan, self._coll, self._board, self._loop, self._chan.poll,
                          interrupts=True)
@@ -187,6 +191,7 @@ class _InlineWorker:
                 self._chan.settle()  # or a sync with no timeout would wait for it for ever
             raise
         finally:
+            worker._identity.clear()
             if self._coll is not None:
                 self._coll.give_up_at = None
 
