@@ -353,6 +353,34 @@ def test_one_inline_session_per_process(inline: Callable[..., unison.Session]) -
     assert inline(2).run(unison.rank) == [0, 1]
 
 
+def open_inline_inside() -> tuple[int, str]:
+    """What a worker's function gets from Session(2, inline_worker0=True), and its rank after."""
+    try:
+        unison.Session(2, inline_worker0=True).close()
+        why = "opened"
+    except RuntimeError as exc:
+        why = str(exc)
+    return unison.rank(), why
+
+
+def test_an_inline_session_inside_a_worker_is_refused(make_session) -> None:
+    """Opened inside a worker's function, an inline session took over that worker's state:
+    its rank (worker 1's rank() said 0), its Refs (the inner put overwrote the outer Ref's
+    register) and its collectives; after its close, rank() raised there."""
+    outer = make_session(2)
+    kept = outer.put("outer value")
+    got = outer.run(open_inline_inside, timeout=60)
+    assert [rank for rank, _ in got] == [0, 1]
+    for _, why in got:
+        assert "inside a function that a unison worker runs" in why
+        assert "open Session(n) without inline_worker0" in why
+    assert kept.gather(timeout=30) == ["outer value"] * 2
+    assert outer.run(unison.rank, timeout=30) == [0, 1]
+    # worker 0 inline is a unison worker too: the same refusal inside its calls
+    sess = make_session(2, inline_worker0=True)
+    assert [why for _, why in sess.run(open_inline_inside, timeout=60)] == [got[0][1]] * 2
+
+
 @pytest.mark.parametrize("kw, match", [
     ({"env": {0: {"A": "1"}}}, "env\\[0\\]"),
     ({"cpu_affinity": True}, "cpu_affinity"),

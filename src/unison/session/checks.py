@@ -252,9 +252,17 @@ def values_per_worker(values: object, what: str) -> list[Any]:
 
 
 def inline_worker0(n: int, launcher: object, channel: str, collectives: str) -> None:
-    """What ``inline_worker0=True`` needs: local workers on shared memory."""
+    """What ``inline_worker0=True`` needs: local workers on shared memory, and a process
+    that is no unison worker (RuntimeError: worker 0 would take over that worker's own)."""
     from unison import channel as channels
+    from unison import worker
 
+    if worker._identity:  # set for a worker process's life (and inside inline worker 0's calls)
+        raise RuntimeError(
+            "Session(inline_worker0=True) inside a function that a unison worker runs: "
+            "worker 0's Refs, rank and collectives would be this worker's own, and the "
+            "outer session's would be lost. Inside a unison worker, open Session(n) "
+            "without inline_worker0")
     if launcher != "local":
         raise ValueError("inline_worker0 runs worker 0 in this process: it needs the local "
                          "launcher (launcher='local'), not workers elsewhere")
