@@ -562,3 +562,66 @@ def test_a_sync_from_one_thread_waits_for_worker_0s_call_in_another(make_session
     finally:
         t.join(30)
     assert sess.run(abs, -3) == [3, 3]
+
+
+RELEASE = threading.Event()
+
+
+def wait_for_release() -> bool:
+    return RELEASE.wait(30)
+
+
+def test_a_close_from_another_thread_does_not_wait_for_worker_0s_call(
+        inline: Callable[..., unison.Session]) -> None:
+    """close(timeout=0.5) from one thread while another's call ran in worker 0 waited for
+    that whole call (worker 0's lock, then the send lock its thread held)."""
+    sess = inline(2)
+    pid = sess._pids[1]
+    got: list[object] = []
+
+    def call() -> None:
+        try:
+            got.append(sess[0].run(wait_for_release))
+        except unison.SessionClosed as exc:
+            got.append(exc)
+
+    RELEASE.clear()
+    t = threading.Thread(target=call)
+    t.start()
+    try:
+        launcher = sess._res.launcher
+        deadline = time.monotonic() + 10
+        while not launcher._pumping:  # (until worker 0's call runs in that thread)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        sess.close(timeout=0.5)
+        assert time.monotonic() - t0 < 1.5
+        wait_dead(pid, 1.0)  # the processes are stopped as ever
+        assert t.is_alive()  # worker 0's call goes on
+    finally:
+        RELEASE.set()
+        t.join(30)
+    assert len(got) == 1 and isinstance(got[0], unison.SessionClosed)
+    # worker 0 let go of all it held once its call returned (the fixture counts the fds):
+    # another inline session may open
+    assert inline(2).run(unison.rank) == [0, 1]
+
+
+def test_the_exit_does_not_wait_for_worker_0s_call_in_a_daemon_thread(controller) -> None:
+    """At the interpreter's exit, atexit's close(timeout=1.0) waited for a call running in
+    worker 0 in a daemon thread (15 s of a sleep; for ever for a serving loop)."""
+    proc = controller("""
+        import os, threading, time
+        import unison
+
+        sess = unison.Session(2, inline_worker0=True)
+        threading.Thread(target=sess.run, args=(time.sleep, 60), daemon=True).start()
+        time.sleep(0.5)
+        print(sess._pids[1], flush=True)
+    """)
+    t0 = time.monotonic()
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert time.monotonic() - t0 < 10, err
+    wait_dead(int(out.split()[0]), 2.0)

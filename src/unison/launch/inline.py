@@ -67,8 +67,8 @@ class InlineLauncher(Launcher):
         self._chan = chan
         self._worker: _InlineWorker | None = None
         self._lock = threading.RLock()  # pump() from several threads: one loop at a time
-        self._pumping = 0  # the thread inside worker 0's call, if any (re-entrant for stop():
-        # a signal handler's close, in pump)
+        self._pumping = 0  # the thread inside worker 0's call, if any (stop() leaves the
+        # end of worker 0 to it: a signal handler's close in its call, or another thread's)
         self._closing = False
 
     def start(self, specs: Sequence[WorkerSpec], env: Mapping[int, Mapping[str, str]]) -> None:
@@ -109,8 +109,12 @@ class InlineLauncher(Launcher):
                     self._worker.pump(deadline)
             finally:
                 self._pumping = 0
-                if self._closing:  # stop() came from inside worker 0's call (below)
+                if self._closing:  # stop() came during worker 0's call (below)
                     self._end(run_rest=False)
+
+    def in_call_elsewhere(self) -> bool:
+        """Whether another thread is inside worker 0's call now."""
+        return self._pumping not in (0, threading.get_ident())
 
     def watch_fds(self) -> list[int]:
         return self._rest.watch_fds()
@@ -130,12 +134,22 @@ class InlineLauncher(Launcher):
         try:
             self._rest.stop(grace)
         finally:
-            with self._lock:
-                if self._pumping == threading.get_ident():  # this thread is inside worker
-                    # 0's call (a signal handler's close): pump closes it once that returns
-                    self._closing = True
-                else:
-                    self._end(run_rest=True)
+            self._stop_worker_0()
+
+    def _stop_worker_0(self) -> None:
+        """Close worker 0 now, unless a thread is inside its call (this one: a signal
+        handler's close; or another): pump closes it once that call returns, so a close
+        never waits for as long as worker 0's call runs."""
+        self._closing = True  # set before _pumping is read: pump reads them the other way
+        # round, so one of the two sees the other's
+        while not self._lock.acquire(timeout=0.01):
+            if self._pumping:  # another thread is inside worker 0's call
+                return
+        try:
+            if self._pumping != threading.get_ident():
+                self._end(run_rest=True)
+        finally:
+            self._lock.release()
 
     def _end(self, run_rest: bool) -> None:
         """Close worker 0 (caller holds the lock); ``run_rest``: what the ring still holds

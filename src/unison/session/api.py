@@ -527,7 +527,10 @@ class Session(View):
                 goodbye = None
             finally:
                 self._send_lock.release()
-        locks = _Both(self._send_lock, router.recv_lock)
+        # a thread inside worker 0's inline call holds the send lock for that call's length;
+        # it is in no send (its message went), and raises SessionClosed once its call returns
+        locks = _Both(self._send_lock, router.recv_lock, None if self._pump is None else
+                      self._res.launcher.in_call_elsewhere)  # type: ignore[attr-defined]
         self._waits.close()  # an event loop stops watching fds that are about to close
         # once the workers are gone, a sender still inside the channel fails out at once
         try:
@@ -1461,18 +1464,31 @@ class Session(View):
 
 
 class _Both:
-    """Two locks taken together, in order, as one context."""
+    """Two locks taken together, in order, as one context; the first is let be while
+    ``unless()`` says so (looked at every 10 ms while it is held elsewhere)."""
 
-    def __init__(self, first: threading.RLock, second: threading.RLock) -> None:
-        self._first, self._second = first, second
+    def __init__(self, first: threading.RLock, second: threading.RLock,
+                 unless: Callable[[], bool] | None = None) -> None:
+        self._first, self._second, self._unless = first, second, unless
+        self._took = False
 
     def __enter__(self) -> None:
-        self._first.acquire()
+        self._took = self._take_first()
         self._second.acquire()
+
+    def _take_first(self) -> bool:
+        unless = self._unless
+        if unless is None:
+            return self._first.acquire()
+        while not self._first.acquire(timeout=0.01):
+            if unless():
+                return False
+        return True
 
     def __exit__(self, *exc: object) -> None:
         self._second.release()
-        self._first.release()
+        if self._took:
+            self._first.release()
 
 
 def _sync_request(floor: int, ranks: tuple[int, ...]) -> Request:
