@@ -116,6 +116,37 @@ def test_each_worker_shows_where_it_is_stuck(make_session):
     del ref
 
 
+def test_a_call_of_a_c_function_is_inside_the_call_not_between_calls(make_session):
+    """A call's function that is itself C (time.sleep, hashlib.pbkdf2_hmac) has no frame:
+    the loop's line that called it is innermost, and a timeout's report said "worker 0 is
+    in its loop, between calls"."""
+    sess = make_session(2)
+    with pytest.raises(TimeoutError) as info:
+        sess.run(time.sleep, 60, timeout=0.5)
+    text = str(info.value)
+    for r in (0, 1):
+        assert f"worker {r} is inside the call's function, in C code" in text, text
+    assert "between calls" not in text
+    ref = sess.call(hashlib.pbkdf2_hmac, "sha256", b"x", b"y", 10**9)
+    with pytest.raises(TimeoutError, match="worker 0 is inside the call's function, in C"):
+        ref.get(timeout=0.5)
+
+
+def test_the_loop_lines_told_apart_are_its_calls_and_its_receive() -> None:
+    """where() tells a C call's function from the wait for a command by the loop's line:
+    those read from its code are the lines of worker.py that say so."""
+    with open(os.path.join(os.path.dirname(unison.__file__), "worker.py")) as f:
+        source = f.read().splitlines()
+    first = unison.worker.serve.__code__.co_firstlineno
+    end = next(i for i in range(first, len(source)) if source[i].startswith("def "))
+    lines = {i + 1: source[i].strip() for i in range(first - 1, end)}
+    calls, receive = debug_stacks._loop_lines()
+    assert calls == {n for n, text in lines.items() if text.startswith("value = fn(")}
+    assert len(calls) == 6
+    assert receive == {n for n, text in lines.items() if text == "got = recv()"}
+    assert len(receive) == 1
+
+
 @pytest.mark.parametrize("ring", ["default", "pure"])
 def test_a_view_asks_only_its_workers_and_an_idle_worker_says_so(make_session, ring):
     """"pure": the workers run the pure-Python ring, whose loop calls ``_recv`` (bound over

@@ -26,14 +26,17 @@ Frames are listed innermost first (the most recent call first), as faulthandler 
 from __future__ import annotations
 
 import dataclasses
+import dis
 import faulthandler
 import fcntl
+import functools
 import os
 import re
 import signal
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from types import CodeType
 from typing import NamedTuple
 
 __all__ = ["SIGNAL", "Frame", "Stacks", "ThreadStack", "WorkerStacks", "collect", "install"]
@@ -361,8 +364,15 @@ def where(stacks: WorkerStacks, depth: int = 3) -> str:
     if main is None or not main.frames:
         return f"worker {stacks.rank}: no Python frame in its main thread"
     frames = call_frames(main.frames)
-    if not frames:
-        return f"worker {stacks.rank} is in its loop, between calls"
+    if not frames:  # the loop is the innermost Python frame: in a C function it called
+        calls, receive = _loop_lines()
+        loop = main.frames[0]
+        if loop.line in calls:
+            return (f"worker {stacks.rank} is inside the call's function, in C code (no "
+                    "Python frame of its own: a builtin such as time.sleep)")
+        if loop.line in receive:
+            return f"worker {stacks.rank} is in its loop, between calls"
+        return f"worker {stacks.rank} is in unison's own code, at {loop}"
     first = next((i for i, f in enumerate(frames) if not is_unison(f)), None)
     if first is None:
         entry = frames[-1]  # what the loop called: waiting for a command is being idle
@@ -387,6 +397,33 @@ def call_frames(frames: list[Frame]) -> list[Frame]:
         if f.function == "serve" and f.file == _WORKER_FILE:
             return frames[:i]
     return frames
+
+
+@functools.cache
+def _loop_lines() -> tuple[frozenset[int], frozenset[int]]:
+    """The lines of the worker's loop (serve) that call the call's function (``value =
+    fn(...)``), and the one that waits for the next command (``got = recv()``): read once,
+    in the controller, from the loop's code (the workers pay nothing for it)."""
+    from unison import worker  # (it imports this module)
+
+    code = worker.serve.__code__
+    return _lines(code, "fn", "value"), _lines(code, "recv", "got")
+
+
+def _lines(code: CodeType, load: str, store: str) -> frozenset[int]:
+    """The lines of ``code`` that both read the local ``load`` and set the local ``store``."""
+    line_of = {}
+    for start, end, line in code.co_lines():
+        for offset in range(start, end, 2):
+            line_of[offset] = line
+    loads, stores = set(), set()
+    for ins in dis.get_instructions(code):
+        names = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
+        if "LOAD_FAST" in ins.opname and load in names:
+            loads.add(line_of.get(ins.offset))
+        if "STORE_FAST" in ins.opname and store in names:
+            stores.add(line_of.get(ins.offset))
+    return frozenset(line for line in loads & stores if line is not None)
 
 
 def report(stacks: Stacks, ranks: Sequence[int]) -> str:
