@@ -235,6 +235,27 @@ def test_a_process_that_is_not_a_worker_is_never_signalled():
         proc.wait()
 
 
+def test_a_worker_that_exited_unreaped_is_said_to_have_exited(make_session):
+    """A worker that exited while its keeper was stopped stays a zombie, whose fds are
+    gone: it was called "not a unison worker of that rank"."""
+    sess = make_session(2)
+    pid = sess._pids[1]
+    with open(f"/proc/{pid}/stat") as f:
+        keeper = int(f.read().rsplit(")", 1)[1].split()[1])
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not debug_stacks._state(pid).startswith("Z"):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        got = sess[1].stacks(timeout=2.0)
+        assert got[1].error == ("not available: it has exited; its keeper has not reported "
+                                "it (is the keeper stopped?)"), got[1].error
+    finally:
+        os.kill(keeper, signal.SIGCONT)
+
+
 def test_stacks_after_close_raise(make_session):
     sess = make_session(1)
     sess.close()

@@ -259,6 +259,9 @@ def find(rank: int, pid: int) -> tuple[str, str]:
             continue
         if link.startswith(want):
             return name, link
+    if _state(pid).startswith("Z"):  # a zombie has no fds left: it was a worker, maybe
+        return "", ("not available: it has exited; its keeper has not reported it (is the "
+                    "keeper stopped?)")
     return "", ("not available: its process on this host is not a unison worker of that "
                 "rank (a worker on another host has no stacks to read from here)")
 
