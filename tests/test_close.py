@@ -175,6 +175,18 @@ def test_close_stops_a_long_call_after_the_grace_period(sess, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("grace", [1e10, sys.maxsize, 1e300])
+def test_close_with_a_grace_past_what_a_lock_waits_stops_the_workers(sess, tmp_path, grace):
+    """A grace past threading.TIMEOUT_MAX (some 292 years) raised OverflowError from the
+    send lock's acquire after the session was marked closed: later closes returned at once
+    and the workers lived until the controller exited (an audit, 2026-12-07)."""
+    pids = sess.run(os.getpid)
+    sess.call(write_after, str(tmp_path), 0.2)
+    sess.close(timeout=grace)
+    assert sorted(os.listdir(tmp_path)) == ["worker-0", "worker-1"]  # a grace all the same
+    assert wait_gone(pids, 2.0) == []
+
+
 def test_close_from_another_thread_wakes_a_waiter_with_session_closed(sess):
     ref = sess.call(write_after, "/nonexistent", 30)
     outcome = {}

@@ -3,6 +3,7 @@ later calls queue behind it, the Ref stays valid and the session stays usable.""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -250,6 +251,31 @@ def test_bad_timeouts_are_refused_before_anything_changes(sess):
     assert ref.gather(timeout=np.float32(5)) == [0, 1]
     assert ref.get(timeout=np.int64(5)) == 0
     assert sess.run(unison.rank) == [0, 1]
+
+
+def test_a_timeout_past_a_floats_range_is_no_deadline(sess):
+    """``timeout=10**400`` is longer than any wait, as inf is: it raised a bare "int too
+    large to convert to float", naming no parameter (an audit, 2026-12-07)."""
+    huge = 10**400
+    ref = sess.call(slow, 0.1)
+    assert [r for r, _ in ref.gather(timeout=huge)] == [0, 1]
+    assert ref.get(timeout=huge)[0] == 0
+    sess.call(slow, 0.1)
+    assert sess.sync(timeout=huge) is None
+    assert [r for r, _ in sess.run(slow, 0.1, timeout=huge)] == [0, 1]
+
+    async def waits():
+        assert [r for r, _ in await sess.run_async(slow, 0.1, timeout=huge)] == [0, 1]
+        assert [r for r, _ in await sess.call(slow, 0.1).gather_async(timeout=huge)] == [0, 1]
+        sess.call(slow, 0.1)
+        await sess.sync_async(timeout=huge)
+
+    asyncio.run(waits())
+    with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
+        sess.sync(timeout=-huge)
+    with pytest.raises(ValueError, match="finite"):  # as for inf: a close must end
+        sess.close(timeout=huge)
+    assert not sess.closed
 
 
 def test_bad_session_timeouts_are_refused_before_any_worker_starts(make_session):

@@ -10,10 +10,14 @@ __all__ = ["deadline", "seconds"]
 
 
 def seconds(value: object, name: str) -> float:
-    """A number of seconds, checked: a real number, not NaN, not negative (inf is allowed)."""
+    """A number of seconds, checked: a real number, not NaN, not negative (inf is allowed,
+    and so is an int past a float's range, such as 10**400: it is inf)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number of seconds or None, got {type(value).__name__}")
-    seconds = float(value)
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int past a float's range: longer than any wait, as inf
+        seconds = -math.inf if value < 0 else math.inf
     if math.isnan(seconds) or seconds < 0:
         raise ValueError(f"{name} must be a number of seconds >= 0 or None, got {value!r}")
     return seconds

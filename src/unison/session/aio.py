@@ -23,12 +23,14 @@ sync; so with an await left pending on a loop that was then closed, once its rep
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from unison.channel import Channel
+from unison.deadline import seconds
 from unison.pacing import SPIN, spin
 from unison.session.router import Request, Router
 
@@ -91,8 +93,8 @@ class Waits:
             self._suspend()
             slept = True
             router.poll(clear=False)  # what came before the workers saw the flag
-            if timeout is None:
-                await fut
+            if timeout is None or seconds(timeout, "timeout") == math.inf:  # (checked
+                await fut  # before the send: 10**400 is inf too, past what wait_for takes)
             else:
                 await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:

@@ -89,6 +89,10 @@ _BUSY_COLLECT_S = 1.0
 which may never end (one that timed out), so the controller's half is written without them."""
 _FAILED_COLLECT_S = 0.1
 """The same where the trace's block is left on an error: the error is not held up."""
+_GRACE_MAX = threading.TIMEOUT_MAX / 2
+"""The longest grace close() waits (some 146 years): a longer one would overflow the lock's
+and the relay thread's waits (``OverflowError`` past threading.TIMEOUT_MAX), after the
+session was marked closed; half of it, as the waits add the time spent."""
 _names = itertools.count()
 _live: weakref.WeakSet[Session] = weakref.WeakSet()
 
@@ -454,6 +458,7 @@ class Session(View):
         grace = _seconds(timeout, "timeout")
         if grace == math.inf:
             raise ValueError("close(timeout=...) needs a finite number of seconds")
+        grace = min(grace, _GRACE_MAX)
         if (self._tracer is not None and not self._closed and self._dead is None
                 and not (_owned(self._send_lock) or _owned(self._router.recv_lock))):
             # Session(trace=...): the workers' events, then the file; bounded by the grace
