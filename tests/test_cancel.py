@@ -138,6 +138,21 @@ def test_a_call_stuck_in_c_is_reported(sess):
     assert sess.run(unison.rank) == [0, 1]
 
 
+@pytest.mark.parametrize("timeout", [0, 1e-300])
+def test_a_cancel_too_short_for_the_signal_to_land_does_not_say_stuck_in_c(sess, timeout):
+    """A cancel of a Python loop with ``timeout=0`` said the workers "are stuck in C code",
+    though the call ended cancelled within milliseconds (an audit, 2026-12-07): a wait that
+    short tells nothing of where they are."""
+    ref = sess.call(spin)
+    running(sess, ref)
+    with pytest.raises(TimeoutError, match="had not yet left the call") as info:
+        ref.cancel(timeout=timeout)
+    assert "stuck in C" not in str(info.value)
+    with pytest.raises(unison.CancelledError, match="while it ran"):
+        ref.gather(timeout=10)
+    assert sess.run(unison.rank) == [0, 1]
+
+
 def test_cancel_on_one_worker_and_other_objects_stay(sess):
     keep = sess.put("kept")
     ref = sess[1].call(time.sleep, 30)

@@ -35,7 +35,7 @@ from typing import Any
 from unison import _native, _proctree, collective, placement, protocol
 from unison import channel as channels
 from unison import trace as _trace
-from unison.cancel import Cancelled
+from unison.cancel import _RESIGNAL, Cancelled
 from unison.deadline import deadline as _deadline
 from unison.deadline import seconds as _seconds
 from unison.debug import stacks as _debug_stacks
@@ -1100,6 +1100,15 @@ class Session(View):
             self.check_alive("cancelling")  # a worker that died inside it: WorkerDied
             if gone:  # (before its launcher told: a zygote's child is reaped by the zygote)
                 raise self.died("cancelling", min(gone))
+            if timeout < _RESIGNAL:  # too short a wait for the signal to land: it says
+                # nothing of where they are (a call in Python code ends within milliseconds)
+                raise TimeoutError(
+                    f"worker(s) {stuck} had not yet left the call of {ref!r} within {timeout:g} "
+                    "s of its cancel: the cancellation is posted and goes on, and lands at the "
+                    "call's next Python bytecode. Fetch the Ref to wait for it (CancelledError), "
+                    f"or cancel with a timeout of at least {_RESIGNAL:g} s to learn whether C "
+                    "code that does not return to Python holds them."
+                )
             raise TimeoutError(
                 f"worker(s) {stuck} are still inside the call of {ref!r} {timeout} s after it "
                 "was cancelled: they are stuck in C code that does not return to Python (the "
