@@ -62,6 +62,11 @@ def _pending(pid: int) -> dict[str, int]:
     return {k: int(fields[k], 16) for k in ("SigPnd", "ShdPnd", "SigBlk")}
 
 
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/status") as f:
+        return next(line for line in f if line.startswith("State:"))[6:].strip()
+
+
 def running(sess, ref, ranks=None) -> None:
     """Wait until every worker of ``ref`` (or ``ranks``) is inside its call: a fresh session on
     a loaded machine may take a while to get there, and cancelling earlier skips the call."""
@@ -125,7 +130,7 @@ def test_a_call_stuck_in_c_is_reported(sess):
         while not _pending(pid)["SigBlk"] & bit:
             assert time.monotonic() < deadline, f"worker {pid} never blocked the signal"
             time.sleep(0.005)
-    with pytest.raises(TimeoutError, match="stuck in C"):
+    with pytest.raises(TimeoutError, match=r"blocks the cancellation signal \(SIGRTMIN\+3\)"):
         ref.cancel(timeout=0.3)
     # The signal waits on each worker's main thread, not on the process: sent to the process,
     # any thread that does not block it (a thread of the user's) could take it, and then a
@@ -151,6 +156,73 @@ def test_a_cancel_too_short_for_the_signal_to_land_does_not_say_stuck_in_c(sess,
     with pytest.raises(unison.CancelledError, match="while it ran"):
         ref.gather(timeout=10)
     assert sess.run(unison.rank) == [0, 1]
+
+
+def keeps_the_signal_out(how: str, seconds: float) -> str:
+    """A call in pure Python that blocks or ignores the cancellation signal, as some libraries
+    do with real-time signals: no C code to be stuck in."""
+    if how == "blocks":
+        signal.pthread_sigmask(signal.SIG_BLOCK, [SIGNAL])
+    else:
+        signal.signal(SIGNAL, signal.SIG_IGN)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    return "finished"
+
+
+@pytest.mark.parametrize("how", ["blocks", "ignores"])
+def test_a_call_that_keeps_the_signal_out_is_named_and_ends_cancelled(sess, how):
+    """Before (an audit, 2026-12-07), such a call was said to be "stuck in C code ... It ends
+    cancelled if it ever returns", then it returned its value and ``get`` gave it: nothing
+    looked at the board once the call had begun. Now the worker looks as it leaves."""
+    ref = sess.call(keeps_the_signal_out, how, 1.5)
+    running(sess, ref)
+    time.sleep(0.2)  # past its pthread_sigmask or signal.signal
+    with pytest.raises(TimeoutError, match=f"worker 0 {how} the cancellation signal") as info:
+        ref.cancel(timeout=0.3)
+    assert "worker 1 " + how in str(info.value) and "stuck in C" not in str(info.value)
+    with pytest.raises(unison.CancelledError, match="while it ran"):
+        ref.gather(timeout=10)
+    sess.sync()  # a cancelled call is not an error to report
+    assert sess.run(unison.rank) == [0, 1]
+
+
+def blocks_and_polls() -> str:
+    signal.pthread_sigmask(signal.SIG_BLOCK, [SIGNAL])  # (unblocked, the pending signal
+    while not unison.cancelled():  # would land: Cancelled)
+        pass
+    return "stopped early"
+
+
+def test_a_call_that_learned_of_its_cancel_keeps_what_it_returns(sess):
+    """Only a call never told is made to end cancelled as it leaves: one that polled
+    ``unison.cancelled()`` (or caught Cancelled) returns what it chose."""
+    ref = sess.call(blocks_and_polls)
+    running(sess, ref)
+    ref.cancel()
+    assert ref.gather(timeout=10) == ["stopped early", "stopped early"]
+
+
+def test_a_worker_that_cannot_run_python_is_said_to_be_stuck_in_c(sess):
+    """A worker that does not block the signal and still does not leave the call (stopped
+    here, as a long C call would hold it) keeps the "stuck in C" report."""
+    ref = sess.call(spin)
+    running(sess, ref)
+    pids = sess._pids
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 20  # stopped, not inside the signal's handler
+        while not _state(pids[1]).startswith("T"):
+            assert time.monotonic() < deadline, "the worker never stopped"
+            time.sleep(0.005)
+        with pytest.raises(TimeoutError, match=r"worker\(s\) \[1\] are still inside") as info:
+            ref.cancel(timeout=0.3)
+        assert "stuck in C" in str(info.value) and "cancellation signal" not in str(info.value)
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+    with pytest.raises(unison.CancelledError):
+        ref.gather(timeout=10)
 
 
 def test_cancel_on_one_worker_and_other_objects_stay(sess):

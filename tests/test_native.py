@@ -189,7 +189,7 @@ def test_a_workers_mark_on_the_board(native: bool, monkeypatch: pytest.MonkeyPat
         assert board.mark(2) is mark  # one per rank: the inline worker 0 asks on every call
         assert isinstance(mark, cancel._Mark) is not native
         assert mark.enter(5) is False and board.running(2) == 5 and board.running(1) == 0
-        mark.leave()
+        assert mark.leave() is False  # not cancelled meanwhile
         assert board.running(2) == 0
         assert board.past(5, (2,)) and not board.past(7, (2,))
         assert board.post(5, (2,)) is False  # worker 2 is past 5: nothing to post
@@ -197,7 +197,9 @@ def test_a_workers_mark_on_the_board(native: bool, monkeypatch: pytest.MonkeyPat
         with pytest.raises(RuntimeError, match="shares its slot"):  # 7 still queued on 2
             board.post(7 + cancel.TABLE, (1,))
         assert mark.enter(7) is True and not board.past(7, (2,))
-        mark.leave()
+        assert mark.leave() is True  # cancelled: the call ends cancelled, even had it run
+        assert mark.enter(8) is False and board.post(8, (2,)) is True
+        assert mark.leave() is True  # cancelled while it ran (its signal blocked, ignored)
         assert board.past(7, (2,))
         board.post(7 + cancel.TABLE, (2,))  # the same slot: 7 is behind every worker now
         assert mark.enter(7 + cancel.TABLE) is True and board.running(2) == 7 + cancel.TABLE

@@ -734,12 +734,16 @@ static PyObject *Mark_enter(Mark *self, PyObject *arg) {
     return PyBool_FromLong(posted == id);
 }
 
-/* leave(): running = 0 (no call). */
+/* leave() -> whether the call it ran was cancelled: running = 0, then the table. A full
+ * barrier between them (the exchange): a controller that saw the call running after its
+ * post (cancel's "stuck") is sure to be seen here, so such a call ends cancelled even where
+ * its signal was blocked or ignored. */
 static PyObject *Mark_leave(Mark *self, PyObject *unused) {
     (void)unused;
     if (!self->q) { PyErr_SetString(PyExc_ValueError, "the board is closed"); return NULL; }
-    __atomic_store_n(&self->q[self->running], 0, __ATOMIC_RELEASE);
-    Py_RETURN_NONE;
+    uint64_t id = __atomic_exchange_n(&self->q[self->running], 0, __ATOMIC_SEQ_CST);
+    uint64_t posted = __atomic_load_n(&self->q[id & (self->table - 1)], __ATOMIC_SEQ_CST);
+    return PyBool_FromLong(id != 0 && posted == id);
 }
 
 /* close(): let go of the board's memory (its owner unmaps it next). */
@@ -753,7 +757,8 @@ static PyObject *Mark_close(Mark *self, PyObject *unused) {
 static PyMethodDef Mark_methods[] = {
     {"enter", (PyCFunction)Mark_enter, METH_O,
      "enter(call_id) -> bool: say this worker runs call_id; whether it is cancelled"},
-    {"leave", (PyCFunction)Mark_leave, METH_NOARGS, "leave(): this worker runs no call"},
+    {"leave", (PyCFunction)Mark_leave, METH_NOARGS,
+     "leave() -> bool: this worker runs no call; whether the one it ran was cancelled"},
     {"close", (PyCFunction)Mark_close, METH_NOARGS, "close(): let go of the board's memory"},
     {NULL, NULL, 0, NULL},
 };

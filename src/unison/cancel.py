@@ -7,7 +7,8 @@ before each call, and a signal that interrupts a call already running.
                                                        table[id % TABLE] == id? skip it
       running[r] == id? -> signal worker r           (signal) handler: running[r] is a
       wait until running[r] != id, or report           cancelled id -> raise Cancelled there
-        that r is stuck in C code                    after the call: running[r] = 0
+        that r is stuck in C code                    after the call: running[r] = 0, fence,
+                                                       table[id % TABLE] == id? Cancelled
 
 The controller posts, fences, then reads each worker's running word, and keeps reading it
 while it waits: either the worker sees the cancellation before it starts (and skips the
@@ -56,13 +57,14 @@ from unison.channel.arena import sealed_memfd
 
 _ring = _native.load("_ring")  # Mark in C (unison/_ring.c), or None: _Mark below
 
-__all__ = ["SIGNAL", "Board", "Cancelled", "Mark"]
+__all__ = ["SIGNAL", "Board", "Cancelled", "Mark", "refusal"]
 
 TABLE = 1 << 20
 _LINE = 8  # words per cache line
 _RUNNING = TABLE  # word index of worker 0's line
 SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
 """The signal that interrupts a running call (a real-time one, which no library uses)."""
+SIGNAL_NAME = "SIGRTMIN+3" if hasattr(signal, "SIGRTMIN") else "SIGUSR2"
 
 _RESIGNAL = 0.1  # s: how long a worker may stay inside a cancelled call before another signal
 
@@ -87,6 +89,25 @@ def signal_main_thread(pid: int, sig: int) -> None:
         if err == errno.ESRCH:
             raise ProcessLookupError(err, os.strerror(err))
         raise OSError(err, os.strerror(err))
+
+
+def refusal(pid: int) -> str:
+    """How process ``pid`` keeps SIGNAL out: "ignores" it (its disposition) or "blocks" it
+    (its main thread's mask, where the signal goes), as /proc/<pid>/status says; else "".
+    Not for a stopped process: one stopped inside the handler shows SIGNAL blocked (the
+    kernel blocks it while its handler runs)."""
+    bit = 1 << (int(SIGNAL) - 1)
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f if b":" in line)
+    except OSError:
+        return ""
+    if fields.get(b"State", b"").strip().startswith((b"T", b"t")):
+        return ""
+    for key, how in ((b"SigIgn", "ignores"), (b"SigBlk", "blocks")):
+        if int(fields.get(key, b"0"), 16) & bit:
+            return how
+    return ""
 
 
 class Cancelled(BaseException):
@@ -230,8 +251,9 @@ class Mark(Protocol):
         """About to run ``call_id``: say so (running, then last), then whether it is
         cancelled (skip it then)."""
 
-    def leave(self) -> None:
-        """Done with the call."""
+    def leave(self) -> bool:
+        """Done with the call: say so, then whether it was cancelled (where its signal was
+        blocked or ignored, the call returned all the same: it ends cancelled here)."""
 
     def close(self) -> None:
         """Let go of the board's memory."""
@@ -250,8 +272,12 @@ class _Mark:
         _fence()  # else the load below may pass the store (x86 allows it), and a post the
         return q[call_id % TABLE] == call_id  # controller made meanwhile goes unseen by both
 
-    def leave(self) -> None:
-        self._q[self._running] = 0
+    def leave(self) -> bool:
+        q = self._q
+        call_id = q[self._running]
+        q[self._running] = 0
+        _fence()  # as in enter: a post whose controller saw the call running is seen below
+        return call_id != 0 and q[call_id % TABLE] == call_id
 
     def close(self) -> None:
         pass

@@ -60,8 +60,9 @@ class Ref:
         every other object stay intact. Where the call had already finished, its result
         stays (as with ``concurrent.futures.Future.cancel``, work done is not undone), and
         fetching gives it. Waits up to ``timeout`` seconds (None or inf: while they live) for the
-        call to leave every worker, then raises TimeoutError naming those stuck in C code
-        (under 0.1 s, too short for the signal to land: those not yet out, the cancel going on).
+        call to leave every worker, then raises TimeoutError naming those stuck in C code or
+        blocking its signal (under 0.1 s, too short for the signal to land: those not yet
+        out), where the call goes on, to end cancelled when it returns.
         Raises RuntimeError, cancelling nothing, where a call 2**20 ids away, cancelled
         earlier, still waits on a worker (the two share a word of the cancellation board)."""
         self._session._cancel(self, timeout)

@@ -184,6 +184,7 @@ signal's handler and for the collectives (a call's first one tells the backends 
 _board: Board | None = None
 
 
+_told = [0]  # the call that learned it was cancelled (Cancelled raised, cancelled() True)
 _forked = [False]  # set in a child that a worker's function forks (os.register_at_fork)
 _inline = [False]  # serving as worker 0 inside the controller: a KeyboardInterrupt is Ctrl-C
 _SESSION_AT_IMPORT = "a Session was opened"
@@ -228,7 +229,10 @@ def cancelled() -> bool:
     """Inside a worker's function: whether the controller cancelled this call. Poll it in a
     long loop, to stop cleanly where ``unison.Cancelled`` would otherwise be raised."""
     call = _current[0]
-    return bool(call) and _board is not None and _board.is_cancelled(call)
+    if call and _board is not None and _board.is_cancelled(call):
+        _told[0] = call  # it may return early now: its value stands
+        return True
+    return False
 
 
 def _on_cancel_signal(signum: int, frame: object) -> None:
@@ -236,6 +240,7 @@ def _on_cancel_signal(signum: int, frame: object) -> None:
     Only while a function runs (``_current``), so the loop's own code is never hit."""
     call = _current[0]
     if call and _board is not None and _board.is_cancelled(call):
+        _told[0] = call  # what it returns after catching this stands
         raise Cancelled(f"call #{call} was cancelled by the controller while it ran")
 
 
@@ -339,10 +344,12 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                     args = kwargs = None  # (held until the next such call: the mapping of
                     # a freed value's block, or of a dropped sess.empty array, with them)
                     _current[0] = 0  # a signal in here still lands in the except below
-                    if leave is not None:
-                        leave()
+                    # cancelled while it ran, and never told (its signal blocked or ignored)
+                    late = leave is not None and leave() and _told[0] != ref_id
                     if traced is not None:  # returned or raised (its name is read at collect)
                         traced.append(("call", ref_id, req_id, fn, started, _trace._clock()))
+                if late:  # it returned all the same: its signal was blocked or ignored
+                    raise Cancelled(f"call #{ref_id} was cancelled by the controller while it ran")
             except BaseException as exc:  # SystemExit and friends from user code are errors too
                 try:  # (it cannot fail but by a Ctrl-C, worker 0 inline, as below)
                     err = protocol.pack_error(exc, _name(fn), interrupts)

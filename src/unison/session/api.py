@@ -35,7 +35,7 @@ from typing import Any
 from unison import _native, _proctree, collective, placement, protocol
 from unison import channel as channels
 from unison import trace as _trace
-from unison.cancel import _RESIGNAL, Cancelled
+from unison.cancel import _RESIGNAL, SIGNAL_NAME, Cancelled, refusal
 from unison.deadline import deadline as _deadline
 from unison.deadline import seconds as _seconds
 from unison.debug import stacks as _debug_stacks
@@ -1109,11 +1109,24 @@ class Session(View):
                     f"or cancel with a timeout of at least {_RESIGNAL:g} s to learn whether C "
                     "code that does not return to Python holds them."
                 )
+            refused = {r: how for r in stuck if (how := refusal(self._pids[r]))}
+            if not refused:
+                raise TimeoutError(
+                    f"worker(s) {stuck} are still inside the call of {ref!r} {timeout} s after "
+                    "it was cancelled: they are stuck in C code that does not return to Python "
+                    "(the cancellation takes effect at the next Python bytecode). It ends "
+                    "cancelled if it ever returns; close the session to stop it now."
+                )
+            why = "; ".join(f"worker {r} {how} the cancellation signal ({SIGNAL_NAME})"
+                            for r, how in refused.items())
+            in_c = [r for r in stuck if r not in refused]
+            if in_c:
+                why += f"; worker(s) {in_c} are stuck in C code that does not return to Python"
             raise TimeoutError(
                 f"worker(s) {stuck} are still inside the call of {ref!r} {timeout} s after it "
-                "was cancelled: they are stuck in C code that does not return to Python (the "
-                "cancellation takes effect at the next Python bytecode). It ends cancelled if "
-                "it ever returns; close the session to stop it now."
+                f"was cancelled: {why}. It ends cancelled when it returns; close the session to "
+                f"stop it now. Leave {SIGNAL_NAME} unblocked and its handler in place in the "
+                "call and the libraries it uses (signal.pthread_sigmask, signal.signal)."
             )
 
     def _request(
