@@ -76,6 +76,22 @@ def test_a_timeout_of_zero_on_a_busy_worker_raises_at_once(sess):
     assert len(ref.gather()) == 2
 
 
+def test_a_sync_with_timeout_zero_returns_where_everything_is_done(sess):
+    """It raised "syncing timed out: worker(s) [] had not finished" (pipe: "had not
+    answered", its report calling them idle): the deadline was checked before one look at
+    the workers (an audit, 2026-12-07). Where one is busy it still raises at once."""
+    sess.sync(timeout=0)  # nothing sent yet
+    sess.run(unison.rank)
+    sess.sync()
+    for timeout in (0, 1e-9):
+        assert sess.sync(timeout=timeout) is None
+        assert sess[1].sync(timeout=timeout) is None
+    sess.call(slow)
+    with pytest.raises(TimeoutError, match=r"worker\(s\) \[0, 1\]"):
+        sess.sync(timeout=0)
+    sess.sync()
+
+
 def test_a_generous_timeout_returns_the_value(sess):
     ref = sess.call(slow, 0.1)
     assert [r for r, _ in ref.gather(timeout=30)] == [0, 1]

@@ -31,7 +31,9 @@ class Ref:
 
     def get(self, worker: int | None = None, *, timeout: float | None = None) -> Any:
         """One worker's value, copied to the controller. ``worker`` is a global rank and
-        defaults to the first of this Ref's workers."""
+        defaults to the first of this Ref's workers. ``timeout=0`` is not a poll: the value
+        comes in a round trip to the worker, so it raises TimeoutError even for a finished
+        call (``sess.sync(timeout=0)`` says whether the workers have done all sent)."""
         rank = self.workers[0] if worker is None else self._session._check_rank(worker, self)
         return self._session._fetch(self, (rank,), _deadline(timeout))[0]
 

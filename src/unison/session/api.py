@@ -1025,7 +1025,8 @@ class Session(View):
                 left = router.slice  # for a slice at most: SYNC's wait watches for hangs
                 if deadline is not None:
                     left = min(left, deadline - time.monotonic())
-                ask = not (left > 0 and not self._closed and chan.settled(ranks, left))
+                # (one look at least: timeout=0 with all done and no error held returns)
+                ask = not (not self._closed and chan.settled(ranks, max(left, 0.0)))
             else:
                 ask = True
             if ask:
@@ -1061,8 +1062,10 @@ class Session(View):
         try:
             while True:
                 left = router.slice if deadline is None else deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0:  # one look first: timeout=0 with all done returns
                     busy = [r for r in ranks if not chan.wait_done((r,), mark, 0.0)]
+                    if not busy:
+                        return
                     raise TimeoutError(
                         f"syncing timed out: worker(s) {busy} had not finished what was sent "
                         "to them by the deadline. The work goes on: sync again, or close the "
