@@ -92,6 +92,27 @@ def test_a_sync_with_timeout_zero_returns_where_everything_is_done(sess):
     sess.sync()
 
 
+def blocks_the_stacks_signal():
+    from unison.debug import stacks
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, [stacks.SIGNAL])
+
+
+def test_the_report_of_where_they_are_keeps_a_timeout_short(sess):
+    """A worker that blocks the stack dump's signal never answers it: the report of where
+    the workers are waited 1 s for it, past the deadline, so ``timeout=0.1`` took 1.1 s
+    (an audit, 2026-12-07). It waits 0.1 s now, and says the worker did not answer."""
+    sess.run(blocks_the_stacks_signal)
+    for wait in (lambda: sess.run(slow, timeout=SHORT), lambda: sess.sync(timeout=SHORT),
+                 lambda: sess.call(slow).get(timeout=SHORT)):
+        sess.call(slow)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="did not answer within"):
+            wait()
+        assert time.monotonic() - start < QUICK
+        sess.sync()
+
+
 def test_a_generous_timeout_returns_the_value(sess):
     ref = sess.call(slow, 0.1)
     assert [r for r, _ in ref.gather(timeout=30)] == [0, 1]

@@ -139,7 +139,7 @@ def collect(pids: dict[int, int], timeout: float = 2.0) -> Stacks:
     asked: dict[int, _Ask] = {}
     try:
         for rank, pid in pids.items():
-            ask, error = _ask(rank, pid)
+            ask, error = _ask(rank, pid, deadline)
             if ask is None:
                 out[rank] = WorkerStacks(rank, pid, "", [], error)
             else:
@@ -200,8 +200,9 @@ class _Ask:
             self.fd = -1
 
 
-def _ask(rank: int, pid: int) -> tuple[_Ask | None, str]:
-    """Find worker ``rank``'s memfd under /proc/<pid>, empty it and signal the worker."""
+def _ask(rank: int, pid: int, deadline: float) -> tuple[_Ask | None, str]:
+    """Find worker ``rank``'s memfd under /proc/<pid>, empty it and signal the worker (a
+    dump still being written is waited for, up to ``deadline``: the collect's)."""
     if pid == os.getpid():
         return None, ("runs inline in the controller (Session(inline_worker0=True)): its "
                       "stack is the controller's own (faulthandler.dump_traceback())")
@@ -225,7 +226,7 @@ def _ask(rank: int, pid: int) -> tuple[_Ask | None, str]:
         # An earlier request's signal still pending, or its handler still writing (it blocks
         # the signal meanwhile): let that dump finish before emptying the file, which would
         # else cut the head off a dump being written (one came back without its main thread).
-        end = time.monotonic() + 0.2
+        end = min(time.monotonic() + 0.2, deadline)
         while (pending or any(tasks.values())) and time.monotonic() < end:
             time.sleep(_POLL)
             pending, tasks = _signal_state(pid)

@@ -101,7 +101,7 @@ class Waits:
             ranks = router.pending(req)
             router.abandon(req)
             where = getattr(self._owner, "_where_they_are", None)  # their stacks: ~10 ms,
-            report = "" if where is None else where(ranks)  # 1 s at most, on the loop
+            report = "" if where is None else where(ranks)  # 0.1 s at most, on the loop
             raise TimeoutError(
                 f"{during} timed out: {req.remaining} worker(s) {ranks} had not answered "
                 f"within {timeout} s. The work goes on and the Ref stays valid: wait again, or "

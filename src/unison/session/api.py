@@ -89,6 +89,11 @@ _BUSY_COLLECT_S = 1.0
 which may never end (one that timed out), so the controller's half is written without them."""
 _FAILED_COLLECT_S = 0.1
 """The same where the trace's block is left on an error: the error is not held up."""
+_WHERE_S = 0.1
+"""How long a TimeoutError's report waits for the workers' stacks, past the deadline. A
+worker answers within milliseconds (faulthandler writes from its C signal handler, even in
+a long C call); one that blocks the signal or sleeps in the kernel never does, and with 1 s
+a ``timeout=0.2`` took 1.2 s: ten times the usual answer, a small overrun of any timeout."""
 _GRACE_MAX = threading.TIMEOUT_MAX / 2
 """The longest grace close() waits (some 146 years): a longer one would overflow the lock's
 and the relay thread's waits (``OverflowError`` past threading.TIMEOUT_MAX), after the
@@ -1465,12 +1470,13 @@ class Session(View):
 
     def _where_they_are(self, ranks: Sequence[int]) -> str:
         """For a TimeoutError's message: where each of ``ranks`` is, one line each (their
-        stacks, asked for with a 1 s bound); "" before the workers are up. Never raises."""
+        stacks, asked for with a ``_WHERE_S`` bound); "" before the workers are up. Never
+        raises."""
         pids = getattr(self, "_pids", None)
         if not ranks or not pids or self._closed:
             return ""
         try:
-            got = _debug_stacks.collect({r: pids[r] for r in ranks}, 1.0)
+            got = _debug_stacks.collect({r: pids[r] for r in ranks}, _WHERE_S)
             return "\nWhere they are:\n" + _debug_stacks.report(got, ranks)
         except Exception as exc:  # a report must never hide the timeout itself
             return f"\n(where they are could not be read: {exc})"
