@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -493,6 +494,43 @@ def test_interpreter_exit_warns_about_an_error_nobody_fetched(controller):
     """)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
+    assert "RuntimeWarning" in err and "boom raised KeyError" in err, err
+
+
+def test_warnings_as_errors_still_say_every_error_nobody_fetched(make_session):
+    """Under -W error (pytest's filterwarnings = error) close raises the first error's
+    RuntimeWarning, the others' as its notes, once the workers are stopped. Before, the
+    raised warning was swallowed as if the interpreter were shutting down: nothing said."""
+    sess = make_session(2)
+    sess.call(fails_on, 0, "first unseen")
+    sess.call(fails_on, 1, "second unseen")
+    pids = sess.run(os.getpid)  # both calls have run: their errors are still unfetched
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeWarning, match="first unseen") as info:
+            sess.close()
+    assert "second unseen" in "".join(getattr(info.value, "__notes__", [])), info.value
+    assert sess.closed
+    assert wait_gone(pids, 2.0) == []
+
+
+def test_warnings_as_errors_at_exit_still_say_an_error_nobody_fetched(controller):
+    """A session left open at exit, under -W error: its close's warning is raised out of
+    atexit (which prints it), not swallowed."""
+    proc = controller("""
+        import warnings
+        import unison
+
+        warnings.simplefilter("error")
+
+        def boom():
+            raise KeyError("lost at exit")
+
+        sess = unison.Session(2)
+        sess.call(boom)
+        sess.run(unison.rank)
+    """)
+    _, err = proc.communicate(timeout=60)
     assert "RuntimeWarning" in err and "boom raised KeyError" in err, err
 
 

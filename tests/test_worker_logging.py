@@ -10,6 +10,7 @@ import json
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -298,6 +299,31 @@ def test_what_close_cannot_hand_over_in_time_is_dropped_with_a_warning(gated):
     assert 0 < dropped < 100 and gated.handled + dropped == 100
     time.sleep(0.2)
     assert gated.late == 0
+
+
+def fails() -> None:
+    raise ValueError("unseen")
+
+
+@pytest.mark.parametrize("gated", [0.05], indirect=True)
+def test_warnings_as_errors_a_close_that_drops_output_still_says_the_errors_nobody_fetched(
+        gated):
+    """Under -W error the warning of the dropped output came out of the workers' stop and
+    cut the close short before it said the errors nobody fetched: they vanished. Now every
+    warning is issued, the first raised, the others as its notes."""
+    sess = unison.Session(1)
+    try:
+        sess.call(fails)
+        sess.run(log_many, 100)
+    finally:
+        gated.gate.set()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(RuntimeWarning, match="not all handed over") as info:
+                sess.close(timeout=1.0)  # the errors are handed over; the relay needs 5 s
+    gated.closed = True
+    assert "fails raised ValueError: unseen" in "".join(getattr(info.value, "__notes__", []))
+    assert sess.closed
 
 
 @pytest.mark.parametrize("gated", [0.0], indirect=True)

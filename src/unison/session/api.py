@@ -68,7 +68,7 @@ from unison.session.fncache import FunctionCache
 from unison.session.resources import Resources, open_std_fds
 from unison.session.router import WHOLE, OutOfStep, Reentered, Request, Router, reentered
 from unison.session.signals import raised_by_a_signal
-from unison.session.unreported import UnreportedErrors
+from unison.session.unreported import UnreportedErrors, warn_each
 from unison.trace import Stats, Trace
 from unison.worker import check_not_loading
 
@@ -543,9 +543,13 @@ class Session(View):
                       self._res.launcher.in_call_elsewhere)  # type: ignore[attr-defined]
         self._waits.close()  # an event loop stops watching fds that are about to close
         # once the workers are gone, a sender still inside the channel fails out at once
+        said: list[str] = []  # the warnings, issued last: under -W error each one raises,
+        stopped: Warning | None = None  # and a close cut short would leave the rest undone
         try:
             res.close(max(0.0, deadline - time.monotonic()),
                       router.drain if goodbye is not None and not reading else None, locks)
+        except Warning as exc:  # the launcher's, under -W error, raised once it had stopped
+            stopped = exc  # everything: the other warnings still go out, after it
         finally:  # a done callback that raised in drain: every other wait still ends
             try:
                 router.fail_all(self._dead if self._dead is not None else SessionClosed(
@@ -553,18 +557,17 @@ class Session(View):
             finally:
                 _live.discard(self)
                 if dropped is not None:
-                    self._write_dropped(dropped)
-        self._errors.warn_all(self.name)
+                    said.append(self._write_dropped(dropped))
+        said += self._errors.take_warnings(self.name)
         lost = [r for r in holding if goodbye is None or r in router.pending(goodbye)]
         if lost:
             why = (f"close's grace: {grace:g} s" if dead is None else
                    f"after worker {getattr(dead, 'worker', '?')} died, {grace:g} s to answer")
-            warnings.warn(
+            said.append(
                 f"worker(s) {lost} held errors of calls nobody fetched, and {self.name} was "
                 f"closed before they could hand them over ({why}): get or gather the Refs, "
-                "or call sess.sync(), before closing to see them",
-                RuntimeWarning, stacklevel=3,
-            )
+                "or call sess.sync(), before closing to see them")
+        warn_each(said, stacklevel=4, raised=stopped)
 
     def __enter__(self) -> Session:
         return self
@@ -972,20 +975,17 @@ class Session(View):
         self._last_trace = tracer
         return tracer if tracer.path is not None else None
 
-    def _write_dropped(self, tracer: Trace) -> None:
-        """Write a trace the close ended (``_drop_trace``); warn that the workers' events
-        are missing."""
+    def _write_dropped(self, tracer: Trace) -> str:
+        """Write a trace the close ended (``_drop_trace``); the warning to issue, which says
+        that the workers' events are missing."""
         assert tracer.path is not None
         why = f" ({self._dead})" if self._dead is not None else ""
         try:
             tracer.write(tracer.path)
         except OSError as exc:
-            warnings.warn(f"the trace could not be written to {tracer.path}: {exc}",
-                          RuntimeWarning, stacklevel=4)
-            return
-        warnings.warn(f"the session closed before the workers' trace events were collected"
-                      f"{why}: {tracer.path} holds the controller's only", RuntimeWarning,
-                      stacklevel=4)
+            return f"the trace could not be written to {tracer.path}: {exc}"
+        return (f"the session closed before the workers' trace events were collected{why}: "
+                f"{tracer.path} holds the controller's only")
 
     def _in_call(self) -> list[int]:
         """The workers that may still be in a call: a request to them awaits its reply, or
@@ -1625,8 +1625,14 @@ if hasattr(os, "register_at_fork"):
 
 @atexit.register
 def _close_all() -> None:
+    raised = None
     for sess in list(_live):
         try:
             sess.close(timeout=1.0)
+        except Warning as exc:  # -W error: raised (atexit prints it) once every session is
+            if raised is None:  # closed, not dropped
+                raised = exc
         except Exception:
             pass
+    if raised is not None:
+        raise raised

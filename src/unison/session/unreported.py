@@ -5,16 +5,17 @@ raises them, or until close() says them out loud. Each error is reported exactly
     GET of that Ref      -> the error comes back (and the worker strikes it)  -> raised there
     SYNC                 -> the worker's list comes back, then it forgets it  -> add_all()
     abandoned wait       -> the errors its late replies carry                 -> add()/add_all()
-    sync() raises the earliest call's error; close() warns about what is left.
+    sync() raises the earliest call's error; close() warns about what is left (warn_each).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 from typing import Any
 
-__all__ = ["UnreportedErrors"]
+__all__ = ["UnreportedErrors", "add_note", "warn_each"]
 
 Error = tuple[Any, ...]  # protocol.pack_error's (pickle, type name, message, traceback, where)
 
@@ -73,21 +74,49 @@ class UnreportedErrors:
                     return mine
             return None
 
-    def warn_all(self, session: str) -> None:
-        """Say every error left, as asyncio does for a task's exception nobody retrieved."""
+    def take_warnings(self, session: str) -> list[str]:
+        """What to say of every error left (as asyncio does for a task's exception nobody
+        retrieved): one warning's text per call, for ``warn_each``. They are forgotten."""
         with self._lock:
             lost, self._errors = self._errors, {}
+        said = []
         for ref_id in sorted(lost):
             errors = lost[ref_id]
             ranks = sorted(errors)
             err = errors[ranks[0]]
             where = f" of {err[4]}" if len(err) > 4 and err[4] else ""
-            try:
-                warnings.warn(
-                    f"call #{ref_id}{where} raised {err[1]}: {err[2]} on worker(s) {ranks}, and "
-                    f"nobody fetched that error before {session} closed: get/gather its Ref "
-                    "or call sess.sync() to see errors as they happen",
-                    RuntimeWarning, stacklevel=5,
-                )
-            except Exception:  # interpreter shutdown: nowhere left to say it
-                return
+            said.append(
+                f"call #{ref_id}{where} raised {err[1]}: {err[2]} on worker(s) {ranks}, and "
+                f"nobody fetched that error before {session} closed: get/gather its Ref "
+                "or call sess.sync() to see errors as they happen")
+        return said
+
+
+def warn_each(messages: list[str], stacklevel: int, raised: Exception | None = None) -> None:
+    """Issue each of ``messages`` as a RuntimeWarning. Where warnings are errors (python -W
+    error, pytest's filterwarnings = error) every one is still issued, then the first one
+    raised (or ``raised``, a warning an earlier step of the close raised) is raised, the
+    others' texts as its notes: none cuts the rest short or is lost. Only at interpreter
+    shutdown, where warnings cannot be issued any more, are they dropped."""
+    first = raised
+    for message in messages:
+        try:
+            warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+        except Exception as exc:
+            if not isinstance(exc, Warning) and sys.is_finalizing():
+                return  # the modules are torn down: nowhere left to say it
+            if first is None:
+                first = exc
+            else:
+                add_note(first, f"{type(exc).__name__}: {exc}")
+    if first is not None:
+        raise first
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``: the traceback shows it (Python 3.11+); before 3.11, which has
+    no notes, the note is written to stderr instead, so it is not lost."""
+    if sys.version_info >= (3, 11):
+        exc.add_note(note)
+    else:
+        print(f"unison: {note}", file=sys.stderr)
