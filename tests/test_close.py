@@ -458,6 +458,20 @@ def test_a_with_block_that_raises_still_says_the_errors_nobody_fetched(channel):
         raise KeyError("the block's own error")
 
 
+def test_warnings_as_errors_a_with_blocks_own_error_goes_on_with_the_close_warnings_as_notes(
+        channel):
+    """Under -W error the close's warning of an error nobody fetched replaced the block's
+    own exception; now that exception goes on, the warning as its note."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(KeyError) as info, unison.Session(2, channel=channel) as sess:
+            sess.call(fails_on, 1, "unseen")
+            sess.call(unison.rank).gather()
+            raise KeyError("the block's own error")
+    assert "fails_on raised ValueError: unseen" in "".join(getattr(info.value, "__notes__", []))
+    assert sess.closed
+
+
 def test_close_without_grace_says_that_errors_were_left_behind(make_session):
     """close(timeout=0) stops the workers at once, so it cannot collect their errors; where
     the channel shows that a worker held some (shared memory), it says so."""

@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -351,6 +352,22 @@ def test_an_error_sync_raised_is_not_named_as_held_when_another_worker_dies(sess
         sess[1].run(exit_with, 3)
     assert time.monotonic() - start < DETECT
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def test_warnings_as_errors_a_death_is_still_worker_died_with_the_close_warnings_as_notes(sess):
+    """Under -W error the death's close raised its warning about the survivor's error nobody
+    fetched, which replaced WorkerDied: ``except WorkerDied`` missed it. Now WorkerDied goes
+    on, that warning as its note, and the session is closed all the same."""
+    pids = sess.run(os.getpid)
+    sess[0].call(fail_with, "the real problem")
+    assert sess[0].run(unison.rank) == [0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(WorkerDied) as info:
+            sess[1].run(exit_with, 3)
+    assert "the real problem" in "".join(getattr(info.value, "__notes__", [])), info.value
+    assert wait_gone(pids, 2.0) == []
+    _assert_closed_by(sess, info.value)
 
 
 # -- nothing survives a death ------------------------------------------------------------------

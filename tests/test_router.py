@@ -73,7 +73,7 @@ class Owner:
     def check_alive(self, during: str) -> None:
         self.alive_checks += 1
 
-    def interrupted(self) -> None:
+    def interrupted(self, exc: BaseException) -> None:
         self.interrupts = getattr(self, "interrupts", 0) + 1
 
     def out_of_step(self, rank: int) -> BaseException:

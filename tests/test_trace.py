@@ -3,11 +3,13 @@ with one track per rank and the events that happened, and stats() names a slowed
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -174,6 +176,25 @@ def test_a_trace_of_a_job_a_death_ended_is_still_written(make_session, tmp_path,
             sess.run(exit_on_rank_one)
     names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
     assert {"call", "reply arrived"} <= names, names  # the controller's side of the run
+
+
+@pytest.mark.parametrize("how", ["session", "block"])
+def test_warnings_as_errors_a_death_ending_a_trace_still_raises_worker_died(make_session,
+                                                                            tmp_path, how):
+    """Under -W error the close's warning that the workers' events are missing replaced
+    WorkerDied (``except WorkerDied`` missed a RuntimeWarning). Now WorkerDied goes on, the
+    warning as its note, and the controller's half is written."""
+    path = tmp_path / "died.json"
+    sess = make_session(2, trace=path) if how == "session" else make_session(2)
+    pids = sess.run(os.getpid)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(unison.WorkerDied) as info, \
+                sess.trace(path) if how == "block" else contextlib.nullcontext():
+            sess.run(exit_on_rank_one)
+    assert "holds the controller's only" in "".join(getattr(info.value, "__notes__", []))
+    assert sess.closed and wait_gone(pids, 2.0) == []
+    assert json.loads(path.read_text())["traceEvents"]
 
 
 def noop() -> None:

@@ -68,7 +68,7 @@ from unison.session.fncache import FunctionCache
 from unison.session.resources import Resources, open_std_fds
 from unison.session.router import WHOLE, OutOfStep, Reentered, Request, Router, reentered
 from unison.session.signals import raised_by_a_signal
-from unison.session.unreported import UnreportedErrors, warn_each
+from unison.session.unreported import UnreportedErrors, add_note, warn_each
 from unison.trace import Stats, Trace
 from unison.worker import check_not_loading
 
@@ -318,7 +318,7 @@ class Session(View):
             if trace is not None:
                 self._start_trace(trace)
         except BaseException as exc:
-            self._shutdown(0)
+            self._shutdown_beside(exc)
             _too_many_files(exc, num_workers)
             raise
         _live.add(self)
@@ -474,11 +474,22 @@ class Session(View):
             start = time.monotonic()
             try:
                 self._stop_trace(max(grace, _BUSY_COLLECT_S), grace / 2)
-            finally:  # also where the file could not be written (a full disk): the
-                # workers stop all the same, then its error goes on
-                self._shutdown(max(0.0, grace - (time.monotonic() - start)))
-            return
+            except BaseException as exc:  # also where the file could not be written (a full
+                # disk): the workers stop all the same, then its error goes on
+                self._shutdown_beside(exc, max(0.0, grace - (time.monotonic() - start)))
+                raise
+            grace = max(0.0, grace - (time.monotonic() - start))
         self._shutdown(grace)
+
+    def _shutdown_beside(self, exc: BaseException, grace: float = 0.0) -> None:
+        """Close while ``exc`` (a death, Ctrl-C, a failed start or close) is on its way to
+        the user. Where warnings are errors (-W error) the close's warnings become notes on
+        ``exc``: raised, they would replace it (a death read as a RuntimeWarning, which
+        ``except WorkerDied`` misses)."""
+        try:
+            self._shutdown(grace)
+        except Warning as warning:
+            _note_warning(exc, warning)
 
     def _shutdown(self, grace: float) -> None:
         with self._state_lock:
@@ -575,7 +586,14 @@ class Session(View):
     def __exit__(self, *exc: object) -> None:
         # after an exception, a short grace: enough for idle workers to answer SHUTDOWN with
         # the errors nobody fetched (none at all lost them), not enough to keep the user
-        self.close(timeout=3.0 if exc[0] is None else 0.5)
+        error = exc[1]
+        if not isinstance(error, BaseException):
+            self.close(timeout=3.0)
+            return
+        try:
+            self.close(timeout=0.5)
+        except Warning as warning:  # -W error: the block's exception goes on, not the close's
+            _note_warning(error, warning)
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
@@ -775,7 +793,7 @@ class Session(View):
             router.wait(req, deadline, "running a call")
         except BaseException as exc:
             if raised_by_a_signal(exc):
-                self.interrupted()
+                self.interrupted(exc)
             elif isinstance(exc, TimeoutError) and exc.args and isinstance(exc.args[0], str):
                 # name the function (here: no cost unless it times out)
                 exc.args = (f"run({_fn_name(fn)}): {exc.args[0]}", *exc.args[1:])
@@ -1172,8 +1190,9 @@ class Session(View):
         try:
             return self._router.decode(req, ranks, values=values)
         except OutOfStep as exc:
-            self._shutdown(0)
-            raise SessionClosed(str(exc)) from None
+            err = SessionClosed(str(exc))
+            self._shutdown_beside(err)
+            raise err from None
 
     # -- sending -------------------------------------------------------------------------------
 
@@ -1285,14 +1304,15 @@ class Session(View):
                 "(sync), or close the session." + self._where_they_are(ranks)
             )
         elif isinstance(exc, channels.PartialSendError):  # some workers got it, some not:
-            self._shutdown(0)  # no lockstep
-            cause = exc.__cause__
+            cause = exc.__cause__  # no lockstep: the session closes
             if cause is not None and (not isinstance(cause, Exception)
                                       or raised_by_a_signal(cause)):
+                self._shutdown_beside(cause)
                 return cause  # Ctrl-C, SystemExit, a signal handler's: goes on, the session
                 # closed (its context says why)
             err = SessionClosed(f"the session is closed because {exc}")
             err.__cause__ = exc
+            self._shutdown_beside(err)
             return err
         elif (isinstance(exc, OSError) and not isinstance(exc, TimeoutError)
               and not raised_by_a_signal(exc)):  # (a handler's OSError is no death)
@@ -1439,7 +1459,7 @@ class Session(View):
         report = self._res.on_death(rank, 1.0)
         self._dead = WorkerDied(report.rank, report.exitcode, report.output, during,
                                 report.reason)
-        self._shutdown(0)
+        self._shutdown_beside(self._dead)
         return self._dead
 
     def _close_if_signalled(self, exc: BaseException) -> None:
@@ -1447,21 +1467,22 @@ class Session(View):
         send or a wait (session/signals.py): whether a message went, or a reply was read,
         is not known there. The exception goes on, raised by the caller."""
         if raised_by_a_signal(exc):
-            self.interrupted()
+            self.interrupted(exc)
 
-    def interrupted(self) -> None:
-        """Ctrl-C (or another signal handler's exception: session/signals.py) during a send
-        or a wait: stop the workers now, quietly."""
-        self._shutdown(0)
+    def interrupted(self, exc: BaseException) -> None:
+        """Ctrl-C (or another signal handler's exception, ``exc``: session/signals.py) during
+        a send or a wait: stop the workers now, quietly."""
+        self._shutdown_beside(exc)
 
     def out_of_step(self, rank: int) -> BaseException:
         """A reply that no request waits for (its worker's stream is out of step): taking
         it for another call would be a wrong result, so the session closes."""
-        self._shutdown(0)
-        return SessionClosed(
+        err = SessionClosed(
             f"worker {rank} sent a reply that no request was waiting for: the replies are "
             "out of step, so the session was closed. Open a new Session to go on; if worker code "
             "writes to unison's channel, stop it; otherwise please report this.")
+        self._shutdown_beside(err)
+        return err
 
     def _stacks(self, ranks: tuple[int, ...], timeout: float) -> _debug_stacks.Stacks:
         self.check_open()
@@ -1547,6 +1568,13 @@ def _too_many_files(exc: BaseException, num_workers: int) -> None:
         f"file descriptors besides those this process holds, and its limit (RLIMIT_NOFILE) "
         f"is {soft}: raise it (ulimit -n, or resource.setrlimit), or close files"
     )) from exc
+
+
+def _note_warning(exc: BaseException, warning: Warning) -> None:
+    """A close's ``warning``, raised (-W error) while ``exc`` was on its way: its text, and
+    its own notes, as notes on ``exc``, which goes on."""
+    for note in [f"{type(warning).__name__}: {warning}", *getattr(warning, "__notes__", ())]:
+        add_note(exc, note)
 
 
 def _owned(lock: threading.RLock) -> bool:

@@ -105,8 +105,9 @@ class RouterOwner(Protocol):
     def check_alive(self, during: str) -> None:
         """Raise (as died() does) if a worker has ended."""
 
-    def interrupted(self) -> None:
-        """Ctrl-C (or another signal handler's exception) during a wait: stop the workers."""
+    def interrupted(self, exc: BaseException) -> None:
+        """Ctrl-C (or another signal handler's exception, ``exc``, which goes on) during a
+        wait: stop the workers."""
 
     def out_of_step(self, rank: int) -> BaseException:
         """Worker ``rank`` sent a reply no request waits for: close the session; the error
@@ -198,7 +199,7 @@ class Router:
                     self._follow(req, deadline, during)
         except BaseException as exc:
             if raised_by_a_signal(exc):  # Ctrl-C, a signal handler's: replies may be read
-                self._owner.interrupted()  # and not delivered, so the session closes
+                self._owner.interrupted(exc)  # and not delivered, so the session closes
                 raise
             if isinstance(exc, TimeoutError):
                 self._abandon(req)
@@ -246,7 +247,7 @@ class Router:
                         self._cv.notify_all()
         except BaseException as exc:
             if raised_by_a_signal(exc):  # a reply may be read and not delivered: as in wait
-                self._owner.interrupted()
+                self._owner.interrupted(exc)
             elif isinstance(exc, (ValueError, OSError)) and self.closed:  # (as in wait)
                 self._owner.check_open()
             raise
@@ -465,7 +466,7 @@ class Router:
                         self._cv.notify_all()
         except BaseException as exc:
             if raised_by_a_signal(exc):  # (an event loop's reader: run_until_complete raises
-                self._owner.interrupted()  # it here) replies may be read and not delivered,
+                self._owner.interrupted(exc)  # it here) replies may be read and not delivered,
                 raise  # as in wait: the session closes
             if not (isinstance(exc, (ValueError, OSError)) and self.closed):  # closed under
                 raise  # the look (as in wait): the waits were failed with the reason
