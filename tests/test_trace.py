@@ -150,6 +150,30 @@ def test_a_traced_session_closes_within_its_grace_with_a_worker_stuck(tmp_path):
     assert json.loads(path.read_text())["traceEvents"]
 
 
+def test_warnings_as_errors_a_trace_that_misses_the_workers_is_written_first(make_session,
+                                                                              tmp_path):
+    """Under -W error the warning that the workers' events are missing was raised before
+    the file was written: Session(trace=...) left it empty, and a trace block's own error
+    (a timeout) was replaced by the warning. Now the file is written first; the block's
+    error goes on, the warning as its note."""
+    path, block = tmp_path / "session.json", tmp_path / "block.json"
+    sess = make_session(2, trace=path)
+    other = make_session(2)
+    pids = sess.run(os.getpid)
+    sess.call(time.sleep, 2)  # still busy at the close
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeWarning, match="trace events are missing"):
+            sess.close(timeout=0.4)
+        with pytest.raises(TimeoutError) as info, other.trace(block):
+            other.run(step, 1)
+            other[0].run(stuck, timeout=0.3)
+    assert sess.closed and wait_gone(pids, 2.0) == []
+    assert json.loads(path.read_text())["traceEvents"]
+    assert "trace events are missing" in "".join(getattr(info.value, "__notes__", []))
+    assert json.loads(block.read_text())["traceEvents"]
+
+
 def exit_on_rank_one() -> None:
     if unison.rank() == 1:
         os._exit(3)

@@ -901,17 +901,17 @@ class Session(View):
         at its end write them to ``path`` (Chrome/Perfetto trace JSON: ui.perfetto.dev or
         chrome://tracing open it), and keep them for ``stats()``."""
         tracer = self._start_trace(path)
-        failed = True
         try:
             yield tracer
-            failed = False
-        finally:
+        except BaseException as exc:
             # left on an error: it goes on at once where a worker is still in a call (one
             # that timed out, say), as the workers' events would come after that call
-            if failed:
+            try:
                 self._stop_trace(_BUSY_COLLECT_S, _FAILED_COLLECT_S, tracer)
-            else:
-                self._stop_trace(_COLLECT_S, _BUSY_COLLECT_S, tracer)
+            except Warning as warning:  # -W error: the block's error goes on, not this
+                _note_warning(exc, warning)
+            raise
+        self._stop_trace(_COLLECT_S, _BUSY_COLLECT_S, tracer)
 
     def stats(self) -> Stats:
         """Per-call and per-rank times of the last trace, and the rank that entered most
@@ -964,20 +964,22 @@ class Session(View):
         tracer.end_ns = time.perf_counter_ns()
         busy = self._in_call()
         limit = busy_limit if busy else idle_limit
+        missing = ""
         try:
             for rank, evs in zip(self.workers, self.run(_trace.collect, timeout=limit)):
                 tracer.add_worker(rank, evs)
         except TimeoutError as exc:  # the collect stays queued: it stops their recording
             why = f", worker(s) {busy} still in a call" if busy else ""
-            warnings.warn(f"the workers' trace events are missing: they did not come within "
-                          f"{limit:g} s of the trace's end{why} ({exc}); the trace holds the "
-                          "controller's only", RuntimeWarning, stacklevel=3)
+            missing = (f"the workers' trace events are missing: they did not come within "
+                       f"{limit:g} s of the trace's end{why} ({exc})")
         except Exception as exc:  # a dead session: the controller's half is still worth it
-            warnings.warn(f"the workers' trace events are lost ({exc}); the trace holds the "
-                          "controller's only", RuntimeWarning, stacklevel=3)
+            missing = f"the workers' trace events are lost ({exc})"
         self._last_trace = tracer
         if tracer.path is not None:
             tracer.write(tracer.path)
+        if missing:  # last: under -W error it raises, and the trace is written already
+            warnings.warn(f"{missing}; the trace holds the controller's only", RuntimeWarning,
+                          stacklevel=3)
 
     def _drop_trace(self) -> Trace | None:
         """A close with the trace still running (a death, Ctrl-C, a close that could not
