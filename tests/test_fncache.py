@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import sys
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -32,20 +33,20 @@ def third() -> int:
 
 def test_the_last_function_found_is_remembered_only_while_its_copy_is_current() -> None:
     cache = FunctionCache(size=2)
-    assert cache.store(first, 1, *cache.pickle(first)) == []
+    assert cache.store(first, 1, *cache.pickle(first))[0] == []
     assert cache.last is None  # stored is not found: the send that defined it looks again
     assert cache.lookup(first) == (1, None)
     assert (cache.last, cache.last_id) == (first, 1)
     assert cache.lookup(second) == (0, None)  # a miss forgets it too
     assert cache.last is None
     assert cache.lookup(first) == (1, None)
-    assert cache.store(second, 2, *cache.pickle(second)) == []
+    assert cache.store(second, 2, *cache.pickle(second))[0] == []
     assert cache.last is None  # a store may drop any entry
     assert cache.lookup(first) == (1, None)  # first is the most recent again: second goes
-    assert cache.store(third, 3, *cache.pickle(third)) == [2]
+    assert cache.store(third, 3, *cache.pickle(third))[0] == [2]
     assert cache.lookup(second) == (0, None)
     assert cache.lookup(first) == (1, None)
-    assert cache.store(second, 4, *cache.pickle(second)) == [3]
+    assert cache.store(second, 4, *cache.pickle(second))[0] == [3]
     assert cache.lookup(first) == (1, None)
     assert cache.last is first
 
@@ -87,6 +88,43 @@ def test_a_script_function_whose_capture_changed_is_sent_again(
     scale = 7
     assert sess.run(scaled, 5) == [35, 35]
     assert scaled(1) == 7
+
+
+def _copies_of(name: str) -> int:
+    """On a worker: how many function objects named ``name`` it holds."""
+    import gc
+
+    gc.collect()
+    return sum(1 for o in gc.get_objects()
+               if isinstance(o, types.FunctionType) and o.__name__ == name)
+
+
+def test_warnings_as_errors_a_large_capture_sent_again_leaves_one_copy_on_the_workers(
+    make_session: Callable[..., unison.Session], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under -W error the warning about a large capture sent again was raised between
+    forgetting the old definition and remembering the new one: neither id was ever freed,
+    and each such re-send left a copy on every worker for good. Now both are done first."""
+    monkeypatch.setattr(fncache, "BIG_CAPTURE", 10)  # every re-send is "large"
+    sess = make_session(1)
+    data = [1, 2, 3]
+
+    def reads_data() -> int:
+        return data[-1]
+
+    assert sess.run(reads_data) == [3]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(3):
+            data.append(i)
+            try:
+                sess.run(reads_data)
+            except RuntimeWarning:
+                assert i == 0  # warned once per function
+    assert sess.run(reads_data) == [2]
+    sess.sync()  # the frees ride on the messages after them
+    sess.run(_copies_of, "reads_data")
+    assert sess.run(_copies_of, "reads_data") == [1]
 
 
 def test_a_capture_rebound_while_its_define_waits_is_seen_at_the_next_call(
@@ -239,11 +277,11 @@ def _made_on_the_fly(value: int) -> type:
 
 def test_a_class_sent_by_name_is_kept_and_one_made_on_the_fly_is_sent_every_time() -> None:
     cache = FunctionCache()
-    assert cache.cacheable(Named) and cache.store(Named, 1, *cache.pickle(Named)) == []
+    assert cache.cacheable(Named) and cache.store(Named, 1, *cache.pickle(Named))[0] == []
     assert cache.lookup(Named) == (1, None)  # sess.call(Model, path): no DEFINE per call
     assert cache.cacheable(int)
     fly = _made_on_the_fly(1)
-    assert not cache.cacheable(fly) and cache.store(fly, 2, *cache.pickle(fly)) == []
+    assert not cache.cacheable(fly) and cache.store(fly, 2, *cache.pickle(fly))[0] == []
     assert cache.lookup(fly) == (0, None)
 
 

@@ -1339,7 +1339,10 @@ class Session(View):
         blob, proof = self._fns.pickle(fn, blob)  # the proof before the pickle: see there
         fn_id = next(self._ids)
         self._send(define_msg, (fn_id, blob), self.workers, _NO_BUFFERS, deadline)
-        self._frees.extend(self._fns.store(fn, fn_id, blob, proof))
+        drop, resent = self._fns.store(fn, fn_id, blob, proof)
+        self._frees.extend(drop)
+        if resent:  # last: under -W error it raises, and the ids are queued to free already
+            self._fns.warn_big(fn, len(blob))
         return fn_id, proof is not None
 
     def _encode_args(

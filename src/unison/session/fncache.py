@@ -174,22 +174,21 @@ class FunctionCache:
 
     def store(
         self, fn: Callable[..., Any], fn_id: int, blob: bytes, proof: _Entry | None
-    ) -> list[int]:
+    ) -> tuple[list[int], bool]:
         """Remember that the workers now hold ``fn`` as ``fn_id``, sent as ``blob`` with the
-        ``proof`` that ``pickle`` gave. Returns the ids the workers may drop: the replaced
-        definition, and the least recently used one past the cache's size."""
+        ``proof`` that ``pickle`` gave. Returns the ids the workers may drop (the replaced
+        definition, and the least recently used one past the cache's size), and whether
+        ``fn`` was re-sent, replacing one (``warn_big`` then, once the ids are queued)."""
         self.last = None  # this entry goes last now, and one may go
         if proof is None:
-            return []
+            return [], False
         old = self._entries.pop(fn, None)
         drop = [] if old is None else [old.fn_id]
-        if old is not None and len(blob) > BIG_CAPTURE:
-            self._warn_big(fn, len(blob))
         proof.fn_id = fn_id
         self._entries[fn] = proof
         if len(self._entries) > self._size:
             drop.append(self._entries.popitem(last=False)[1].fn_id)
-        return drop
+        return drop, old is not None
 
     def _prove(self, fn: Callable[..., Any]) -> _Entry | None:
         """What proves a copy of ``fn`` current, from what it captures now (no id yet)."""
@@ -208,7 +207,11 @@ class FunctionCache:
     def cacheable(fn: object) -> bool:
         return isinstance(fn, _CACHEABLE) or (isinstance(fn, type) and _by_reference(fn))
 
-    def _warn_big(self, fn: Callable[..., Any], size: int) -> None:
+    def warn_big(self, fn: Callable[..., Any], size: int) -> None:
+        """Warn (once per function) that ``fn``, re-sent, pickles to ``size`` bytes, where
+        that is over BIG_CAPTURE."""
+        if size <= BIG_CAPTURE:
+            return
         key = getattr(fn, "__code__", fn)
         if key in self._warned:
             return
@@ -218,7 +221,7 @@ class FunctionCache:
             f"something it captures changed, and its pickle is {size / 2**20:.1f} MiB. Large "
             "data captured by a function travels at every change: put it on the workers once "
             "with sess.put(value) and pass the Ref as an argument instead.",
-            RuntimeWarning, stacklevel=4,
+            RuntimeWarning, stacklevel=3,
         )
 
 
