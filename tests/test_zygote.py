@@ -3,6 +3,7 @@ their exit statuses, an environment per rank, and what happens when the zygote g
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ import psutil
 import pytest
 
 import unison
+from support import open_fds
 from unison.errors import WorkerDied
 from unison.launch import zygote
 
@@ -134,6 +136,24 @@ def test_a_zygote_that_dies_at_once_fails_the_start_and_leaves_nothing(monkeypat
     with pytest.raises(Exception, match="zygote ended") as info:
         unison.Session(2, start_timeout=30)
     assert "every worker" in str(info.value)
+
+
+@pytest.mark.parametrize("how", ["zygote-ended", "start-timeout"])
+def test_a_failed_start_closes_the_zygotes_pipe_at_once(monkeypatch, how) -> None:
+    """A failed start's exception, kept (to report later), holds the start's frames and with
+    them the zygote's Popen: its stdin pipe stayed open until that was collected, one per
+    failed start (a ResourceWarning under -X dev). Now the failed start closes it."""
+    if how == "zygote-ended":
+        monkeypatch.setattr(zygote, "_BOOTSTRAP", "import os; os._exit(3)  # {path} {pid}")
+    before = open_fds()
+    kept = []
+    for _ in range(2):
+        with pytest.raises((RuntimeError, TimeoutError)) as info:
+            unison.Session(2, start_timeout=30 if how == "zygote-ended" else 0.01)
+        kept.append(info.value)
+    gc.collect()
+    pipes = [target for _, target in open_fds() - before if target.startswith("pipe:")]
+    assert pipes == [], (pipes, kept)
 
 
 def test_a_lone_worker_starts_as_an_interpreter_of_its_own(make_session) -> None:

@@ -286,6 +286,11 @@ def fork_workers(python: Sequence[str], ranks: Sequence[int], fds: Mapping[int, 
         if zygote is not None:
             zygote.kill()
             zygote.wait()
+            if zygote.stdin is not None:  # the plan's pipe: else open until the Popen is
+                try:  # collected
+                    zygote.stdin.close()
+                except OSError:  # unflushed bytes to a killed zygote: the fd closes all the same
+                    pass
         raise
 
 
