@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import threading
 import time
 import warnings
@@ -16,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 import unison
-from support import stop
+from support import stop, wait_gone
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -324,6 +326,33 @@ def test_warnings_as_errors_a_close_that_drops_output_still_says_the_errors_nobo
     gated.closed = True
     assert "fails raised ValueError: unseen" in "".join(getattr(info.value, "__notes__", []))
     assert sess.closed
+
+
+@pytest.mark.parametrize("gated", [0.05], indirect=True)
+def test_warnings_as_errors_ctrl_c_in_closes_drain_goes_on_with_the_warning_as_its_note(gated):
+    """Under -W error, Ctrl-C while close waits for the relay: the warning of what it
+    dropped was raised in place of KeyboardInterrupt. Now KeyboardInterrupt goes on, that
+    warning as its note, and everything is released all the same."""
+    sess = unison.Session(1)
+    pids = sess.run(os.getpid)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        sess.run(log_many, 100)
+    finally:
+        gated.gate.set()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            timer.start()  # inside the drain, which needs 5 s
+            try:
+                with pytest.raises(KeyboardInterrupt) as info:
+                    sess.close(timeout=0)
+            finally:
+                timer.cancel()
+                timer.join()
+                sess.close(timeout=0)
+    gated.closed = True
+    assert "not all handed over" in "".join(getattr(info.value, "__notes__", [])), info.value
+    assert sess.closed and wait_gone(pids, 2.0) == []
 
 
 @pytest.mark.parametrize("gated", [0.0], indirect=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import signal
+import sys
 
 __all__ = [
     "CancelledError", "CollectiveError", "RemoteError", "SessionClosed", "UnisonError",
@@ -193,3 +194,19 @@ def describe_exitcode(code: int | None, known: bool = False) -> str:
             hint = ""
         return f"killed by {name} (exit code {code}){hint}"
     return f"exited with code {code}"
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``: the traceback shows it (Python 3.11+); before 3.11, which has
+    no notes, the note is written to stderr instead, so it is not lost."""
+    if sys.version_info >= (3, 11):
+        exc.add_note(note)
+    else:
+        print(f"unison: {note}", file=sys.stderr)
+
+
+def note_warning(exc: BaseException, warning: BaseException) -> None:
+    """A ``warning`` raised (warnings as errors: python -W error) while ``exc`` was on its
+    way: its text, and its own notes, become notes on ``exc``, which goes on."""
+    for note in [f"{type(warning).__name__}: {warning}", *getattr(warning, "__notes__", ())]:
+        add_note(exc, note)

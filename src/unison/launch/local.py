@@ -50,6 +50,7 @@ import unison
 from unison import _proctree
 from unison._fdwait import readable
 from unison.debug import logs as _logs
+from unison.errors import note_warning
 from unison.launch import DeathReport, Launcher, zygote
 from unison.launch.zygote import Forked
 from unison.pacing import pool_cores
@@ -479,7 +480,10 @@ class LocalLauncher(Launcher):
             now = time.monotonic()  # (after a Ctrl-C, no drain: it is said what was left)
             self._end_relay(now if interrupted else max(deadline, now + _DRAIN_S))
         except BaseException as exc:  # Ctrl-C in the relay's drain: it let go already
-            interrupted = interrupted or exc
+            if interrupted is None:
+                interrupted = exc
+            elif isinstance(exc, Warning):  # -W error: the first Ctrl-C goes on, this as
+                note_warning(interrupted, exc)  # its note
         for w in self.workers:
             w.release()
         if self._zygote is not None:  # it leaves once its keepers have ended: they have
@@ -518,10 +522,16 @@ class LocalLauncher(Launcher):
             what = (f"the relay is still inside a handler (sys.stderr's write or a logging "
                     f"handler) that did not return, and what comes after it is dropped "
                     f"({what} counted so far)" if stuck else f"{what} were dropped")
-            warnings.warn(
-                f"the workers' output was not all handed over within close's grace (at least "
-                f"{_DRAIN_S:g} s after they ended): {what}; make the controller's handlers "
-                "faster, or give close() a longer timeout", RuntimeWarning, stacklevel=6)
+            try:
+                warnings.warn(
+                    f"the workers' output was not all handed over within close's grace (at "
+                    f"least {_DRAIN_S:g} s after they ended): {what}; make the controller's "
+                    "handlers faster, or give close() a longer timeout", RuntimeWarning,
+                    stacklevel=6)
+            except Warning as warning:  # -W error: a Ctrl-C goes on, this as its note
+                if interrupted is None:
+                    raise
+                note_warning(interrupted, warning)
         if interrupted is not None:
             raise interrupted
 

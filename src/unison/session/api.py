@@ -46,6 +46,7 @@ from unison.errors import (
     SessionClosed,
     WorkerDied,
     WorkerError,
+    note_warning,
 )
 from unison.launch import Launcher
 from unison.launch import create as create_launcher
@@ -68,7 +69,7 @@ from unison.session.fncache import FunctionCache
 from unison.session.resources import Resources, open_std_fds
 from unison.session.router import WHOLE, OutOfStep, Reentered, Request, Router, reentered
 from unison.session.signals import raised_by_a_signal
-from unison.session.unreported import UnreportedErrors, add_note, warn_each
+from unison.session.unreported import UnreportedErrors, warn_each
 from unison.trace import Stats, Trace
 from unison.worker import check_not_loading
 
@@ -489,7 +490,7 @@ class Session(View):
         try:
             self._shutdown(grace)
         except Warning as warning:
-            _note_warning(exc, warning)
+            note_warning(exc, warning)
 
     def _shutdown(self, grace: float) -> None:
         with self._state_lock:
@@ -593,7 +594,7 @@ class Session(View):
         try:
             self.close(timeout=0.5)
         except Warning as warning:  # -W error: the block's exception goes on, not the close's
-            _note_warning(error, warning)
+            note_warning(error, warning)
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
@@ -909,7 +910,7 @@ class Session(View):
             try:
                 self._stop_trace(_BUSY_COLLECT_S, _FAILED_COLLECT_S, tracer)
             except Warning as warning:  # -W error: the block's error goes on, not this
-                _note_warning(exc, warning)
+                note_warning(exc, warning)
             raise
         self._stop_trace(_COLLECT_S, _BUSY_COLLECT_S, tracer)
 
@@ -1573,13 +1574,6 @@ def _too_many_files(exc: BaseException, num_workers: int) -> None:
         f"file descriptors besides those this process holds, and its limit (RLIMIT_NOFILE) "
         f"is {soft}: raise it (ulimit -n, or resource.setrlimit), or close files"
     )) from exc
-
-
-def _note_warning(exc: BaseException, warning: Warning) -> None:
-    """A close's ``warning``, raised (-W error) while ``exc`` was on its way: its text, and
-    its own notes, as notes on ``exc``, which goes on."""
-    for note in [f"{type(warning).__name__}: {warning}", *getattr(warning, "__notes__", ())]:
-        add_note(exc, note)
 
 
 def _owned(lock: threading.RLock) -> bool:

@@ -15,7 +15,9 @@ import threading
 import warnings
 from typing import Any
 
-__all__ = ["UnreportedErrors", "add_note", "warn_each"]
+from unison.errors import note_warning
+
+__all__ = ["UnreportedErrors", "warn_each"]
 
 Error = tuple[Any, ...]  # protocol.pack_error's (pickle, type name, message, traceback, where)
 
@@ -108,15 +110,7 @@ def warn_each(messages: list[str], stacklevel: int, raised: Exception | None = N
             if first is None:
                 first = exc
             else:
-                add_note(first, f"{type(exc).__name__}: {exc}")
+                note_warning(first, exc)
     if first is not None:
         raise first
 
-
-def add_note(exc: BaseException, note: str) -> None:
-    """``exc.add_note(note)``: the traceback shows it (Python 3.11+); before 3.11, which has
-    no notes, the note is written to stderr instead, so it is not lost."""
-    if sys.version_info >= (3, 11):
-        exc.add_note(note)
-    else:
-        print(f"unison: {note}", file=sys.stderr)
