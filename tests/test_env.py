@@ -133,6 +133,20 @@ def test_a_thread_setting_of_the_user_reaches_every_library(make_session, monkey
             assert openblas == [int(mine)] * len(openblas)
 
 
+def test_a_ranks_own_thread_setting_is_read_before_the_controllers(make_session, monkeypatch):
+    """A rank's ``env`` that sets OPENBLAS_NUM_THREADS, under a controller with
+    OMP_NUM_THREADS: the rank's value fills the variables neither set (MKL's, numexpr's),
+    where the controller's was taken first (the first set in the variables' order); the
+    controller's own OMP_NUM_THREADS stands."""
+    for var in local._THREAD_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    sess = make_session(2, env={1: {"OPENBLAS_NUM_THREADS": "2"}}, cpu_affinity=False)
+    (env0, _), (env1, _) = sess.run(_pools)
+    assert env0 == ["3"] * len(local._THREAD_VARS)
+    assert env1 == ["3", "2"] + ["2"] * (len(local._THREAD_VARS) - 2)
+
+
 @pytest.fixture
 def two_cpus() -> Iterator[list[int]]:
     """This process (the controller) held to two CPUs for the test: three processes of a

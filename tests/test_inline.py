@@ -596,7 +596,7 @@ def test_a_close_from_another_thread_does_not_wait_for_worker_0s_call(
             time.sleep(0.01)
         t0 = time.monotonic()
         sess.close(timeout=0.5)
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 3.0  # (its grace 0.5 s; before, the call's 30 s)
         wait_dead(pid, 1.0)  # the processes are stopped as ever
         assert t.is_alive()  # worker 0's call goes on
     finally:

@@ -4,6 +4,7 @@ arrays, block reuse, and the corner cases of the rings (full ring, chunked repli
 from __future__ import annotations
 
 import os
+import resource
 import threading
 import time
 
@@ -592,14 +593,21 @@ def _close_low_fds_and_open_files(path: str) -> list[int]:
     return [f.fileno() for f in files]
 
 
+@pytest.mark.parametrize("soft", [None, 1024])
 @pytest.mark.parametrize("channel", ["shm", "pipe"])
 def test_worker_code_that_closes_low_fds_and_opens_files_leaves_unison_alone(  # type: ignore[no-untyped-def]
-        make_session, channel: str, tmp_path) -> None:
-    # the worker's own fds lie high (4096, or below a lower ulimit -n), where files opened
-    # after a closerange do not land. Before, the files took unison's numbers: one got the
-    # eventfd's counter bytes, and the worker died (EBADF) or exited as if the controller
-    # had gone (pipe).
-    sess = make_session(2, channel=channel)
+        make_session, channel: str, soft: int | None, tmp_path) -> None:
+    # the worker's own fds lie high (4096: a soft ulimit -n of 1,024, the usual one, is
+    # raised for it), where files opened after a closerange do not land. Before, the files
+    # took unison's numbers: one got the eventfd's counter bytes, and the worker died
+    # (EBADF) or exited as if the controller had gone (pipe).
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft is not None:  # the workers start under it
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, limits[1]))
+    try:
+        sess = make_session(2, channel=channel)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
     sess[1].run(_close_low_fds_and_open_files, str(tmp_path))
     for _ in range(3):
         assert sess.run(_sleep, 0.2) == [None, None]  # the controller sleeps: woken each time

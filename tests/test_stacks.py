@@ -121,15 +121,24 @@ def test_a_call_of_a_c_function_is_inside_the_call_not_between_calls(make_sessio
     the loop's line that called it is innermost, and a timeout's report said "worker 0 is
     in its loop, between calls"."""
     sess = make_session(2)
-    with pytest.raises(TimeoutError) as info:
-        sess.run(time.sleep, 60, timeout=0.5)
-    text = str(info.value)
-    for r in (0, 1):
-        assert f"worker {r} is inside the call's function, in C code" in text, text
-    assert "between calls" not in text
+    for _ in range(5):  # the report waits 0.1 s for the stacks: on a loaded machine a
+        with pytest.raises(TimeoutError) as info:  # worker may not answer in time (it says
+            sess.run(time.sleep, 60, timeout=0.5)  # so), then the next timeout's asks again
+        text = str(info.value)
+        assert "between calls" not in text
+        if all(f"worker {r} is inside the call's function, in C code" in text for r in (0, 1)):
+            break
+    else:
+        raise AssertionError(text)
     ref = sess.call(hashlib.pbkdf2_hmac, "sha256", b"x", b"y", 10**9)
-    with pytest.raises(TimeoutError, match="worker 0 is inside the call's function, in C"):
-        ref.get(timeout=0.5)
+    for _ in range(5):
+        with pytest.raises(TimeoutError) as info:
+            ref.get(timeout=0.5)
+        assert "between calls" not in str(info.value)
+        if "worker 0 is inside the call's function, in C" in str(info.value):
+            break
+    else:
+        raise AssertionError(str(info.value))
 
 
 def test_the_loop_lines_told_apart_are_its_calls_and_its_receive() -> None:

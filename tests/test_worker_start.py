@@ -229,3 +229,31 @@ def test_the_workers_start_with_the_controllers_interpreter_options(flags):
         assert "env[1] sets PYTHONHASHSEED, which the worker would ignore" in got["refused"]
     else:
         assert "optimize=1" in mine[0] and "error::RuntimeWarning" in mine[1]
+
+
+NO_SITE = """
+    import sys
+    sys.path[:0] = {paths!r}  # what site would have added: -S leaves it to the script
+    import unison
+
+    for n in (1, 2):
+        with unison.Session(n) as sess:
+            print(sess.run(sum, [n, 1]))
+"""
+
+
+def test_a_controller_under_dash_s_that_finds_its_libraries_itself_starts_its_workers():
+    """``python -S`` reached the workers, whose bootstrap imports unison.worker (numpy,
+    cloudpickle) before the controller's sys.path is theirs: a controller that put
+    site-packages on its path by hand had every worker die of ModuleNotFoundError. -S is
+    the one option the workers do not take (their sys.path is the controller's)."""
+    import site
+
+    import unison
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(unison.__file__)))
+    paths = [root, *site.getsitepackages()]
+    proc = subprocess.run([sys.executable, "-S", "-c", textwrap.dedent(
+        NO_SITE.format(paths=paths))], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["[2]", "[3, 3]"], proc.stdout

@@ -237,9 +237,11 @@ def cancelled() -> bool:
 
 def _on_cancel_signal(signum: int, frame: object) -> None:
     """The controller cancelled a running call: raise Cancelled in it, at the next bytecode.
-    Only while a function runs (``_current``), so the loop's own code is never hit."""
+    Only while a function runs (``_current``), so the loop's own code is never hit; and
+    once a call (the controller signals again every 0.1 s while it runs: a signal may be
+    lost in C code), so one that caught Cancelled may tidy up and return its value."""
     call = _current[0]
-    if call and _board is not None and _board.is_cancelled(call):
+    if call and call != _told[0] and _board is not None and _board.is_cancelled(call):
         _told[0] = call  # what it returns after catching this stands
         raise Cancelled(f"call #{call} was cancelled by the controller while it ran")
 
@@ -269,6 +271,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
     _inline[0] = interrupts
     me = _identity.get("rank", 0)
     _forked[0] = False  # this process serves: only a fork from here on is a stranger
+    _told[0] = 0  # (call ids start again in each session: inline worker 0's)
     loop = loop or Loop()
     fns, unreported = loop.fns, loop.unreported
     loads, dumps = protocol.loads, protocol.dumps
@@ -896,8 +899,16 @@ def _fds_up_high(spec: WorkerSpec) -> WorkerSpec:
     ``_HIGH_FDS``, each keeping its close-on-exec flag. unison uses them by number: at low
     numbers, worker code that closed one (os.closerange, a stray close) had the next file
     it opened take the number, and unison wrote its counters into that file, or mapped it
-    as the arena. Left where they are under a limit too low for it (``ulimit -n``)."""
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    as the arena. A soft limit on open files below the spot (1,024 is common, the very
+    range an ``os.closerange(3, 1024)`` closes) is raised to it where the hard limit lets
+    it; else they go as high as it allows, or stay where they are under a limit too low."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = _HIGH_FDS + 64
+    if soft != resource.RLIM_INFINITY and soft < want:
+        raised = want if hard == resource.RLIM_INFINITY else min(hard, want)
+        if raised > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
     base = _HIGH_FDS if soft == resource.RLIM_INFINITY else min(_HIGH_FDS, soft - 64)
     fds = list(dict.fromkeys(spec.fds))
     if base < 256 or not fds or len(fds) != len(spec.fds):

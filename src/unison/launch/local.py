@@ -56,12 +56,13 @@ from unison.launch.zygote import Forked
 from unison.pacing import pool_cores
 from unison.spec import WorkerSpec
 
-# python -c puts the current directory first on sys.path (unless safe_path is set): drop it
+# python -c puts the current directory first on sys.path (unless -P or -I): drop it
 # before anything is imported, so a numpy.py lying there is never run. The process group
 # first: see _OWN_GROUP. unison's own folder is put first by hand, not only by PYTHONPATH,
 # which a worker started with the controller's -E or -I ignores.
 _BOOTSTRAP = ("import os, sys\nos.setpgid(0, 0)\n"
-              "if not getattr(sys.flags, 'safe_path', False): del sys.path[0]\n"
+              "if not (getattr(sys.flags, 'safe_path', 0) or sys.flags.isolated):\n"
+              "    del sys.path[0]\n"
               "if {root!r} not in sys.path: sys.path.insert(0, {root!r})\n"
               "from unison.worker import main; main({pid})")
 _TAIL_CHARS = 64 * 1024
@@ -98,10 +99,14 @@ def interpreter() -> list[str]:
     error``, the text encoding under ``-X utf8``. With -E or -I, the workers ignore the
     PYTHON* variables the controller ignored (they inherit its environment, as its own
     children do), so what unison sets for them does not rest on one: unison's folder goes
-    on sys.path in the bootstraps, and -u stands for PYTHONUNBUFFERED. -S, -s and -P reach
-    them too: their sys.path is the controller's (unison.session.resources.sys_path)."""
+    on sys.path in the bootstraps, and -u stands for PYTHONUNBUFFERED. -s and -P reach them
+    too: their sys.path is the controller's (unison.session.resources.sys_path). -S does
+    not: the bootstrap imports unison.worker (numpy, cloudpickle) from site-packages before
+    the controller's sys.path is applied, and a controller under -S found them by a path
+    of its own making."""
     # -O, -B, -b, -S, -E, -I, -W, -X dev... (private, but what multiprocessing's spawn uses)
     args: list[str] = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
+    args = [arg for arg in args if arg != "-S"]
     named = {arg.partition("=")[0] for flag, arg in itertools.pairwise(args) if flag == "-X"}
     for key, value in sys._xoptions.items():  # the -X options it leaves out (3.11's leaves
         if key not in named:  # int_max_str_digits, pycache_prefix, warn_default_encoding)
@@ -124,14 +129,17 @@ def _ignored_env(rank_env: Mapping[int, Mapping[str, str]]) -> None:
                     "or give the setting as an option of its python (-O, -X, -W ...)")
 
 
-def _thread_pools(env: Mapping[str, str], share: str) -> dict[str, str]:
-    """_THREAD_VARS for a worker whose environment is ``env``: ``share`` where the user set
-    none of them, else the user's (the first set, in _THREAD_VARS order) for those left
-    unset, so that every library's pool agrees. Forcing ``share`` on the unset ones had
-    OpenBLAS, which reads OPENBLAS_NUM_THREADS before OMP_NUM_THREADS, ignore the user's
-    OMP_NUM_THREADS."""
-    chosen = next((env[var] for var in _THREAD_VARS if env.get(var)), share)
-    return {var: env.get(var) or chosen for var in _THREAD_VARS}
+def _thread_pools(env: Mapping[str, str], share: str,
+                  own: Mapping[str, str] | None = None) -> dict[str, str]:
+    """_THREAD_VARS for a worker whose environment is ``env`` (and a rank's ``own``, read
+    first): ``share`` where the user set none of them, else what the user set, and for
+    those left unset the first set (in _THREAD_VARS order, the rank's own first), so that
+    every library's pool agrees. Forcing ``share`` on the unset ones had OpenBLAS, which
+    reads OPENBLAS_NUM_THREADS before OMP_NUM_THREADS, ignore the user's OMP_NUM_THREADS."""
+    own = own or {}
+    chosen = next((got[var] for got in (own, env) for var in _THREAD_VARS if got.get(var)),
+                  share)
+    return {var: own.get(var) or env.get(var) or chosen for var in _THREAD_VARS}
 
 
 class WorkerProcess:
@@ -306,7 +314,7 @@ class LocalLauncher(Launcher):
                     for rank, vars in (env or {}).items()}
         for vars in rank_env.values():  # a rank's own choice, over the controller's
             if any(var in vars for var in _THREAD_VARS):
-                vars.update(_thread_pools({**os.environ, **vars}, share))
+                vars.update(_thread_pools(os.environ, share, vars))
         try:
             # one layout for every worker (unison.launch.zygote); a lone worker has no one
             # to share it with, so a zygote would only be one more process to start

@@ -55,7 +55,8 @@ _AT_START = ("PYTHON", "LD_", "GLIBC_TUNABLES", "MALLOC_")
 
 _BOOTSTRAP = ("# unison.worker zygote\n"
               "import os, sys\nos.setpgid(0, 0)\n"  # local._OWN_GROUP says why
-              "if not getattr(sys.flags, 'safe_path', False): del sys.path[0]\n"
+              "if not (getattr(sys.flags, 'safe_path', 0) or sys.flags.isolated):\n"
+              "    del sys.path[0]\n"
               "if {root!r} not in sys.path: sys.path.insert(0, {root!r})\n"
               "import runpy; runpy.run_path({path!r})['main']({pid})")
 """The zygote runs this file, not the unison package: what unison reads as it is imported

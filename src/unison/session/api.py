@@ -1143,8 +1143,9 @@ class Session(View):
                 raise TimeoutError(
                     f"worker(s) {stuck} are still inside the call of {ref!r} {timeout} s after "
                     "it was cancelled: they are stuck in C code that does not return to Python "
-                    "(the cancellation takes effect at the next Python bytecode). It ends "
-                    "cancelled if it ever returns; close the session to stop it now."
+                    "(the cancellation takes effect at the next Python bytecode), or the call "
+                    "caught unison.Cancelled and goes on. It ends cancelled if it returns "
+                    "without having caught it; close the session to stop it now."
                 )
             why = "; ".join(f"worker {r} {how} the cancellation signal ({SIGNAL_NAME})"
                             for r, how in refused.items())
