@@ -7,11 +7,14 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -137,6 +140,104 @@ def test_bare_system_starts_interpreters() -> None:
     bare = make_system("bare")
     bare.start(2)  # returns once both have imported numpy and exited
     bare.close()
+
+
+def _minor_faults() -> int:
+    """This process's minor page faults so far (a mapped page's first touch is one)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _faults_reading(arrays: list[Any]) -> int:
+    """The minor faults of reading every byte of ``arrays`` in this process."""
+    before = _minor_faults()
+    for a in arrays:
+        float(a.sum())
+    return _minor_faults() - before
+
+
+def test_timed_fetch_pays_the_faults_of_reading_its_result(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """unison's ``ref.gather()`` returns arrays that map the workers' memory lazily: their
+    page faults come with the first read. The fetch workload's timed op reads every page
+    itself, so a user reading its result afterwards faults no more (before, those faults
+    fell after the clock stopped, and only unison's figure left them out)."""
+    from harness import measure
+    from harness.systems.unison_session import UnisonSystem
+
+    timed: list[Callable[[], Any]] = []
+    time_loop = measure.time_loop
+
+    def keep_op(op: Callable[[], Any], loop: measure.Loop) -> list[int]:
+        timed.append(op)
+        return time_loop(op, loop)
+
+    monkeypatch.setattr(measure, "time_loop", keep_op)
+    system = UnisonSystem("unison", None)
+    try:
+        system.start(1)
+        system.dispatch()
+        measure._fetch_cells(system, 1, 16 << 20, measure.QUICK)
+        untouched = _faults_reading(system.fetch())  # a fetch not read yet
+        after_timed = _faults_reading(timed[0]())
+    finally:
+        system.close()
+    if untouched < 16:
+        pytest.skip(f"reading an untouched fetch faulted only {untouched} times here")
+    assert len(timed) == 1 and after_timed < untouched / 4, (after_timed, untouched)
+
+
+def _worker_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _worker_faults_reading(a: Any) -> int:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    float(a.sum())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_timed_put_ends_once_the_workers_have_read_every_page() -> None:
+    """unison's put maps the array into each worker lazily: the put workload's op has every
+    worker read a byte of each page before it returns, so the page faults are timed (as the
+    baselines' copies are); before, a worker faulted them in only when something read it."""
+    import numpy as np
+
+    from harness.systems.unison_session import UnisonSystem
+
+    a = np.ones((16 << 20) // 4, dtype=np.float32)
+    system = UnisonSystem("unison", None)
+    try:
+        system.start(1)
+        system.dispatch()
+        sess = system.session
+        ref = sess.put(a)
+        untouched = sess.run(_worker_faults_reading, ref)[0]  # what reading it first costs
+        ref.free()
+        before = sess.run(_worker_faults)[0]
+        system.put(a)
+        during = sess.run(_worker_faults)[0] - before
+    finally:
+        system.close()
+    if untouched < 16:
+        pytest.skip(f"reading an untouched put faulted only {untouched} times here")
+    assert during >= untouched / 2, (during, untouched)
+
+
+def test_touch_reads_a_byte_of_every_page() -> None:
+    import mmap
+
+    import numpy as np
+
+    from harness.tasks import PAGE, touch
+
+    pages = np.frombuffer(mmap.mmap(-1, 5 * PAGE), dtype=np.uint8)  # page-aligned
+    pages[:] = np.repeat(1 << np.arange(5, dtype=np.uint8), PAGE)  # page i's bytes: 2**i
+    part = pages[100:4 * PAGE + 50]  # from inside page 0 into page 4: each read once
+    assert touch(part) == 31 and touch([part, part]) == 62
+    assert touch(pages) == 31 + 16  # aligned: the last byte is page 4's second read
+    assert touch(pages.reshape(5, PAGE).T) == 47  # F-contiguous: read in place
+    assert touch(pages.reshape(5, PAGE)[:, ::2]) == 1 + 4 + 16 + 16  # a copy, read
+    assert touch(np.empty(0)) == touch(None) == 0
 
 
 def test_update_section_keeps_the_rest(tmp_path: Path) -> None:

@@ -13,12 +13,19 @@ number of workers N.
     gather_small  every worker runs a function whose small result (an int) comes back to the
                   controller (unison: ``sess.run(small_value)``). Median and p99, in µs.
     put           a 1 MiB and a 64 MiB float32 numpy array sent to every worker, waiting until
-                  all of them hold it (unison: ``ref = sess.put(a); sess.sync(); ref.free()``).
-                  GB/s per worker: the array's bytes / the median time of one put, so the N
-                  workers together received N times that.
+                  all of them hold it and have read one byte of each of its 4 KiB pages
+                  (``tasks.touch``; unison: ``ref = sess.put(a); sess.call(touch, ref);
+                  sess.sync(); ref.free()``: one copy in shared memory that each worker maps,
+                  its page faults paid by the touch; the pipe, mpqueue and manager workers
+                  unpickle a copy of their own, Ray's actors map the object store's copy, and
+                  MPI's ranks ``Bcast`` into a fresh array, each touching it before its ack).
+                  GB/s per worker: the array's bytes / the median time of one put.
     fetch         every worker holds a 64 MiB float64 array (made there, untimed); the
-                  controller fetches all N of them (unison: ``ref.gather()``; the baselines
-                  send the array back as their replies). GB/s per worker (bytes / the median
+                  controller fetches all N of them and reads one byte of each 4 KiB page of
+                  every array it got (``fetched``; unison: ``ref.gather()``, whose arrays map
+                  the workers' shared memory and fault on that first read; the baselines send
+                  the array back as their replies, copied into the controller's memory, where
+                  the read costs next to nothing). GB/s per worker (bytes / the median
                   time of one fetch), that median time in ms, and the controller's peak extra
                   resident memory during one fetch, as a multiple of the N arrays' bytes (the
                   result itself is 1.0; the fetched arrays are read in full before the peak is
@@ -71,10 +78,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness.systems import System, launcher, make_system, supports
-from harness.tasks import check_block
+from harness.tasks import check_block, touch
 
-__all__ = ["FULL", "QUICK", "WORKLOADS", "Cell", "Loop", "Plan", "ScriptCall", "percentile",
-           "put_arrays", "run_benchmark"]
+__all__ = ["FULL", "QUICK", "WORKLOADS", "Cell", "Loop", "Plan", "ScriptCall", "fetched",
+           "percentile", "put_arrays", "run_benchmark"]
 
 WORKLOADS = ("dispatch", "dispatch_script_fn", "gather_small", "put", "fetch", "start", "idle",
              "dispatch_hogs", "allreduce")
@@ -405,6 +412,15 @@ def _check_small(values: list[int], n: int) -> None:
         raise RuntimeError(f"gather_small returned {values!r}: expected {n} distinct ints")
 
 
+def fetched(system: System) -> list[Any]:
+    """The fetch workload's timed op: ``system.fetch()``, then one byte of every page of each
+    array read (``touch``), so that a system whose arrays map memory lazily (unison's) pays
+    its page faults inside the timing, as the others pay their copies."""
+    arrays = system.fetch()
+    touch(arrays)
+    return arrays
+
+
 def _fetch_cells(system: System, n: int, nbytes: int, plan: Plan) -> list[Cell]:
     """fetch (GB/s per worker), fetch_time (ms) and fetch_memory (x the result)."""
     system.hold(nbytes)
@@ -414,7 +430,7 @@ def _fetch_cells(system: System, n: int, nbytes: int, plan: Plan) -> list[Cell]:
     for block in got:
         check_block(block, nbytes)
     del got
-    samples = time_loop(system.fetch, _bulk_loop(plan, nbytes))
+    samples = time_loop(functools.partial(fetched, system), _bulk_loop(plan, nbytes))
     median_ns = statistics.median(samples)
     ms = sorted(s / 1e6 for s in samples)
     common = {"bytes": float(nbytes), "median_ms": median_ns / 1e6, "max_ms": ms[-1]}

@@ -5,7 +5,8 @@ A system starts N local worker processes and offers the benchmark's operations:
 
     call(fn, args)    every worker runs ``fn(*args)``; wait until all have (dispatch)
     gather_small()    every worker runs ``small_value()``; return the N small ints, rank order
-    put(array)        every worker receives ``array`` and keeps it; wait until all have it
+    put(array)        every worker receives ``array``, reads one byte of each of its pages
+                      (``touch``) and keeps it; wait until all have
     hold(nbytes)      every worker makes ``make_block(nbytes)`` and keeps it (fetch's setup)
     fetch()           every worker's held block, copied to the controller, in rank order
     worker_pids()     the workers' process ids (for the idle CPU measurement)
@@ -24,7 +25,7 @@ import signal
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from harness.tasks import make_block, noop, small_value
+from harness.tasks import make_block, noop, small_value, touch
 
 
 class System(abc.ABC):
@@ -54,8 +55,9 @@ class System(abc.ABC):
 
     @abc.abstractmethod
     def put(self, value: Any) -> None:
-        """Every worker receives ``value`` and keeps it (dropping the previous one); return
-        when all hold it."""
+        """Every worker receives ``value``, reads one byte of each of its pages (``touch``:
+        data mapped lazily pays its page faults here) and keeps it (dropping the previous
+        one); return when all have."""
 
     @abc.abstractmethod
     def hold(self, nbytes: int) -> None:
@@ -79,8 +81,8 @@ class System(abc.ABC):
 
 CALL, RUN, PUT, HOLD, FETCH, STOP = range(6)
 """Command kinds, each sent as ``(kind, fn_or_value, args)``: run fn and ack / run fn and
-reply its result / keep a value and ack / keep ``make_block(*args)`` and ack / reply the kept
-block / leave."""
+reply its result / keep a value, ``touch`` it and ack / keep ``make_block(*args)`` and ack /
+reply the kept block / leave."""
 
 _kept: dict[int, Any] = {}  # a worker's put value (under PUT) and block (under HOLD)
 
@@ -94,6 +96,7 @@ def execute(op: int, obj: Any, args: Sequence[Any]) -> Any:
         return obj(*args)
     if op == PUT:
         _kept[PUT] = obj
+        touch(obj)  # as unison's workers must (its put maps the data lazily)
         return None
     if op == HOLD:
         _kept.pop(HOLD, None)  # free the old block before making the next

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from harness.systems.base import System
-from harness.tasks import make_block, small_value
+from harness.tasks import make_block, small_value, touch
 
 
 class _Worker:
@@ -28,6 +28,7 @@ class _Worker:
 
     def hold(self, value: Any) -> None:
         self._held = value
+        touch(value)  # a numpy array from the object store maps it: read it as the others do
 
     def make(self, nbytes: int) -> None:
         self._block = None

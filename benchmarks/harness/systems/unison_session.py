@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from harness.systems.base import System
-from harness.tasks import make_block, small_value
+from harness.tasks import make_block, small_value, touch
 
 
 def default_channel() -> str:
@@ -81,6 +81,7 @@ class UnisonSystem(System):
 
     def put(self, value: Any) -> None:
         ref = self._sess.put(value)
+        self._sess.call(touch, ref)  # the workers' mappings fault in here, not after
         self._sess.sync()
         ref.free()
 
