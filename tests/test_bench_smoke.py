@@ -540,6 +540,18 @@ def test_interval_brackets_the_ratio_of_medians_and_reads_pairs_together() -> No
     assert interval(base, base, draws=50) == (1.0, 1.0)
 
 
+def test_interval_leaves_out_its_share_of_draws_at_each_end() -> None:
+    """A 90% interval of 20 draws leaves out the lowest and the highest draw (5% of 20 at
+    each end); 20 * (1 - 0.9) / 2 is 0.9999999999999998 in floating point, which int() cut
+    to 0, so the interval was every draw's range (and of 2000 draws it left out 99, not 100)."""
+    from harness.measure import interval
+
+    mine, theirs = [3.0, 9.0, 4.0, 12.0, 7.0, 5.0, 10.0, 6.0], [5.0] * 8
+    lowest, highest = interval(mine, theirs, draws=20, level=1.0)  # every draw
+    low, high = interval(mine, theirs, draws=20, level=0.9)
+    assert lowest < low <= high < highest, (lowest, low, high, highest)
+
+
 def test_steal_is_the_hypervisors_share_of_the_cpu_time_between_two_readings() -> None:
     from harness import report
 

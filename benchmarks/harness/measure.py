@@ -197,7 +197,7 @@ def interval(mine: list[float], theirs: list[float], draws: int = 2000,
         ratios.append(statistics.median([mine[i] for i in drawn])
                       / statistics.median([theirs[i] for i in drawn]))
     ratios.sort()
-    cut = int(draws * (1 - level) / 2)
+    cut = round(draws * (1 - level) / 2)  # int() cut 99.99999999999997 to 99
     return ratios[cut], ratios[draws - 1 - cut]
 
 
