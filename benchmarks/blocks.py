@@ -14,10 +14,12 @@ median of the blocks' medians, and unison's ratio to each other system (below 1:
 faster). ``PYTHONPATH=<tree>/src`` picks the revision of unison.
 
 With that ratio comes a 90% interval for it: the blocks resampled in their pairs (block i
-of unison with block i of the other system, measured next to each other), 2000 times, the
-ratio of the medians taken each time. A ratio whose whole interval is under a target meets
-it on this run; one whose interval straddles it is at the line, and another run may read
-either way.
+of unison with block i of the other system, from the same turn), 2000 times, the ratio of
+the medians taken each time. A turn runs the systems in ``--systems`` order, the next one in
+reverse (U F P, then P F U), so a pair's two blocks are next to each other only for the
+system after unison; for the others, the blocks of the systems between them ran in between.
+A ratio whose whole interval is under a target meets it on this run; one whose interval
+straddles it is at the line, and another run may read either way.
 """
 
 from __future__ import annotations

@@ -187,8 +187,8 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 def interval(mine: list[float], theirs: list[float], draws: int = 2000,
              level: float = 0.9) -> tuple[float, float]:
     """A percentile bootstrap interval of median(mine) / median(theirs), the two lists'
-    entries drawn in their pairs (block i of each, measured next to each other; a fixed
-    seed: the same entries give the same interval)."""
+    entries drawn in their pairs (block i of each, measured in the same turn, though not
+    always next to each other; a fixed seed: the same entries give the same interval)."""
     pick = random.Random(0).choices
     pairs = range(len(mine))
     ratios = []
