@@ -495,9 +495,16 @@ def test_close_does_not_warn_about_errors_that_were_fetched(make_session, recwar
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
 
 
-def test_interpreter_exit_warns_about_an_error_nobody_fetched(controller):
-    proc = controller("""
+@pytest.mark.parametrize("errors", [False, True])
+def test_interpreter_exit_warns_about_an_error_nobody_fetched(controller, errors):
+    """With ``errors``, warnings are errors (-W error): the close's warning is raised out
+    of atexit (which prints it), not swallowed as before."""
+    proc = controller(f"""
+        import warnings
         import unison
+
+        if {errors}:
+            warnings.simplefilter("error")
 
         def boom():
             raise KeyError("lost at exit")
@@ -526,26 +533,6 @@ def test_warnings_as_errors_still_say_every_error_nobody_fetched(make_session):
     assert "second unseen" in "".join(getattr(info.value, "__notes__", [])), info.value
     assert sess.closed
     assert wait_gone(pids, 2.0) == []
-
-
-def test_warnings_as_errors_at_exit_still_say_an_error_nobody_fetched(controller):
-    """A session left open at exit, under -W error: its close's warning is raised out of
-    atexit (which prints it), not swallowed."""
-    proc = controller("""
-        import warnings
-        import unison
-
-        warnings.simplefilter("error")
-
-        def boom():
-            raise KeyError("lost at exit")
-
-        sess = unison.Session(2)
-        sess.call(boom)
-        sess.run(unison.rank)
-    """)
-    _, err = proc.communicate(timeout=60)
-    assert "RuntimeWarning" in err and "boom raised KeyError" in err, err
 
 
 _KEPT: list = []
