@@ -174,8 +174,35 @@ def _signal_after(obj, name, sig=signal.SIGINT, read=False):
     setattr(obj, name, once)
 
 
-def _ctrl_c_after(obj, name):
-    _signal_after(obj, name)
+def _strike(sess, where, sig=signal.SIGINT):
+    """Arm signal ``sig`` at ``where`` in the session's steps; what runs into it:
+    after a run's, a call's or a put's message went out ("run-sent", "call-sent",
+    "put-sent"), once a run's request is expected but before its send ("expected"), once
+    the quick look read a run's replies ("read"), or between a GET's or SYNC's send and its
+    wait ("fetched", "synced")."""
+    if where in ("run-sent", "call-sent", "put-sent"):
+        _signal_after(sess._chan, "send" if where == "put-sent" else "send_plain", sig)
+        return {"run-sent": lambda: sess.run(ident, 1), "call-sent": lambda: sess.call(ident, 1),
+                "put-sent": lambda: sess.put(1)}[where]
+    if where == "expected":
+        _signal_after(sess._router, "expect", sig)
+        return lambda: sess.run(ident, 1)
+    if where == "read":
+        _signal_after(sess._chan, "plain_values", sig, read=True)
+
+        def go():  # a round whose replies came later than the look's wait (a loaded
+            for _ in range(200):  # machine) is read by the wait instead: another round
+                sess.run(ident, 1)
+            raise AssertionError("no run's replies were read by the quick look")
+        return go
+    if where == "fetched":
+        ref = sess.call(ident, 1)
+        _signal_after(sess, "_request", sig)
+        return ref.gather
+    assert where == "synced", where
+    sess.call(ident, None, 1)  # a TypeError: the sync asks for it (a SYNC request)
+    _signal_after(sess, "_request", sig)
+    return sess.sync
 
 
 def _closed_and_gone(sess, pids):
@@ -185,7 +212,7 @@ def _closed_and_gone(sess, pids):
         sess.run(ident, 2, timeout=3)
 
 
-@pytest.mark.parametrize("where", ["sent", "expected", "fetched", "synced"])
+@pytest.mark.parametrize("where", ["run-sent", "expected", "fetched", "synced"])
 def test_ctrl_c_inside_a_send_closes_the_session(make_session, where):
     """Ctrl-C inside the session's own steps, outside a wait: after the message went out
     (the request was then forgotten, and the next run raised "answered request 4 where 6
@@ -195,20 +222,7 @@ def test_ctrl_c_inside_a_send_closes_the_session(make_session, where):
     closes, as for a Ctrl-C in a wait."""
     sess = make_session(2)
     pids = sess.run(ident, 0) and sess.run(os.getpid)
-    if where == "sent":
-        _ctrl_c_after(sess._chan, "send_plain")
-        go = lambda: sess.run(ident, 1)
-    elif where == "expected":
-        _ctrl_c_after(sess._router, "expect")
-        go = lambda: sess.run(ident, 1)
-    elif where == "fetched":
-        ref = sess.call(ident, 1)
-        _ctrl_c_after(sess, "_request")
-        go = ref.gather
-    else:
-        sess.call(ident, None, 1)  # a TypeError: the sync asks for it (a SYNC request)
-        _ctrl_c_after(sess, "_request")
-        go = sess.sync
+    go = _strike(sess, where)
     with contextlib.ExitStack() as stack:
         if where == "synced":  # the error it asked for is not fetched: the close says so
             stack.enter_context(pytest.warns(RuntimeWarning, match="nobody fetched"))
@@ -229,7 +243,7 @@ def test_ctrl_c_in_an_event_loops_reader_closes_the_session(make_session, monkey
     monkeypatch.setattr(aio, "_loop_idle", lambda: False)  # a busy loop: no quick path
     sess = make_session(2)
     pids = sess.run(ident, 0) and sess.run(os.getpid)
-    _ctrl_c_after(sess._chan, "recv")
+    _signal_after(sess._chan, "recv")
     loop = asyncio.new_event_loop()
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -346,11 +360,6 @@ def alarm_handler():
         signal.signal(signal.SIGUSR1, old)
 
 
-def _alarm_after(obj, name, read=False):
-    """``_signal_after`` with the SIGUSR1 handler's exception."""
-    _signal_after(obj, name, signal.SIGUSR1, read)
-
-
 @pytest.mark.parametrize("kind", [_Alarm, TimeoutError])
 @pytest.mark.parametrize("where", ["run-sent", "call-sent", "put-sent", "read", "fetched",
                                    "in-a-wait"])
@@ -369,30 +378,12 @@ def test_a_signal_handlers_exception_inside_a_send_or_a_wait_closes_the_session(
     sess = make_session(2)
     pids = sess.run(ident, 0) and sess.run(os.getpid)
     timer = None
-    if where == "run-sent":
-        _alarm_after(sess._chan, "send_plain")
-        go = lambda: sess.run(ident, 1)
-    elif where == "call-sent":
-        _alarm_after(sess._chan, "send_plain")
-        go = lambda: sess.call(ident, 1)
-    elif where == "put-sent":
-        _alarm_after(sess._chan, "send")
-        go = lambda: sess.put(1)
-    elif where == "read":
-        _alarm_after(sess._chan, "plain_values", read=True)
-
-        def go():  # a round whose replies came later than the look's wait (a loaded
-            for _ in range(200):  # machine) is read by the wait instead: another round
-                sess.run(ident, 1)
-            raise AssertionError("no run's replies were read by the quick look")
-    elif where == "fetched":
-        ref = sess.call(ident, 1)
-        _alarm_after(sess, "_request")
-        go = ref.gather
-    else:
+    if where == "in-a-wait":
         timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
         timer.start()
         go = lambda: sess.run(time.sleep, 30)
+    else:
+        go = _strike(sess, where, signal.SIGUSR1)
     try:
         with pytest.raises(kind) as info:
             go()

@@ -910,11 +910,10 @@ def _fds_up_high(spec: WorkerSpec) -> WorkerSpec:
             resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
             soft = raised
     base = _HIGH_FDS if soft == resource.RLIM_INFINITY else min(_HIGH_FDS, soft - 64)
-    fds = list(dict.fromkeys(spec.fds))
-    if base < 256 or not fds or len(fds) != len(spec.fds):
+    if base < 256 or not spec.fds or len(set(spec.fds)) != len(spec.fds):
         return spec
     moved = []
-    for fd in fds:
+    for fd in spec.fds:
         inherit = not fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
         moved.append(fcntl.fcntl(fd, fcntl.F_DUPFD if inherit else fcntl.F_DUPFD_CLOEXEC, base))
         os.close(fd)

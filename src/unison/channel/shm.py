@@ -882,10 +882,7 @@ class ShmWorkerChannel(WorkerChannel):
         q[self._done_idx] = pos  # _progress, inlined: everything before pos has run
         _fence()
         if q[_CTL_DONE]:
-            try:
-                os.eventfd_write(self._done_efd, 1)
-            except OSError as exc:  # (as C's wake_checked)
-                raise _lost_eventfd(self._done_efd, exc) from None
+            _wake(self._done_efd)
         while True:
             end = q[0]
             if end == pos:
@@ -934,10 +931,7 @@ class ShmWorkerChannel(WorkerChannel):
         q[self._done_idx] = pos
         _fence()  # between publishing and reading the flag
         if q[_CTL_DONE]:
-            try:
-                os.eventfd_write(self._done_efd, 1)
-            except OSError as exc:  # (as C's wake_checked)
-                raise _lost_eventfd(self._done_efd, exc) from None
+            _wake(self._done_efd)
 
     def unreported(self, count: int) -> None:
         self._q[self._unrep_idx] = count  # published with the next done position
@@ -1013,10 +1007,7 @@ class ShmWorkerChannel(WorkerChannel):
         q[self._rw_idx] = pos + size  # publish
         _fence()
         if q[_CTL_SLEEP] or q[_CTL_ASYNC]:
-            try:
-                os.eventfd_write(self._ctl_efd, 1)
-            except OSError as exc:  # (as C's wake_checked)
-                raise _lost_eventfd(self._ctl_efd, exc) from None
+            _wake(self._ctl_efd)
         return True
 
     def reply(self, data: bytes, buffers: Sequence[Any] = ()) -> None:
@@ -1077,10 +1068,7 @@ class ShmWorkerChannel(WorkerChannel):
         q[self._rw_idx] = pos + size  # publish
         _fence()  # _wake_controller, inlined: a fence, then the flags
         if q[_CTL_SLEEP] or q[_CTL_ASYNC]:
-            try:
-                os.eventfd_write(self._ctl_efd, 1)
-            except OSError as exc:  # (as C's wake_checked)
-                raise _lost_eventfd(self._ctl_efd, exc) from None
+            _wake(self._ctl_efd)
 
     def ack(self) -> None:
         if self._taker is not None:
@@ -1096,18 +1084,12 @@ class ShmWorkerChannel(WorkerChannel):
         q[self._rw_idx] = pos + 8
         _fence()
         if q[_CTL_SLEEP] or q[_CTL_ASYNC]:
-            try:
-                os.eventfd_write(self._ctl_efd, 1)
-            except OSError as exc:  # (as C's wake_checked)
-                raise _lost_eventfd(self._ctl_efd, exc) from None
+            _wake(self._ctl_efd)
 
     def _wake_controller(self) -> None:
         _fence()
         if self._q[_CTL_SLEEP] or self._q[_CTL_ASYNC]:
-            try:
-                os.eventfd_write(self._ctl_efd, 1)
-            except OSError as exc:  # (as C's wake_checked)
-                raise _lost_eventfd(self._ctl_efd, exc) from None
+            _wake(self._ctl_efd)
 
     make_room: Callable[[], None] | None = None
     """Worker 0 inline in the controller: what reads the replies when its ring is full
@@ -1178,13 +1160,17 @@ _UNMAPPED = ("the controller could not map its reply's shared memory ({}): the c
 worker's bytes."""
 
 
-def _lost_eventfd(fd: int, exc: OSError) -> OSError:
-    """A worker's wake of the controller failed (not for a full counter, which eventfd_write
-    never raises for): code in the worker closed or replaced unison's eventfd."""
-    return OSError(exc.errno, f"{exc.strerror}: worker code closed or replaced unison's "
-                   f"descriptor {fd} (an eventfd), so the controller cannot be woken; leave "
-                   "alone the descriptors it did not open (no os.closerange or os.dup2 over "
-                   "them)")
+def _wake(fd: int) -> None:
+    """A worker's wake of the controller (as C's wake_checked). Its failure (not for a full
+    counter, which eventfd_write never raises for) means code in the worker closed or
+    replaced unison's eventfd: the worker ends, saying so."""
+    try:
+        os.eventfd_write(fd, 1)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{exc.strerror}: worker code closed or replaced unison's "
+                      f"descriptor {fd} (an eventfd), so the controller cannot be woken; leave "
+                      "alone the descriptors it did not open (no os.closerange or os.dup2 "
+                      "over them)") from None
 
 
 def _drain_eventfd(fd: int) -> None:

@@ -46,7 +46,6 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
-import unison
 from unison import _proctree
 from unison._fdwait import readable
 from unison.debug import logs as _logs
@@ -56,15 +55,7 @@ from unison.launch.zygote import Forked
 from unison.pacing import pool_cores
 from unison.spec import WorkerSpec
 
-# python -c puts the current directory first on sys.path (unless -P or -I): drop it
-# before anything is imported, so a numpy.py lying there is never run. The process group
-# first: see _OWN_GROUP. unison's own folder is put first by hand, not only by PYTHONPATH,
-# which a worker started with the controller's -E or -I ignores.
-_BOOTSTRAP = ("import os, sys\nos.setpgid(0, 0)\n"
-              "if not (getattr(sys.flags, 'safe_path', 0) or sys.flags.isolated):\n"
-              "    del sys.path[0]\n"
-              "if {root!r} not in sys.path: sys.path.insert(0, {root!r})\n"
-              "from unison.worker import main; main({pid})")
+_BOOTSTRAP = zygote.BOOT + "from unison.worker import main; main({pid})"  # (BOOT: why)
 _TAIL_CHARS = 64 * 1024
 """How much of a worker's stderr is kept, as its last whole lines, for WorkerDied.output."""
 _LINE_CHARS = _logs.LINE_BYTES
@@ -299,9 +290,8 @@ class LocalLauncher(Launcher):
         self._started = True
         selector = self._selector = selectors.DefaultSelector()
         base_env = dict(os.environ)
-        pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(unison.__file__)))
         base_env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (pkg_root, base_env.get("PYTHONPATH", "")) if p
+            p for p in (zygote.ROOT, base_env.get("PYTHONPATH", "")) if p
         )
         base_env["PYTHONUNBUFFERED"] = "1"
         # N workers each running a BLAS or OpenMP pool as wide as the machine would fight
@@ -328,8 +318,8 @@ class LocalLauncher(Launcher):
             else:
                 for init in specs:  # each one kept at once: a failed start stops them
                     self.workers.append(WorkerProcess(init.rank, subprocess.Popen(
-                        [*interpreter(), "-c", _BOOTSTRAP.format(root=pkg_root,
-                                                                 pid=os.getpid())],
+                        [*interpreter(), "-c",
+                         _BOOTSTRAP.format(root=zygote.ROOT, pid=os.getpid())],
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE,

@@ -53,18 +53,24 @@ the machine is drowning)."""
 _AT_START = ("PYTHON", "LD_", "GLIBC_TUNABLES", "MALLOC_")
 """Environment variables read when an interpreter starts: given per rank, they need one."""
 
-_BOOTSTRAP = ("# unison.worker zygote\n"
-              "import os, sys\nos.setpgid(0, 0)\n"  # local._OWN_GROUP says why
-              "if not (getattr(sys.flags, 'safe_path', 0) or sys.flags.isolated):\n"
-              "    del sys.path[0]\n"
-              "if {root!r} not in sys.path: sys.path.insert(0, {root!r})\n"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+"""The folder unison is imported from."""
+BOOT = ("import os, sys\nos.setpgid(0, 0)\n"  # local._OWN_GROUP says why
+        "if not (getattr(sys.flags, 'safe_path', 0) or sys.flags.isolated):\n"
+        "    del sys.path[0]\n"
+        "if {root!r} not in sys.path: sys.path.insert(0, {root!r})\n")
+"""How a worker's interpreter (or the zygote's) begins, before it imports anything: its own
+process group; without the current folder, which python -c puts first on sys.path (unless
+-P or -I), so a numpy.py lying there is never run; with unison's folder first, by hand, not
+only by PYTHONPATH, which a worker started with the controller's -E or -I ignores. A
+template: ``root`` is ROOT."""
+_BOOTSTRAP = ("# unison.worker zygote\n" + BOOT +
               "import runpy; runpy.run_path({path!r})['main']({pid})")
 """The zygote runs this file, not the unison package: what unison reads as it is imported
 (UNISON_PURE, the logging levels) is each worker's, from its own environment, and no
 library has started a thread in the process that forks. The comment names the workers in
 ``ps``, whose command line is the zygote's. unison's folder goes first on sys.path, as in
-unison.launch.local's bootstrap (where it says why)."""
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+unison.launch.local's bootstrap (BOOT says why)."""
 
 
 def usable(env: Mapping[int, Mapping[str, str]] | None) -> bool:
@@ -235,7 +241,7 @@ def fork_workers(python: Sequence[str], ranks: Sequence[int], fds: Mapping[int, 
                          dict(rank_env.get(rank, {}))))
             keep += [in_r, out_w, err_w, *fds[rank]]
         zygote = subprocess.Popen(
-            [*python, "-c", _BOOTSTRAP.format(root=_ROOT, path=__file__, pid=os.getpid())],
+            [*python, "-c", _BOOTSTRAP.format(root=ROOT, path=__file__, pid=os.getpid())],
             stdin=subprocess.PIPE, pass_fds=sorted(set(keep)), env=dict(env),
             **process_group)
         assert zygote.stdin is not None

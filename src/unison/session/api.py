@@ -1052,7 +1052,7 @@ class Session(View):
                 if deadline is not None:
                     left = min(left, deadline - time.monotonic())
                 # (one look at least: timeout=0 with all done and no error held returns)
-                ask = not (not self._closed and chan.settled(ranks, max(left, 0.0)))
+                ask = self._closed or not chan.settled(ranks, max(left, 0.0))
             else:
                 ask = True
             if ask:
