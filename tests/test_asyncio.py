@@ -22,6 +22,7 @@ from support import (
     recorded,
     wait_gone,
 )
+from unison import pacing
 from unison.session import api
 from unison.session.router import Request
 
@@ -174,14 +175,23 @@ def test_run_async_reads_its_replies_in_one_step_where_it_can(sess, channel):
     """With the loop idle, ``await run_async`` reads and decodes its replies as the blocking
     run does (one step, no poll, no future), where the channel can (shared memory): of 50
     awaits, fewer than half poll (one only where the workers took longer than the spin).
-    Where that cannot be (another request's replies come first, an error, the pipe
-    channel), the usual wait still gives each await its own."""
+    A crowded host (CI's, once) can keep every reply past the spin for a while, so up to
+    five rounds of 50 are run, and one must show it. Where that cannot be (another
+    request's replies come first, an error, the pipe channel), the usual wait still gives
+    each await its own."""
     async def main() -> None:
         await sess.run_async(unison.rank)
-        with recorded(sess._router, "poll") as polls:
-            for i in range(50):
-                assert await sess.run_async(rank_and, i) == [i, 1000 + i]
-        assert len(polls) < 25 or channel != "shm", len(polls)
+        counts = []
+        for _ in range(5 if channel == "shm" else 1):
+            with recorded(sess._router, "poll") as polls:
+                for i in range(50):
+                    assert await sess.run_async(rank_and, i) == [i, 1000 + i]
+            counts.append(len(polls))
+            if counts[-1] < 25:
+                break
+        assert counts[-1] < 25 or channel != "shm", (
+            f"polls per round of 50 awaits: {counts}; the host judged crowded until "
+            f"{pacing.crowd.until - time.perf_counter():+.3f} s from now")
         slow = asyncio.ensure_future(sess.run_async(lambda: time.sleep(0.2) or "slow"))
         await asyncio.sleep(0.01)  # the slow call is sent first: its replies come first
         assert await sess.run_async(unison.rank) == [0, 1]
