@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,7 +33,8 @@ FETCHED = ("int", "pair", "array", "object")
 def main() -> None:
     args = blocks_args(__doc__, 6)
     with unison.Session(args.workers, channel=args.channel) as sess:
-        kinds = {shape: functools.partial(sess.run, result_of, shape) for shape in SHAPES}
+        kinds: dict[str, Callable[[], object]] = {
+            shape: functools.partial(sess.run, result_of, shape) for shape in SHAPES}
         for shape in FETCHED:  # the same values, kept on the workers and fetched
             kinds[f"gather {shape}"] = sess.call(result_of, shape).gather
         medians = block_medians(kinds, args.blocks, args.seconds)

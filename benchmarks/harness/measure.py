@@ -73,7 +73,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -241,7 +241,7 @@ def time_loop(op: Callable[[], object], loop: Loop) -> list[int]:
     return samples
 
 
-def block_medians(ops: dict[str, Callable[[], object]], blocks: int,
+def block_medians(ops: Mapping[str, Callable[[], object]], blocks: int,
                   seconds: float) -> dict[str, list[float]]:
     """Each op's median µs a round in ``blocks`` blocks of ``seconds`` each, the ops taking
     turns (their order reversed every other block), after a short block each to warm up:
