@@ -34,6 +34,8 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from unison import _native
+
 PAGE = mmap.ALLOCATIONGRANULARITY
 MIN_BLOCK = 1 << 16
 SLOTS = 1 << 16
@@ -339,6 +341,8 @@ class ArenaReader:
         self._stride = 2 * num_readers
         self._shared = shared
         self._lock = threading.Lock()  # finalizers may run on any of the reader's threads
+        self._whole: _Whole | None = None  # the file mapped shared once (shared views)
+        self._whole_failed = False
 
     def view(self, desc: tuple[int, int, int]) -> memoryview:
         offset, length, slot_flags = desc
@@ -358,6 +362,10 @@ class ArenaReader:
             self._done(done)
             return memoryview(bytearray())
         try:
+            if shared:
+                whole = self._whole or self._map_whole()
+                if whole is not None:
+                    return whole.view(offset, length, (self._done, done))
             # counted only once unmapped: munmap completes every load and store this process
             # made there, so the writer never reuses a block a late access could still touch
             # (x86 keeps them in order anyway; ARM could let a store land after the count)
@@ -365,6 +373,17 @@ class ArenaReader:
         except BaseException:
             self._done(done)  # never mapped: the block may go back at once
             raise
+
+    def _map_whole(self) -> _Whole | None:
+        """The whole file mapped shared, once; None where that cannot be (an address space
+        capped by RLIMIT_AS): then each view maps its own block, as private views do."""
+        if self._whole_failed:
+            return None
+        try:
+            self._whole = _Whole(self.fd, self._size)
+        except OSError:
+            self._whole_failed = True
+        return self._whole
 
     def views(self, descs: Sequence[tuple[int, int, int]]) -> list[memoryview]:
         """``view`` of each of a message's descriptors, or ``Unmapped`` where one cannot be
@@ -436,6 +455,42 @@ def map_block(fd: int, offset: int, length: int, shared: bool,
     holder = (ctypes.c_ubyte * size).from_address(addr)
     weakref.finalize(holder, _unmap, addr, size, then, os.getpid())
     return memoryview(holder).cast("B")[offset - start :]
+
+
+class _Whole:
+    """A whole arena file mapped shared once, for a reader's shared views (replies, shared
+    arrays): each view is a window into it. A block the writer reuses then finds its pages
+    mapped here already, where a mapping per view took a page fault for each 64 KiB of it
+    every time (a 64 MiB reply: 10.6 of the fetch's 19.7 ms; docs/benchmarks.md, issue 9,
+    forty-fourth pass). The pages stay the writer's: those it gives back (MADV_REMOVE)
+    leave this mapping too. Unmapped once the reader and every view are gone."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_NORESERVE", 0)
+        addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mapping {size} bytes of shared memory: {os.strerror(err)}")
+        self.addr = addr
+        weakref.finalize(self, _libc.munmap, addr, size)
+
+    def view(self, offset: int, length: int,
+             then: tuple[Callable[[int], None], int]) -> memoryview:
+        """``length`` bytes at ``offset``; ``then[0](then[1])`` once the view is garbage."""
+        holder = (ctypes.c_ubyte * length).from_address(self.addr + offset)
+        holder._whole = self  # type: ignore[attr-defined]  # the mapping outlives each view
+        weakref.finalize(holder, _counted, then, os.getpid())
+        return memoryview(holder).cast("B")
+
+
+def _counted(then: tuple[Callable[[int], None], int], owner: int) -> None:
+    """A shared view is gone: count it done, after a fence (where no munmap completes this
+    process's loads and stores first, an ARM core could let a late store to the block land
+    after the count, and the writer's reuse); only in the process that made it (see
+    ``_unmap``)."""
+    if os.getpid() == owner:
+        _native.fence()
+        then[0](then[1])
 
 
 def _unmap(addr: int, size: int, then: tuple[Callable[[int], None], int] | None,
