@@ -806,6 +806,17 @@ def test_large_reply_times_each_kind_both_ways() -> None:
                for row in rows), out
 
 
+def test_shared_reads_counts_each_calls_faults_per_worker() -> None:
+    """benchmarks/shared_reads.py: a line per call, each worker's page faults and read time;
+    the first call maps the shared array's pages, the later ones find them mapped."""
+    out = _tool("shared_reads.py", "--mib", "8", "--calls", "2")
+    rows = [line for line in out.splitlines() if line.startswith("call ")]
+    assert [row.split(":")[0] for row in rows] == ["call 1", "call 2"], out
+    faults = [[int(f) for f in re.findall(r"(\d+) faults [\d.]+ ms", row)] for row in rows]
+    assert all(len(row) == 2 for row in faults), out
+    assert min(faults[0]) > 10 * max(faults[1]), out
+
+
 def test_put_values_times_each_kind_of_value_against_a_call() -> None:
     """benchmarks/put_values.py: a row per kind of value put (and a scatter), its block
     medians and its ratio to a call's round."""
