@@ -158,9 +158,12 @@ def _faults_reading(arrays: list[Any]) -> int:
 def test_timed_fetch_pays_the_faults_of_reading_its_result(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """unison's ``ref.gather()`` returns arrays that map the workers' memory lazily: their
-    page faults come with the first read. The fetch workload's timed op reads every page
-    itself, so a user reading its result afterwards faults no more (before, those faults
-    fell after the clock stopped, and only unison's figure left them out)."""
+    page faults come with the first read of a block not fetched before. The fetch
+    workload's timed op reads every page itself, so a user reading its result afterwards
+    faults no more (before, those faults fell after the clock stopped, and only unison's
+    figure left them out). Both reads below are of blocks no fetch used yet (a size not
+    fetched before; the first result kept, so the second takes another block): a reused
+    block's pages are mapped already, and reading them faults nowhere."""
     from harness import measure
     from harness.systems.unison_session import UnisonSystem
 
@@ -177,8 +180,11 @@ def test_timed_fetch_pays_the_faults_of_reading_its_result(
         system.start(1)
         system.dispatch()
         measure._fetch_cells(system, 1, 16 << 20, measure.QUICK)
-        untouched = _faults_reading(system.fetch())  # a fetch not read yet
-        after_timed = _faults_reading(timed[0]())
+        system.hold(32 << 20)  # a size no fetch used yet: its blocks are not mapped
+        first = system.fetch()
+        untouched = _faults_reading(first)  # a fetch not read yet
+        after_timed = _faults_reading(timed[0]())  # another block: ``first`` holds its own
+        del first
     finally:
         system.close()
     if untouched < 16:
