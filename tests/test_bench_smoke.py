@@ -205,7 +205,9 @@ def _worker_faults_reading(a: Any) -> int:
 def test_timed_put_ends_once_the_workers_have_read_every_page() -> None:
     """unison's put maps the array into each worker lazily: the put workload's op has every
     worker read a byte of each page before it returns, so the page faults are timed (as the
-    baselines' copies are); before, a worker faulted them in only when something read it."""
+    baselines' copies are); before, a worker faulted them in only when something read it.
+    Both puts below land in blocks not read before: a reused block's pages are mapped in
+    the worker already (its whole copy-on-write mapping of the arena)."""
     import numpy as np
 
     from harness.systems.unison_session import UnisonSystem
@@ -218,10 +220,10 @@ def test_timed_put_ends_once_the_workers_have_read_every_page() -> None:
         sess = system.session
         ref = sess.put(a)
         untouched = sess.run(_worker_faults_reading, ref)[0]  # what reading it first costs
-        ref.free()
         before = sess.run(_worker_faults)[0]
-        system.put(a)
+        system.put(a)  # into another block (``ref`` holds the first): one not read yet
         during = sess.run(_worker_faults)[0] - before
+        ref.free()
     finally:
         system.close()
     if untouched < 16:

@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import mmap
 import os
 import pickle
+import platform
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -341,8 +344,7 @@ class ArenaReader:
         self._stride = 2 * num_readers
         self._shared = shared
         self._lock = threading.Lock()  # finalizers may run on any of the reader's threads
-        self._whole: _Whole | None = None  # the file mapped shared once (shared views)
-        self._whole_failed = False
+        self._wholes: dict[bool, _Whole | None] = {}  # the file mapped once: shared, private
 
     def view(self, desc: tuple[int, int, int]) -> memoryview:
         offset, length, slot_flags = desc
@@ -362,10 +364,9 @@ class ArenaReader:
             self._done(done)
             return memoryview(bytearray())
         try:
-            if shared:
-                whole = self._whole or self._map_whole()
-                if whole is not None:
-                    return whole.view(offset, length, (self._done, done))
+            whole = self._wholes[shared] if shared in self._wholes else self._map_whole(shared)
+            if whole is not None:
+                return whole.view(offset, length, (self._done, done))
             # counted only once unmapped: munmap completes every load and store this process
             # made there, so the writer never reuses a block a late access could still touch
             # (x86 keeps them in order anyway; ARM could let a store land after the count)
@@ -374,16 +375,19 @@ class ArenaReader:
             self._done(done)  # never mapped: the block may go back at once
             raise
 
-    def _map_whole(self) -> _Whole | None:
-        """The whole file mapped shared, once; None where that cannot be (an address space
-        capped by RLIMIT_AS): then each view maps its own block, as private views do."""
-        if self._whole_failed:
-            return None
-        try:
-            self._whole = _Whole(self.fd, self._size)
+    def _map_whole(self, shared: bool) -> _Whole | None:
+        """The whole file mapped once, shared or private; None where that cannot be (an
+        address space capped by RLIMIT_AS; a CPU without x86's store order; private: a
+        kernel whose /proc/self/pagemap does not tell written pages, ``written_pages_seen``):
+        then each view maps its own block."""
+        whole = None
+        try:  # (elsewhere than x86, a view is counted only once unmapped: see ``view``)
+            if _native.ordered_memory() and (shared or written_pages_seen()):
+                whole = _Whole(self.fd, self._size, shared)
         except OSError:
-            self._whole_failed = True
-        return self._whole
+            pass
+        self._wholes[shared] = whole
+        return whole
 
     def views(self, descs: Sequence[tuple[int, int, int]]) -> list[memoryview]:
         """``view`` of each of a message's descriptors, or ``Unmapped`` where one cannot be
@@ -437,6 +441,8 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
                        ctypes.c_int, ctypes.c_long]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -458,20 +464,26 @@ def map_block(fd: int, offset: int, length: int, shared: bool,
 
 
 class _Whole:
-    """A whole arena file mapped shared once, for a reader's shared views (replies, shared
-    arrays): each view is a window into it. A block the writer reuses then finds its pages
-    mapped here already, where a mapping per view took a page fault for each 64 KiB of it
-    every time (a 64 MiB reply: 10.6 of the fetch's 19.7 ms; docs/benchmarks.md, issue 9,
-    forty-fourth pass). The pages stay the writer's: those it gives back (MADV_REMOVE)
-    leave this mapping too. Unmapped once the reader and every view are gone."""
+    """A whole arena file mapped once, for a reader's views: each view is a window into it.
+    A block the writer reuses then finds its pages mapped here already, where a mapping per
+    view took a page fault for each 64 KiB of it every time (a 64 MiB reply: 10.6 of the
+    fetch's 19.7 ms; docs/benchmarks.md, issue 9, forty-fourth pass). The pages stay the
+    writer's: those it gives back (MADV_REMOVE) leave this mapping too.
 
-    def __init__(self, fd: int, size: int) -> None:
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_NORESERVE", 0)
+    Private (copy-on-write: a command's arrays in a worker): a page the reader wrote is its
+    own copy from then on, which would hide what the writer puts there next; so as a view
+    goes, if /proc/self/pagemap shows any of its pages written, the view's pages are
+    dropped (MADV_DONTNEED), and the next view faults them in afresh from the file.
+
+    Unmapped once the reader and every view are gone."""
+
+    def __init__(self, fd: int, size: int, shared: bool) -> None:
+        flags = (mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE) | _NORESERVE
         addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
         if addr is None or addr == _MAP_FAILED:
             err = ctypes.get_errno()
             raise OSError(err, f"mapping {size} bytes of shared memory: {os.strerror(err)}")
-        self.addr = addr
+        self.addr, self.shared = addr, shared
         weakref.finalize(self, _libc.munmap, addr, size)
 
     def view(self, offset: int, length: int,
@@ -479,18 +491,95 @@ class _Whole:
         """``length`` bytes at ``offset``; ``then[0](then[1])`` once the view is garbage."""
         holder = (ctypes.c_ubyte * length).from_address(self.addr + offset)
         holder._whole = self  # type: ignore[attr-defined]  # the mapping outlives each view
-        weakref.finalize(holder, _counted, then, os.getpid())
+        weakref.finalize(holder, _view_gone, self, offset, length, then, os.getpid())
         return memoryview(holder).cast("B")
 
+    def forget_writes(self, offset: int, length: int) -> None:
+        """Drop the pages of [offset, offset + length) if the reader wrote any of them (or
+        pagemap cannot be read: then always), so that they show the file again."""
+        start = self.addr + offset - offset % PAGE
+        size = (self.addr + offset + length - start + PAGE - 1) // PAGE * PAGE
+        if (_written(start, size) is not False
+                and _libc.madvise(start, size, mmap.MADV_DONTNEED) != 0):
+            raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) of a private view")
 
-def _counted(then: tuple[Callable[[int], None], int], owner: int) -> None:
-    """A shared view is gone: count it done, after a fence (where no munmap completes this
-    process's loads and stores first, an ARM core could let a late store to the block land
-    after the count, and the writer's reuse); only in the process that made it (see
-    ``_unmap``)."""
+
+def _view_gone(whole: _Whole, offset: int, length: int,
+               then: tuple[Callable[[int], None], int], owner: int) -> None:
+    """A view of a whole mapping is gone: in the process that made it (see ``_unmap``),
+    drop its written pages (private), then count it done, after a fence (where no munmap
+    completes this process's loads and stores first, an ARM core could let a late store to
+    the block land after the count, and the writer's reuse)."""
     if os.getpid() == owner:
+        if not whole.shared:
+            whole.forget_writes(offset, length)
         _native.fence()
         then[0](then[1])
+
+
+# -- which pages of a private mapping this process wrote ---------------------------------------
+
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if platform.machine() in (
+    "x86_64", "aarch64") and sys.platform == "linux" else 0)
+"""Python 3.11's mmap lacks the name. Without it, a private writable mapping as large as
+the machine's memory is refused by the kernel's overcommit check (it would be charged as
+if every page were written)."""
+_PM_ENTRY = 8  # /proc/self/pagemap: a 64-bit word per page; its top byte holds
+# bit 63 present, 62 swapped, 61 file page (or shared anonymous). A private mapping's page
+# that was never written is a file page, or not there; one written is present without the
+# file bit, or swapped (only anonymous pages swap through a private mapping's entries).
+_UNWRITTEN = (0b000, 0b101)
+_WRITTEN_TABLE = bytes(0 if (b >> 5) in _UNWRITTEN else 1 for b in range(256))
+
+
+def _written(addr: int, size: int) -> bool | None:
+    """Whether this process wrote (copied on write) any page of [addr, addr + size) of a
+    private file mapping; None where /proc/self/pagemap cannot be read."""
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        want = size // PAGE * _PM_ENTRY
+        words = os.pread(fd, want, addr // PAGE * _PM_ENTRY)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(words) != want:
+        return None
+    return 1 in words[7::_PM_ENTRY].translate(_WRITTEN_TABLE)
+
+
+@functools.cache
+def written_pages_seen() -> bool:
+    """Whether this kernel's /proc/self/pagemap tells a private mapping's written pages
+    from its file pages (as Linux has since 3.5), tried once a process on a file of its
+    own: the private whole mapping relies on it, and where it does not, a view's page
+    written once would hand stale data to the block's next message."""
+    fd = os.memfd_create("unison-pagemap-probe", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 3 * PAGE)
+        probe = _Whole(fd, 3 * PAGE, shared=False)
+    except OSError:
+        os.close(fd)
+        return False
+    try:
+        os.pwrite(fd, b"f", PAGE)  # the file's own bytes, seen through the mapping
+        base = probe.addr
+        read = ctypes.c_char.from_address(base + PAGE).value  # page 1: read, a file page
+        ctypes.c_char.from_address(base + 2 * PAGE).value = b"w"  # page 2: written
+        seen = (read == b"f" and _written(base, PAGE) is False  # page 0: not there
+                and _written(base + PAGE, PAGE) is False and _written(base + 2 * PAGE, PAGE)
+                is True)
+        if seen:
+            probe.forget_writes(2 * PAGE, PAGE)
+            seen = (_written(base + 2 * PAGE, PAGE) is False
+                    and ctypes.c_char.from_address(base + 2 * PAGE).value == b"\x00")
+        return seen
+    finally:
+        del probe
+        os.close(fd)
 
 
 def _unmap(addr: int, size: int, then: tuple[Callable[[int], None], int] | None,
