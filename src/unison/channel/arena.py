@@ -31,6 +31,7 @@ import mmap
 import os
 import pickle
 import platform
+import resource
 import sys
 import threading
 import weakref
@@ -364,9 +365,11 @@ class ArenaReader:
             self._done(done)
             return memoryview(bytearray())
         try:
-            whole = self._wholes[shared] if shared in self._wholes else self._map_whole(shared)
-            if whole is not None:
-                return whole.view(offset, length, (self._done, done))
+            if length <= WHOLE_VIEW_MAX:
+                whole = self._wholes[shared] if shared in self._wholes else self._map_whole(
+                    shared)
+                if whole is not None:
+                    return whole.view(offset, length, (self._done, done))
             # counted only once unmapped: munmap completes every load and store this process
             # made there, so the writer never reuses a block a late access could still touch
             # (x86 keeps them in order anyway; ARM could let a store land after the count)
@@ -376,13 +379,13 @@ class ArenaReader:
             raise
 
     def _map_whole(self, shared: bool) -> _Whole | None:
-        """The whole file mapped once, shared or private; None where that cannot be (an
-        address space capped by RLIMIT_AS; a CPU without x86's store order; private: a
-        kernel whose /proc/self/pagemap does not tell written pages, ``written_pages_seen``):
-        then each view maps its own block."""
+        """The whole file mapped once, shared or private; None where that should not be
+        (``whole_mapping_fits``; private: a kernel whose /proc/self/pagemap does not tell
+        written pages, ``written_pages_seen``) or cannot be: then each view maps its own
+        block, as before (docs/benchmarks.md, issue 9, forty-fourth pass)."""
         whole = None
-        try:  # (elsewhere than x86, a view is counted only once unmapped: see ``view``)
-            if _native.ordered_memory() and (shared or written_pages_seen()):
+        try:
+            if whole_mapping_fits(self._size, shared) and (shared or written_pages_seen()):
                 whole = _Whole(self.fd, self._size, shared)
         except OSError:
             pass
@@ -443,6 +446,10 @@ _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.restype = ctypes.c_int
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.munlock.restype = ctypes.c_int
+_libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.restype = ctypes.c_int
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -461,6 +468,64 @@ def map_block(fd: int, offset: int, length: int, shared: bool,
     holder = (ctypes.c_ubyte * size).from_address(addr)
     weakref.finalize(holder, _unmap, addr, size, then, os.getpid())
     return memoryview(holder).cast("B")[offset - start :]
+
+
+WHOLE_VIEW_MAX = KEEP
+"""Views larger than this map their own block, as the writer gives such blocks' pages back
+as soon as they are free (past KEEP): no reuse would find them mapped, and the page tables
+a whole mapping keeps for the span until it goes (0.2% of it) would be paid for nothing."""
+WHOLE_SPAN_MAX = 1 << 45
+"""Address space (32 TiB, a quarter of x86-64's) that a process's whole mappings may take,
+each as large as the machine's memory: past it, views map their blocks one by one."""
+_whole_span = 0
+_span_lock = threading.Lock()
+
+
+def whole_mapping_fits(size: int, shared: bool) -> bool:
+    """Whether a reader may map a whole arena file of ``size`` bytes once: on x86 (elsewhere
+    only the ``munmap`` before a view's count orders its last stores before the writer's
+    reuse), under no address-space limit (the mapping would take room the process's own
+    allocations count on), with new mappings not locked (``mlockall(MCL_FUTURE)`` would
+    fill the whole file in at once), within WHOLE_SPAN_MAX, and, copy-on-write, unless
+    overcommit is strict (``vm.overcommit_memory=2`` ignores MAP_NORESERVE and would charge
+    the whole size to the machine's commit)."""
+    if not _native.ordered_memory() or not _NORESERVE:
+        return False
+    if resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY:
+        return False
+    if not shared and _overcommit_strict():
+        return False
+    return _whole_span + size <= WHOLE_SPAN_MAX and not _new_mappings_locked()
+
+
+def _overcommit_strict() -> bool:
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            return f.read().strip() == "2"
+    except OSError:
+        return True
+
+
+def _new_mappings_locked() -> bool:
+    """Whether a new mapping is locked (and so filled in) as it is made: an untouched page
+    of a fresh anonymous mapping is in memory."""
+    addr = _libc.mmap(None, PAGE, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if addr is None or addr == _MAP_FAILED:
+        return True
+    try:
+        vec = ctypes.c_ubyte(0)
+        if _libc.mincore(addr, PAGE, ctypes.byref(vec)) != 0:
+            return True
+        return bool(vec.value & 1)
+    finally:
+        _libc.munmap(addr, PAGE)
+
+
+def _count_span(size: int) -> None:
+    """Count ``size`` bytes of whole mappings made (negative: unmapped)."""
+    global _whole_span
+    with _span_lock:
+        _whole_span += size
 
 
 class _Whole:
@@ -484,7 +549,8 @@ class _Whole:
             err = ctypes.get_errno()
             raise OSError(err, f"mapping {size} bytes of shared memory: {os.strerror(err)}")
         self.addr, self.shared = addr, shared
-        weakref.finalize(self, _libc.munmap, addr, size)
+        _count_span(size)
+        weakref.finalize(self, _unmap_whole, addr, size)
 
     def view(self, offset: int, length: int,
              then: tuple[Callable[[int], None], int]) -> memoryview:
@@ -496,12 +562,23 @@ class _Whole:
 
     def forget_writes(self, offset: int, length: int) -> None:
         """Drop the pages of [offset, offset + length) if the reader wrote any of them (or
-        pagemap cannot be read: then always), so that they show the file again."""
+        pagemap cannot be read: then always), so that they show the file again. Pages the
+        worker's code locked (``mlock``) are unlocked first: a locked page is not dropped.
+        Raises where they stay: the view's block is then never counted done (the writer
+        never reuses it), rather than its next message read stale."""
         start = self.addr + offset - offset % PAGE
         size = (self.addr + offset + length - start + PAGE - 1) // PAGE * PAGE
-        if (_written(start, size) is not False
-                and _libc.madvise(start, size, mmap.MADV_DONTNEED) != 0):
-            raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) of a private view")
+        if _written(start, size) is False:
+            return
+        if _libc.madvise(start, size, mmap.MADV_DONTNEED) != 0:
+            _libc.munlock(start, size)
+            if _libc.madvise(start, size, mmap.MADV_DONTNEED) != 0:
+                raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) of a private view")
+
+
+def _unmap_whole(addr: int, size: int) -> None:
+    _libc.munmap(addr, size)
+    _count_span(-size)
 
 
 def _view_gone(whole: _Whole, offset: int, length: int,
@@ -540,15 +617,20 @@ def _written(addr: int, size: int) -> bool | None:
     except OSError:
         return None
     try:
-        want = size // PAGE * _PM_ENTRY
-        words = os.pread(fd, want, addr // PAGE * _PM_ENTRY)
+        at, end = addr // PAGE * _PM_ENTRY, (addr + size) // PAGE * _PM_ENTRY
+        while at < end:  # 64 KiB of entries (256 MiB of pages) at a time
+            want = min(end - at, 1 << 16)
+            words = os.pread(fd, want, at)
+            if len(words) != want:
+                return None
+            if 1 in words[7::_PM_ENTRY].translate(_WRITTEN_TABLE):
+                return True
+            at += want
+        return False
     except OSError:
         return None
     finally:
         os.close(fd)
-    if len(words) != want:
-        return None
-    return 1 in words[7::_PM_ENTRY].translate(_WRITTEN_TABLE)
 
 
 @functools.cache
@@ -568,14 +650,15 @@ def written_pages_seen() -> bool:
         os.pwrite(fd, b"f", PAGE)  # the file's own bytes, seen through the mapping
         base = probe.addr
         read = ctypes.c_char.from_address(base + PAGE).value  # page 1: read, a file page
-        ctypes.c_char.from_address(base + 2 * PAGE).value = b"w"  # page 2: written
+        ctypes.c_char.from_address(base + 2 * PAGE).value = b"w"  # page 2: written, a copy
+        os.pwrite(fd, b"n", 2 * PAGE)  # the file moves on; the copy does not show it
         seen = (read == b"f" and _written(base, PAGE) is False  # page 0: not there
                 and _written(base + PAGE, PAGE) is False and _written(base + 2 * PAGE, PAGE)
-                is True)
+                is True and ctypes.c_char.from_address(base + 2 * PAGE).value == b"w")
         if seen:
             probe.forget_writes(2 * PAGE, PAGE)
             seen = (_written(base + 2 * PAGE, PAGE) is False
-                    and ctypes.c_char.from_address(base + 2 * PAGE).value == b"\x00")
+                    and ctypes.c_char.from_address(base + 2 * PAGE).value == b"n")
         return seen
     finally:
         del probe
