@@ -365,11 +365,9 @@ class ArenaReader:
             self._done(done)
             return memoryview(bytearray())
         try:
-            if length <= WHOLE_VIEW_MAX:
-                whole = self._wholes[shared] if shared in self._wholes else self._map_whole(
-                    shared)
-                if whole is not None:
-                    return whole.view(offset, length, (self._done, done))
+            whole = self._whole(shared) if length <= WHOLE_VIEW_MAX else None
+            if whole is not None:
+                return whole.view(offset, length, (self._done, done))
             # counted only once unmapped: munmap completes every load and store this process
             # made there, so the writer never reuses a block a late access could still touch
             # (x86 keeps them in order anyway; ARM could let a store land after the count)
@@ -378,11 +376,14 @@ class ArenaReader:
             self._done(done)  # never mapped: the block may go back at once
             raise
 
-    def _map_whole(self, shared: bool) -> _Whole | None:
-        """The whole file mapped once, shared or private; None where that should not be
-        (``whole_mapping_fits``; private: a kernel whose /proc/self/pagemap does not tell
-        written pages, ``written_pages_seen``) or cannot be: then each view maps its own
-        block, as before (docs/benchmarks.md, issue 9, forty-fourth pass)."""
+    def _whole(self, shared: bool) -> _Whole | None:
+        """The whole file mapped once, shared or private, made at the first view; None
+        where that should not be (``whole_mapping_fits``; private: a kernel whose
+        /proc/self/pagemap does not tell written pages, ``written_pages_seen``) or cannot
+        be: then each view maps its own block, as before (docs/benchmarks.md, issue 9,
+        forty-fourth pass)."""
+        if shared in self._wholes:
+            return self._wholes[shared]
         whole = None
         try:
             if whole_mapping_fits(self._size, shared) and (shared or written_pages_seen()):
@@ -451,6 +452,22 @@ _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.restype = ctypes.c_int
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if platform.machine() in (
+    "x86_64", "aarch64") and sys.platform == "linux" else 0)
+"""Python 3.11's mmap lacks the name. Without it, a private writable mapping as large as
+the machine's memory is refused by the kernel's overcommit check (it would be charged as
+if every page were written)."""
+
+
+def _mmap(fd: int, offset: int, size: int, flags: int,
+          prot: int = mmap.PROT_READ | mmap.PROT_WRITE) -> int:
+    """libc's mmap of ``size`` bytes of ``fd`` at ``offset`` (fd -1: anonymous): the
+    address; OSError saying why where it fails."""
+    addr = _libc.mmap(None, size, prot, flags, fd, offset)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mapping {size} bytes of shared memory: {os.strerror(err)}")
+    return int(addr)
 
 
 def map_block(fd: int, offset: int, length: int, shared: bool,
@@ -460,11 +477,7 @@ def map_block(fd: int, offset: int, length: int, shared: bool,
     ``then[0](then[1])`` is called."""
     start = offset - offset % PAGE
     size = offset - start + length
-    flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
-    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, start)
-    if addr is None or addr == _MAP_FAILED:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mapping {size} bytes of shared memory: {os.strerror(err)}")
+    addr = _mmap(fd, start, size, mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE)
     holder = (ctypes.c_ubyte * size).from_address(addr)
     weakref.finalize(holder, _unmap, addr, size, then, os.getpid())
     return memoryview(holder).cast("B")[offset - start :]
@@ -509,8 +522,9 @@ def _overcommit_strict() -> bool:
 def _new_mappings_locked() -> bool:
     """Whether a new mapping is locked (and so filled in) as it is made: an untouched page
     of a fresh anonymous mapping is in memory."""
-    addr = _libc.mmap(None, PAGE, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-    if addr is None or addr == _MAP_FAILED:
+    try:
+        addr = _mmap(-1, 0, PAGE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, mmap.PROT_READ)
+    except OSError:
         return True
     try:
         vec = ctypes.c_ubyte(0)
@@ -544,10 +558,7 @@ class _Whole:
 
     def __init__(self, fd: int, size: int, shared: bool) -> None:
         flags = (mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE) | _NORESERVE
-        addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
-        if addr is None or addr == _MAP_FAILED:
-            err = ctypes.get_errno()
-            raise OSError(err, f"mapping {size} bytes of shared memory: {os.strerror(err)}")
+        addr = _mmap(fd, 0, size, flags)
         self.addr, self.shared = addr, shared
         _count_span(size)
         weakref.finalize(self, _unmap_whole, addr, size)
@@ -596,11 +607,6 @@ def _view_gone(whole: _Whole, offset: int, length: int,
 
 # -- which pages of a private mapping this process wrote ---------------------------------------
 
-_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if platform.machine() in (
-    "x86_64", "aarch64") and sys.platform == "linux" else 0)
-"""Python 3.11's mmap lacks the name. Without it, a private writable mapping as large as
-the machine's memory is refused by the kernel's overcommit check (it would be charged as
-if every page were written)."""
 _PM_ENTRY = 8  # /proc/self/pagemap: a 64-bit word per page; its top byte holds
 # bit 63 present, 62 swapped, 61 file page (or shared anonymous). A private mapping's page
 # that was never written is a file page, or not there; one written is present without the
