@@ -825,6 +825,12 @@ def test_shared_reads_counts_each_calls_faults_per_worker() -> None:
     assert min(faults[0]) > 10 * max(faults[1]), out
 
 
+def test_view_cost_times_a_blocks_life_in_one_process() -> None:
+    """benchmarks/view_cost.py: one line, the µs of a block placed, viewed, read, dropped."""
+    out = _tool("view_cost.py", "--kib", "64", "--rounds", "50")
+    assert re.search(r"^64 KiB: [\d.]+ us per place, view, read and drop$", out, re.M), out
+
+
 def test_put_values_times_each_kind_of_value_against_a_call() -> None:
     """benchmarks/put_values.py: a row per kind of value put (and a scatter), its block
     medians and its ratio to a call's round."""
