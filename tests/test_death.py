@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import gc
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -78,7 +79,21 @@ def _assert_closed_by(sess, died, ref=None):
 # -- a death while idle ------------------------------------------------------------------------
 
 
-def test_a_worker_killed_while_idle_makes_the_next_use_raise_worker_died(sess):
+def _assert_idle_death(died, channel):
+    """Shared memory shows that the worker had run all it had taken: the message says it
+    died between calls, not in the call the controller had just sent (other channels cannot
+    tell, and name only what the controller was doing)."""
+    text = str(died)
+    if channel == "pipe":
+        assert not died.idle and "between calls" not in text, text
+    else:
+        assert died.idle, text
+        assert f"worker {died.worker} died between calls, having run everything it had " \
+               f"taken (seen while {died.during})" in text, text
+    assert pickle.loads(pickle.dumps(died)).args == died.args  # .idle travels too
+
+
+def test_a_worker_killed_while_idle_makes_the_next_use_raise_worker_died(sess, channel):
     pids = sess.run(os.getpid)
     os.kill(pids[1], signal.SIGKILL)
     wait_dead(pids[1])
@@ -90,10 +105,11 @@ def test_a_worker_killed_while_idle_makes_the_next_use_raise_worker_died(sess):
     assert info.value.worker == 1
     assert info.value.exitcode == -signal.SIGKILL
     assert "worker 1" in str(info.value)
+    _assert_idle_death(info.value, channel)
     _assert_closed_by(sess, info.value)
 
 
-def test_a_worker_killed_while_idle_is_noticed_by_sync(sess):
+def test_a_worker_killed_while_idle_is_noticed_by_sync(sess, channel):
     pids = sess.run(os.getpid)
     keeper = sess[0].run(os.getppid)[0]  # the session learns of the death when it ends
     os.kill(pids[0], signal.SIGKILL)
@@ -102,6 +118,7 @@ def test_a_worker_killed_while_idle_is_noticed_by_sync(sess):
     with pytest.raises(WorkerDied) as info:
         sess.sync()
     assert (info.value.worker, info.value.exitcode) == (0, -9)
+    _assert_idle_death(info.value, channel)
     _assert_closed_by(sess, info.value)
 
 
@@ -148,6 +165,8 @@ def test_a_worker_killed_while_the_controller_waits_on_it(sess, timeout):
         ref.gather(timeout=timeout)
     assert time.monotonic() - killed["t"] < DETECT
     assert (info.value.worker, info.value.exitcode) == (1, -9)
+    assert not info.value.idle, str(info.value)  # it died in the call
+    assert "worker 1 died while fetching a value" in str(info.value)
     _assert_closed_by(sess, info.value, ref)
 
 
@@ -241,6 +260,8 @@ def test_a_worker_that_calls_os_exit_reports_its_exit_code(sess):
         sess[1].run(exit_with, 3)
     assert (info.value.worker, info.value.exitcode) == (1, 3)
     assert "3" in str(info.value)
+    assert not info.value.idle
+    assert "worker 1 died while running a call" in str(info.value)
 
 
 def test_a_segfault_reports_sigsegv(sess):
@@ -276,6 +297,7 @@ def test_a_death_detected_at_sync_after_os_exit(sess):
     with pytest.raises(WorkerDied) as info:
         sess.sync()
     assert (info.value.worker, info.value.exitcode) == (0, 4)
+    assert not info.value.idle, str(info.value)  # it died in the call sync waited for
     _assert_closed_by(sess, info.value)
 
 
@@ -288,6 +310,7 @@ def test_a_worker_that_dies_while_starting_makes_session_raise_worker_died():
     assert info.value.worker == 1
     assert info.value.exitcode not in (None, 0)
     assert "encodings" in str(info.value)  # what it wrote to stderr as it died
+    assert not info.value.idle and "died while starting" in str(info.value)
 
 
 def test_close_after_an_unnoticed_death_does_not_raise(sess):

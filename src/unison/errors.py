@@ -90,21 +90,29 @@ class WorkerDied(UnisonError):
     message shows only its last 20 lines, each cut at 1,000 characters, so that it stays
     readable however much the worker wrote. ``.reason``, when unison knows why the worker
     ended (e.g. it was stopped by unison itself), replaces the guess from the exit code.
+    ``.idle`` is True where the channel saw that the worker had run everything it had taken
+    (shared memory can tell): it died between calls, not in one, and ``.during`` then says
+    only what the controller was doing when it saw the death.
     Every later use of the session raises SessionClosed with this error as its ``__cause__``.
     """
 
     def __init__(self, worker: int, exitcode: int | None, output: str = "", during: str = "",
-                 reason: str = ""):
+                 reason: str = "", idle: bool = False):
         self.worker = worker
         self.exitcode = exitcode
         self.output = output
         self.during = during
         self.reason = reason
+        self.idle = idle
         super().__init__(self._describe())
 
     def _describe(self) -> str:
         what = f"worker {self.worker} died"
-        if self.during:
+        if self.idle:  # "while running a call" would blame the call the controller sent
+            what += " between calls, having run everything it had taken"
+            if self.during:
+                what += f" (seen while {self.during})"
+        elif self.during:
             what += f" while {self.during}"
         cause = describe_exitcode(self.exitcode, known=bool(self.reason))
         if self.reason:
@@ -117,7 +125,8 @@ class WorkerDied(UnisonError):
         return msg
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.worker, self.exitcode, self.output, self.during, self.reason))
+        return (type(self), (self.worker, self.exitcode, self.output, self.during, self.reason,
+                             self.idle))
 
 
 def _cut(line: str) -> str:

@@ -204,6 +204,12 @@ class Channel(ABC):
         the launcher says it all)."""
         return ""
 
+    def was_idle(self, rank: int) -> bool:
+        """Whether worker ``rank``, now ended, had run everything it had taken, so that it
+        died between calls, not in one (a WorkerDied says so). False where the channel
+        cannot tell: the message then names only what the controller was doing."""
+        return False
+
     def death_fds(self) -> list[int]:
         """Fds, beyond the launcher's, that become readable when a worker ends (a mixed
         session's local workers' pidfds, watched once they joined): an event loop watches

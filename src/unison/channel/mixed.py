@@ -116,6 +116,9 @@ class MixedChannel(Channel):
         why = self.shm.where(self._index[rank])
         return f"on the controller's host; {why}" if why else "on the controller's host"
 
+    def was_idle(self, rank: int) -> bool:
+        return rank in self._index and self.shm.was_idle(self._index[rank])
+
     # -- traffic -------------------------------------------------------------------------------
 
     settles = True

@@ -789,6 +789,14 @@ class ShmChannel(Channel):
     def where(self, rank: int) -> str:
         return self._broken.get(rank, "")
 
+    def was_idle(self, rank: int) -> bool:
+        """Channel.was_idle: a worker publishes where it took up to as it takes an entry,
+        and its done position at its next take, so the two differ only while it runs one."""
+        if self._closed:
+            return False
+        q = self._q
+        return q[self._cr_idx[rank]] == q[self._done_idx[rank]]
+
     def close(self) -> None:
         if self._closed:
             return

@@ -1464,8 +1464,10 @@ class Session(View):
                 rank = self._res.ended()
                 time.sleep(0.005)
         report = self._res.on_death(rank, 1.0)
+        # (before the workers are up, none has taken anything: it died starting)
+        idle = hasattr(self, "_pids") and self._chan.was_idle(report.rank)
         self._dead = WorkerDied(report.rank, report.exitcode, report.output, during,
-                                report.reason)
+                                report.reason, idle)
         self._shutdown_beside(self._dead)
         return self._dead
 
