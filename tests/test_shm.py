@@ -533,6 +533,23 @@ def test_the_look_for_shared_arrays_ends_with_the_last_one(sess: unison.Session)
     assert sess.run(len, np.zeros(100_000)) == [100_000] * 2
 
 
+def test_shared_arrays_hold_no_file_descriptor_each(sess: unison.Session) -> None:
+    """Each ``sess.empty`` array held a duplicate of the arena's fd (``mmap.mmap`` keeps
+    one), so a thousand arrays took a usual ``ulimit -n`` of 1,024 and the next open
+    failed with EMFILE. Their mappings hold none, and the memory they share still works."""
+    fds = len(os.listdir("/proc/self/fd"))
+    arrays = [sess.empty(8, np.int64) for _ in range(200)]
+    assert len(os.listdir("/proc/self/fd")) - fds < 5
+    for i, a in enumerate(arrays):
+        a[:] = i
+    assert sess.run(lambda xs: int(sum(int(x.sum()) for x in xs)), arrays[::50]) == \
+        [8 * (0 + 50 + 100 + 150)] * 2
+    sess.call(np.copyto, arrays[7], 70)  # the workers' writes show in the controller's
+    sess.sync()
+    assert arrays[7].tolist() == [70] * 8
+    del arrays, a
+
+
 def test_a_workers_last_call_lets_go_of_its_arguments(
         make_session, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     """A worker kept a call's pickled arguments until its next call with pickled arguments:

@@ -121,7 +121,7 @@ class Arena:
         # (start address, end, its mapping, block) of each shared array. Replaced whole, and
         # only here, never by a finalizer: so readers need no lock, and a mapping that is
         # gone (its weak reference dead) is skipped, as its address may be reused.
-        self._shared: tuple[tuple[int, int, weakref.ref[mmap.mmap], _Block], ...] = ()
+        self._shared: tuple[tuple[int, int, weakref.ref[Any], _Block], ...] = ()
         self._lock = threading.Lock()
 
     def place(self, buffers: Sequence[Any], ranks: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -192,20 +192,20 @@ class Arena:
         """A whole message too large for its ring."""
         return self.place([data], ranks)[0]
 
-    def shared_array(self, nbytes: int) -> mmap.mmap:
-        """Memory in the arena that the controller writes and the workers see without a copy."""
+    def shared_array(self, nbytes: int) -> memoryview:
+        """Memory in the arena that the controller writes and the workers see without a copy.
+        Mapped by libc's mmap, not ``mmap.mmap``, which would hold a duplicate of the file's
+        fd for each array: a thousand arrays would take a usual ``ulimit -n``."""
         block = self.alloc(nbytes)
         block.held = True
-        mm = mmap.mmap(self.fd, block.cap, offset=block.offset)
-        probe = ctypes.c_char.from_buffer(mm)
-        addr = ctypes.addressof(probe)
-        del probe
-        entry = (addr, addr + block.cap, weakref.ref(mm), block)
+        mv = map_block(self.fd, block.offset, block.cap, True, (_unhold, block))
+        mapping: Any = mv.obj  # what the arrays over it keep alive; unmapped when it goes
+        addr = ctypes.addressof(mapping) + block.offset % PAGE
+        entry = (addr, addr + block.cap, weakref.ref(mapping), block)
         with self._lock:
             self._shared = (*(e for e in self._shared if e[2]() is not None), entry)
-        _register((addr, addr + block.cap, weakref.ref(mm, _forget_dead)))
-        weakref.finalize(mm, _unhold, block)
-        return mm
+        _register((addr, addr + block.cap, weakref.ref(mapping, _forget_dead)))
+        return mv
 
     def _check_not_anothers(self, mv: memoryview) -> None:
         """Raise where a command's buffer lies in another session's shared array: it would
@@ -471,7 +471,7 @@ def _mmap(fd: int, offset: int, size: int, flags: int,
 
 
 def map_block(fd: int, offset: int, length: int, shared: bool,
-              then: tuple[Callable[[int], None], int] | None = None) -> memoryview:
+              then: tuple[Callable[[Any], None], Any] | None = None) -> memoryview:
     """``length`` bytes of ``fd`` at ``offset``, mapped read-write; unmapped when the
     returned view's ``obj`` (and every view or array over it) is garbage, and only then
     ``then[0](then[1])`` is called."""
@@ -671,7 +671,7 @@ def written_pages_seen() -> bool:
         os.close(fd)
 
 
-def _unmap(addr: int, size: int, then: tuple[Callable[[int], None], int] | None,
+def _unmap(addr: int, size: int, then: tuple[Callable[[Any], None], Any] | None,
            owner: int) -> None:
     """Unmap a block; count it done (``then``) only in the process that mapped it. A
     forked child inherits the mapping and its finalizer: had it counted the block when it
@@ -684,7 +684,7 @@ def _unmap(addr: int, size: int, then: tuple[Callable[[int], None], int] | None,
 
 # -- where the writer's shared arrays are (any session of this process) -------------------------
 
-_Range = tuple[int, int, "weakref.ref[mmap.mmap]"]
+_Range = tuple[int, int, "weakref.ref[Any]"]
 _shared_ranges: tuple[_Range, ...] = ()
 """(start, end, mapping) of every live ``shared_array`` of this process, for ``is_shared``:
 replaced whole, so readers need no lock; a dead mapping is skipped until it is dropped.
