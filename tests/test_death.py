@@ -122,6 +122,35 @@ def test_a_worker_killed_while_idle_is_noticed_by_sync(sess, channel):
     _assert_closed_by(sess, info.value)
 
 
+@pytest.mark.parametrize("channel", ["shm"])
+def test_a_close_landing_inside_the_idle_look_still_raises_worker_died(sess):
+    """The look at whether a dead worker was idle reads the channel's mapping without the
+    session's locks (sync's wait holds none): another thread's close() released it in the
+    middle, and sync raised the released memoryview's ValueError, not WorkerDied."""
+    pids = sess.run(os.getpid)
+    chan, said = sess._chan, []
+    real = chan.was_idle
+
+    def close_first(rank):
+        closer = threading.Thread(target=sess.close, kwargs={"timeout": 0})
+        closer.start()
+        closer.join(10)
+        chan._closed = False  # as if the close landed after a look at the flag
+        try:
+            said.append(real(rank))
+        finally:
+            chan._closed = True
+        return said[-1]
+
+    chan.was_idle = close_first
+    os.kill(pids[1], signal.SIGKILL)
+    wait_dead(pids[1])
+    with pytest.raises(WorkerDied) as info:
+        sess.call(unison.rank)  # (a sync alone may find nothing to wait for)
+        sess.sync()
+    assert said == [False] and not info.value.idle, (said, str(info.value))
+
+
 def stop_own_group():
     """What a worker's code may do to pause itself and its children (the shell's Ctrl-Z)."""
     signal.signal(signal.SIGTSTP, signal.SIG_IGN)

@@ -550,6 +550,69 @@ def test_shared_arrays_hold_no_file_descriptor_each(sess: unison.Session) -> Non
     del arrays, a
 
 
+def test_a_shared_array_whose_mapping_fails_leaves_its_block_free(
+        sess: unison.Session, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sess.empty`` took its block, then its mapping failed (ENOMEM under an address-space
+    limit): the block stayed held for the session's life, never reused."""
+    import errno
+
+    from unison.channel import arena
+
+    def refuse(*args: object, **kw: object) -> memoryview:
+        raise OSError(errno.ENOMEM, "mapping refused")
+
+    monkeypatch.setattr(arena, "map_block", refuse)
+    with pytest.raises(OSError, match="mapping refused"):
+        sess.empty(3 << 20, np.uint8)
+    monkeypatch.undo()
+    ar = sess._chan.arena  # type: ignore[attr-defined]
+    ar._reclaim()
+    assert [b for b in ar._busy if b.held] == []
+
+
+def test_arrays_alive_at_the_interpreters_exit_stay_mapped(controller) -> None:  # type: ignore[no-untyped-def]
+    """weakref.finalize runs its finalizers at exit, before atexit handlers registered
+    earlier, a daemon thread's last steps and the ``__del__`` of module globals: each then
+    read a ``sess.empty`` array or a fetched one that had just been unmapped, and the
+    program died of SIGSEGV as it ended. The kernel unmaps at the process's end instead."""
+    at_exit = controller("""
+        import atexit, threading, time
+        import numpy as np
+        box = {}
+        def last_words():  # registered before unison's first finalizer: runs after it
+            print("atexit", float(box["fetched"].sum()), flush=True)
+            box["shared"][:] = 2.0
+        atexit.register(last_words)
+        import unison
+        with unison.Session(2) as s:
+            box["shared"] = s.empty(1 << 16)
+            box["fetched"] = s[0].run(np.ones, 1 << 17)[0]  # 1 MiB: a block of the arena
+        def scribble(a):
+            while True:
+                a[:] += 1
+        threading.Thread(target=scribble, args=(box["shared"],), daemon=True).start()
+        time.sleep(0.05)
+    """)
+    at_teardown = controller("""
+        import os
+        import numpy as np
+        import unison
+        class Reads:
+            def __init__(self, a):
+                self.a, self.write = a, os.write
+            def __del__(self):
+                self.write(1, b"del " + self.a.data.cast("B")[:8].hex().encode() + b"\\n")
+        with unison.Session(2) as s:
+            kept = Reads(s[1].run(np.ones, 1 << 17)[0])
+            also = Reads(s.empty(1 << 16))
+    """)
+    for proc, said, lines in ((at_exit, "atexit 131072.0", 1),
+                              (at_teardown, "del 000000000000f03f", 2)):  # (1.0)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, (proc.returncode, out, err[-2000:])
+        assert said in out and len(out.splitlines()) == lines, (out, err[-2000:])
+
+
 def test_a_workers_last_call_lets_go_of_its_arguments(
         make_session, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     """A worker kept a call's pickled arguments until its next call with pickled arguments:

@@ -198,7 +198,11 @@ class Arena:
         fd for each array: a thousand arrays would take a usual ``ulimit -n``."""
         block = self.alloc(nbytes)
         block.held = True
-        mv = map_block(self.fd, block.offset, block.cap, True, (_unhold, block))
+        try:
+            mv = map_block(self.fd, block.offset, block.cap, True, (_unhold, block))
+        except BaseException:  # (ENOMEM: an address-space limit) the block is free again
+            block.held = False
+            raise
         mapping: Any = mv.obj  # what the arrays over it keep alive; unmapped when it goes
         addr = ctypes.addressof(mapping) + block.offset % PAGE
         entry = (addr, addr + block.cap, weakref.ref(mapping), block)
@@ -470,6 +474,15 @@ def _mmap(fd: int, offset: int, size: int, flags: int,
     return int(addr)
 
 
+def _at_garbage(obj: object, fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)`` once ``obj`` is garbage, but never at the interpreter's exit: there
+    ``weakref.finalize`` runs every finalizer left, and an unmap (or a private view's pages
+    dropped) would pull the memory from under arrays still alive, which an atexit handler
+    registered earlier, a daemon thread or a ``__del__`` at teardown still reads (SIGSEGV).
+    The process's end unmaps everything; a count of done it skips no longer matters."""
+    weakref.finalize(obj, fn, *args).atexit = False
+
+
 def map_block(fd: int, offset: int, length: int, shared: bool,
               then: tuple[Callable[[Any], None], Any] | None = None) -> memoryview:
     """``length`` bytes of ``fd`` at ``offset``, mapped read-write; unmapped when the
@@ -479,7 +492,7 @@ def map_block(fd: int, offset: int, length: int, shared: bool,
     size = offset - start + length
     addr = _mmap(fd, start, size, mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE)
     holder = (ctypes.c_ubyte * size).from_address(addr)
-    weakref.finalize(holder, _unmap, addr, size, then, os.getpid())
+    _at_garbage(holder, _unmap, addr, size, then, os.getpid())
     return memoryview(holder).cast("B")[offset - start :]
 
 
@@ -561,14 +574,14 @@ class _Whole:
         addr = _mmap(fd, 0, size, flags)
         self.addr, self.shared = addr, shared
         _count_span(size)
-        weakref.finalize(self, _unmap_whole, addr, size)
+        _at_garbage(self, _unmap_whole, addr, size)
 
     def view(self, offset: int, length: int,
              then: tuple[Callable[[int], None], int]) -> memoryview:
         """``length`` bytes at ``offset``; ``then[0](then[1])`` once the view is garbage."""
         holder = (ctypes.c_ubyte * length).from_address(self.addr + offset)
         holder._whole = self  # type: ignore[attr-defined]  # the mapping outlives each view
-        weakref.finalize(holder, _view_gone, self, offset, length, then, os.getpid())
+        _at_garbage(holder, _view_gone, self, offset, length, then, os.getpid())
         return memoryview(holder).cast("B")
 
     def forget_writes(self, offset: int, length: int) -> None:

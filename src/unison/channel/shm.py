@@ -791,11 +791,13 @@ class ShmChannel(Channel):
 
     def was_idle(self, rank: int) -> bool:
         """Channel.was_idle: a worker publishes where it took up to as it takes an entry,
-        and its done position at its next take, so the two differ only while it runs one."""
-        if self._closed:
+        and its done position at its next take, so the two differ only while it runs one.
+        False once closed, also by another thread in the middle of the look."""
+        try:
+            q = self._q
+            return q[self._cr_idx[rank]] == q[self._done_idx[rank]]
+        except ValueError:  # the mapping released by a close (a death is being reported)
             return False
-        q = self._q
-        return q[self._cr_idx[rank]] == q[self._done_idx[rank]]
 
     def close(self) -> None:
         if self._closed:
