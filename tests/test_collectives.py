@@ -595,6 +595,46 @@ def test_allreduce_of_python_ints_is_exact_and_of_bools_counts(shared, backend):
         assert all(type(g) is type(want) for g in got), (values, op, [type(g) for g in got])
 
 
+class Big(int):
+    """A user's int subclass (as IntEnum and IntFlag are)."""
+
+
+def allreduce_of_a_subclass(value: int, op: str) -> Any:
+    return unison.allreduce(Big(value), op)
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_allreduce_of_an_int_subclass_is_exact_as_python_ints_are(shared, backend):
+    """An int subclass missed the ``type(x) is int`` test: the shared-memory backend made an
+    int64 array of it, so 3 * 2**62 came back as -2**62 (and 2**120 as 0), with no error;
+    the torch backend refused it."""
+    sess = backend_session(shared, 3, backend)
+    for value, op, want in [(2 ** 62, "sum", 3 * 2 ** 62), (2 ** 40, "prod", 2 ** 120),
+                            (7, "max", 7)]:
+        got = sess.run(allreduce_of_a_subclass, value, op, timeout=QUICK)
+        assert got == [want] * 3 and all(type(g) is int for g in got), (value, op, got)
+
+
+def allreduce_of_strings(rank_values: list[list[str]], kind: str) -> Any:
+    x = np.array(rank_values[unison.rank()], dtype=kind)
+    return unison.reduce_scatter(x) if len(x) == 4 else unison.allreduce(x)
+
+
+@pytest.mark.parametrize("kind", ["U", "S"])
+def test_a_reduction_of_strings_is_refused_on_every_rank(shared, kind):
+    """numpy adds strings by joining them, into a wider dtype; the result, of the input's
+    dtype, cut them to the input's width: ["ab", "c"] + ["x", "yz"] gave ["ab", "cy"] on
+    every rank, with no error."""
+    sess = shared(2)
+    for values in ([["ab", "c"], ["x", "yz"]], [["ab", "c", "d", "e"], ["x", "yz", "w", "v"]]):
+        with pytest.raises(WorkerError) as info:
+            sess.run(allreduce_of_strings, values, kind, timeout=QUICK)
+        errors = info.value.errors
+        assert sorted(errors) == [0, 1], errors
+        assert all("reduces numbers" in str(e) for e in errors.values()), errors
+    assert sess.run(do_allreduce, 2, timeout=QUICK) == [4, 4]  # still usable
+
+
 @pytest.mark.parametrize("backend", ["shm", "torch"])
 def test_allreduce_of_a_python_int_against_another_kind_raises_on_every_rank(shared, backend):
     sess = backend_session(shared, 2, backend)

@@ -215,6 +215,8 @@ def allreduce(x: Any, op: str = "sum", *, group: bool = False, out: Any = None) 
             and _running[0] == _begun[0]):
         return _shm.allreduce(x, op, group, out)  # type: ignore[union-attr]  # _backend's
     _refuse_masked(x, "allreduce")
+    if isinstance(x, int) and type(x) is not int and type(x) is not bool:
+        x = int(x)  # an IntEnum, an int subclass: exact, as a Python int (int64 would wrap)
     result = _backend(group, x).allreduce(x, op, group)
     return result if out is None else _into(out, result)
 

@@ -644,6 +644,7 @@ class ShmCollectives(CallScope, Collectives):
         """``dest``: allreduce's out=, written in place where it fits (else the caller
         copies the result into it)."""
         arr, restore = _as_array(x)
+        _check_reducible(arr, "allreduce")
         ufunc = _ufunc(op)
         which, ranks = self.scope(group)
         if op == "mean" and arr.dtype.kind in "biu":
@@ -743,6 +744,7 @@ class ShmCollectives(CallScope, Collectives):
 
     def reduce_scatter(self, x: Any, op: str, group: bool) -> Any:
         arr, restore = _as_array(x)
+        _check_reducible(arr, "reduce_scatter")
         ufunc = _ufunc(op)
         which, ranks = self.scope(group)
         desc = descriptor("reduce_scatter", op)
@@ -1238,6 +1240,16 @@ def _as_array(x: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:
     raise TypeError(
         f"reductions take numpy arrays, CPU torch tensors or numbers, not {type(x).__name__}"
     )
+
+
+def _check_reducible(arr: np.ndarray, name: str) -> None:
+    """Refuse arrays of strings, bytes, objects and records: numpy's add of strings joins
+    them into wider ones, which the result, of the input's dtype, cut to the input's width
+    with no error; the others cannot be reduced from raw memory at all."""
+    if arr.dtype.kind in "USOVT":
+        raise TypeError(
+            f"{name} reduces numbers, not arrays of dtype {arr.dtype} (strings, bytes, "
+            "objects or records): use allgather and combine the values yourself")
 
 
 def _same(r: np.ndarray) -> np.ndarray:
