@@ -615,6 +615,19 @@ def test_allreduce_of_an_int_subclass_is_exact_as_python_ints_are(shared, backen
         assert got == [want] * 3 and all(type(g) is int for g in got), (value, op, got)
 
 
+def bool_reductions() -> list[list[int]]:
+    x = np.array([True, unison.rank() == 0, False])
+    return [unison.allreduce(x, op).view(np.uint8).tolist() for op in ("sum", "prod")]
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_bool_arrays_reduce_as_numpy_does_an_or_and_an_and(shared, backend):
+    """gloo adds bools as bytes: the torch backend's sum of [True, True, False] on two
+    ranks held 2 in its first byte (a True no other bool has; 0, False, at 256 ranks)."""
+    sess = backend_session(shared, 2, backend)
+    assert sess.run(bool_reductions, timeout=QUICK) == [[[1, 1, 0], [1, 0, 0]]] * 2
+
+
 def allreduce_of_strings(rank_values: list[list[str]], kind: str) -> Any:
     x = np.array(rank_values[unison.rank()], dtype=kind)
     return unison.reduce_scatter(x) if len(x) == 4 else unison.allreduce(x)

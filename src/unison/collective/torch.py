@@ -135,6 +135,10 @@ class TorchCollectives(Collectives):
         reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
                      "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
                      "max": dist.ReduceOp.MAX}[op]
+        if op in ("sum", "prod") and out.dtype == sys.modules["torch"].bool:
+            # gloo adds bools as bytes: a True of value 2 (and 0, False, at 256 ranks);
+            # numpy's, and the shared-memory backend's, sum is an or, its product an and
+            reduce_op = dist.ReduceOp.MAX if op == "sum" else dist.ReduceOp.MIN
         if op == "mean" and not (out.is_floating_point() or out.is_complex()):
             out = out.double()  # (as numpy's mean of integers; a complex one stays complex)
         dist.all_reduce(out, op=reduce_op, group=pg)
