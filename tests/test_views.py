@@ -92,6 +92,13 @@ def test_ref_get_takes_a_global_rank_and_defaults_to_the_views_first_worker(sess
     assert ref.get() == 2
     assert ref.get(worker=3) == 3
     assert sess4.group(1).call(unison.rank).get() == 2
+    # a negative rank counts from the session's end, as sess4[-1] does (it was refused
+    # as "worker -1 does not hold" the Ref)
+    assert ref.get(worker=-1) == 3 and ref.get(worker=-2) == 2
+    with pytest.raises(ValueError, match="worker 1 does not hold"):
+        ref.get(worker=-3)
+    with pytest.raises(ValueError, match="out of range"):
+        ref.get(worker=-5)
 
 
 def test_ref_get_of_a_worker_outside_the_view_is_a_value_error(sess4):

@@ -1513,17 +1513,16 @@ class Session(View):
 
     def _check_rank(self, rank: object, ref: Ref | None = None) -> int:
         rank = checks.as_rank(rank, "a worker is named by an int rank")
-        if ref is not None:
-            if rank not in ref.workers:
-                raise ValueError(
-                    f"worker {rank} does not hold {ref!r}: pick one of {list(ref.workers)}"
-                )
-            return rank
         if not -self.num_workers <= rank < self.num_workers:
             raise ValueError(
                 f"worker index {rank} is out of range for a session of {self.num_workers} workers"
             )
-        return rank % self.num_workers
+        rank %= self.num_workers  # -1: the last, as sess[-1]
+        if ref is not None and rank not in ref.workers:
+            raise ValueError(
+                f"worker {rank} does not hold {ref!r}: pick one of {list(ref.workers)}"
+            )
+        return rank
 
 
 # -- helpers ---------------------------------------------------------------------------------
