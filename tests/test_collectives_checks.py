@@ -77,13 +77,19 @@ def test_check_members_names_the_missing_workers():
         checks.check_members((0, 1), (0, 1, 2, 3), False)
 
 
-@pytest.mark.parametrize("peer", [-1, 3, 1, "2", 2.0])
+@pytest.mark.parametrize("peer", [-1, 3, 1, "2", 2.0, True, np.int64(1)])
 def test_check_peer_refuses_itself_and_ranks_out_of_range(peer):
     with pytest.raises(ValueError, match=r"send needs a destination rank in 0..2 other than 1"):
         checks.check_peer(peer, 1, 3, "send")
     with pytest.raises(ValueError, match=r"recv needs a source rank in 0..2 other than 1"):
         checks.check_peer(peer, 1, 3, "recv")
-    checks.check_peer(0, 1, 3, "send")
+    assert checks.check_peer(0, 1, 3, "send") == 0
+
+
+def test_check_peer_takes_a_numpy_integer_as_a_broadcasts_root_does():
+    """send and recv refused ``np.int64(2)`` where broadcast, scatter and gather took it."""
+    got = checks.check_peer(np.int64(2), 1, 3, "recv")
+    assert got == 2 and type(got) is int
 
 
 def test_check_scatter_values_needs_one_value_per_worker():

@@ -104,11 +104,17 @@ def check_members(call_ranks: tuple[int, ...], ranks: tuple[int, ...], group: bo
         )
 
 
-def check_peer(peer: Any, me: int, n: int, what: str) -> None:
-    """``peer`` is a global rank other than ``me``, for send (``what``="send") or recv."""
-    if not isinstance(peer, int) or not 0 <= peer < n or peer == me:
+def check_peer(peer: Any, me: int, n: int, what: str) -> int:
+    """``peer`` as a global rank other than ``me``, for send (``what``="send") or recv: any
+    integer, a numpy one too (as a broadcast's root), but not a bool."""
+    try:
+        i = operator.index(peer)
+    except TypeError:
+        i = -1
+    if isinstance(peer, bool) or not 0 <= i < n or i == me:
         role = "destination" if what == "send" else "source"
         raise ValueError(f"{what} needs a {role} rank in 0..{n - 1} other than {me}")
+    return i
 
 
 def check_scatter_values(xs: Sequence[Any] | None, size: int) -> Sequence[Any]:

@@ -136,7 +136,7 @@ class DistLocal(CallScope):
         shm = self._shared(False)
         if shm is not None:
             return shm.send(x, dst)
-        check_peer(dst, self.rank, self.n, "send")
+        dst = check_peer(dst, self.rank, self.n, "send")
         dist, _ = self._group(False)
         dist.send_object_list([(self._call, x)], dst=dst)  # its call: see recv
 
@@ -144,7 +144,7 @@ class DistLocal(CallScope):
         shm = self._shared(False)
         if shm is not None:
             return shm.recv(src)
-        check_peer(src, self.rank, self.n, "recv")
+        src = check_peer(src, self.rank, self.n, "recv")
         dist, _ = self._group(False)
         got = self._early.pop(src, None)
         while True:

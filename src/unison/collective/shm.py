@@ -880,12 +880,12 @@ class ShmCollectives(CallScope, Collectives):
     # -- point to point ------------------------------------------------------------------------
 
     def send(self, x: Any, dst: int) -> None:
-        check_peer(dst, self.rank, self.n, "send")
+        dst = check_peer(dst, self.rank, self.n, "send")
         self._check_peer(dst)
         self._send(x, dst, TAG_SEND)
 
     def recv(self, src: int) -> Any:
-        check_peer(src, self.rank, self.n, "recv")
+        src = check_peer(src, self.rank, self.n, "recv")
         self._check_peer(src)
         return self._recv(src, TAG_SEND)
 
