@@ -615,6 +615,25 @@ def test_allreduce_of_an_int_subclass_is_exact_as_python_ints_are(shared, backen
         assert got == [want] * 3 and all(type(g) is int for g in got), (value, op, got)
 
 
+def moves_python_numbers() -> list[Any]:
+    r = unison.rank()
+    return [unison.broadcast(1.5 if r == 0 else None, 0), unison.broadcast(True if r else None, 1),
+            unison.allgather(7 * r), unison.gather(0.5 * r, 1),
+            unison.scatter([1.0, 2.0] if r == 0 else None, 0)]
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_collectives_that_move_python_numbers_give_python_numbers(shared, backend):
+    """The torch backend gave tensors back for Python numbers (a broadcast of 1.5 came as
+    ``tensor(1.5, dtype=torch.float64)``) where shared memory gives the numbers: code that
+    ran on one backend broke on the other."""
+    sess = backend_session(shared, 2, backend)
+    got = sess.run(moves_python_numbers, timeout=QUICK)
+    assert got == [[1.5, True, [0, 7], None, 1.0], [1.5, True, [0, 7], [0.0, 0.5], 2.0]], got
+    kinds = [type(v) for v in got[1][:2] + got[1][2] + got[1][3] + [got[1][4]]]
+    assert kinds == [float, bool, int, int, float, float, float], kinds
+
+
 def bool_reductions() -> list[list[int]]:
     x = np.array([True, unison.rank() == 0, False])
     return [unison.allreduce(x, op).view(np.uint8).tolist() for op in ("sum", "prod")]

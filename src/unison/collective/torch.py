@@ -248,8 +248,10 @@ class TorchCollectives(Collectives):
 
 
 def _kind(x: Any) -> str:
-    """"array" for a numpy array, "scalar" for a numpy scalar, else "" (numpy is imported
-    wherever one exists)."""
+    """"array" for a numpy array, "scalar" for a numpy scalar, "python" for a Python number,
+    else "" (numpy is imported wherever one exists)."""
+    if type(x) in (int, float, complex, bool):
+        return "python"
     np = sys.modules.get("numpy")
     if np is None:
         return ""
@@ -257,10 +259,17 @@ def _kind(x: Any) -> str:
 
 
 def _as(kind: str, out: Any) -> Any:
-    """A result tensor as ``kind`` (``_kind``) says: numpy for numpy, as the shared-memory
-    backend gives it (the tensor's own memory: it is on the CPU, as torch.as_tensor made
-    it); else unchanged."""
-    return out.numpy() if kind == "array" else out.numpy()[()] if kind == "scalar" else out
+    """A result tensor as ``kind`` (``_kind``) says, as the shared-memory backend gives it:
+    numpy for numpy (the tensor's own memory: it is on the CPU, as torch.as_tensor made it),
+    a Python number for one (a broadcast of 1.5 gave ``tensor(1.5, dtype=float64)``); else
+    unchanged."""
+    if kind == "array":
+        return out.numpy()
+    if kind == "scalar":
+        return out.numpy()[()]
+    if kind == "python" and isinstance(out, sys.modules["torch"].Tensor):
+        return out.item()
+    return out
 
 
 def _like(x: Any, out: Any) -> Any:
