@@ -23,7 +23,7 @@ from support import (
     wait_gone,
 )
 from unison import pacing
-from unison.session import api
+from unison.session import aio, api
 from unison.session.router import Request
 
 pytestmark = pytest.mark.channels
@@ -424,6 +424,80 @@ def test_the_next_loop_lowers_the_flag_of_waits_left_asleep_on_a_closed_one(sess
     assert waiting == [True]
     assert asyncio.run(sess.run_async(unison.rank, timeout=5)) == [0, 1]
     assert waiting[:2] == [True, False] and waiting[-1] is False
+
+
+def slow_rank(seconds: float) -> int:
+    time.sleep(seconds)
+    return unison.rank()
+
+
+def test_waits_of_a_closed_loop_collected_later_leave_the_next_loops_waits_alone(sess):
+    """Tasks left asleep on a closed loop, collected while the next loop's await sleeps:
+    each closed coroutine's ``finally`` took its end off the new loop's counts, lowered its
+    flag (the workers stopped signalling: the await slept for good) and let a third loop
+    bind over the sleeping one. Now an end counts only on the loop it began on."""
+    task = _left_on_a_closed_loop(sess, time.sleep, 0.2)
+    sess.sync()
+    got: list[object] = []
+
+    async def main() -> None:
+        def collect() -> None:
+            nonlocal task
+            del task
+            gc.collect()
+            other = threading.Thread(target=lambda: got.append(_run_in_a_new_loop(sess)))
+            other.start()
+            other.join(10)
+
+        asyncio.get_running_loop().call_later(0.1, collect)
+        got.append(await sess.run_async(slow_rank, 0.4, timeout=10))
+
+    asyncio.run(main())
+    assert got[0] == "refused: another loop waits" and got[1] == [0, 1], got
+
+
+def _run_in_a_new_loop(sess) -> str:
+    try:
+        asyncio.run(sess[0].run_async(unison.rank, timeout=5))
+    except RuntimeError as exc:
+        if "already awaited from another event loop" in str(exc):
+            return "refused: another loop waits"
+        raise
+    return "bound over a loop that waits"
+
+
+def test_a_close_that_could_not_wait_for_the_loop_leaves_the_next_sessions_readers(
+        sess, make_session, channel):
+    """close() from another thread while the loop is held past _DETACH_S: it closes the
+    fds without the loop's detach, and a session opened next takes their numbers. The late
+    detach then removed that session's readers (or its add_reader only swapped the stale
+    entry's callback, watching nothing): its await never woke. Now a detach removes only
+    its own readers, and an attach clears a stale one first."""
+    kept: list[object] = []
+
+    async def main() -> object:
+        await sess.run_async(unison.rank)  # the loop watches its fds
+        closer = threading.Thread(target=sess.close)
+        closer.start()
+        time.sleep(aio._DETACH_S + 0.5)  # a step holds the loop past the close's wait
+        closer.join()
+        other = make_session(2)
+        kept.append(other)
+        return await other.run_async(slow_rank, 0.05, timeout=10)
+
+    assert asyncio.run(main()) == [0, 1]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1, True, "1", [1]])
+def test_sync_async_refuses_a_bad_timeout_as_sync_does(sess, bad):
+    """With the workers idle, sync_async's look took nan, -1 and True (a look of no time)
+    and met "1" with max()'s bare TypeError; sync refused each, saying what to pass."""
+    with pytest.raises((ValueError, TypeError)) as blocking:
+        sess.sync(timeout=bad)
+    with pytest.raises(type(blocking.value)) as awaited:
+        asyncio.run(sess.sync_async(timeout=bad))
+    assert str(awaited.value) == str(blocking.value)
+    assert sess.run(unison.rank) == [0, 1]
 
 
 def test_an_error_of_an_await_left_on_a_closed_loop_reaches_sync(sess):

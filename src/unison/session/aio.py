@@ -65,6 +65,7 @@ class Waits:
         self._asleep = 0  # of those, the ones sleeping in the selector (the flag is up)
         self._fds: list[int] = []
         self._watch: list[int] = []
+        self._readers: tuple[Callable[[], None], ...] = ()  # what _attach gave the loop
 
     async def wait(self, req: Request, fut: asyncio.Future[None], timeout: float | None,
                    during: str) -> None:
@@ -111,7 +112,7 @@ class Waits:
             router.abandon(req)
             raise
         finally:
-            self._end(slept)
+            self._end(slept, fut.get_loop())
 
     def settled(self, ranks: tuple[int, ...], timeout: float | None) -> bool:
         """sync_async's look at the workers' progress (done positions, reports), in place of
@@ -206,14 +207,21 @@ class Waits:
         # held the session, which then stayed open (its workers up) after the program
         # dropped it, for as long as the loop ran
         poll, death = _weakly(self._router.poll), _weakly(self._death)
-        for fd in self._fds:
-            loop.add_reader(fd, poll)
-        for fd in self._watch:
-            loop.add_reader(fd, death)
+        self._readers = (poll, death)
+        for fd, callback in [(fd, poll) for fd in self._fds] + [(fd, death) for fd in self._watch]:
+            # A reader the loop still has for this number is stale: a closed session's,
+            # whose close could not wait for the loop (_DETACH_S). Over it, add_reader
+            # would only swap the callback and never watch the new file: a hang.
+            loop.remove_reader(fd)
+            loop.add_reader(fd, callback)
 
-    def _end(self, slept: bool) -> None:
-        """A wait is over (``slept``: in the selector); the last sleeper lowers the flag."""
+    def _end(self, slept: bool, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """A wait is over (``slept``: in the selector); the last sleeper lowers the flag.
+        ``loop``: the wait's; one of a loop no longer bound (closed, its tasks collected
+        later) leaves alone the counts that the binding since then keeps."""
         with self._lock:
+            if loop is not None and loop is not self._loop:
+                return
             self._pending = max(0, self._pending - 1)
             if not slept or self._asleep == 0:  # (0: close() or a new loop reset it)
                 return
@@ -225,10 +233,15 @@ class Waits:
                     pass  # the channel is closed
 
     def _detach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Stop watching the session's fds; only where the reader is still ours: a detach
+        that comes after close() gave up waiting for it finds the numbers closed, maybe
+        reused by a reader of someone else's (another session's)."""
         if loop.is_closed():
             return
-        for fd in (*self._fds, *self._watch):
-            loop.remove_reader(fd)
+        poll, death = self._readers
+        for fd, ours in [(fd, poll) for fd in self._fds] + [(fd, death) for fd in self._watch]:
+            if _reader(loop, fd) in (ours, _UNKNOWN):
+                loop.remove_reader(fd)
 
     def close(self) -> None:
         """The session closes: stop watching its fds (before they are closed)."""
@@ -268,6 +281,24 @@ class Waits:
                 loop, self._loop = self._loop, None
             if loop is not None:
                 self._detach(loop)
+
+
+_UNKNOWN = object()
+
+
+def _reader(loop: asyncio.AbstractEventLoop, fd: int) -> object:
+    """The callback ``loop`` calls when ``fd`` is readable; None if none; _UNKNOWN where the
+    loop does not say (not a selector loop of asyncio's)."""
+    selector = getattr(loop, "_selector", None)
+    if selector is None:
+        return _UNKNOWN
+    try:
+        handle = selector.get_key(fd).data[0]
+    except KeyError:
+        return None
+    except Exception:  # (another selector's layout)
+        return _UNKNOWN
+    return getattr(handle, "_callback", _UNKNOWN) if handle is not None else None
 
 
 def _weakly(method: Callable[[], None]) -> Callable[[], None]:

@@ -879,6 +879,7 @@ class Session(View):
         does not say all ran with no error held (an await of SYNC cost 2.1x a blocking sync:
         ``python benchmarks/async_bench.py``)."""
         chan = self._chan
+        deadline = _deadline(timeout)  # a bad timeout is refused, as sync's, whatever the look
         floor = next(self._ids)  # the calls this sync covers: those sent before it
         below = self._sent_below(floor)
         if not ((chan.tracks_progress or chan.settles) and self._router.idle(ranks)
@@ -886,7 +887,7 @@ class Session(View):
             req = _sync_request(floor, ranks)
             fut = self._waits.prepare(req)
             try:
-                self._request(sync_msg, 0, ranks, _deadline(timeout), req)
+                self._request(sync_msg, 0, ranks, deadline, req)
             except BaseException:
                 self._waits.cancel(req)
                 raise
