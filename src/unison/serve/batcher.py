@@ -106,6 +106,8 @@ class Batcher:
         self._task: asyncio.Task[None] | None = None
         self._loading: asyncio.Future[Backend] | None = None
         self._stopping = False
+        self._settled = True  # False from a load until the next idle moment: _settle
+        self._stopped: asyncio.Future[None] | None = None  # the one stop()'s work
         self._metrics_state()
 
     # -- the handlers' side --------------------------------------------------------------------
@@ -166,7 +168,14 @@ class Batcher:
 
     async def stop(self, timeout: float = 5.0) -> None:
         """Refuse new jobs, let queued ones finish for up to ``timeout`` seconds (the rest get
-        503), then close the backend: a model still loading is waited for and closed too."""
+        503), then close the backend: a model still loading is waited for and closed too.
+        A second call waits for the first's work (the server's SIGTERM starts it, with the
+        drain's time; the lifespan's end calls it again)."""
+        if self._stopped is None:
+            self._stopped = asyncio.ensure_future(self._stop(timeout))
+        await asyncio.shield(self._stopped)
+
+    async def _stop(self, timeout: float) -> None:
         self._stopping = True
         self.state = "stopping"
         self._metrics_state()
@@ -211,6 +220,8 @@ class Batcher:
             if not self._queue:
                 if self._stopping:
                     return
+                if not self._settled:
+                    self._settle()
                 wake.clear()
                 try:
                     await asyncio.wait_for(wake.wait(), IDLE_LOOK)
@@ -324,6 +335,14 @@ class Batcher:
         self._queued = 0
         self.metrics.queue.set(0)
 
+    def _settle(self) -> None:
+        """Idle after a load: what it made is kept for good, so move it out of the collector's
+        sight (no full collection walks the model's objects again); a collection first, so
+        that a closed backend's garbage is not frozen with it."""
+        self._settled = True
+        gc.collect()
+        gc.freeze()
+
     # -- deaths and restarts -------------------------------------------------------------------
 
     async def _look(self) -> None:
@@ -353,6 +372,12 @@ class Batcher:
                 await asyncio.to_thread(old.close)
             except Exception:
                 log.exception("closing the broken backend failed")
+            del old
+            # what loading made was frozen, the session now closed too: out of the
+            # collector's sight its cycles (and its shared memory's mappings) stayed for good,
+            # one more set each restart. A collection may have them now; the next idle
+            # moment freezes again (_settle), once our callers' frames let go of them.
+            gc.unfreeze()
         if not await self._load():
             return
         took = time.monotonic() - t0
@@ -384,7 +409,7 @@ class Batcher:
                 await asyncio.to_thread(backend.close)
                 return False
             self.backend = backend
-            gc.freeze()  # what loading made is kept for good: no full collection walks it
+            self._settled = False  # what loading made is frozen at the next idle moment
             self.load_seconds = time.monotonic() - t0
             self.state = "ok"
             self._metrics_state()

@@ -4,8 +4,9 @@
                  [--batch-window-ms 2] [--max-queue 1024] [--max-inputs 256]
                  [--backend unison | sentence-transformers]
 
-SIGTERM (or Ctrl-C): uvicorn stops accepting, waits up to --drain-seconds for the requests in
-flight, then the lifespan drains the batcher and closes the workers; the process exits 0.
+SIGTERM (or Ctrl-C): uvicorn stops accepting; the batcher drains its queue for up to
+--drain-seconds, answers what is left with 503 and closes the workers, while uvicorn waits a
+little longer for the requests in flight; the process exits 0.
 uvicorn re-raises the signal it caught once it is done (so that a default handler would end
 the process by that signal): the handler installed here only asks uvicorn to stop, which makes
 that re-raise harmless and the exit status 0.
@@ -14,17 +15,44 @@ that re-raise harmless and the exit status 0.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import math
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from types import FrameType
+from typing import Any
 
 __all__ = ["add_arguments", "main"]
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+_ANSWER_S = 2
+"""Seconds past --drain-seconds that uvicorn waits: the batcher's 503s for what was left
+are written in them."""
+
+
+def _server_class() -> type[Any]:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, whose shutdown first starts the batcher's drain: the batcher
+        waits --drain-seconds for the queue, then answers what is left with its 503 (JSON,
+        Retry-After), so uvicorn, whose grace is _ANSWER_S longer, finds every request
+        answered. Before, at the end of uvicorn's grace, it cancelled the requests still
+        queued, and their clients got a bare "500 Internal Server Error"."""
+
+        drain: Callable[[], Awaitable[None]] | None = None
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            draining = None if self.drain is None else asyncio.ensure_future(self.drain())
+            await super().shutdown(sockets)
+            if draining is not None:
+                await draining  # (done by now: the lifespan's stop waited for it)
+
+    return Server
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -132,8 +160,9 @@ def main(args: argparse.Namespace) -> int:
     config = uvicorn.Config(
         app, host=cfg.host, port=cfg.port, loop="asyncio", http="auto", ws="none",
         lifespan="on", log_level=args.log_level, access_log=cfg.access_log,
-        timeout_graceful_shutdown=max(1, math.ceil(cfg.drain_seconds)))
-    server = uvicorn.Server(config)
+        timeout_graceful_shutdown=max(1, math.ceil(cfg.drain_seconds)) + _ANSWER_S)
+    server = _server_class()(config)
+    server.drain = lambda: app.state.batcher.stop(timeout=cfg.drain_seconds)
 
     def stop(sig: int, frame: FrameType | None) -> None:
         server.should_exit = True
