@@ -225,6 +225,41 @@ def test_tokens_match_sentence_transformers(folder: Path, st_model: Any) -> None
     assert max(len(t) for t in ours) == 256
 
 
+def test_a_long_texts_tokens_come_from_its_start_alone(folder: Path, st_model: Any) -> None:
+    """The library tokenizes a whole text before it cuts at 256 tokens: one input of 8 MB
+    took 1.2 GB, 4 GB for "a." repeated. Only a start of the text that ends before a space
+    or an ASCII punctuation mark, and already fills the 256, is tokenized now; the ids are
+    those of the whole text, also where a cut elsewhere would change them (control
+    characters the normalizer drops, combining marks, CJK, long runs without a space)."""
+    tok = Tokenizer(folder, load_config(folder).max_seq_length)
+    seen: list[int] = []
+    real = tok._tok.encode_batch
+    tok._tok = _Spy(tok._tok, lambda texts: (seen.extend(map(len, texts)), real(texts))[1])
+    texts = [
+        "sentence number 7 " * 12_000,
+        "a." * 100_000,
+        ("x\x0by " * 3000) + ("e\u0301 " * 3000),  # \v joins words; a mark joins its letter
+        "日本語のテキスト、" * 5000 + " tail",
+        "z" * 20_000 + " " + "word " * 3000,  # a first word longer than the first look
+        "w" * 9_000,  # no boundary at all: the whole text, as before
+        LONG * 40,
+    ]
+    ours = tok.encode(texts)
+    theirs = st_model.tokenizer(texts, truncation=True, max_length=256)["input_ids"]
+    assert ours == theirs
+    assert max(seen[:2]) < 10_000, seen  # the two long ones: their start only
+
+
+class _Spy:
+    """A tokenizers.Tokenizer whose encode_batch goes through ``batch``."""
+
+    def __init__(self, tok: Any, batch: Any) -> None:
+        self._tok, self.encode_batch = tok, batch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+
 def test_uneven_split_in_one_process(folder: Path, expected: np.ndarray) -> None:
     """tp=5 (heads 3,3,2,2,2) computed shard by shard in this process, no runtime: the same
     embeddings, one rank after another or each on its own thread (the benchmark's
