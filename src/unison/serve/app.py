@@ -132,7 +132,9 @@ def create_app(cfg: ServeConfig, load: Callable[[], Backend] | None = None) -> S
             yield
         finally:
             log.info("shutting down: draining the queue, closing the model")
-            await batcher.stop(timeout=1.0)  # uvicorn has drained the requests by now
+            # uvicorn has drained the requests by now (unison serve: or its drain has
+            # stopped the batcher, whose stop this then waits for)
+            await batcher.stop(timeout=1.0)
             log.info("model closed")
 
     app = Starlette(

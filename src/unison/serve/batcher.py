@@ -337,10 +337,12 @@ class Batcher:
 
     def _settle(self) -> None:
         """Idle after a load: what it made is kept for good, so move it out of the collector's
-        sight (no full collection walks the model's objects again); a collection first, so
-        that a closed backend's garbage is not frozen with it."""
+        sight (no full collection walks the model's objects again); after a restart, a
+        collection first, so that the closed backend's garbage is not frozen with it (the
+        first load has none: no pause of the loop for it)."""
         self._settled = True
-        gc.collect()
+        if self.restarts:
+            gc.collect()
         gc.freeze()
 
     # -- deaths and restarts -------------------------------------------------------------------

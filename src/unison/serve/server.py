@@ -38,19 +38,22 @@ def _server_class() -> type[Any]:
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server, whose shutdown first starts the batcher's drain: the batcher
-        waits --drain-seconds for the queue, then answers what is left with its 503 (JSON,
-        Retry-After), so uvicorn, whose grace is _ANSWER_S longer, finds every request
-        answered. Before, at the end of uvicorn's grace, it cancelled the requests still
-        queued, and their clients got a bare "500 Internal Server Error"."""
+        """uvicorn's server, whose shutdown also starts ``drain``: --drain-seconds on, the
+        batcher stops and answers what is left with its 503 (JSON, Retry-After), so uvicorn,
+        whose grace is _ANSWER_S longer, finds every request answered. Before, at the end of
+        uvicorn's grace, it cancelled the requests still in flight, and their clients got a
+        bare "500 Internal Server Error". Requests in flight meanwhile (a body still coming,
+        a long text being tokenized) are still taken in, as before."""
 
         drain: Callable[[], Awaitable[None]] | None = None
 
         async def shutdown(self, sockets: Any = None) -> None:
             draining = None if self.drain is None else asyncio.ensure_future(self.drain())
-            await super().shutdown(sockets)
-            if draining is not None:
-                await draining  # (done by now: the lifespan's stop waited for it)
+            try:
+                await super().shutdown(sockets)
+            finally:  # all answered first (or a second Ctrl-C): no stop to wait for
+                if draining is not None:
+                    draining.cancel()
 
     return Server
 
@@ -162,7 +165,12 @@ def main(args: argparse.Namespace) -> int:
         lifespan="on", log_level=args.log_level, access_log=cfg.access_log,
         timeout_graceful_shutdown=max(1, math.ceil(cfg.drain_seconds)) + _ANSWER_S)
     server = _server_class()(config)
-    server.drain = lambda: app.state.batcher.stop(timeout=cfg.drain_seconds)
+
+    async def drain() -> None:
+        await asyncio.sleep(cfg.drain_seconds)
+        await app.state.batcher.stop(timeout=0.0)
+
+    server.drain = drain
 
     def stop(sig: int, frame: FrameType | None) -> None:
         server.should_exit = True
