@@ -242,6 +242,7 @@ def test_a_long_texts_tokens_come_from_its_start_alone(folder: Path, st_model: A
         "日本語のテキスト、" * 5000 + " tail",
         "z" * 20_000 + " " + "word " * 3000,  # a first word longer than the first look
         "w" * 9_000,  # no boundary at all: the whole text, as before
+        "[MASK] x." * 4000,  # an added token: never cut inside (before its "]")
         LONG * 40,
     ]
     ours = tok.encode(texts)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import string
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,11 +19,12 @@ import numpy as np
 
 _CHARS_PER_TOKEN = 32
 """Characters per token the first look at a long text's start takes (English runs 4-5)."""
-_BOUNDARY = re.compile(r"[ \t\n\r!-/:-@\[-`{-~]")
+_BOUNDARIES = " \t\n\r" + string.punctuation
 """Where a word of BERT's pre-tokenizer always ends: before a space, tab or line end, or an
 ASCII punctuation mark (each a word of its own). Not any whitespace regex's: BERT's
 normalizer drops control characters (vertical tab, form feed, U+001C), which then join the
-words beside them."""
+words beside them. Less those inside an added token (the "]" of "[MASK]"), which is
+matched in the raw text first: a cut there would split it."""
 
 
 class Tokenizer:
@@ -35,6 +37,9 @@ class Tokenizer:
         self._tok.enable_truncation(max_length=max_length, strategy="longest_first")
         self._tok.no_padding()  # padding is per batch, to its longest sentence (pad_batch)
         self.max_length = max_length
+        inside = {c for t in self._tok.get_added_tokens_decoder().values() for c in t.content[1:]}
+        self._boundary = re.compile(
+            "[" + re.escape("".join(c for c in _BOUNDARIES if c not in inside)) + "]")
 
     def encode(self, sentences: Sequence[str]) -> list[list[int]]:
         """Each sentence's token ids, [CLS] ... [SEP]."""
@@ -45,12 +50,13 @@ class Tokenizer:
         """``text``, or a start of it that gives the same ids: the library tokenizes a
         whole text before it cuts at ``max_length``, which for one input of 8 MB under
         ``unison serve``'s body limit took 1.2 GB (4 GB for "a." repeated). A start cut right
-        before a space or an ASCII punctuation mark ends on a whole word, so its tokens begin
-        the text's; once they fill ``max_length``, the rest cannot change the result."""
+        before a space or an ASCII punctuation mark (not inside an added token) ends on a
+        whole word, so its tokens begin the text's; once they fill ``max_length``, the rest
+        cannot change the result."""
         k = self.max_length * _CHARS_PER_TOKEN
         while len(text) > k:
             cut = 0
-            for m in _BOUNDARY.finditer(text, k - k // 4, k):
+            for m in self._boundary.finditer(text, k - k // 4, k):
                 cut = m.start()
             if cut and len(self._tok.encode(text[:cut]).ids) >= self.max_length:
                 return text[:cut]
