@@ -450,7 +450,7 @@ def test_waits_of_a_closed_loop_collected_later_leave_the_next_loops_waits_alone
             other.join(10)
 
         asyncio.get_running_loop().call_later(0.1, collect)
-        got.append(await sess.run_async(slow_rank, 0.4, timeout=10))
+        got.append(await sess.run_async(slow_rank, 2.0, timeout=10))  # (2 s: collect is in)
 
     asyncio.run(main())
     assert got[0] == "refused: another loop waits" and got[1] == [0, 1], got
@@ -473,19 +473,23 @@ def test_a_close_that_could_not_wait_for_the_loop_leaves_the_next_sessions_reade
     detach then removed that session's readers (or its add_reader only swapped the stale
     entry's callback, watching nothing): its await never woke. Now a detach removes only
     its own readers, and an attach clears a stale one first."""
-    kept: list[object] = []
+    fds: list[set[int]] = []
 
     async def main() -> object:
         await sess.run_async(unison.rank)  # the loop watches its fds
+        fds.append(set(sess._waits._fds + sess._waits._watch))
         closer = threading.Thread(target=sess.close)
         closer.start()
         time.sleep(aio._DETACH_S + 0.5)  # a step holds the loop past the close's wait
         closer.join()
         other = make_session(2)
-        kept.append(other)
-        return await other.run_async(slow_rank, 0.05, timeout=10)
+        got = await other.run_async(slow_rank, 0.05, timeout=10)
+        fds.append(set(other._waits._fds + other._waits._watch))
+        return got
 
     assert asyncio.run(main()) == [0, 1]
+    if channel == "shm":  # (the pipe channel's new session happens to take other numbers)
+        assert fds[0] & fds[1], fds  # else the numbers were not reused: nothing was tested
 
 
 @pytest.mark.parametrize("bad", [float("nan"), -1, True, "1", [1]])

@@ -95,6 +95,7 @@ def _assert_idle_death(died, channel):
 
 def test_a_worker_killed_while_idle_makes_the_next_use_raise_worker_died(sess, channel):
     pids = sess.run(os.getpid)
+    sess.sync()  # (a worker publishes that it is done at its next take, after its reply)
     os.kill(pids[1], signal.SIGKILL)
     wait_dead(pids[1])
     start = time.monotonic()
@@ -112,6 +113,7 @@ def test_a_worker_killed_while_idle_makes_the_next_use_raise_worker_died(sess, c
 def test_a_worker_killed_while_idle_is_noticed_by_sync(sess, channel):
     pids = sess.run(os.getpid)
     keeper = sess[0].run(os.getppid)[0]  # the session learns of the death when it ends
+    sess.sync()  # (a worker publishes that it is done at its next take, after its reply)
     os.kill(pids[0], signal.SIGKILL)
     wait_dead(pids[0])
     wait_dead(keeper)
@@ -135,7 +137,7 @@ def test_a_close_landing_inside_the_idle_look_still_raises_worker_died(sess):
         closer = threading.Thread(target=sess.close, kwargs={"timeout": 0})
         closer.start()
         closer.join(10)
-        chan._closed = False  # as if the close landed after a look at the flag
+        chan._closed = False  # the look read this flag first: as if the close came after
         try:
             said.append(real(rank))
         finally:

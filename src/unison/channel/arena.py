@@ -577,7 +577,7 @@ class _Whole:
         _at_garbage(self, _unmap_whole, addr, size)
 
     def view(self, offset: int, length: int,
-             then: tuple[Callable[[int], None], int]) -> memoryview:
+             then: tuple[Callable[[Any], None], Any]) -> memoryview:
         """``length`` bytes at ``offset``; ``then[0](then[1])`` once the view is garbage."""
         holder = (ctypes.c_ubyte * length).from_address(self.addr + offset)
         holder._whole = self  # type: ignore[attr-defined]  # the mapping outlives each view
@@ -606,7 +606,7 @@ def _unmap_whole(addr: int, size: int) -> None:
 
 
 def _view_gone(whole: _Whole, offset: int, length: int,
-               then: tuple[Callable[[int], None], int], owner: int) -> None:
+               then: tuple[Callable[[Any], None], Any], owner: int) -> None:
     """A view of a whole mapping is gone: in the process that made it (see ``_unmap``),
     drop its written pages (private), then count it done, after a fence (where no munmap
     completes this process's loads and stores first, an ARM core could let a late store to

@@ -250,12 +250,12 @@ class TorchCollectives(Collectives):
 def _kind(x: Any) -> str:
     """"array" for a numpy array, "scalar" for a numpy scalar, "python" for a Python number,
     else "" (numpy is imported wherever one exists)."""
-    if type(x) in (int, float, complex, bool):
-        return "python"
     np = sys.modules.get("numpy")
-    if np is None:
-        return ""
-    return "array" if type(x) is np.ndarray else "scalar" if isinstance(x, np.generic) else ""
+    if np is not None and isinstance(x, np.generic):  # (np.float64 is a float too)
+        return "scalar"
+    if isinstance(x, (int, float, complex)):  # bool and IntEnum too
+        return "python"
+    return "array" if np is not None and type(x) is np.ndarray else ""
 
 
 def _as(kind: str, out: Any) -> Any:

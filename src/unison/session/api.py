@@ -442,10 +442,10 @@ class Session(View):
         self._lock_send(None)
         try:
             self.check_open()
-            mm = arena.shared_array(count * dt.itemsize)
+            memory = arena.shared_array(count * dt.itemsize)
         finally:
             self._send_lock.release()
-        return np.frombuffer(mm, dt, count).reshape(shape_t)
+        return np.frombuffer(memory, dt, count).reshape(shape_t)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -1465,8 +1465,10 @@ class Session(View):
                 rank = self._res.ended()
                 time.sleep(0.005)
         report = self._res.on_death(rank, 1.0)
-        # (before the workers are up, none has taken anything: it died starting)
-        idle = hasattr(self, "_pids") and self._chan.was_idle(report.rank)
+        # (before the workers are up, none has taken anything: it died starting; a rank
+        # nobody named is on_death's guess, whose state says nothing of the death)
+        idle = (rank is not None and hasattr(self, "_pids")
+                and self._chan.was_idle(report.rank))
         self._dead = WorkerDied(report.rank, report.exitcode, report.output, during,
                                 report.reason, idle)
         self._shutdown_beside(self._dead)
