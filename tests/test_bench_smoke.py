@@ -831,6 +831,14 @@ def test_view_cost_times_a_blocks_life_in_one_process() -> None:
     assert re.search(r"^64 KiB: [\d.]+ us per place, view, read and drop$", out, re.M), out
 
 
+def test_long_input_gives_each_kinds_ids_time_and_peak_memory() -> None:
+    """benchmarks/long_input.py: a line per kind of text, its ids, seconds and peak RSS."""
+    out = _tool("long_input.py", "--mb", "0.2", "--kinds", "words", "punct")
+    for kind in ("words", "punct"):
+        assert re.search(rf"^{kind}: 0.2 MB of .* repeated: 256 ids in [\d.]+ s, peak RSS \d+ "
+                         rf"MB \(\d+ MB for the text\)$", out, re.M), out
+
+
 def test_put_values_times_each_kind_of_value_against_a_call() -> None:
     """benchmarks/put_values.py: a row per kind of value put (and a scatter), its block
     medians and its ratio to a call's round."""
