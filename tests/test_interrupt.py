@@ -199,8 +199,23 @@ def _strike(sess, where, sig=signal.SIGINT):
         ref = sess.call(ident, 1)
         _signal_after(sess, "_request", sig)
         return ref.gather
-    assert where == "synced", where
+    assert where in ("synced", "synced-answered"), where
     sess.call(ident, None, 1)  # a TypeError: the sync asks for it (a SYNC request)
+    if where == "synced-answered":  # the answers, with the error, came before the Ctrl-C
+        real = sess._request
+
+        def answered(*args, **kwargs):
+            sess._request = real
+            got = real(*args, **kwargs)
+            deadline = time.monotonic() + 10
+            while not sess._chan.pending() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.05)  # (both workers' answers)
+            signal.raise_signal(sig)
+            return got
+
+        sess._request = answered
+        return sess.sync
     _signal_after(sess, "_request", sig)
     return sess.sync
 
@@ -212,7 +227,8 @@ def _closed_and_gone(sess, pids):
         sess.run(ident, 2, timeout=3)
 
 
-@pytest.mark.parametrize("where", ["run-sent", "expected", "fetched", "synced"])
+@pytest.mark.parametrize("where", ["run-sent", "expected", "fetched", "synced",
+                                   "synced-answered"])
 def test_ctrl_c_inside_a_send_closes_the_session(make_session, where):
     """Ctrl-C inside the session's own steps, outside a wait: after the message went out
     (the request was then forgotten, and the next run raised "answered request 4 where 6
@@ -224,7 +240,8 @@ def test_ctrl_c_inside_a_send_closes_the_session(make_session, where):
     pids = sess.run(ident, 0) and sess.run(os.getpid)
     go = _strike(sess, where)
     with contextlib.ExitStack() as stack:
-        if where == "synced":  # the error it asked for is not fetched: the close says so
+        if where.startswith("synced"):  # the error it asked for is not fetched: the close
+            # says so, whether the workers still held it or their answers were in, unread
             stack.enter_context(pytest.warns(RuntimeWarning, match="nobody fetched"))
         with pytest.raises(KeyboardInterrupt):
             go()
