@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import unison
-from harness.report import command_line, cpu_model, source_revision
+from harness.report import header
 from harness.tasks import noop
 
 
@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 8])
     parser.add_argument("--sessions", type=int, default=15)
     args = parser.parse_args()
-    print(f"CPU: {cpu_model()}; {source_revision()}; command: {command_line(sys.argv[1:])}")
+    print(header(sys.argv[1:]))
     for n in args.workers:
         took = []
         for _ in range(args.sessions):

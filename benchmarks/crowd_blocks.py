@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness.measure import Loop, hogs, time_loop
-from harness.report import command_line, cpu_model, source_revision
+from harness.report import header
 from harness.systems import make_system
 from harness.systems.unison_session import UnisonSystem
 from unison import pacing
@@ -71,7 +71,7 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=12)
     p.add_argument("--seconds", type=float, default=0.3)
     args = p.parse_args()
-    print(f"CPU: {cpu_model()}; {source_revision()}; command: {command_line(sys.argv[1:])}")
+    print(header(sys.argv[1:]))
     name = args.system
     with hogs(args.hogs):
         systems = {name: make_system(name), "pipe": make_system("pipe")}

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 
-from harness.report import command_line, cpu_model, source_revision
+from harness.report import header
 from unison import protocol
 
 VALUES = {
@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--number", type=int, default=20_000)
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args()
-    print(f"CPU: {cpu_model()}; {source_revision()}; command: {command_line(sys.argv[1:])}")
+    print(header(sys.argv[1:]))
     for name, value in VALUES.items():
         def one(value: object = value) -> None:
             protocol.dumps(value, [])

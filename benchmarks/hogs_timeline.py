@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness.measure import HOGS, hogs
-from harness.report import command_line, cpu_model, source_revision
+from harness.report import header
 from harness.systems import System, make_system
 from unison.pacing import crowd, run_delay
 from unison.placement import last_cpu
@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--hogs", type=int, default=HOGS)
     parser.add_argument("--workload", default="dispatch", choices=["dispatch", "gather_small"])
     args = parser.parse_args()
-    print(f"CPU: {cpu_model()}; {source_revision()}; command: {command_line(sys.argv[1:])}")
+    print(header(sys.argv[1:]))
     print(f"{args.hogs} hogs; {args.workload}; each "
           "point: median µs / rounds in 0.1 s [/ controller's run delay µs per round, C: "
           "crowded] [=: the controller on worker 0's CPU]\n")

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
 
 import unison
-from harness.report import command_line, cpu_model, source_revision
+from harness.report import header
 
 
 def filled(kind: str, nbytes: int) -> Any:
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--mib", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    print(f"CPU: {cpu_model()}; {source_revision()}; command: {command_line(sys.argv[1:])}")
+    print(header(sys.argv[1:]))
     with unison.Session(args.workers, channel=args.channel) as sess:
         for kind in args.kinds:
             for mib in args.mib:

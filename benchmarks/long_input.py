@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness.report import command_line, cpu_model, source_revision
+from harness.report import header
 
 TEXTS = {
     "words": "sentence number 7 ",  # repeated to the size asked for
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=8.0)
     parser.add_argument("--kinds", nargs="+", choices=sorted(TEXTS), default=list(TEXTS))
     args = parser.parse_args()
-    print(f"CPU: {cpu_model()}; {source_revision()}; command: {command_line(sys.argv[1:])}")
+    print(header(sys.argv[1:]))
     size = int(args.mb * 1_000_000)
     for kind in args.kinds:
         out = subprocess.run([sys.executable, "-c", _CHILD, TEXTS[kind], str(size)],

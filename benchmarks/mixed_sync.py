@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import unison
 from harness.measure import block_medians
-from harness.report import command_line, cpu_model, source_revision
+from harness.report import header
 from harness.tasks import noop
 from test_mixed import SpawnLauncher  # type: ignore[import-not-found]
 
@@ -35,7 +35,7 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=6)
     p.add_argument("--seconds", type=float, default=0.3)
     args = p.parse_args()
-    print(f"CPU: {cpu_model()}; {source_revision()}; command: {command_line(sys.argv[1:])}")
+    print(header(sys.argv[1:]))
     n = args.local + args.remote
     launcher = SpawnLauncher(local=range(args.local))
     try:

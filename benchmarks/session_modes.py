@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import unison
 from harness.measure import Loop, time_loop
-from harness.report import command_line, cpu_model, source_revision
+from harness.report import header
 from harness.tasks import noop
 
 
@@ -31,7 +31,7 @@ def main() -> None:
     p.add_argument("--sessions", type=int, default=12)
     p.add_argument("--seconds", type=float, default=0.3)
     args = p.parse_args()
-    print(f"CPU: {cpu_model()}; {source_revision()}; command: {command_line(sys.argv[1:])}")
+    print(header(sys.argv[1:]))
     for n in args.workers:
         pairs = []
         for _ in range(args.sessions):

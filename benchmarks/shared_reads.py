@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
 
 import unison
-from harness.report import command_line, cpu_model, source_revision
+from harness.report import header
 
 
 def read_pages(x: np.ndarray) -> tuple[int, float]:
@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--calls", type=int, default=4)
     args = parser.parse_args()
-    print(f"CPU: {cpu_model()}; {source_revision()}; command: {command_line(sys.argv[1:])}")
+    print(header(sys.argv[1:]))
     with unison.Session(args.workers) as sess:
         shared = sess.empty(args.mib << 17)  # float64
         shared[:] = 1.0

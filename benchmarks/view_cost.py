@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 
-from harness.report import command_line, cpu_model, source_revision
+from harness.report import header
 from unison.channel.arena import Arena, ArenaReader
 
 
@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--kib", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3000)
     args = parser.parse_args()
-    print(f"CPU: {cpu_model()}; {source_revision()}; command: {command_line(sys.argv[1:])}")
+    print(header(sys.argv[1:]))
     writer = Arena(f"unison-view-cost-{os.getpid()}", 1)
     reader = ArenaReader(os.dup(writer.fd), 0, 1)
     value = np.ones(args.kib << 7)  # float64

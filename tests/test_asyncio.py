@@ -477,14 +477,14 @@ def test_a_close_that_could_not_wait_for_the_loop_leaves_the_next_sessions_reade
 
     async def main() -> object:
         await sess.run_async(unison.rank)  # the loop watches its fds
-        fds.append(set(sess._waits._fds + sess._waits._watch))
+        fds.append({fd for fd, _ in sess._waits._readers})
         closer = threading.Thread(target=sess.close)
         closer.start()
         time.sleep(aio._DETACH_S + 0.5)  # a step holds the loop past the close's wait
         closer.join()
         other = make_session(2)
         got = await other.run_async(slow_rank, 0.05, timeout=10)
-        fds.append(set(other._waits._fds + other._waits._watch))
+        fds.append({fd for fd, _ in other._waits._readers})
         return got
 
     assert asyncio.run(main()) == [0, 1]
@@ -598,7 +598,7 @@ def test_a_close_from_another_thread_returns_once_the_loop_watches_none_of_its_f
         loop = asyncio.get_running_loop()
         wait = asyncio.ensure_future(sess.run_async(time.sleep, 30))
         await asyncio.sleep(0.1)
-        watched = set(sess._waits._fds) | set(sess._waits._watch)
+        watched = {fd for fd, _ in sess._waits._readers}
         assert watched and watched <= set(loop._selector.get_map())  # type: ignore[attr-defined]
 
         def close() -> None:

@@ -319,6 +319,11 @@ def command_line(argv: Sequence[str]) -> str:
     return " ".join([prog, *map(shlex.quote, argv)])
 
 
+def header(argv: Sequence[str]) -> str:
+    """A benchmark's first line: the CPU, the code's revision and the command that ran."""
+    return f"CPU: {cpu_model()}; {source_revision()}; command: {command_line(argv)}"
+
+
 def render_section(
     cells: Sequence[Cell], systems: Sequence[str], workers: Sequence[int], command: str,
     date: str, machine: dict[str, str], quick: bool, plot: str | None,

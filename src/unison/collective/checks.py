@@ -82,13 +82,18 @@ def into(out: Any, result: Any) -> Any:
     return out
 
 
+def _index(r: Any) -> int:
+    """``r`` as a rank: any integer, a numpy one too, but not a bool; -1 for anything else."""
+    try:
+        return -1 if isinstance(r, bool) else operator.index(r)
+    except TypeError:
+        return -1
+
+
 def member(ranks: tuple[int, ...], r: Any, group: bool, what: str) -> int:
     """``r`` is a rank in the scope (group-local with group=True): its global rank."""
-    try:
-        i = operator.index(r)
-    except TypeError:
-        i = -1
-    if isinstance(r, bool) or not 0 <= i < len(ranks):
+    i = _index(r)
+    if not 0 <= i < len(ranks):
         scope = "group" if group else "world"
         raise ValueError(f"{what}={r!r} is not a rank of the {scope} (0..{len(ranks) - 1})")
     return ranks[i]
@@ -107,11 +112,8 @@ def check_members(call_ranks: tuple[int, ...], ranks: tuple[int, ...], group: bo
 def check_peer(peer: Any, me: int, n: int, what: str) -> int:
     """``peer`` as a global rank other than ``me``, for send (``what``="send") or recv: any
     integer, a numpy one too (as a broadcast's root), but not a bool."""
-    try:
-        i = operator.index(peer)
-    except TypeError:
-        i = -1
-    if isinstance(peer, bool) or not 0 <= i < n or i == me:
+    i = _index(peer)
+    if not 0 <= i < n or i == me:
         role = "destination" if what == "send" else "source"
         raise ValueError(f"{what} needs a {role} rank in 0..{n - 1} other than {me}")
     return i

@@ -63,9 +63,7 @@ class Waits:
         self._thread = 0
         self._pending = 0  # waits between prepare and their end, on the bound loop
         self._asleep = 0  # of those, the ones sleeping in the selector (the flag is up)
-        self._fds: list[int] = []
-        self._watch: list[int] = []
-        self._readers: tuple[Callable[[], None], ...] = ()  # what _attach gave the loop
+        self._readers: list[tuple[int, Callable[[], None]]] = []  # what _attach gave the loop
 
     async def wait(self, req: Request, fut: asyncio.Future[None], timeout: float | None,
                    during: str) -> None:
@@ -201,14 +199,13 @@ class Waits:
     def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._thread = threading.get_ident()
-        self._fds = self._chan.wake_fds()
-        self._watch = self._owner.watch_fds()
         # weakly: the loop's selector holds its callbacks, and through a bound method it
         # held the session, which then stayed open (its workers up) after the program
         # dropped it, for as long as the loop ran
         poll, death = _weakly(self._router.poll), _weakly(self._death)
-        self._readers = (poll, death)
-        for fd, callback in [(fd, poll) for fd in self._fds] + [(fd, death) for fd in self._watch]:
+        self._readers = ([(fd, poll) for fd in self._chan.wake_fds()]
+                         + [(fd, death) for fd in self._owner.watch_fds()])
+        for fd, callback in self._readers:
             # A reader the loop still has for this number is stale: a closed session's,
             # whose close could not wait for the loop (_DETACH_S). Over it, add_reader
             # would only swap the callback and never watch the new file: a hang.
@@ -238,8 +235,7 @@ class Waits:
         reused by a reader of someone else's (another session's)."""
         if loop.is_closed():
             return
-        poll, death = self._readers
-        for fd, ours in [(fd, poll) for fd in self._fds] + [(fd, death) for fd in self._watch]:
+        for fd, ours in self._readers:
             if _reader(loop, fd) in (ours, _UNKNOWN):
                 loop.remove_reader(fd)
 

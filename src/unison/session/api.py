@@ -558,12 +558,12 @@ class Session(View):
         said: list[str] = []  # the warnings, issued last: under -W error each one raises,
         stopped: Warning | None = None  # and a close cut short would leave the rest undone
         try:
-            # the replies left in the rings once the workers are gone are read (not amid a
-            # read this thread cut short: the channel's rx lock would wait for ever), also
-            # without a SHUTDOWN: a SYNC's answers that came before a Ctrl-C carry the errors
-            # their workers no longer hold, which were lost with no warning
-            drains = not reading and not (goodbye is None and (sending or _owned(
-                router.recv_lock)))
+            # the replies left in the rings once the workers are gone are read, SHUTDOWN's
+            # answers and, without one, what came before it (a SYNC's answers before a
+            # Ctrl-C carry the errors their workers no longer hold: they were lost with no
+            # warning); never amid a read or send this thread cut short
+            drains = (not reading if goodbye is not None
+                      else not sending and not _owned(router.recv_lock))
             res.close(max(0.0, deadline - time.monotonic()),
                       router.drain if drains else None, locks)
         except Warning as exc:  # the launcher's, under -W error, raised once it had stopped
