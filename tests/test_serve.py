@@ -656,6 +656,7 @@ def test_sigterm_answers_what_the_drain_could_not_finish_with_503_json(tmp_path:
     (["--drain-seconds", "-5"], "--drain-seconds"),  # a silent 1 s
     (["--max-body-mb", "inf"], "--max-body-mb"),  # a traceback
     (["--max-body-mb", "1e-9"], "--max-body-mb"),  # named --max-body-bytes, no such flag
+    (["--body-timeout", "0"], "--body-timeout"), (["--body-timeout", "inf"], "--body-timeout"),
 ])
 def test_flags_that_cannot_work_are_refused_before_anything_starts(flags: list[str],
                                                                     said: str) -> None:
@@ -777,3 +778,157 @@ def test_a_batcher_refuses_a_window_or_timeout_that_cannot_work(bad: dict[str, f
                             "metrics": Metrics(), **bad}
     with pytest.raises(ValueError, match="finite"):
         Batcher(lambda: _SlowBackend(0.0), **args)
+
+
+class _GatedBackend:
+    """A model whose batches wait until the test opens ``gate``, in this process."""
+
+    name = "gated"
+    broken = False
+
+    def __init__(self, gate: threading.Event, hidden: int) -> None:
+        self.gate = gate
+        self.hidden = hidden
+        self.pids: list[int] = []
+
+    def gone(self) -> bool:
+        return False
+
+    async def probe(self) -> None:
+        return None
+
+    async def embed(self, texts: Sequence[str], tokens: Sequence[Sequence[int]]) -> np.ndarray:
+        await asyncio.to_thread(self.gate.wait, 30)
+        return np.ones((len(texts), self.hidden), np.float32)
+
+    def close(self) -> None:
+        self.gate.set()
+
+
+@contextlib.contextmanager
+def in_thread(app: Any) -> Iterator[Any]:
+    """``app`` served by uvicorn on a thread of this process; its url in ``.url``."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on",
+                                           log_level="warning", loop="asyncio"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    server.url = f"http://127.0.0.1:{port}"
+    try:
+        yield server
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        assert not thread.is_alive(), "the server thread did not stop"
+
+
+def raw_post(url: str, inputs: list[str]) -> socket.socket:
+    """An embedding request sent on a socket of its own, whose answer is never read."""
+    body = json.dumps({"model": MODEL, "input": inputs}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: app\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    return sock
+
+
+def read_answer(sock: socket.socket) -> str:
+    """One HTTP answer from ``sock``: its head and its Content-Length of body (the two may
+    come in separate segments)."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+            data.lower().partition(b"content-length:")[2].split(b"\r\n")[0] or 0):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode()
+
+
+def health_until(url: str, what: Any, timeout: float = 10.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        doc: dict[str, Any] = httpx.get(f"{url}/health", timeout=5).json()
+        if what(doc):
+            return doc
+        assert time.monotonic() < deadline, doc
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_goes_away_frees_its_queue_room_and_takes_no_batch() -> None:
+    """A client that closes its connection while its inputs wait: before, they held queue
+    room (others got 429) and were computed for nobody; a client that timed out and retried
+    had its work done twice. Now they leave the queue when the connection closes, and a
+    request already in the model has its rows dropped."""
+    from unison.serve.app import create_app
+    from unison.serve.config import ServeConfig
+
+    gate = threading.Event()
+    batches: list[int] = []
+
+    def load() -> _GatedBackend:
+        backend = _GatedBackend(gate, hidden=384)
+        embed = backend.embed
+
+        async def counted(texts: Sequence[str], tokens: Sequence[Sequence[int]]) -> np.ndarray:
+            batches.append(len(texts))
+            return await embed(texts, tokens)
+
+        backend.embed = counted  # type: ignore[method-assign]
+        return backend
+
+    app = create_app(ServeConfig(tp=1, max_batch=1, batch_window_ms=0.0, max_queue=4,
+                                 max_inputs=4), load=load)
+    with in_thread(app) as srv:
+        health_until(srv.url, lambda d: d["status"] == "ok")
+        first = raw_post(srv.url, ["in the model"])
+        health_until(srv.url, lambda d: d["in_flight"] == 1 and d["queue"] == 0)
+        second = raw_post(srv.url, ["a", "b", "c"])
+        health_until(srv.url, lambda d: d["queue"] == 3)
+        full = httpx.post(f"{srv.url}/v1/embeddings", json={"model": MODEL, "input": ["x", "y"]})
+        assert full.status_code == 429, full.text
+
+        second.close()
+        doc = health_until(srv.url, lambda d: d["queue"] == 0, timeout=5)
+        assert doc["in_flight"] == 1, doc
+        first.close()
+        health_until(srv.url, lambda d: d["in_flight"] == 0, timeout=5)
+        assert metric(srv, "unison_serve_withdrawn_requests_total") == 2
+        assert metric(srv, "unison_serve_requests_total",
+                      {"route": "embeddings", "status": "499"}) == 2
+
+        gate.set()  # the first one's batch ends: its rows go to nobody; the server serves on
+        reply = httpx.post(f"{srv.url}/v1/embeddings", json={"model": MODEL, "input": ["x", "y"]},
+                           timeout=10)
+        assert reply.status_code == 200, reply.text
+        assert len(reply.json()["data"]) == 2
+        assert batches == [1, 1, 1], batches  # "a", "b" and "c" never went to the model
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_upload_gets_408_within_the_body_timeout() -> None:
+    """A client that sends its headers and part of its body, then nothing: uvicorn waits
+    for the rest for good (the connection, its buffer and an in_flight place held). Now the
+    handler answers 408 once --body-timeout has passed."""
+    from unison.serve.app import create_app
+    from unison.serve.config import ServeConfig
+
+    app = create_app(ServeConfig(tp=1, body_timeout=0.5),
+                     load=lambda: _GatedBackend(threading.Event(), hidden=384))
+    with in_thread(app) as srv:
+        health_until(srv.url, lambda d: d["status"] == "ok")
+        host, port = srv.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: app\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: 100\r\n\r\n{\"model\": ")
+            t0 = time.monotonic()
+            sock.settimeout(10)
+            answer = read_answer(sock)
+            took = time.monotonic() - t0
+        assert answer.startswith("HTTP/1.1 408 "), answer
+        assert "--body-timeout" in answer and "body_timeout" in answer, answer
+        assert 0.4 < took < 5, took
+        assert health_until(srv.url, lambda d: d["in_flight"] == 0)["status"] == "ok"

@@ -2,9 +2,11 @@
 batcher (the model loads in the background: /health says "starting" meanwhile) and, at
 shutdown, drains it and closes the workers.
 
-    POST /v1/embeddings   body (<= max_body_bytes) -> schema.parse_request (400s)
+    POST /v1/embeddings   body (<= max_body_bytes, 413; within body_timeout, 408)
+                          -> schema.parse_request (400s)
                           -> tokenize here (the Rust tokenizer; on a thread for long texts)
                           -> batcher.submit (429 queue full, 503 not serving) -> await rows
+                             (the client gone first: its rows leave the queue; 499, unsent)
                           -> schema.embedding_reply
     GET  /health          {"status": "starting" | "ok" | "degraded" | "stopping", "workers":
                            [pids], "restarts": n, "queue": inputs waiting, "in_flight":
@@ -90,12 +92,18 @@ def create_app(cfg: ServeConfig, load: Callable[[], Backend] | None = None) -> S
         in_flight += 1
         metrics.in_flight.set(in_flight)
         try:
-            body = await _read_body(request, cfg.max_body_bytes)
+            body = await _read_body(request, cfg.max_body_bytes, cfg.body_timeout)
             req = parse_request(body, max_inputs=cfg.max_inputs, dimensions=model_cfg.hidden)
             batcher.admit(len(req.inputs))  # before tokenizing: a 429 or 503 costs nothing
             tokens = await tokenize(req.inputs)
             job = batcher.submit(req.inputs, tokens)
-            rows = await job.future
+            try:
+                rows = await _rows_unless_gone(request, job.future)
+            finally:
+                batcher.withdraw(job)  # (answered: nothing to do)
+            if rows is None:
+                return _error(APIError(499, "the client closed the connection before its "
+                                            "answer", code="client_closed"))
             reply = await encode_reply(rows, req.base64, sum(map(len, tokens)))
         except APIError as exc:
             return _error(exc)
@@ -153,9 +161,11 @@ def create_app(cfg: ServeConfig, load: Callable[[], Backend] | None = None) -> S
     return app
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, seconds: float) -> bytes:
     """The body, refused with 413 past ``limit`` bytes (by its Content-Length, or as it
-    streams in), so that no request can make the server hold more than that."""
+    streams in), so that no request can make the server hold more than that; and with 408
+    unless it has all come within ``seconds`` (uvicorn waits for a stalled upload for good,
+    holding its connection, its buffers and a place in /health's in_flight)."""
     length = request.headers.get("content-length")
     if length is not None:
         try:
@@ -165,6 +175,14 @@ async def _read_body(request: Request, limit: int) -> bytes:
         if declared > limit:
             raise APIError(413, f"the request body is {declared} bytes; at most {limit} "
                                 "(--max-body-mb)", code="body_too_large")
+    try:
+        return await asyncio.wait_for(_body(request, limit), seconds)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not all arrive within {seconds:g} s "
+                            "(--body-timeout)", code="body_timeout") from None
+
+
+async def _body(request: Request, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     try:
@@ -177,6 +195,28 @@ async def _read_body(request: Request, limit: int) -> bytes:
     except ClientDisconnect:
         raise APIError(400, "the client went away before sending the whole body") from None
     return b"".join(chunks)
+
+
+async def _rows_unless_gone(request: Request,
+                            future: asyncio.Future[np.ndarray]) -> np.ndarray | None:
+    """The job's rows, or None if the client disconnects first: its rows still queued are
+    then withdrawn, so that they take neither queue room nor the model's time (a client that
+    timed out and retried would otherwise have its work done twice)."""
+    if future.done():
+        return future.result()
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((future, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    return future.result() if future.done() else None
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has gone: once the body is read, the server's next message
+    is ``http.disconnect`` (uvicorn sends it when the connection closes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _error(exc: APIError) -> Response:

@@ -146,6 +146,17 @@ class Batcher:
             self._wake.set()
         return job
 
+    def withdraw(self, job: Job) -> None:
+        """The job's client went away: its rows not yet in a batch leave the queue now (their
+        room is free again); those in a batch are computed and dropped. Nothing if answered."""
+        if job.future.done():
+            return
+        job.future.cancel()
+        self._queued -= len(job) - job.sent
+        job.sent = len(job)  # (the batch task pops it from the queue as it comes)
+        self.metrics.queue.set(self._queued)
+        self.metrics.withdrawn.inc()
+
     # -- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -258,7 +269,7 @@ class Batcher:
         queue = self._queue
         while queue and n < self.max_batch:
             job = queue[0]
-            if job.future.done():  # its handler went away (cancelled): skip what is left
+            if job.future.done():  # failed with a part of it, or withdrawn: skip the rest
                 queue.popleft()
                 self._queued -= len(job) - job.sent
                 continue

@@ -26,6 +26,8 @@ class ServeConfig:
     max_inputs: int = 256
     """Inputs one request may hold; beyond, 400."""
     max_body_bytes: int = 8 << 20
+    body_timeout: float = 30.0
+    """Seconds a request's body may take to arrive; beyond, 408 (a stalled upload)."""
     batch_timeout: float = 60.0
     """A batch that takes longer fails with 503 and the workers are replaced (a hang)."""
     drain_seconds: float = 5.0
@@ -49,6 +51,9 @@ class ServeConfig:
         if not 0 < self.batch_timeout < math.inf:
             raise ValueError(f"the batch timeout must be a finite number of seconds > 0, got "
                              f"{self.batch_timeout}")
+        if not 0 < self.body_timeout < math.inf:
+            raise ValueError(f"--body-timeout must be a finite number of seconds > 0, got "
+                             f"{self.body_timeout}")
         if not 0 <= self.drain_seconds < math.inf:
             raise ValueError(f"--drain-seconds must be a finite number >= 0, got "
                              f"{self.drain_seconds}")

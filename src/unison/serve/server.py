@@ -90,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20,
                         help="largest request body; beyond, 413 (default "
                              f"{d.max_body_bytes / 2**20:g})")
+    parser.add_argument("--body-timeout", type=float, default=d.body_timeout,
+                        help="seconds a request's body may take to arrive; beyond, 408 "
+                             f"(default {d.body_timeout:g})")
     parser.add_argument("--drain-seconds", type=float, default=d.drain_seconds,
                         help="on SIGTERM, how long requests in flight may still take "
                              f"(default {d.drain_seconds:g})")
@@ -145,6 +148,7 @@ def main(args: argparse.Namespace) -> int:
             device=args.device, max_batch=args.max_batch,
             batch_window_ms=args.batch_window_ms, max_queue=args.max_queue,
             max_inputs=args.max_inputs, max_body_bytes=_body_bytes(args.max_body_mb),
+            body_timeout=args.body_timeout,
             drain_seconds=args.drain_seconds, access_log=args.access_log)
         cfg.check()  # before check_tp, whose words are the Python API's ("tp", not "--tp")
         if cfg.backend == "unison":
