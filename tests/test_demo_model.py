@@ -244,11 +244,33 @@ def test_a_long_texts_tokens_come_from_its_start_alone(folder: Path, st_model: A
         "w" * 9_000,  # no boundary at all: the whole text, as before
         "[MASK] x." * 4000,  # an added token: never cut inside (before its "]")
         LONG * 40,
+        "中文文本没有空格" * 100_000,  # CJK: no space, no ASCII mark, each ideograph a word
+        "0123456789abcdef" * 100_000 + " then words" * 400,  # a hex dump: one [UNK] word
+        "слово\u3000" * 100_000,  # an ideographic space
+        "[MASK" + "q" * 3000 + "] r" * 3000,  # a run beside an added token's letters
+        "Grüße" * 400_000 + "!" + " more" * 300,  # one word beyond ASCII: one [UNK] too
+        "ab" * 5000 + "\u0301" * 9000 + "cd" * 5000 + " x" * 300,  # marks break the run
     ]
     ours = tok.encode(texts)
     theirs = st_model.tokenizer(texts, truncation=True, max_length=256)["input_ids"]
     assert ours == theirs
     assert max(seen[:2]) < 10_000, seen  # the two long ones: their start only
+    assert max(seen[-6:-1]) < 10_000, seen  # these too (before: the whole text, MBs each)
+
+
+def test_a_cut_before_any_unicode_mark_keeps_the_ids(folder: Path, st_model: Any) -> None:
+    """Each character beyond ASCII that a long text may be cut before (a punctuation mark
+    or a space separator), checked against sentence-transformers' tokenizer: a cut before
+    one the Rust library's tables join to a word would change the ids at the cut."""
+    from unison.demo.tokenize import _unicode_classes
+
+    tok = Tokenizer(folder, load_config(folder).max_seq_length)
+    marks = _unicode_classes()[0]
+    assert len(marks) > 300 and "\u3001" in marks and "\u00a0" in marks
+    texts = [("wörd" + c) * 2000 for c in marks]
+    assert all(len(tok._head(t)) < len(t) for t in texts)
+    assert tok.encode(texts) == st_model.tokenizer(texts, truncation=True,
+                                                  max_length=256)["input_ids"]
 
 
 class _Spy:

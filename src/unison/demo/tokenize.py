@@ -10,8 +10,10 @@ computed.
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import string
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,7 +26,17 @@ _BOUNDARIES = " \t\n\r" + string.punctuation
 ASCII punctuation mark (each a word of its own). Not any whitespace regex's: BERT's
 normalizer drops control characters (vertical tab, form feed, U+001C), which then join the
 words beside them. Less those inside an added token (the "]" of "[MASK]"), which is
-matched in the raw text first: a cut there would split it."""
+matched in the raw text first: a cut there would split it. Beyond ASCII: ``_unicode_classes``."""
+_CJK = ("\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002b73f"
+        "\U0002b740-\U0002b81f\U0002b820-\U0002ceaf\U0002f800-\U0002fa1f")
+"""The ranges BERT's normalizer sets apart with a space on each side (a word each), by code
+point, assigned or not: the same in every Unicode version."""
+_RUN = 1024
+_RUN_EDGE = 64
+"""A run of letters and digits (``_unicode_classes``) this long, or the ``2 * _RUN_EDGE``
+characters of its two ends, makes its word longer than any WordPiece word
+(``max_input_chars_per_word``, 100 here): that word is one [UNK] token, however long. An
+added token shorter than an edge cannot reach its middle."""
 
 
 class Tokenizer:
@@ -37,9 +49,9 @@ class Tokenizer:
         self._tok.enable_truncation(max_length=max_length, strategy="longest_first")
         self._tok.no_padding()  # padding is per batch, to its longest sentence (pad_batch)
         self.max_length = max_length
-        inside = {c for t in self._tok.get_added_tokens_decoder().values() for c in t.content[1:]}
-        self._boundary = re.compile(
-            "[" + re.escape("".join(c for c in _BOUNDARIES if c not in inside)) + "]")
+        self._cuts: tuple[re.Pattern[str], re.Pattern[str] | None] | None = None
+        """Where a long text may be cut, and its runs that may lose their middles (None:
+        none may); made at the first long text (30 ms)."""
 
     def encode(self, sentences: Sequence[str]) -> list[list[int]]:
         """Each sentence's token ids, [CLS] ... [SEP]."""
@@ -50,18 +62,71 @@ class Tokenizer:
         """``text``, or a start of it that gives the same ids: the library tokenizes a
         whole text before it cuts at ``max_length``, which for one input of 8 MB under
         ``unison serve``'s body limit took 1.2 GB (4 GB for "a." repeated). A start cut right
-        before a space or an ASCII punctuation mark (not inside an added token) ends on a
-        whole word, so its tokens begin the text's; once they fill ``max_length``, the rest
-        cannot change the result."""
+        before a space, a punctuation mark or a CJK ideograph (not inside an added token)
+        ends on a whole word, so its tokens begin the text's; once they fill ``max_length``,
+        the rest cannot change the result. Where the first look finds no such place, each
+        run of over 1,024 letters and digits (a hex dump) keeps its two ends alone: its
+        word is one [UNK] either way."""
         k = self.max_length * _CHARS_PER_TOKEN
+        if len(text) <= k:
+            return text
+        boundary, run = self._cuts or self._make_cuts()
         while len(text) > k:
             cut = 0
-            for m in self._boundary.finditer(text, k - k // 4, k):
+            for m in boundary.finditer(text, k - k // 4, k):
                 cut = m.start()
             if cut and len(self._tok.encode(text[:cut]).ids) >= self.max_length:
                 return text[:cut]
+            if run is not None:  # one word of megabytes, say (a hex dump): its ends will do
+                text, run = run.sub(_ends, text), None
+                continue
             k *= 4
         return text
+
+    def _make_cuts(self) -> tuple[re.Pattern[str], re.Pattern[str] | None]:
+        added = [t.content for t in self._tok.get_added_tokens_decoder().values()]
+        inside = {c for t in added for c in t[1:]}
+        beyond, letters = _unicode_classes()
+        marks = "".join(c for c in _BOUNDARIES + beyond if c not in inside)
+        model = json.loads(self._tok.to_str())["model"]
+        longest = model.get("max_input_chars_per_word", 0) if model["type"] == "WordPiece" else 0
+        shrink = 0 < longest < 2 * _RUN_EDGE and all(len(t) < _RUN_EDGE for t in added)
+        self._cuts = (re.compile("[" + re.escape(marks) + _CJK + "]"),
+                      re.compile("[" + letters + "]{" + str(_RUN) + ",}") if shrink else None)
+        return self._cuts
+
+
+def _ends(run: re.Match[str]) -> str:
+    """A run of letters and digits' two ends."""
+    return run[0][:_RUN_EDGE] + run[0][-_RUN_EDGE:]
+
+
+def _unicode_classes() -> tuple[str, str]:
+    """Two sets of characters, for a regular expression: those beyond ASCII in the Basic
+    Multilingual Plane that BERT's pre-tokenizer makes words of their own (punctuation) or
+    splits at (space separators); and the letters and digits, less CJK ideographs (a word
+    each), as ranges. Only characters of the same category in Unicode 3.2 and in this
+    Python's Unicode, so that the Rust library's older tables surely agree: one newly
+    assigned there is "other", dropped by its normalizer (a cut before it might split a
+    word, and a run of them may vanish)."""
+    old = unicodedata.ucd_3_2_0
+    marks = []
+    letters: list[list[int]] = []
+    for cp in range(0x30, 0x10000):
+        c = chr(cp)
+        kind = unicodedata.category(c)
+        if old.category(c) != kind:
+            continue
+        if cp >= 0x80 and (kind[0] == "P" or kind == "Zs"):
+            marks.append(c)
+        elif kind[0] in "LN" and not 0x3400 <= cp <= 0x9FFF and not 0xF900 <= cp <= 0xFAFF:
+            if letters and letters[-1][1] == cp - 1:
+                letters[-1][1] = cp
+            else:
+                letters.append([cp, cp])
+    ranges = "".join(re.escape(chr(a)) + ("-" + re.escape(chr(b)) if b > a else "")
+                     for a, b in letters)
+    return "".join(marks), ranges
 
 
 def check_sentences(sentences: Sequence[str]) -> list[str]:
