@@ -230,6 +230,56 @@ def test_a_collective_from_a_thread_that_outlived_its_call_raises_at_once(make_s
 
 
 
+def two_threads_at_once(inline_send: bool) -> str:
+    """Worker 0: a thread waits in a recv from worker 1 while the call's own thread starts
+    an allreduce (or a send); worker 1 sends once that has had its time. What worker 0's
+    second collective did, and the recv's value."""
+    if unison.rank() == 1:
+        time.sleep(0.5)
+        unison.send("late", 0)
+        return "sent"
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(unison.recv(1)))
+    waiter.start()
+    time.sleep(0.2)  # the waiter is inside its recv by now (worker 1 sends at 0.5 s)
+    try:
+        if inline_send:
+            unison.send("x", 1)
+        else:
+            unison.allreduce(np.ones(4))
+        what = "ran"
+    except RuntimeError as exc:
+        what = str(exc)
+    waiter.join()
+    return f"{what} | {got}"
+
+
+def collective_from_one_thread_at_a_time() -> float:
+    """A collective from a thread of the call, joined before the next one: allowed."""
+    out: list[Any] = []
+    helper = threading.Thread(target=lambda: out.append(unison.allreduce(np.ones(3))))
+    helper.start()
+    helper.join()
+    return float(unison.allreduce(out[0])[0])
+
+
+@pytest.mark.parametrize("inline_send", [False, True], ids=["allreduce", "send"])
+def test_two_threads_of_a_worker_in_collectives_at_once_are_refused(make_session, inline_send):
+    """Two threads of one worker in collectives at once took each other's places in the
+    order every worker follows (which one met a peer's first was chance), or wrote one
+    message slot twice: wrong results, with no error. The second now raises at once, and
+    the first goes on."""
+    sess = make_session(2)
+    said, sent = sess.run(two_threads_at_once, inline_send, timeout=LIMIT)
+    assert sent == "sent"
+    assert said.startswith("a thread of this worker called "
+                           + ("send" if inline_send else "allreduce")
+                           + " while another of its threads is inside recv: "), said
+    assert said.endswith(" | ['late']"), said
+    assert sess.run(collective_from_one_thread_at_a_time, timeout=LIMIT) == [4.0, 4.0]
+    check_session_goes_on(sess)
+
+
 @pytest.mark.parametrize("kind", ["allreduce", "allreduce-large", "reduce_scatter", "barrier",
                                   "allgather", "broadcast"])
 def test_a_raise_before_a_collective_fails_the_waiters_within_a_second(make_session, kind):

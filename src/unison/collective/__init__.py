@@ -10,6 +10,10 @@
     unison.send(x, dst); unison.recv(src)            point to point, by global rank
     unison.send_to_next_group(x); unison.recv_from_prev_group()   pipeline stages
 
+Every worker calls the same collectives in the same order, one at a time: a thread of a
+worker that calls one while another of its threads is inside one raises RuntimeError (which
+would meet a peer's first was chance).
+
 ``group=True`` keeps a collective inside the worker's group (src/dst are then ranks in the
 group). Every collective returns new objects and leaves its input unchanged, except that
 ``allreduce(x, out=buf)`` writes its result into buf (which may be x).
@@ -39,6 +43,7 @@ A CUDA tensor always goes through torch.distributed, which needs collectives="to
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,6 +69,10 @@ _shm: ShmCollectives | None = None  # shared memory, where this worker has a seg
 _torch: Collectives | None = None  # torch.distributed, where the session set it up
 _on_shm = (False, False)  # (world, group): which scopes run on shared memory
 _why = ("", "")  # (world, group): why a scope has no backend, where it has none
+_one = threading.Lock()  # held by the thread of this worker inside a collective (``_at_once``;
+# taken and let go in each function below, written out: a decorator's extra frame would cost
+# the 4 KiB allreduce's hot path more than the lock's 0.1 µs)
+_inside = [""]  # the collective it runs
 _NO_MEMFD = ("this session has no shared-memory collectives: the platform lacks memfd_create "
              "(see README, Platforms); move data through the controller with put/scatter/gather")
 
@@ -211,40 +220,88 @@ def allreduce(x: Any, op: str = "sum", *, group: bool = False, out: Any = None) 
     numpy's ``out=`` do: a loop of small allreduces then makes no array per call. It may be
     x itself. A wrong one raises ValueError once the collective is done (its contents are
     then unspecified, as they are after any error)."""
-    if (type(x) is np.ndarray and _on_shm[group] and _trace.events is None
-            and _running[0] == _begun[0]):
-        return _shm.allreduce(x, op, group, out)  # type: ignore[union-attr]  # _backend's
-    _refuse_masked(x, "allreduce")
-    if isinstance(x, int) and type(x) is not int and type(x) is not bool:
-        x = int(x)  # an IntEnum, an int subclass: exact, as a Python int (int64 would wrap)
-    result = _backend(group, x).allreduce(x, op, group)
-    return result if out is None else _into(out, result)
+    if not _one.acquire(False):
+        _at_once("allreduce")
+    _inside[0] = "allreduce"
+    try:
+        if (type(x) is np.ndarray and _on_shm[group] and _trace.events is None
+                and _running[0] == _begun[0]):
+            return _shm.allreduce(x, op, group, out)  # type: ignore[union-attr]  # _backend's
+        _refuse_masked(x, "allreduce")
+        if isinstance(x, int) and type(x) is not int and type(x) is not bool:
+            x = int(x)  # an IntEnum, an int subclass: exact, as a Python int (int64 would wrap)
+        result = _backend(group, x).allreduce(x, op, group)
+        return result if out is None else _into(out, result)
+    finally:
+        _one.release()
 
 
 def allgather(x: Any, *, group: bool = False) -> list[Any]:
     """Every worker's x, as a list in rank order, on every worker."""
-    return list(_backend(group, x).allgather(x, group))
+    if not _one.acquire(False):
+        _at_once("allgather")
+    _inside[0] = "allgather"
+    try:
+        return list(_backend(group, x).allgather(x, group))
+    finally:
+        _one.release()
 
 
 def broadcast(x: Any, src: int = 0, *, group: bool = False) -> Any:
     """Worker ``src``'s x on every worker (the others' x is ignored, and may be None)."""
-    return _backend(group, x).broadcast(x, src, group)
+    if not _one.acquire(False):
+        _at_once("broadcast")
+    _inside[0] = "broadcast"
+    try:
+        return _backend(group, x).broadcast(x, src, group)
+    finally:
+        _one.release()
 
 
 def scatter(xs: Sequence[Any] | None, src: int = 0, *, group: bool = False) -> Any:
     """Element r of worker ``src``'s list, on worker r (the others pass None)."""
-    return _backend(group, *(xs or ())).scatter(xs, src, group)
+    if not _one.acquire(False):
+        _at_once("scatter")
+    _inside[0] = "scatter"
+    try:
+        return _backend(group, *(xs or ())).scatter(xs, src, group)
+    finally:
+        _one.release()
 
 
 def gather(x: Any, dst: int = 0, *, group: bool = False) -> list[Any] | None:
     """Every worker's x, as a list in rank order, on worker ``dst``; None on the others."""
-    return _backend(group, x).gather(x, dst, group)
+    if not _one.acquire(False):
+        _at_once("gather")
+    _inside[0] = "gather"
+    try:
+        return _backend(group, x).gather(x, dst, group)
+    finally:
+        _one.release()
 
 
 def reduce_scatter(x: Any, op: str = "sum", *, group: bool = False) -> Any:
     """Share r (``np.array_split`` along axis 0) of the reduction, on worker r."""
-    _refuse_masked(x, "reduce_scatter")
-    return _backend(group, x).reduce_scatter(x, op, group)
+    if not _one.acquire(False):
+        _at_once("reduce_scatter")
+    _inside[0] = "reduce_scatter"
+    try:
+        _refuse_masked(x, "reduce_scatter")
+        return _backend(group, x).reduce_scatter(x, op, group)
+    finally:
+        _one.release()
+
+
+def _at_once(name: str) -> None:
+    """Two threads of one worker in collectives at once would take each other's places in
+    the sequence every worker must follow (which thread's allreduce meets a peer's first
+    is chance), or write one message slot twice: wrong results with no error."""
+    raise RuntimeError(
+        f"a thread of this worker called {name} while another of its threads is inside "
+        f"{_inside[0]}: a worker's collectives (send and recv too) run one at a time, in the "
+        "same order on every worker; call them from one thread of the worker, or let a "
+        "thread left inside one finish first"
+    )
 
 
 def _refuse_masked(x: Any, name: str) -> None:
@@ -261,7 +318,13 @@ def _refuse_masked(x: Any, name: str) -> None:
 
 def barrier(*, group: bool = False) -> None:
     """Wait until every worker (of the group) got here."""
-    _backend(group).barrier(group)
+    if not _one.acquire(False):
+        _at_once("barrier")
+    _inside[0] = "barrier"
+    try:
+        _backend(group).barrier(group)
+    finally:
+        _one.release()
 
 
 def send(x: Any, dst: int) -> None:
@@ -270,12 +333,24 @@ def send(x: Any, dst: int) -> None:
     of such waits, of recvs (each worker receiving first from the next), or of either with
     a collective (a worker in a recv from a peer that waits in a barrier for it), raises
     CollectiveError instead of hanging (shared-memory collectives)."""
-    _backend(False, x).send(x, dst)
+    if not _one.acquire(False):
+        _at_once("send")
+    _inside[0] = "send"
+    try:
+        _backend(False, x).send(x, dst)
+    finally:
+        _one.release()
 
 
 def recv(src: int) -> Any:
     """The next object worker ``src`` sent to this worker."""
-    return _backend(False).recv(src)
+    if not _one.acquire(False):
+        _at_once("recv")
+    _inside[0] = "recv"
+    try:
+        return _backend(False).recv(src)
+    finally:
+        _one.release()
 
 
 def send_to_next_group(x: Any) -> None:
