@@ -245,6 +245,44 @@ def test_hang_policy_fires_while_another_thread_keeps_getting_replies(make_sessi
     assert "worker(s) [0]" in str(got["text"])
 
 
+def spin(seconds: float) -> int:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    return unison.rank()
+
+
+def test_hang_policy_fires_for_one_thread_while_others_wait_on_busy_workers(make_session):
+    """Threads A and C wait for workers 0 and 2, which compute; thread B waits for worker 1,
+    which is deadlocked. The session sampled on one clock, each sample only the sampling
+    thread's ranks: A and C came first every time, and worker 1 was never looked at until
+    their calls ended (B's HangError at 12.7 s for calls of 10 s). Each thread now samples
+    its own ranks on its own clock."""
+    sess = make_session(3, hang_timeout=1.0)
+    busy = [sess[0].call(spin, 6.0), sess[2].call(spin, 6.0)]
+    hung = sess[1].call(deadlock)
+    t0 = time.monotonic()
+    got: dict[str, object] = {}
+
+    def wait_hung() -> None:
+        try:
+            hung.get(timeout=30)
+        except unison.HangError as exc:
+            got["after"] = time.monotonic() - t0
+            got["text"] = str(exc)
+
+    threads = [threading.Thread(target=ref.get, kwargs={"timeout": 30}) for ref in busy]
+    threads.append(threading.Thread(target=wait_hung))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    assert "after" in got, "no HangError for the deadlocked worker"
+    assert got["after"] < 4.5, got  # well before the busy calls end (6 s)
+    assert "worker(s) [1]" in str(got["text"]), got
+    assert f"{HERE}:{LINE['deadlock']}" in str(got["text"]), got
+
+
 def test_hang_policy_in_sync(make_session):
     sess = make_session(1, hang_timeout=0.5)
     sess.call(deadlock)

@@ -2,7 +2,8 @@
 with HangError, saying where each worker it waits for is.
 
     a waiting thread (router / sync), each slice:  watchdog.poll(pending ranks, during)
-      not due yet (every hang_timeout/4, at most 1 s apart) -> return at once
+      not due yet (each thread on its own clock: every hang_timeout/4, at most 1 s
+                   apart) -> return at once
       due: for each pending rank, from /proc: its CPU time (the worker and what it started,
            each with its reaped children's) and state; no signal, so a worker waiting
            in C (sleep, poll) is never interrupted by being looked at
@@ -51,10 +52,9 @@ class HangError(TimeoutError):
 
 
 class _Rank:
-    __slots__ = ("cpu", "progress", "sampled", "wait")
+    __slots__ = ("cpu", "progress", "sampled")
 
-    def __init__(self, wait: object, now: float, cpu: dict[tuple[int, int], float]) -> None:
-        self.wait = wait
+    def __init__(self, now: float, cpu: dict[tuple[int, int], float]) -> None:
         self.sampled = now
         self.cpu = cpu
         """CPU seconds of the worker and each process below it, by (pid, start time)."""
@@ -84,53 +84,72 @@ class Watchdog:
                 self._local[r] = _stat(pid)[2]
         if unseen:
             _refuse_or_warn(unseen, len(pids))
-        self._due = 0.0
+        self._due = threading.local()
+        """When (``.at``) each waiting thread samples next: its own ranks, on its own
+        clock. One clock for all let the threads that came first take every sample, each
+        of its own ranks: a hung worker that one thread waited for, beside others that
+        waited for busy ones, was never looked at."""
         self._lock = threading.Lock()
-        self._ranks: dict[int, _Rank] = {}
+        self._ranks: dict[tuple[int, object], _Rank] = {}
+        """By (rank, wait): two threads that wait for one worker each count its progress
+        from their own wait's first sample."""
 
     def poll(self, wait: object, pending: Callable[[], Sequence[int]], during: str) -> None:
         """Called by a waiting thread between slices: sample if due; raise HangError when
         none of the ``pending()`` ranks has progressed for hang_timeout. ``wait`` says what
         is waited for (a request): a rank's progress is counted from its first sample in
         that wait, since a rank that finished an earlier request has progressed."""
+        stuck = self.stuck(wait, pending)
+        if stuck is not None:
+            ranks, report = stuck
+            raise HangError(
+                f"{during}: no progress for {self.hang_timeout:g} s (hang_timeout) on "
+                f"worker(s) {ranks}: none of them used CPU.\n"
+                f"{report}\n"
+                "The call still runs: sess.stacks() shows every thread; close the session "
+                "to stop it.")
+
+    def stuck(self, wait: object, pending: Callable[[], Sequence[int]]
+              ) -> tuple[list[int], str] | None:
+        """``poll``'s look: the ranks and the report where none of ``pending()`` has
+        progressed for hang_timeout, else None (also when not due, or while another
+        thread samples)."""
         now = time.monotonic()
-        if now < self._due or not self._lock.acquire(blocking=False):
-            return  # not yet, or another waiting thread is sampling
+        due = self._due
+        if now < getattr(due, "at", 0.0) or not self._lock.acquire(blocking=False):
+            return None  # not yet, or another waiting thread is sampling (next slice, then)
         try:
-            self._due = now + self.interval
+            due.at = now + self.interval
             ranks = list(pending())
             if not ranks:
-                return
-            stuck = self._sample(wait, ranks, now)
-            if stuck is not None:
-                raise HangError(
-                    f"{during}: no progress for {self.hang_timeout:g} s (hang_timeout) on "
-                    f"worker(s) {ranks}: none of them used CPU.\n"
-                    f"{stuck}\n"
-                    "The call still runs: sess.stacks() shows every thread; close the session "
-                    "to stop it.")
+                return None
+            report = self._sample(wait, ranks, now)
+            return None if report is None else (ranks, report)
         finally:
             self._lock.release()
 
     def _sample(self, wait: object, ranks: list[int], now: float) -> str | None:
         """Update each rank's progress from /proc alone (no signal: a worker waiting in C
         between samples is never interrupted); the report if the call is hung, else None."""
-        pids, local = self._pids, self._local
+        pids, local, stale = self._pids, self._local, 3 * self.interval + 1.0
+        if len(self._ranks) > 4 * len(pids) + 16:  # forget the waits nobody samples now
+            for key in [k for k, st in self._ranks.items() if now - st.sampled > stale]:
+                del self._ranks[key]
         for r in ranks:
             if r not in local:
                 continue  # not on this host: what it does cannot be seen, so it may progress
             cpu, state = _cpu(pids[r])
-            st = self._ranks.get(r)
-            if st is None or st.wait != wait or now - st.sampled > 3 * self.interval + 1.0:
+            st = self._ranks.get((r, wait))
+            if st is None or now - st.sampled > stale:
                 # a new wait, or nobody waited on it lately: start afresh
-                self._ranks[r] = _Rank(wait, now, cpu)
+                self._ranks[r, wait] = _Rank(now, cpu)
                 continue
             gone = (pids[r], local[r]) not in cpu  # (its death is for the wait to report)
             if gone or (not state.startswith(("T", "t"))
                         and _used(st.cpu, cpu) >= CPU_SHARE * (now - st.sampled)):
                 st.progress = now
             st.sampled, st.cpu = now, cpu
-        if all(r in local and now - self._ranks[r].progress >= self.hang_timeout
+        if all(r in local and now - self._ranks[r, wait].progress >= self.hang_timeout
                for r in ranks):
             # the only signal the watchdog sends: one stack dump each, for the report
             got = _stacks.collect({r: pids[r] for r in ranks}, 1.0)
