@@ -283,6 +283,29 @@ def test_hang_policy_fires_for_one_thread_while_others_wait_on_busy_workers(make
     assert f"{HERE}:{LINE['deadlock']}" in str(got["text"]), got
 
 
+def hang_before_allreduce() -> float:
+    if unison.rank() == 1:
+        deadlock()
+    import numpy as np
+
+    return float(unison.allreduce(np.ones(2))[0])
+
+
+def test_hang_policy_fires_while_inline_worker_0_waits_in_a_collective(make_session):
+    """Worker 0 inline waits in an allreduce (in the controller's thread) for worker 1,
+    deadlocked: no controller wait sampled the peers meanwhile, and the call waited for
+    ever. Worker 0's collective now gives up once its peers made no progress for
+    hang_timeout, and the wait for the others then ends in HangError."""
+    sess = make_session(3, hang_timeout=1.0, inline_worker0=True)
+    t0 = time.monotonic()
+    with pytest.raises(unison.HangError) as raised:
+        sess.run(hang_before_allreduce, timeout=60)
+    assert time.monotonic() - t0 < 6.0
+    assert f"{HERE}:{LINE['deadlock']}" in str(raised.value)
+    with pytest.warns(RuntimeWarning, match="made no progress for hang_timeout"):
+        sess.close()  # worker 0's own error, which the HangError left unread
+
+
 def test_hang_policy_in_sync(make_session):
     sess = make_session(1, hang_timeout=0.5)
     sess.call(deadlock)

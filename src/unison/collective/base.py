@@ -18,7 +18,7 @@ reach a backend as the public functions take them (``src``/``dst`` are group-loc
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence, Sized
+from collections.abc import Callable, Sequence, Sized
 from typing import Any
 
 
@@ -43,6 +43,11 @@ class Collectives(ABC):
     up, the deadline of the controller's call that runs it, which can wait no longer; None:
     as long as the peers live. A backend whose waits are not its own (torch's) leaves them
     to their own timeouts."""
+    hang: Callable[[object, Sequence[int]], str | None] | None = None
+    """Worker 0 inline, in a session with hang_timeout: given a wait's key and the peers it
+    waits for, the report once none of them has progressed for hang_timeout, else None
+    (unison.debug.hang's Watchdog.stuck). No controller wait samples the peers while the
+    controller's thread waits in worker 0's collective, which would otherwise wait for ever."""
 
     @abstractmethod
     def begin(self, call_id: int, ranks: tuple[int, ...] | None) -> None:

@@ -464,6 +464,15 @@ class ShmCollectives(CallScope, Collectives):
                         f"and worker(s) {sorted(peers)} had not come (busy, stopped or "
                         "stuck). Give the call a longer timeout, or see where they are "
                         "with sess.stacks()")
+                if self.hang is not None:  # (a key per wait: its count, on our record)
+                    stuck = self.hang((self._call, self._q[self._w[self.rank] + _WAIT] >> 32),
+                                      peers)
+                    if stuck is not None:
+                        raise CollectiveError(
+                            f"{_named(what)} on worker {self.rank} gave up: worker(s) "
+                            f"{sorted(peers)} made no progress for hang_timeout (none used "
+                            "CPU), and worker 0 runs inline in the controller, which would "
+                            f"wait for ever.\n{stuck}")
 
     def _gone(self, j: int) -> bool:
         """Whether peer ``j``'s process has ended (False while it has not said its pid)."""

@@ -18,7 +18,9 @@ What worker 0 gives up, and why it is opt-in (docs/architecture.md):
 * its failure isolation: a crash, ``os._exit`` or a hang in worker 0's code is the
   controller's; an exception is still that call's error, as on any worker. Its
   collectives' waits for peers watch the peers' pids, and give up at the sending call's
-  deadline (a stopped peer would hold the controller otherwise);
+  deadline (a stopped peer would hold the controller otherwise), or with hang_timeout
+  once the peers made no progress for that long (the wait for the others then ends in
+  HangError: about twice hang_timeout in all);
 * its calls run synchronously, in the thread that sends them (``call`` returns once worker
   0's share is done, the others' may still run). A call on worker 0 that waits for a later
   call (a recv in one call, its send in the next) never returns: put both in one call;
@@ -39,6 +41,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from unison import collective, protocol, worker
 from unison.cancel import Board
@@ -46,6 +49,9 @@ from unison.channel.shm import ShmChannel, ShmWorkerChannel
 from unison.launch import DeathReport, Launcher
 from unison.protocol import OK
 from unison.spec import WorkerSpec
+
+if TYPE_CHECKING:
+    from unison.debug.hang import Watchdog
 
 __all__ = ["InlineLauncher"]
 
@@ -111,6 +117,15 @@ class InlineLauncher(Launcher):
                 self._pumping = 0
                 if self._closing:  # stop() came during worker 0's call (below)
                     self._end(run_rest=False)
+
+    def watch_hangs(self, watchdog: Watchdog) -> None:
+        """Session(hang_timeout=...): worker 0's collectives give up on peers that make no
+        progress for that long (its waits run in the controller's thread, where no
+        controller wait samples them)."""
+        coll = self._worker._coll if self._worker is not None else None
+        if coll is not None:
+            coll.hang = lambda key, peers: _report(watchdog.stuck(("inline", key),
+                                                                  lambda: peers))
 
     def in_call_elsewhere(self) -> bool:
         """Whether another thread is inside worker 0's call now."""
@@ -229,3 +244,7 @@ class _InlineWorker:
         worker.registers.clear()
         worker._identity.clear()
         collective.teardown()
+
+
+def _report(stuck: tuple[list[int], str] | None) -> str | None:
+    return None if stuck is None else stuck[1]

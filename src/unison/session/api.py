@@ -313,6 +313,8 @@ class Session(View):
                                               children=the_launcher.children)
             if hang_timeout is not None and hang_timeout != math.inf:
                 self._router.hang = Watchdog(hang_timeout, self._pids, self._starts)
+                if inline_worker0:
+                    self._res.watch_hangs(self._router.hang)
             if collectives == "torch":  # on every worker, first (see start_torch)
                 self.call(collective.start_torch)
             self._last_trace: Trace | None = None

@@ -23,7 +23,7 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unison import _native
 from unison import channel as channels
@@ -31,6 +31,9 @@ from unison.cancel import Board
 from unison.collective import shm as collective_shm
 from unison.launch import DeathReport, Launcher, Network
 from unison.spec import WorkerSpec
+
+if TYPE_CHECKING:
+    from unison.debug.hang import Watchdog
 
 __all__ = ["Resources", "open_std_fds", "sys_path"]
 
@@ -132,6 +135,13 @@ class Resources:
         inline = InlineLauncher(self.launcher, self.chan)
         self.launcher = inline
         return inline.pump
+
+    def watch_hangs(self, watchdog: Watchdog) -> None:
+        """Worker 0 inline: its collectives watch the peers for hangs too."""
+        from unison.launch.inline import InlineLauncher
+
+        assert isinstance(self.launcher, InlineLauncher)
+        self.launcher.watch_hangs(watchdog)
 
     def specs(self, num_workers: int, num_groups: int, cpus: Mapping[int, list[int]],
               spread: bool = False) -> list[WorkerSpec]:
