@@ -200,6 +200,31 @@ def test_every_thread_is_listed(make_session):
     assert len(got.threads) == 4
 
 
+def idle_threads(n: int) -> int:
+    import threading
+
+    never = threading.Event()
+    for _ in range(n):
+        threading.Thread(target=never.wait, daemon=True).start()
+    return threading.active_count()
+
+
+def test_a_worker_of_over_100_threads_is_not_said_to_be_in_another_one(make_session):
+    """faulthandler writes 100 threads at most, the newest first: a worker's main thread
+    (the oldest) is then left out, and the report named an idle thread of a pool as where
+    the call was. It now says that the main thread is not in the dump."""
+    sess = make_session(1)
+    assert sess.run(idle_threads, 120) == [121]
+    ref = sess.call(time.sleep, 3)
+    with pytest.raises(TimeoutError) as raised:
+        ref.get(timeout=0.5)
+    text = str(raised.value)
+    assert "worker 0: its main thread, which runs the call, is not in its stack dump: " \
+           "faulthandler writes 100 threads at most" in text, text
+    assert "threading.py" not in text, text
+    ref.get(timeout=30)
+
+
 def test_a_stopped_worker_is_named_at_once_and_answers_again_once_continued(make_session):
     sess = make_session(2)
     pid = sess._pids[1]

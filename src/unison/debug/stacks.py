@@ -363,7 +363,12 @@ def where(stacks: WorkerStacks, depth: int = 3) -> str:
     if stacks.error:
         return f"worker {stacks.rank}: {stacks.error}"
     main = stacks.main
-    if main is None:
+    if main is None and stacks.text.rstrip().endswith("\n..."):
+        # (any other thread in its place would be named as where the call is)
+        return (f"worker {stacks.rank}: its main thread, which runs the call, is not in its "
+                f"stack dump: faulthandler writes {len(stacks.threads)} threads at most, the "
+                "newest first, and this worker has more (sess.stacks() shows those)")
+    if main is None:  # (its id unknown: the first thread with frames)
         main = next((t for t in stacks.threads if t.frames), None)
     if main is None or not main.frames:
         return f"worker {stacks.rank}: no Python frame in its main thread"
