@@ -225,6 +225,40 @@ def test_a_worker_of_over_100_threads_is_not_said_to_be_in_another_one(make_sess
     ref.get(timeout=30)
 
 
+def a_thread_that_blocks_the_stack_signal() -> None:
+    """What a C library's thread pool often does: a thread with every signal blocked."""
+    import threading
+
+    started = threading.Event()
+
+    def body() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {debug_stacks.SIGNAL})
+        started.set()
+        threading.Event().wait()
+
+    threading.Thread(target=body, daemon=True).start()
+    started.wait()
+
+
+def test_a_thread_that_always_blocks_the_signal_costs_no_wait(make_session):
+    """Such a thread looked like a dump still being written: each worker's ask waited its
+    0.2 s, one worker after another (12 workers: 2.0 s, the whole timeout, and "did not
+    answer"; a timeout's report, given 0.1 s, said healthy workers did not answer)."""
+    sess = make_session(4)
+    sess.run(a_thread_that_blocks_the_stack_signal)
+    sess.stacks()  # (each file now holds a dump: the next asks look at one standing still)
+    t0 = time.monotonic()
+    got = sess.stacks()
+    took = time.monotonic() - t0
+    assert all(not s.error and s.main is not None for s in got.values()), got
+    assert took < 0.5, took  # before: 0.8
+    with pytest.raises(TimeoutError) as raised:
+        sess.run(time.sleep, 2, timeout=0.3)
+    assert "did not answer" not in str(raised.value), raised.value
+    assert str(raised.value).count("inside the call's function, in C code") == 4, raised.value
+    sess.sync(timeout=30)
+
+
 def test_a_stopped_worker_is_named_at_once_and_answers_again_once_continued(make_session):
     sess = make_session(2)
     pid = sess._pids[1]

@@ -45,6 +45,7 @@ SIGNAL = signal.SIGRTMIN + 4 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR1
 """The signal that asks a worker for its stacks (unison.cancel's is SIGRTMIN+3)."""
 _PREFIX = "unison-stacks-"
 _POLL = 0.002  # seconds between looks at a dump being written
+_STILL = 5  # looks in a row at a dump that stands still, for it to be done
 _installed: list[int] = []
 
 
@@ -226,8 +227,20 @@ def _ask(rank: int, pid: int, deadline: float) -> tuple[_Ask | None, str]:
         # An earlier request's signal still pending, or its handler still writing (it blocks
         # the signal meanwhile): let that dump finish before emptying the file, which would
         # else cut the head off a dump being written (one came back without its main thread).
+        # A dump is being written while the file grows; a thread that blocks the signal
+        # beside a file that stands still is one that always does (a C library's pool):
+        # waiting out the 0.2 s for it made each worker's answer 0.2 s late.
         end = min(time.monotonic() + 0.2, deadline)
-        while (pending or any(tasks.values())) and time.monotonic() < end:
+        size, still = -1, 0
+        while time.monotonic() < end:
+            if not pending:
+                now = os.fstat(fd).st_size
+                if not now or not any(tasks.values()):
+                    break  # no dump begun, or no handler running
+                still = still + 1 if now == size else 0
+                if still == _STILL:
+                    break
+                size = now
             time.sleep(_POLL)
             pending, tasks = _signal_state(pid)
         os.ftruncate(fd, 0)
