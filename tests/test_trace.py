@@ -89,6 +89,33 @@ def test_stats_names_the_rank_that_enters_collectives_last(make_session, caplog)
     assert "straggler: rank 1" in str(stats)
 
 
+def group_step() -> None:
+    """Group 1 (ranks 2, 3) comes 60 ms after group 0; in it, rank 3 is 20 ms late."""
+    if unison.group() == 1:
+        time.sleep(0.06 + 0.02 * (unison.rank() == 3))
+    unison.allreduce(np.ones(4), group=True)
+
+
+def test_the_groups_collectives_are_told_apart_in_stats(make_session, tmp_path):
+    """Each group's allreduce(group=True) is a collective of its own: stats() took the two
+    of each call for one of all four ranks, so it counted half of them and made ranks 2 and
+    3 late by their group's start (rank 2: 60 ms late into each, having been last into none
+    of its group's)."""
+    sess = make_session(4, num_groups=2)
+    sess.run(group_step)  # untraced: a first call's start-up costs are not lateness
+    with sess.trace(tmp_path / "groups.json"):
+        for _ in range(5):
+            sess.run(group_step)
+    stats = sess.stats()
+    assert stats.collectives == 10, str(stats)
+    assert stats.last_in.get(3, 0) >= 4 and stats.last_in.get(2, 0) <= 1, str(stats)
+    assert stats.late_ms.get(2, 0.0) < 25, str(stats)  # before: about 5 x 60 ms
+    doc = json.loads((tmp_path / "groups.json").read_text())
+    groups = {(e["tid"] - 1, e["args"].get("group")) for e in doc["traceEvents"]
+              if e.get("cat") == "collective"}
+    assert groups == {(0, 0), (1, 0), (2, 1), (3, 1)}, groups
+
+
 def test_a_slow_rank_without_collectives_is_warned_about(make_session, caplog):
     sess = make_session(2)
     with sess.trace():
@@ -261,7 +288,8 @@ def _collectives(lateness_ns: list[int]) -> dict[int, list[tuple]]:
     for i, late in enumerate(lateness_ns):
         t = 1_000_000 * i
         for rank in evs:
-            evs[rank].append(("coll", 1, "allreduce", t + (late if rank == 1 else 0), t + 900))
+            evs[rank].append(("coll", 1, "allreduce", t + (late if rank == 1 else 0), t + 900,
+                              -1))
     for rank in evs:
         evs[rank].append(("call", 1, 1, "f", 0, 1_000_000 * len(lateness_ns)))
     return evs

@@ -5,7 +5,8 @@
       start: run(begin) on every worker  ----> events = [], answers its clock (for the offset)
       each message sent:  (t, kind, ids, ranks, bytes)
                                                each call: (ref, req, fn, start, end)
-                                               each collective: (call, kind, enter, leave)
+                                               each collective: (call, kind, enter, leave,
+                                                                 scope)
       each reply arrived: (t, request, rank, bytes)
       stop: run(collect) on every worker  <--- its events, and off again
       -> Chrome/Perfetto JSON (one track per rank, one for the controller) and Stats
@@ -81,8 +82,9 @@ def _name(fn: Any) -> str:
 
 
 @contextmanager
-def collective(kind: str) -> Iterator[None]:
-    """Around one collective on a worker, while a trace runs."""
+def collective(kind: str, scope: int) -> Iterator[None]:
+    """Around one collective on a worker, while a trace runs. ``scope``: -1 for the world,
+    else the worker's group (the groups' collectives of one call are apart)."""
     from unison.worker import _current
 
     start = _clock()
@@ -90,7 +92,7 @@ def collective(kind: str) -> Iterator[None]:
         yield
     finally:
         if events is not None:
-            events.append(("coll", _current[0], kind, start, _clock()))
+            events.append(("coll", _current[0], kind, start, _clock(), scope))
 
 
 # -- the controller's side -----------------------------------------------------------------
@@ -187,8 +189,8 @@ class Trace:
         for ev in evs:
             if ev[0] == "call":  # ("call", ref, req, name, start, end)
                 shifted.append((*ev[:4], ev[4] + off, ev[5] + off))
-            else:  # ("coll", call, kind, enter, leave)
-                shifted.append((*ev[:3], ev[3] + off, ev[4] + off))
+            else:  # ("coll", call, kind, enter, leave, scope)
+                shifted.append((*ev[:3], ev[3] + off, ev[4] + off, ev[5]))
         self.workers[rank] = shifted
 
     # -- what it says ----------------------------------------------------------------------
@@ -240,11 +242,11 @@ class Trace:
                                 "dur": max(us(end) - us(start), 0.001),
                                 "args": {"ref": ref, "request": req}})
                 else:
-                    _, call, kind, enter, leave = ev
+                    _, call, kind, enter, leave, scope = ev
+                    args = {"call": call} if scope < 0 else {"call": call, "group": scope}
                     out.append({"name": kind, "cat": "collective", "ph": "X", "pid": 1,
                                 "tid": rank + 1, "ts": us(enter),
-                                "dur": max(us(leave) - us(enter), 0.001),
-                                "args": {"call": call}})
+                                "dur": max(us(leave) - us(enter), 0.001), "args": args})
         return {"traceEvents": out, "displayTimeUnit": "ms",
                 "otherData": {"unison": "trace", "workers": self.num_workers}}
 
@@ -256,9 +258,10 @@ class Trace:
         per: dict[int, list[float]] = defaultdict(list)
         spans: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
         names: dict[tuple[int, int], str] = {}
-        entries: dict[tuple[int, int, str], dict[int, int]] = defaultdict(dict)
+        # one collective: the k-th of its kind in a call and scope (each group's own)
+        entries: dict[tuple[int, int, str, int], dict[int, int]] = defaultdict(dict)
         for rank, evs in self.workers.items():
-            counters: Counter[tuple[int, str]] = Counter()
+            counters: Counter[tuple[int, str, int]] = Counter()
             for ev in evs:
                 if ev[0] == "call":
                     _, ref, req, name, start, end = ev
@@ -266,10 +269,10 @@ class Trace:
                     spans[(ref, req)].append((start, end))
                     names[(ref, req)] = name
                 else:
-                    _, call, kind, enter, _leave = ev
-                    k = counters[(call, kind)]
-                    counters[(call, kind)] += 1
-                    entries[(call, k, kind)][rank] = enter
+                    _, call, kind, enter, _leave, scope = ev
+                    k = counters[(call, kind, scope)]
+                    counters[(call, kind, scope)] += 1
+                    entries[(call, k, kind, scope)][rank] = enter
         last_in: Counter[int] = Counter()
         late: Counter[int] = Counter()  # ns each rank came after the median arrival
         full = 0

@@ -168,21 +168,24 @@ def _backend(group: bool, *values: Any) -> Collectives:
     runs)."""
     chosen = _choose(group, *values)
     if _trace.events is not None:
-        return _Timed(chosen)  # type: ignore[return-value]
+        scope = chosen.rank // chosen.gsize if group else -1
+        return _Timed(chosen, scope)  # type: ignore[return-value]
     return chosen
 
 
 class _Timed:
-    """A backend whose every collective is recorded in the trace (unison.trace)."""
+    """A backend whose every collective is recorded in the trace (unison.trace), with its
+    scope: -1 the world, else the worker's group."""
 
-    def __init__(self, backend: Collectives) -> None:
+    def __init__(self, backend: Collectives, scope: int) -> None:
         self._backend = backend
+        self._scope = scope
 
     def __getattr__(self, name: str) -> Any:
         op = getattr(self._backend, name)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            with _trace.collective(name):
+            with _trace.collective(name, self._scope):
                 return op(*args, **kwargs)
 
         return timed
