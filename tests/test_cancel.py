@@ -235,9 +235,10 @@ def test_a_call_that_learned_of_its_cancel_keeps_what_it_returns(sess):
     assert ref.gather(timeout=10) == ["stopped early", "stopped early"]
 
 
-def test_a_worker_that_cannot_run_python_is_said_to_be_stuck_in_c(sess):
-    """A worker that does not block the signal and still does not leave the call (stopped
-    here, as a long C call would hold it) keeps the "stuck in C" report."""
+def test_a_stopped_worker_is_said_to_be_stopped_not_stuck_in_c(sess):
+    """A worker whose process is stopped cannot leave the call: the report said it was
+    "stuck in C code" (as for a long C call, test_a_call_stuck_in_c_is_reported), where
+    stacks() and the timeouts' reports said it was stopped. It now says so."""
     ref = sess.call(spin)
     running(sess, ref)
     pids = sess._pids
@@ -249,7 +250,10 @@ def test_a_worker_that_cannot_run_python_is_said_to_be_stuck_in_c(sess):
             time.sleep(0.005)
         with pytest.raises(TimeoutError, match=r"worker\(s\) \[1\] are still inside") as info:
             ref.cancel(timeout=0.3)
-        assert "stuck in C" in str(info.value) and "cancellation signal" not in str(info.value)
+        text = str(info.value)
+        assert "worker 1's process is stopped (SIGSTOP, Ctrl-Z or a debugger): the " \
+               "cancellation lands once it continues" in text, text
+        assert "stuck in C" not in text and "unblocked" not in text, text
     finally:
         os.kill(pids[1], signal.SIGCONT)
     with pytest.raises(unison.CancelledError):

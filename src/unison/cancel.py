@@ -92,10 +92,11 @@ def signal_main_thread(pid: int, sig: int) -> None:
 
 
 def refusal(pid: int) -> str:
-    """How process ``pid`` keeps SIGNAL out: "ignores" it (its disposition) or "blocks" it
-    (its main thread's mask, where the signal goes), as /proc/<pid>/status says; else "".
-    Not for a stopped process: one stopped inside the handler shows SIGNAL blocked (the
-    kernel blocks it while its handler runs)."""
+    """How process ``pid`` keeps SIGNAL out: "ignores" it (its disposition), "blocks" it
+    (its main thread's mask, where the signal goes), or "stopped" (its process is: the
+    signal waits until it continues; a process stopped inside the handler also shows SIGNAL
+    blocked, as the kernel blocks it while its handler runs), as /proc/<pid>/status says;
+    else ""."""
     bit = 1 << (int(SIGNAL) - 1)
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
@@ -103,7 +104,7 @@ def refusal(pid: int) -> str:
     except OSError:
         return ""
     if fields.get(b"State", b"").strip().startswith((b"T", b"t")):
-        return ""
+        return "stopped"
     for key, how in ((b"SigIgn", "ignores"), (b"SigBlk", "blocks")):
         if int(fields.get(key, b"0"), 16) & bit:
             return how

@@ -1156,16 +1156,21 @@ class Session(View):
                     "caught unison.Cancelled and goes on. It ends cancelled if it returns "
                     "without having caught it; close the session to stop it now."
                 )
-            why = "; ".join(f"worker {r} {how} the cancellation signal ({SIGNAL_NAME})"
-                            for r, how in refused.items())
+            why = "; ".join(
+                f"worker {r}'s process is stopped (SIGSTOP, Ctrl-Z or a debugger): the "
+                "cancellation lands once it continues" if how == "stopped" else
+                f"worker {r} {how} the cancellation signal ({SIGNAL_NAME})"
+                for r, how in refused.items())
             in_c = [r for r in stuck if r not in refused]
             if in_c:
                 why += f"; worker(s) {in_c} are stuck in C code that does not return to Python"
+            advice = "" if set(refused.values()) == {"stopped"} else (
+                f" Leave {SIGNAL_NAME} unblocked and its handler in place in the call and the "
+                "libraries it uses (signal.pthread_sigmask, signal.signal).")
             raise TimeoutError(
                 f"worker(s) {stuck} are still inside the call of {ref!r} {timeout} s after it "
                 f"was cancelled: {why}. It ends cancelled when it returns; close the session to "
-                f"stop it now. Leave {SIGNAL_NAME} unblocked and its handler in place in the "
-                "call and the libraries it uses (signal.pthread_sigmask, signal.signal)."
+                f"stop it now.{advice}"
             )
 
     def _request(
