@@ -136,6 +136,22 @@ def test_session_trace_is_written_at_close(tmp_path):
     assert sum(1 for e in events if e.get("cat") == "call") == 2
 
 
+def test_a_relative_trace_path_is_the_one_at_the_start_after_a_chdir(make_session, tmp_path,
+                                                                    monkeypatch):
+    """The file is checked and emptied at the start; it was written by its relative path
+    at the end, so a chdir in the block left it empty and wrote the trace elsewhere."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    sess = make_session(2)
+    with sess.trace("run.json"):
+        sess.run(step, 0)
+        os.chdir(tmp_path / "b")
+    assert not (tmp_path / "b" / "run.json").exists()
+    events = json.loads((tmp_path / "a" / "run.json").read_text())["traceEvents"]
+    assert sum(1 for e in events if e.get("cat") == "call") == 2
+
+
 def test_stats_without_a_trace_says_how_to_get_one(sess):
     with pytest.raises(RuntimeError, match=r"sess\.trace"):
         sess.stats()

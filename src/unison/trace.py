@@ -138,7 +138,9 @@ class Trace:
 
     def __init__(self, num_workers: int, path: str | os.PathLike[str] | None = None,
                  straggler_factor: float | None = 2.0) -> None:
-        self.path = path
+        self.path = None if path is None else os.path.abspath(path)
+        """Where the trace is written at its end: made absolute at its start, where the
+        file was checked and emptied (a chdir in between wrote it elsewhere)."""
         self.num_workers = num_workers
         self.straggler_factor = straggler_factor
         self.sent: list[tuple[int, Any, int, tuple[int, ...], int]] = []
