@@ -862,7 +862,8 @@ def test_a_client_that_goes_away_frees_its_queue_room_and_takes_no_batch() -> No
     """A client that closes its connection while its inputs wait: before, they held queue
     room (others got 429) and were computed for nobody; a client that timed out and retried
     had its work done twice. Now they leave the queue when the connection closes, and a
-    request already in the model has its rows dropped."""
+    request already in the model has its rows dropped. (And /health says how long the batch
+    in the model has run: before, a hung one read "ok" until its timeout, with no sign.)"""
     from unison.serve.app import create_app
     from unison.serve.config import ServeConfig
 
@@ -886,6 +887,10 @@ def test_a_client_that_goes_away_frees_its_queue_room_and_takes_no_batch() -> No
         health_until(srv.url, lambda d: d["status"] == "ok")
         first = raw_post(srv.url, ["in the model"])
         health_until(srv.url, lambda d: d["in_flight"] == 1 and d["queue"] == 0)
+        # the batch in the model, and how long it has run: "ok" says nothing of a hang
+        doc = health_until(srv.url, lambda d: (d["batch_seconds"] or 0) > 0.05)
+        assert doc["status"] == "ok" and doc["batch_timeout"] == 60.0, doc
+        assert metric(srv, "unison_serve_batch_running_seconds") > 0.05
         second = raw_post(srv.url, ["a", "b", "c"])
         health_until(srv.url, lambda d: d["queue"] == 3)
         full = httpx.post(f"{srv.url}/v1/embeddings", json={"model": MODEL, "input": ["x", "y"]})
@@ -906,6 +911,8 @@ def test_a_client_that_goes_away_frees_its_queue_room_and_takes_no_batch() -> No
         assert reply.status_code == 200, reply.text
         assert len(reply.json()["data"]) == 2
         assert batches == [1, 1, 1], batches  # "a", "b" and "c" never went to the model
+        assert httpx.get(f"{srv.url}/health").json()["batch_seconds"] is None
+        assert metric(srv, "unison_serve_batch_running_seconds") == 0
 
 
 @pytest.mark.timeout(60)

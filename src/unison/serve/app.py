@@ -10,7 +10,10 @@ shutdown, drains it and closes the workers.
                           -> schema.embedding_reply
     GET  /health          {"status": "starting" | "ok" | "degraded" | "stopping", "workers":
                            [pids], "restarts": n, "queue": inputs waiting, "in_flight":
-                           embedding requests being answered, ...}; HTTP 200 when ok, else 503
+                           embedding requests being answered, "batch_seconds": how long the
+                           batch in the model has run (null: none; past "batch_timeout" it
+                           fails and the workers are replaced), ...}; HTTP 200 when ok, else
+                           503
     GET  /metrics         Prometheus text (metrics.py)
 
 /health and /metrics read a few fields and touch neither the queue nor the workers, so they
@@ -73,6 +76,7 @@ def create_app(cfg: ServeConfig, load: Callable[[], Backend] | None = None) -> S
     batcher = Batcher(make, hidden=model_cfg.hidden, max_batch=cfg.max_batch,
                       window=cfg.batch_window_ms / 1e3, max_queue=cfg.max_queue,
                       metrics=metrics, batch_timeout=cfg.batch_timeout)
+    metrics.batch_running.set_function(lambda: batcher.batch_seconds or 0.0)
 
     async def tokenize(texts: Sequence[str]) -> list[list[int]]:
         if sum(map(len, texts)) > THREAD_TOKENIZE_CHARS:
@@ -124,6 +128,8 @@ def create_app(cfg: ServeConfig, load: Callable[[], Backend] | None = None) -> S
                                      if batcher.restart_seconds else None),
             "queue": batcher.queued,
             "in_flight": in_flight,
+            "batch_seconds": batcher.batch_seconds,
+            "batch_timeout": batcher.batch_timeout,
         }
         if cfg.backend == "unison":
             doc["tp"], doc["dp"] = cfg.tp, cfg.dp

@@ -108,6 +108,7 @@ class Batcher:
         self._stopping = False
         self._settled = True  # False from a load until the next idle moment: _settle
         self._stopped: asyncio.Future[None] | None = None  # the one stop()'s work
+        self._batch_t0: float | None = None  # when the batch in the model began, if one is
         self._metrics_state()
 
     # -- the handlers' side --------------------------------------------------------------------
@@ -116,6 +117,13 @@ class Batcher:
     def queued(self) -> int:
         """Inputs waiting for a batch."""
         return self._queued
+
+    @property
+    def batch_seconds(self) -> float | None:
+        """How long the batch in the model has run (None: none is): one near batch_timeout
+        is hung, or too large for it, while /health still says "ok"."""
+        t0 = self._batch_t0
+        return None if t0 is None else time.perf_counter() - t0
 
     @property
     def pids(self) -> list[int]:
@@ -290,7 +298,7 @@ class Batcher:
         tokens = [t for job, a, b in parts for t in job.tokens[a:b]]
         t0 = time.perf_counter()
         try:
-            rows = await asyncio.wait_for(backend.embed(texts, tokens), self.batch_timeout)
+            rows = await self._embed(backend, texts, tokens)
         except (unison.WorkerDied, unison.SessionClosed) as exc:
             self._fail(parts, self._lost(exc))
             await self._recover(exc)
@@ -325,6 +333,16 @@ class Batcher:
                 woken += 1
                 if woken % WAKE_CHUNK == 0:
                     await asyncio.sleep(0)  # their replies go out now, /health may come between
+
+    async def _embed(self, backend: Backend, texts: list[str],
+                     tokens: list[Sequence[int]]) -> np.ndarray:
+        """The model's rows for one batch, within batch_timeout; its start kept meanwhile
+        (batch_seconds)."""
+        self._batch_t0 = time.perf_counter()
+        try:
+            return await asyncio.wait_for(backend.embed(texts, tokens), self.batch_timeout)
+        finally:
+            self._batch_t0 = None
 
     def _lost(self, exc: BaseException) -> APIError:
         first = str(exc).splitlines()[0] if str(exc) else repr(exc)

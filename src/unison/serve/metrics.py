@@ -10,6 +10,7 @@ tests, never share counters), and the ASGI middleware that counts and times ever
     unison_serve_queue_inputs                     inputs waiting for a batch now
     unison_serve_requests_in_flight               embedding requests not yet answered
     unison_serve_withdrawn_requests_total         requests whose client left before the answer
+    unison_serve_batch_running_seconds            how long the batch in the model has run
     unison_serve_worker_restarts_total            workers replaced after one died
     unison_serve_restart_seconds                  how long each replacement took (and the last)
     unison_serve_up                               1 while the model serves, else 0
@@ -67,6 +68,9 @@ class Metrics:
         self.withdrawn = Counter("unison_serve_withdrawn_requests",
                                  "Requests whose client went away before the answer: their "
                                  "rows still queued were dropped", registry=r)
+        self.batch_running = Gauge("unison_serve_batch_running_seconds",
+                                   "How long the batch in the model has run (0: none)",
+                                   registry=r)
         self.up = Gauge("unison_serve_up", "1 while the model serves (health ok), else 0",
                         registry=r)
 
