@@ -595,6 +595,37 @@ def test_allreduce_of_python_ints_is_exact_and_of_bools_counts(shared, backend):
         assert all(type(g) is type(want) for g in got), (values, op, [type(g) for g in got])
 
 
+def half_means(torch_tensor: bool) -> list[Any]:
+    """Means of float16 values whose sum passes float16's largest (65504): numpy's own
+    mean sums them in float32."""
+    x = np.full(4, 60000, np.float16)
+    if torch_tensor:
+        import torch
+
+        t = torch.full((4,), 60000.0, dtype=torch.float16)
+        return [unison.allreduce(t, "mean").tolist(), str(unison.allreduce(t, "mean").dtype)]
+    big = np.full((20_000,), 60000, np.float16)  # past a slot: reduced in rounds
+    return [unison.allreduce(x, "mean").tolist(), str(unison.allreduce(x, "mean").dtype),
+            unison.reduce_scatter(x, "mean").tolist(),
+            bool(np.isfinite(unison.allreduce(big, "mean")).all()),
+            unison.allreduce(np.float16(60000), "mean").item()]
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_a_mean_of_float16_sums_in_float32_as_numpys(shared, backend):
+    """Summed in float16, two ranks' 60000 made inf, where numpy's mean of the same values
+    is 60000 (it sums float16 in float32). The mean now sums in float32 and comes back as
+    float16 (a bfloat16 tensor's too, for its precision: its range is float32's)."""
+    sess = backend_session(shared, 2, backend)
+    got = sess.run(half_means, False, timeout=QUICK)
+    want = float(np.mean(np.full(2, 60000, np.float16)))
+    assert want == 60000.0
+    assert got == [[[want] * 4, "float16", [want] * 2, True, want]] * 2, got
+    if backend == "torch":
+        got = sess.run(half_means, True, timeout=QUICK)
+        assert got == [[[want] * 4, "torch.float16"]] * 2, got
+
+
 class Big(int):
     """A user's int subclass (as IntEnum and IntFlag are)."""
 

@@ -94,6 +94,28 @@ def test_every_rank_raises_naming_both_operations(shared, specs, names):
     assert sess.run(allreduce_ranks, timeout=QUICK) == [[3.0], [3.0]]  # still usable
 
 
+def mean_of(dtypes: list[str]) -> tuple[str, str]:
+    """Rank r's mean of four ones of dtypes[r]; as ``mismatched``."""
+    try:
+        got = unison.allreduce(np.ones(4, dtypes[unison.rank()]), "mean")
+        return "ok", str(got.dtype)
+    except CollectiveError as exc:
+        return "CollectiveError", str(exc)
+
+
+@pytest.mark.parametrize("dtypes", [["int32", "int64"], ["float16", "float32"],
+                                    ["int64", "float64"]])
+def test_a_mean_of_another_dtype_on_a_peer_raises(shared, dtypes):
+    """A mean converts what it sums (integers to float64, float16 to float32): the signature
+    was taken after, so ranks of different dtypes looked alike and were reduced together,
+    each getting a mean of its own dtype."""
+    sess = shared(2)
+    got = sess.run(mean_of, dtypes, timeout=QUICK)
+    assert [kind for kind, _ in got] == ["CollectiveError"] * 2, got
+    assert all("another shape or dtype" in message for _, message in got), got
+    assert sess.run(allreduce_ranks, timeout=QUICK) == [[3.0], [3.0]]  # still usable
+
+
 def in_scope(kind: str, groups: list[bool]) -> tuple[str, str]:
     """Rank r runs ``kind`` with group=groups[r]; returns as ``mismatched`` does."""
     r = unison.rank()

@@ -656,10 +656,13 @@ class ShmCollectives(CallScope, Collectives):
         _check_reducible(arr, "allreduce")
         ufunc = _ufunc(op)
         which, ranks = self.scope(group)
-        if op == "mean" and arr.dtype.kind in "biu":
-            arr = arr.astype(np.float64)  # as numpy's mean does
+        sig = array_signature(arr)  # (the input's: a peer's of another dtype must not pass)
+        back = None
+        if op == "mean":
+            arr, back = _mean_input(arr)
+            if back is not None:
+                dest = None  # (the caller copies the result into it)
         out = _result(dest, op, arr.shape, arr.dtype)
-        sig = array_signature(arr)
         code = _C_CODES.get((op, arr.dtype.str)) if self._c is not None else None
         if code is not None and (arr.nbytes <= SMALL or (len(ranks) <= 2 and arr.nbytes <= SLOT)):
             self._allreduce_c(arr, out, _plan(code, sig, desc, which, ranks))
@@ -680,6 +683,8 @@ class ShmCollectives(CallScope, Collectives):
                                      which, ranks, sig, desc)
         if op == "mean":
             out = _mean(out, len(ranks), arr.dtype)
+            if back is not None:
+                out = out.astype(back)
         return restore(out)
 
     def _allreduce_flat(self, a: np.ndarray, out: np.ndarray, ufunc: Callable[..., Any],
@@ -757,16 +762,21 @@ class ShmCollectives(CallScope, Collectives):
         ufunc = _ufunc(op)
         which, ranks = self.scope(group)
         desc = descriptor("reduce_scatter", op)
-        if op == "mean" and arr.dtype.kind in "biu":
-            arr = arr.astype(np.float64)
+        sig = array_signature(arr)  # (the input's, as allreduce's)
+        back = None
+        if op == "mean":
+            arr, back = _mean_input(arr)
         if arr.ndim == 0:
             raise ValueError("reduce_scatter needs an array with a first axis to split")
         if arr.nbytes > SLOT:
             full = self._allreduce(arr, "sum" if op == "mean" else op, group, desc)
             part = np.array_split(full, len(ranks))[ranks.index(self.rank)]
-            return restore(_mean(part, len(ranks), arr.dtype) if op == "mean" else part.copy())
+            if op != "mean":
+                return restore(part.copy())
+            part = _mean(part, len(ranks), arr.dtype)
+            return restore(part if back is None else part.astype(back))
         gen = self._next(which, ranks, 1, desc)
-        slots = self._publish(arr.reshape(-1), array_signature(arr), which, ranks, gen, desc)
+        slots = self._publish(arr.reshape(-1), sig, which, ranks, gen, desc)
         first, last = _share(arr.shape[0], len(ranks), ranks.index(self.rank))
         row = int(np.prod(arr.shape[1:], dtype=np.int64))
         lo, hi = first * row, last * row
@@ -775,6 +785,8 @@ class ShmCollectives(CallScope, Collectives):
         self._finish(which, ranks, gen | 1, desc)
         if op == "mean":
             out = _mean(out, len(ranks), arr.dtype)
+            if back is not None:
+                out = out.astype(back)
         return restore(out)
 
     def _publish(self, a: np.ndarray, sig: int, which: int, ranks: tuple[int, ...], gen: int,
@@ -1294,6 +1306,17 @@ def _result(out: Any, op: str, shape: tuple[int, ...], dtype: np.dtype[Any]) -> 
             and out.dtype == dtype and out.flags.carray):
         return out
     return np.empty(shape, dtype)
+
+
+def _mean_input(arr: np.ndarray) -> tuple[np.ndarray, np.dtype[Any] | None]:
+    """What a mean sums, as numpy's mean does: integers as float64 (and the mean stays
+    float64), float16 as float32 (and the mean goes back to float16: summed in float16, two
+    ranks' 60000 made inf); and the dtype to go back to, if any."""
+    if arr.dtype.kind in "biu":
+        return arr.astype(np.float64), None
+    if arr.dtype == np.float16:
+        return arr.astype(np.float32), arr.dtype
+    return arr, None
 
 
 def _mean(total: np.ndarray, n: int, dtype: np.dtype[Any]) -> np.ndarray:

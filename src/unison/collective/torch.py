@@ -135,15 +135,22 @@ class TorchCollectives(Collectives):
         reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
                      "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
                      "max": dist.ReduceOp.MAX}[op]
-        if op in ("sum", "prod") and out.dtype == sys.modules["torch"].bool:
+        torch = sys.modules["torch"]
+        if op in ("sum", "prod") and out.dtype == torch.bool:
             # gloo adds bools as bytes: a True of value 2 (and 0, False, at 256 ranks);
             # numpy's, and the shared-memory backend's, sum is an or, its product an and
             reduce_op = dist.ReduceOp.MAX if op == "sum" else dist.ReduceOp.MIN
+        back = None
         if op == "mean" and not (out.is_floating_point() or out.is_complex()):
             out = out.double()  # (as numpy's mean of integers; a complex one stays complex)
+        elif op == "mean" and out.dtype in (torch.float16, torch.bfloat16):
+            back, out = out.dtype, out.float()  # summed in float32, as numpy's float16 mean
+            # (summed in float16, two ranks' 60000 made inf)
         dist.all_reduce(out, op=reduce_op, group=pg)
         if op == "mean":
             out /= len(ranks)
+            if back is not None:
+                out = out.to(back)
         return out.item() if scalar else out
 
     def _allreduce_python(self, x: int, op: str, group: bool) -> int | float:
