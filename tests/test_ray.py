@@ -14,6 +14,7 @@ checked here instead: no unison worker process, no live actor, no placement grou
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import threading
@@ -288,6 +289,76 @@ def test_placement_that_cannot_fit_times_out(
         ray_session(2, launcher=RayLauncher(num_cpus=100, placement_timeout=2))
     assert time.monotonic() - start < 20
     assert wait_for(live_groups, 5.0) == []
+
+
+def test_a_start_timeout_bounds_the_placement(
+    ray_cluster: RayCluster, ray_session: Callable[..., unison.Session]
+) -> None:
+    """The launcher placed the workers before the session's start deadline was set, and
+    waited its own placement_timeout: start_timeout=3 raised after 60 s."""
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="starting timed out"):
+        ray_session(2, launcher=RayLauncher(num_cpus=100, placement_timeout=60),
+                    start_timeout=3)
+    assert time.monotonic() - start < 15
+    assert wait_for(live_groups, 5.0) == []
+
+
+def test_a_launcher_whose_session_failed_to_open_places_nothing_more(
+    ray_cluster: RayCluster, ray_session: Callable[..., unison.Session]
+) -> None:
+    """Given again after its session failed to open, it placed a group before refusing to
+    start, and that group (its CPUs) stayed for the driver's life."""
+    launcher = RayLauncher(num_cpus=100, placement_timeout=1)
+    with pytest.raises(TimeoutError, match="could not place"):
+        ray_session(2, launcher=launcher)
+    launcher.num_cpus = 1
+    with pytest.raises(RuntimeError, match="starts its workers once"):
+        ray_session(2, launcher=launcher)
+    assert wait_for(live_groups, 5.0) == []
+
+
+@pytest.mark.parametrize("bad", [{"num_cpus": -1}, {"num_gpus": math.nan},
+                                 {"num_cpus": math.inf}, {"resources": {"n1": -1}},
+                                 {"resources": {"n1": "1"}}])
+def test_a_negative_or_infinite_resource_is_refused_before_ray_sees_it(bad: dict[str, Any]
+                                                                      ) -> None:
+    """Ray took a negative resource into a placement group; removing it then aborted the
+    node's raylet (a failed check), and the node was lost with all it ran."""
+    with pytest.raises(ValueError, match="must be a finite number >= 0"):
+        RayLauncher(**bad)
+
+
+def test_a_stop_with_the_cluster_gone_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the cluster's GCS gone, removing a placement group waits for good: a close (and
+    the WorkerDied of a death, which closes) hung until Ray's driver ended itself. The
+    removal is a Ray call; here it never returns, as it did then."""
+    import unison.launch.ray as ray_launch
+
+    never = threading.Event()
+    monkeypatch.setattr(ray_launch, "remove_placement_group", lambda pg: never.wait())
+    monkeypatch.setattr(ray_launch, "_LET_GO_S", 0.5)
+    launcher = RayLauncher()
+    launcher.groups = [object()]
+    start = time.monotonic()
+    launcher.stop(grace=0)
+    assert time.monotonic() - start < 2.0
+    never.set()
+
+
+def test_a_killed_actor_process_is_not_said_to_be_a_lost_node(
+    ray_cluster: RayCluster, ray_session: Callable[..., unison.Session]
+) -> None:
+    """Ray's text for an actor whose process died speaks of "the OOMing node": read as a
+    node's death, the WorkerDied said "its node died or was removed" of a node alive."""
+    sess = ray_session(2, launcher=RayLauncher(resources={"n2": 1}, placement_timeout=30))
+    launcher = sess._res.launcher
+    assert isinstance(launcher, RayLauncher)
+    os.kill(psutil.Process(launcher.where[1][2]).ppid(), signal.SIGKILL)
+    with pytest.raises(unison.WorkerDied) as err:
+        sess.run(noop, timeout=20)
+    assert "its node died" not in str(err.value), str(err.value)
+    assert err.value.worker == 1
 
 
 def test_worker_exit_reports_status_and_node(

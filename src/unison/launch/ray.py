@@ -23,6 +23,7 @@ started because none was running, stays up after the session (``ray.shutdown()``
 from __future__ import annotations
 
 import collections
+import math
 import os
 import secrets
 import subprocess
@@ -42,6 +43,7 @@ except ImportError as exc:  # pragma: no cover - ray is an extra
     ) from exc
 
 from unison._fdwait import readable
+from unison.errors import start_timed_out
 from unison.launch import DeathReport, Launcher, Network, connect_command
 from unison.spec import WorkerSpec
 
@@ -57,6 +59,9 @@ _ANSWER_S = 0.5
 """How long death() and stop() wait for an actor to answer: its worker's connection has
 closed, so a live actor answers in milliseconds; one that does not is most likely gone with
 its node (Ray itself can take seconds to say so)."""
+_LET_GO_S = 5.0
+"""How long stop() waits for Ray to kill the actors and remove the placement groups (each a
+call to its GCS, milliseconds; a GCS that is gone would hold it for good)."""
 _ENDED_EVERY = 0.05
 """ended() asks Ray at most this often (it is polled; the TCP connection is the main signal)."""
 
@@ -224,6 +229,15 @@ class RayLauncher(Launcher):
         group_strategy: str = "STRICT_PACK",
         nice: int | None = None,
     ) -> None:
+        for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus),
+                            *(("resources[" + repr(k) + "]", v)
+                              for k, v in (resources or {}).items())):
+            # (Ray takes a negative one into a placement group, then its raylet aborts on
+            # removing it: the node, and all it ran, is lost)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not 0 <= value < math.inf):
+                raise ValueError(f"RayLauncher's {name} must be a finite number >= 0, got "
+                                 f"{value!r}")
         self.address = address
         self.nice = os.getpriority(os.PRIO_PROCESS, 0) if nice is None else nice
         """The workers' niceness (see the class docstring); set by unison.worker.set_niceness."""
@@ -300,16 +314,16 @@ class RayLauncher(Launcher):
         """One placement group per unison group (or one for the session), ready; once."""
         if self.groups:
             return
+        if self.stopped:  # (a session that failed to open with it: stop() came and went,
+            # so groups placed now would stay for the driver's life)
+            raise RuntimeError("a RayLauncher starts its workers once: make a new one")
         if not ray.is_initialized():
             ray.init(address=self.address, **self.ray_init_kwargs)
         try:
             self._place_groups(n, num_groups)
         except BaseException:
             for pg in self.groups:
-                try:
-                    remove_placement_group(pg)
-                except Exception:
-                    pass
+                _removed(pg)
             self.groups = []
             raise
 
@@ -321,10 +335,17 @@ class RayLauncher(Launcher):
         counts = [size] * num_groups if num_groups > 1 else [n]
         self.groups = [placement_group([dict(bundle)] * c, strategy=strategy) for c in counts]
         pending = [pg.ready() for pg in self.groups]
-        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=self.placement_timeout)
+        wait, start_cut = self._limit(self.placement_timeout)
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=wait)
         if len(ready) < len(pending):
+            if start_cut:
+                raise TimeoutError(start_timed_out(list(range(n))) + " (Ray was still "
+                                   "placing them)")
             per = f"{size} bundles of {bundle} on one node ({strategy})" if num_groups > 1 \
                 else f"{n} bundles of {bundle} ({strategy})"
+            for pg in self.groups:  # first: what they hold is not "available" to them
+                _removed(pg)
+            self.groups = []
             raise TimeoutError(
                 f"Ray could not place the session's {n} workers within "
                 f"{self.placement_timeout:g} s: {len(pending) - len(ready)} of "
@@ -332,6 +353,14 @@ class RayLauncher(Launcher):
                 f"{_available()}"
             )
         ray.get(ready)
+
+    def _limit(self, seconds: float) -> tuple[float, bool]:
+        """``seconds``, or what is left to the session's start deadline where that is less;
+        and whether the deadline is what cut it."""
+        if self.start_deadline is None:
+            return seconds, False
+        left = max(0.0, self.start_deadline - time.monotonic())
+        return min(seconds, left), left < seconds
 
     def _start(self, specs: Sequence[WorkerSpec], env: Mapping[int, Mapping[str, str]]) -> None:
         n = len(specs)
@@ -356,10 +385,13 @@ class RayLauncher(Launcher):
             worker_env = {**adds, **{str(k): str(v) for k, v in env.get(rank, {}).items()}}
             calls.append(actor.start.remote(argv, worker_env))
         # actors start fresh Python processes: give them the placement timeout too
-        limit = self.placement_timeout + _CALL_GRACE
+        limit, start_cut = self._limit(self.placement_timeout + _CALL_GRACE)
         try:
             results = ray.get(calls, timeout=limit)
         except ray.exceptions.GetTimeoutError:
+            if start_cut:
+                raise TimeoutError(start_timed_out(list(range(n))) + " (their Ray actors "
+                                   "were still starting)") from None
             raise TimeoutError(f"the session's Ray actors did not start their workers within "
                                f"{limit:g} s") from None
         for rank, result in enumerate(results):
@@ -448,16 +480,23 @@ class RayLauncher(Launcher):
                 ray.wait(kills, num_returns=len(kills), timeout=_ANSWER_S)
         except Exception:
             pass  # dead actors, a lost cluster: kill what can be killed below
-        for actor in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:
-                pass
-        for pg in self.groups:
-            try:
-                remove_placement_group(pg)
-            except Exception:
-                pass
+        actors, groups = self.actors, self.groups
+
+        def let_go() -> None:
+            for actor in actors:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:
+                    pass
+            for pg in groups:
+                _removed(pg)
+
+        # on a thread, waited for a while: with the cluster's GCS gone, removing a placement
+        # group waits for it for good (Ray's driver ends itself some 60 s later), and a
+        # close, the WorkerDied that follows a death, hung with it
+        going = threading.Thread(target=let_go, daemon=True, name="unison-ray-stop")
+        going.start()
+        going.join(_LET_GO_S)
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -473,16 +512,29 @@ class RayLauncher(Launcher):
         cause = " ".join(str(exc).split())
         where = self.where.get(rank)
         node = f" on node {where[0]} (Ray node {where[1][:12]})" if where is not None else ""
-        lowered = cause.lower()
-        if "node" in lowered and ("died" in lowered or "dead" in lowered or "removed" in lowered):
+        # Ray's own cause (its GCS's texts): "... because its node has died. Node Id: ...",
+        # or "... because its worker process has died ..." (whose text goes on about "the
+        # OOMing node", so no looser test of the words "node" and "died" will do)
+        if "because its node has died" in cause:
             why = "its node died or was removed"
+        elif "killed by `ray.kill`" in cause:
+            why = "its actor was killed (ray.kill)"
         else:
             why = "the actor's process ended"
         return f"its Ray actor died{node}: {why} (Ray: {cause[:300]})"
 
 
-def _available() -> str:
+def _removed(pg: Any) -> None:
     try:
-        return str(_RAY.available_resources())
+        remove_placement_group(pg)
+    except Exception:
+        pass
+
+
+def _available() -> str:
+    """What the cluster has free, less the placement groups' own resource names."""
+    try:
+        free = _RAY.available_resources()
     except Exception:
         return "unknown"
+    return str({k: v for k, v in free.items() if "_group_" not in k})

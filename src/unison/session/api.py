@@ -258,6 +258,7 @@ class Session(View):
             raise ValueError(f"hang_timeout must be a number of seconds > 0, got {hang_timeout}")
         open_std_fds()  # before any fd of ours: none may take the number of a closed one
         the_launcher = create_launcher(launcher)
+        the_launcher.start_deadline = start_deadline  # (it may place the workers first)
         cpus = checks.cpu_plan(num_workers, cpu_affinity, children=the_launcher.children,
                                inline=inline_worker0)
         spread = cpu_affinity is None  # unison.placement's policy: held only while calm
