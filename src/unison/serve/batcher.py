@@ -156,10 +156,12 @@ class Batcher:
 
     def withdraw(self, job: Job) -> None:
         """The job's client went away: its rows not yet in a batch leave the queue now (their
-        room is free again); those in a batch are computed and dropped. Nothing if answered."""
+        room is free again); those in a batch are computed and dropped; its handler gets
+        APIError 499. Nothing if answered."""
         if job.future.done():
             return
-        job.future.cancel()
+        job.future.set_exception(APIError(499, "the client closed the connection before its "
+                                               "answer", code="client_closed"))
         self._queued -= len(job) - job.sent
         job.sent = len(job)  # (the batch task pops it from the queue as it comes)
         self.metrics.queue.set(self._queued)
