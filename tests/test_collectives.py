@@ -604,7 +604,8 @@ def half_means(torch_tensor: bool) -> list[Any]:
 
         t = torch.full((4,), 60000.0, dtype=torch.float16)
         return [unison.allreduce(t, "mean").tolist(), str(unison.allreduce(t, "mean").dtype)]
-    big = np.full((20_000,), 60000, np.float16)  # past a slot: reduced in rounds
+    big = np.full((9_000_000,), 60000, np.float16)  # past a slot (32 MiB) once float32:
+    # reduced in rounds
     return [unison.allreduce(x, "mean").tolist(), str(unison.allreduce(x, "mean").dtype),
             unison.reduce_scatter(x, "mean").tolist(),
             bool(np.isfinite(unison.allreduce(big, "mean")).all()),

@@ -94,10 +94,11 @@ def test_every_rank_raises_naming_both_operations(shared, specs, names):
     assert sess.run(allreduce_ranks, timeout=QUICK) == [[3.0], [3.0]]  # still usable
 
 
-def mean_of(dtypes: list[str]) -> tuple[str, str]:
-    """Rank r's mean of four ones of dtypes[r]; as ``mismatched``."""
+def mean_of(kind: str, dtypes: list[str], n: int) -> tuple[str, str]:
+    """Rank r's mean (allreduce or reduce_scatter) of n ones of dtypes[r]; as
+    ``mismatched``."""
     try:
-        got = unison.allreduce(np.ones(4, dtypes[unison.rank()]), "mean")
+        got = getattr(unison, kind)(np.ones(n, dtypes[unison.rank()]), "mean")
         return "ok", str(got.dtype)
     except CollectiveError as exc:
         return "CollectiveError", str(exc)
@@ -105,12 +106,16 @@ def mean_of(dtypes: list[str]) -> tuple[str, str]:
 
 @pytest.mark.parametrize("dtypes", [["int32", "int64"], ["float16", "float32"],
                                     ["int64", "float64"]])
-def test_a_mean_of_another_dtype_on_a_peer_raises(shared, dtypes):
+@pytest.mark.parametrize(("kind", "n"), [("allreduce", 4), ("reduce_scatter", 4),
+                                         ("reduce_scatter", 4_300_000)],
+                         ids=["allreduce", "reduce_scatter", "reduce_scatter-rounds"])
+def test_a_mean_of_another_dtype_on_a_peer_raises(shared, dtypes, kind, n):
     """A mean converts what it sums (integers to float64, float16 to float32): the signature
     was taken after, so ranks of different dtypes looked alike and were reduced together,
-    each getting a mean of its own dtype."""
+    each getting a mean of its own dtype (a reduce_scatter past a slot, 32 MiB once
+    converted, goes through allreduce's rounds: the signature must go with it)."""
     sess = shared(2)
-    got = sess.run(mean_of, dtypes, timeout=QUICK)
+    got = sess.run(mean_of, kind, dtypes, n, timeout=QUICK)
     assert [kind for kind, _ in got] == ["CollectiveError"] * 2, got
     assert all("another shape or dtype" in message for _, message in got), got
     assert sess.run(allreduce_ranks, timeout=QUICK) == [[3.0], [3.0]]  # still usable

@@ -649,14 +649,17 @@ class ShmCollectives(CallScope, Collectives):
         self._small[op, x.dtype, x.shape, group] = plan
         return plan
 
-    def _allreduce(self, x: Any, op: str, group: bool, desc: int, dest: Any = None) -> Any:
+    def _allreduce(self, x: Any, op: str, group: bool, desc: int, dest: Any = None,
+                   sig: int | None = None) -> Any:
         """``dest``: allreduce's out=, written in place where it fits (else the caller
-        copies the result into it)."""
+        copies the result into it). ``sig``: the signature to check, where the caller
+        converted its input (reduce_scatter's mean)."""
         arr, restore = _as_array(x)
         _check_reducible(arr, "allreduce")
         ufunc = _ufunc(op)
         which, ranks = self.scope(group)
-        sig = array_signature(arr)  # (the input's: a peer's of another dtype must not pass)
+        if sig is None:  # (the input's, before a mean converts it: a peer's of another
+            sig = array_signature(arr)  # dtype must not pass)
         back = None
         if op == "mean":
             arr, back = _mean_input(arr)
@@ -769,7 +772,7 @@ class ShmCollectives(CallScope, Collectives):
         if arr.ndim == 0:
             raise ValueError("reduce_scatter needs an array with a first axis to split")
         if arr.nbytes > SLOT:
-            full = self._allreduce(arr, "sum" if op == "mean" else op, group, desc)
+            full = self._allreduce(arr, "sum" if op == "mean" else op, group, desc, sig=sig)
             part = np.array_split(full, len(ranks))[ranks.index(self.rank)]
             if op != "mean":
                 return restore(part.copy())
