@@ -15,6 +15,7 @@ skip_without("demo")
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -259,18 +260,51 @@ def test_a_long_texts_tokens_come_from_its_start_alone(folder: Path, st_model: A
 
 
 def test_a_cut_before_any_unicode_mark_keeps_the_ids(folder: Path, st_model: Any) -> None:
-    """Each character beyond ASCII that a long text may be cut before (a punctuation mark
-    or a space separator), checked against sentence-transformers' tokenizer: a cut before
-    one the Rust library's tables join to a word would change the ids at the cut."""
+    """Each character beyond ASCII that a long text may be cut before (a punctuation mark, a
+    space separator, a CJK ideograph at each end of each range), checked against
+    sentence-transformers' tokenizer where it matters: the word it ends is the 254th token,
+    the last one kept. A cut before a character that the Rust library's tables join to a
+    word would change that token. (A review found the first version of this test blind, its
+    cuts far past token 254, and U+2B820-U+2B91F taken for ideographs.)"""
     from unison.demo.tokenize import _unicode_classes
 
     tok = Tokenizer(folder, load_config(folder).max_seq_length)
     marks = _unicode_classes()[0]
     assert len(marks) > 300 and "\u3001" in marks and "\u00a0" in marks
-    texts = [("wörd" + c) * 2000 for c in marks]
-    assert all(len(tok._head(t)) < len(t) for t in texts)
-    assert tok.encode(texts) == st_model.tokenizer(texts, truncation=True,
-                                                  max_length=256)["input_ids"]
+    ideographs = [chr(c) for c in (0x3400, 0x4DBF, 0x4E00, 0x9FFF, 0xF900, 0xFAFF, 0x20000,
+                                   0x2A6DF, 0x2A700, 0x2B73F, 0x2B740, 0x2B81F, 0x2B920,
+                                   0x2CEAF, 0x2F800, 0x2FA1F)]
+    filler = " ".join(["q" * 101] * 60) + " " + "the " * 193  # 253 tokens: 60 [UNK], 193
+    assert len(tok.encode([filler])[0]) == 253 + 2
+    for c in [*marks, *ideographs, "\U0002b820", "\U0002b91f"]:  # (the last two join)
+        text = filler + "abc" + c + "def" + "x" * 3000
+        assert tok.encode([text]) == st_model.tokenizer([text], truncation=True,
+                                                        max_length=256)["input_ids"], hex(ord(c))
+
+
+def test_every_cut_point_splits_and_every_run_letter_stays_whole(folder: Path) -> None:
+    """Every character a long text may be cut before, through the model's own normalizer
+    and pre-tokenizer: a word ends there. Every character a long run's middle may be
+    dropped from: it stays in its word, and the normalizer keeps it."""
+    from unison.demo.tokenize import _unicode_classes
+
+    tok = Tokenizer(folder, load_config(folder).max_seq_length)
+    boundary, _ = tok._make_cuts()
+    letters = re.compile("[" + _unicode_classes()[1] + "]")
+    norm, pre = tok._tok.normalizer, tok._tok.pre_tokenizer
+
+    def words(c: str) -> list[str]:
+        return [w for w, _ in pre.pre_tokenize_str(norm.normalize_str("a" + c + "b"))]
+
+    cut_joins = [hex(cp) for cp in [*range(0x20, 0xD800), *range(0xE000, 0x10000),
+                                    *range(0x20000, 0x30000)]
+                 if boundary.fullmatch(chr(cp))
+                 and any("a" in w and "b" in w for w in words(chr(cp)))]
+    assert not cut_joins, cut_joins
+    run_splits = [hex(cp) for cp in [*range(0x30, 0xD800), *range(0xE000, 0x10000)]
+                  if letters.fullmatch(chr(cp))
+                  and (len(words(chr(cp))) != 1 or not norm.normalize_str(chr(cp)))]
+    assert not run_splits, run_splits
 
 
 class _Spy:

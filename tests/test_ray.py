@@ -329,6 +329,12 @@ def test_a_negative_or_infinite_resource_is_refused_before_ray_sees_it(bad: dict
         RayLauncher(**bad)
 
 
+def test_numpy_amounts_are_taken_as_numbers() -> None:
+    launcher = RayLauncher(num_cpus=np.int64(2), num_gpus=np.float32(0.5),
+                           resources={"n1": np.int32(1)})
+    assert (launcher.num_cpus, launcher.num_gpus, launcher.resources) == (2.0, 0.5, {"n1": 1.0})
+
+
 def test_a_stop_with_the_cluster_gone_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the cluster's GCS gone, removing a placement group waits for good: a close (and
     the WorkerDied of a death, which closes) hung until Ray's driver ended itself. The

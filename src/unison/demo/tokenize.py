@@ -28,9 +28,10 @@ normalizer drops control characters (vertical tab, form feed, U+001C), which the
 words beside them. Less those inside an added token (the "]" of "[MASK]"), which is
 matched in the raw text first: a cut there would split it. Beyond ASCII: ``_unicode_classes``."""
 _CJK = ("\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002b73f"
-        "\U0002b740-\U0002b81f\U0002b820-\U0002ceaf\U0002f800-\U0002fa1f")
+        "\U0002b740-\U0002b81f\U0002b920-\U0002ceaf\U0002f800-\U0002fa1f")
 """The ranges BERT's normalizer sets apart with a space on each side (a word each), by code
-point, assigned or not: the same in every Unicode version."""
+point, assigned or not, as the tokenizers library's own table has them (its Extension E
+starts at U+2B920: the 256 code points before it join the words beside them)."""
 _RUN = 1024
 _RUN_EDGE = 64
 """A run of letters and digits (``_unicode_classes``) this long, or the ``2 * _RUN_EDGE``

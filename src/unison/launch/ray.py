@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import math
+import numbers
 import os
 import secrets
 import subprocess
@@ -229,15 +230,10 @@ class RayLauncher(Launcher):
         group_strategy: str = "STRICT_PACK",
         nice: int | None = None,
     ) -> None:
-        for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus),
-                            *(("resources[" + repr(k) + "]", v)
-                              for k, v in (resources or {}).items())):
-            # (Ray takes a negative one into a placement group, then its raylet aborts on
-            # removing it: the node, and all it ran, is lost)
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not 0 <= value < math.inf):
-                raise ValueError(f"RayLauncher's {name} must be a finite number >= 0, got "
-                                 f"{value!r}")
+        # checked here: Ray takes a negative amount into a placement group, then its raylet
+        # aborts on removing it (the node, and all it ran, is lost)
+        num_cpus, num_gpus = _amount("num_cpus", num_cpus), _amount("num_gpus", num_gpus)
+        resources = {k: _amount(f"resources[{k!r}]", v) for k, v in (resources or {}).items()}
         self.address = address
         self.nice = os.getpriority(os.PRIO_PROCESS, 0) if nice is None else nice
         """The workers' niceness (see the class docstring); set by unison.worker.set_niceness."""
@@ -522,6 +518,15 @@ class RayLauncher(Launcher):
         else:
             why = "the actor's process ended"
         return f"its Ray actor died{node}: {why} (Ray: {cause[:300]})"
+
+
+def _amount(name: str, value: object) -> float:
+    """A resource amount as a float (a numpy number too, which Ray's own checks refuse);
+    ValueError unless it is a finite number >= 0."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not 0 <= float(value) < math.inf):
+        raise ValueError(f"RayLauncher's {name} must be a finite number >= 0, got {value!r}")
+    return float(value)
 
 
 def _removed(pg: Any) -> None:

@@ -12,8 +12,8 @@ shutdown, drains it and closes the workers.
                            [pids], "restarts": n, "queue": inputs waiting, "in_flight":
                            embedding requests being answered, "batch_seconds": how long the
                            batch in the model has run (null: none; past "batch_timeout" it
-                           fails and the workers are replaced), ...}; HTTP 200 when ok, else
-                           503
+                           fails with 503, and unison's workers are replaced), ...}; HTTP 200
+                           when ok, else 503
     GET  /metrics         Prometheus text (metrics.py)
 
 /health and /metrics read a few fields and touch neither the queue nor the workers, so they
@@ -187,7 +187,12 @@ async def _read_body(request: Request, limit: int, seconds: float) -> bytes:
         return await asyncio.wait_for(_body(request, limit), seconds)
     except asyncio.TimeoutError:  # (TimeoutError itself since 3.11)
         raise APIError(408, f"the request body did not all arrive within {seconds:g} s "
-                            "(--body-timeout)", code="body_timeout") from None
+                            "(--body-timeout)", code="body_timeout", headers=_CLOSE) from None
+
+
+_CLOSE = {"Connection": "close"}
+"""For an answer given before the whole body came: the rest of it, arriving later on a
+kept-alive connection, would be read as the next request (uvicorn's bare text 400)."""
 
 
 async def _body(request: Request, limit: int) -> bytes:
@@ -198,7 +203,7 @@ async def _body(request: Request, limit: int) -> bytes:
             size += len(chunk)
             if size > limit:
                 raise APIError(413, f"the request body passed {limit} bytes (--max-body-mb)",
-                               code="body_too_large")
+                               code="body_too_large", headers=_CLOSE)
             chunks.append(chunk)
     except ClientDisconnect:
         raise APIError(400, "the client went away before sending the whole body") from None
