@@ -49,6 +49,7 @@ in the middle of sending a reply ends when the kernel gives up retransmitting (m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -95,11 +96,14 @@ MAX_FRAME = 1 << 32
 """The largest payload or buffer a frame may carry (bytes); larger is malformed."""
 _MAX_BUFFERS = 1 << 16
 _HELLO = struct.Struct("<iq")  # rank wanted (-1: any), pid; then the host name
+_OFFER_S = 8.0
+"""How long a worker that proved itself waits, in its handshake, for the session to offer
+it its part (the session listens before it has made its collectives: a second with torch's)."""
 _HANDSHAKE_S = 5.0
+"""How long a peer has to pass the handshake before it is dropped."""
 _LET_GO_S = 2.0
 """How long close() waits for a thread still reading the connections to let go of them
 (woken, it does at once)."""
-"""How long a peer has to pass the handshake before it is dropped."""
 _CHUNK = 1 << 20
 _SMALL = 1 << 16  # a frame this small is joined to its head and sent in one call
 _DRAIN_EVERY = 1024
@@ -210,6 +214,13 @@ class TcpChannel(Channel):
         self._peers: list[_Peer | None] = [None] * num_workers
         self._claimed: set[int] = set()
         self._lock = threading.Lock()
+        self._offered = threading.Condition(self._lock)
+        """Notified at each offer (and at close): a worker that joined before its part was
+        offered waits for it (``_claim``)."""
+        self._handshakes: dict[socket.socket, float] = {}
+        """Connections in their handshake, and when it must be done (the accept loop shuts
+        down those past it, and close all): a read timeout alone let a peer that sends a
+        byte every few seconds hold one for minutes."""
         self._why: dict[int, str] = {}
         self._watch: list[int] = []
         self._closed = False
@@ -279,7 +290,9 @@ class TcpChannel(Channel):
         init is offered."""
         if fds:
             self._fds[rank] = list(fds)
-        self._specs[rank] = init
+        with self._offered:
+            self._specs[rank] = init
+            self._offered.notify_all()
 
     def endpoint(self, rank: int) -> tuple[dict[str, Any], list[int]]:
         spec = {"kind": "tcp", "address": self.address, "secret": self._secret.hex(),
@@ -297,14 +310,26 @@ class TcpChannel(Channel):
             try:
                 listeners = {s.fileno(): s for s in (self._listener, self._unix)
                              if s is not None}
-                ready = readable(list(listeners), 1.0)
+                ready = readable(list(listeners), 0.5)
+                self._end_handshakes(time.monotonic())
                 if not ready:
                     continue
                 sock, addr = listeners[ready[0]].accept()
             except (OSError, ValueError):
                 continue  # closed under us (the loop's test ends it), or a failed accept
+            with self._lock:
+                self._handshakes[sock] = time.monotonic() + _HANDSHAKE_S
             threading.Thread(target=self._admit, args=(sock, addr), daemon=True,
                              name="unison-tcp-handshake").start()
+
+    def _end_handshakes(self, before: float) -> None:
+        """Shut down the connections whose handshake is due before ``before``: the reads
+        of their handshake thread end at once."""
+        with self._lock:
+            late = [sock for sock, due in self._handshakes.items() if due <= before]
+        for sock in late:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def _admit(self, sock: socket.socket, addr: Any) -> None:
         """Handshake with one caller; a worker that passes joins, anything else is dropped."""
@@ -323,6 +348,8 @@ class TcpChannel(Channel):
                     raise ValueError("a short hello")
                 wanted, pid = _HELLO.unpack_from(hello)
                 host = bytes(hello[_HELLO.size:]).decode("utf-8", "replace")
+                with self._lock:  # a worker: it may wait for its part to be offered
+                    self._handshakes[sock] = time.monotonic() + _OFFER_S + _HANDSHAKE_S
                 rank, refusal = self._claim(wanted, unix)
                 if refusal:
                     conn.send_bytes(pickle.dumps(("refused", refusal)))
@@ -352,6 +379,9 @@ class TcpChannel(Channel):
             log.warning("unison: dropped a connection from %s: %s: %s", addr,
                         type(exc).__name__, exc or "the peer failed the handshake")
             sock.close()
+        finally:
+            with self._lock:
+                self._handshakes.pop(sock, None)
 
     def _admit_local(self, rank: int, sock: socket.socket) -> None:
         """A worker on this host: hand it the fds of its shared memory, keep the connection
@@ -369,30 +399,52 @@ class TcpChannel(Channel):
         log.debug("worker %d joined on this host (pid %d)", rank, pid)
 
     def _claim(self, wanted: int, unix: bool = False) -> tuple[int, str]:
-        with self._lock:
-            if wanted >= 0:
-                if wanted >= self.n:
-                    return -1, (f"rank {wanted} is out of range: the session has {self.n} "
-                                f"workers (ranks 0 to {self.n - 1}); pass one of those to --rank")
-                if (wanted in self._local) != unix:
-                    return -1, (f"rank {wanted} runs on the controller's host and joins over "
-                                "its Unix socket (--unix)" if not unix else
-                                f"rank {wanted} joins over TCP, not the Unix socket")
-                if wanted in self._claimed:
-                    return -1, (f"rank {wanted} has joined already: start this worker with "
-                                "another --rank, or without one (the first free rank)")
-                if self._specs[wanted] is None:
-                    return -1, ("the session is not ready for its workers yet: start the "
-                                "worker again once the controller has printed its address")
-                self._claimed.add(wanted)
-                return wanted, ""
-            for r in range(self.n):
-                if (r not in self._claimed and self._specs[r] is not None
-                        and (r in self._local) == unix):
+        """A rank for a worker that proved it holds the secret, and "", or -1 and why not.
+        One that joined before its part was offered (a worker started before the session,
+        retrying its connect, comes in while the session still makes its collectives) waits
+        for the offer, up to _OFFER_S: refused then, it was told the session was full."""
+        deadline = time.monotonic() + _OFFER_S
+        with self._offered:
+            while True:
+                rank, refusal, final = self._claim_now(wanted, unix)
+                left = deadline - time.monotonic()
+                if final or left <= 0 or self._closed:
+                    return rank, refusal
+                self._offered.wait(left)
+
+    def _claim_now(self, wanted: int, unix: bool) -> tuple[int, str, bool]:
+        """``_claim``'s look (the lock held), and whether its answer is final (False: wait
+        for an offer)."""
+        if wanted >= 0:
+            if wanted >= self.n:
+                return -1, (f"rank {wanted} is out of range: the session has {self.n} "
+                            f"workers (ranks 0 to {self.n - 1}); pass one of those to --rank"), True
+            if (wanted in self._local) != unix:
+                return -1, (f"rank {wanted} runs on the controller's host and joins over "
+                            "its Unix socket (--unix)" if not unix else
+                            f"rank {wanted} joins over TCP, not the Unix socket"), True
+            if wanted in self._claimed:
+                return -1, (f"rank {wanted} has joined already: start this worker with "
+                            "another --rank, or without one (the first free rank)"), True
+            if self._specs[wanted] is None:
+                return -1, (f"the session did not get ready for its workers within "
+                            f"{_OFFER_S:g} s of this one joining: start it again once the "
+                            "controller has printed its address"), False
+            self._claimed.add(wanted)
+            return wanted, "", True
+        waiting = False
+        for r in range(self.n):
+            if r not in self._claimed and (r in self._local) == unix:
+                if self._specs[r] is not None:
                     self._claimed.add(r)
-                    return r, ""
-            return -1, (f"all {self.n} workers of the session have joined: this one is one "
-                        "too many (open the session with more workers to use it)")
+                    return r, "", True
+                waiting = True
+        if waiting:
+            return -1, (f"the session did not get ready for its workers within {_OFFER_S:g} "
+                        "s of this one joining: start it again once the controller has "
+                        "printed its address"), False
+        return -1, (f"all {self.n} workers of the session have joined: this one is one "
+                    "too many (open the session with more workers to use it)"), True
 
     def ended(self) -> int | None:
         """A worker whose connection broke or closed, if any (for the session's report)."""
@@ -795,6 +847,8 @@ class TcpChannel(Channel):
             if self._closed:
                 return
             self._closed = True
+            self._offered.notify_all()
+        self._end_handshakes(math.inf)  # (their threads end at once)
         self._stop.set()
         if self._beater is not threading.current_thread():
             self._beater.join(timeout=2.0)
@@ -924,6 +978,17 @@ def _whole_frame(buf: bytearray, k: int, incarnation: int) -> int:
 # -- the worker's end ------------------------------------------------------------------------
 
 
+def _handshake_broke(address: str, exc: BaseException) -> str:
+    """Why a handshake that proved nothing ended: not the secret (that is
+    AuthenticationError's), but a controller that did not answer, or went."""
+    if isinstance(exc, (TimeoutError, BlockingIOError)):  # (SO_RCVTIMEO: EAGAIN)
+        return (f"the controller at {address} did not answer within {_HANDSHAKE_S * 2:g} s "
+                f"of the handshake (is it stopped, or is that port another program's?)")
+    return (f"the controller at {address} closed the connection during the handshake: its "
+            "session closed or timed out starting, or it died; or that port is not a unison "
+            f"session's ({exc or type(exc).__name__})")
+
+
 class Refused(RuntimeError):
     """The controller would not take this worker (its rank is taken, out of range, ...)."""
 
@@ -972,12 +1037,18 @@ def dial(address: str, secret: bytes, rank: int = -1, timeout: float = 60.0,
             try:
                 answer_challenge(conn, secret)
                 deliver_challenge(conn, secret)
-            except (AuthenticationError, EOFError, OSError) as exc:
+            except AuthenticationError as exc:
                 raise PermissionError(
                     f"the controller at {address} refused us: the secret does not match "
                     f"(UNISON_SECRET), or it is not a unison session ({exc})") from exc
-            conn.send_bytes(_HELLO.pack(rank, os.getpid()) + socket.gethostname().encode()[:128])
-            answer = pickle.loads(conn.recv_bytes(MAX_FRAME))  # the controller proved itself
+            except (EOFError, OSError) as exc:
+                raise ConnectionError(_handshake_broke(address, exc)) from exc
+            try:
+                conn.send_bytes(_HELLO.pack(rank, os.getpid())
+                                + socket.gethostname().encode()[:128])
+                answer = pickle.loads(conn.recv_bytes(MAX_FRAME))  # (it proved itself)
+            except (EOFError, OSError) as exc:
+                raise ConnectionError(_handshake_broke(address, exc)) from exc
         finally:
             conn.close()
         if answer[0] != "welcome":

@@ -321,4 +321,7 @@ def _torch_store(bind: str) -> Any:
     except ImportError as exc:
         raise ImportError("collectives='torch' needs torch on the controller too: "
                           "pip install 'unison[torch]'") from exc
-    return TCPStore(bind, 0, None, True, wait_for_workers=False)
+    # "" binds every interface for a socket, but the store's own client cannot resolve it
+    # and retried for torch's 300 s (past the session's start_timeout)
+    host = {"": "0.0.0.0"}.get(bind, bind)
+    return TCPStore(host, 0, None, True, wait_for_workers=False)

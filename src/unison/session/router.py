@@ -531,7 +531,7 @@ class Router:
         """The deadline passed: name the wait, and where each worker that owes a reply is
         (the owner's ``_where_they_are``, bounded; absent for owners without one)."""
         ranks = self.pending(req)
-        text = start_timed_out(ranks) if during == "starting" else (
+        text = self._start_timed_out(ranks) if during == "starting" else (
             f"{during} timed out: {req.remaining} worker(s) {ranks} had not answered by "
             "the deadline. The work goes on and the Ref stays valid: wait again "
             "(get/gather/sync), or close the session.")
@@ -539,6 +539,20 @@ class Router:
         if where is not None:
             text += where(ranks)
         return TimeoutError(text)
+
+    def _start_timed_out(self, ranks: list[int]) -> str:
+        """The start's timeout; where workers join over TCP, also those that never connected,
+        and how to start them (the usual cause there: nobody started them, or they cannot
+        reach the address)."""
+        text = start_timed_out(ranks)
+        joined = getattr(self._chan, "joined", None)
+        address = getattr(self._chan, "address", "")
+        never = [] if joined is None else sorted(set(ranks) - set(joined()))
+        if never and address:
+            text += (f" Worker(s) {never} never connected to {address}: start them with "
+                     f"`unison worker --connect {address}` (UNISON_SECRET set to the session's "
+                     "secret), and check that they can reach that address.")
+        return text
 
     # -- abandoned requests keep their errors ----------------------------------------------------
 
