@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from threading import get_ident as _get_ident
 from typing import Any
 
 import numpy as np
@@ -69,12 +68,12 @@ _shm: ShmCollectives | None = None  # shared memory, where this worker has a seg
 _torch: Collectives | None = None  # torch.distributed, where the session set it up
 _on_shm = (False, False)  # (world, group): which scopes run on shared memory
 _why = ("", "")  # (world, group): why a scope has no backend, where it has none
-_inside: list[Any] = [0, ""]
-"""The thread of this worker inside a collective (0: none), and which collective: set and
-cleared around each function below, written out (a decorator's frame would cost the 4 KiB
-allreduce's hot path more than these steps). Not a lock: a Cancelled or KeyboardInterrupt
-landing between a lock's acquire and the try would leave it held, refusing every later
-collective; the store right before the try leaves no such gap (``_at_once``)."""
+_inside = [""]
+"""The collective a thread of this worker is inside ("": none): set and cleared around each
+function below, written out (a decorator's frame, or even a thread id, would cost a small
+allreduce's hot path more than these two stores). Not a lock: a Cancelled or
+KeyboardInterrupt landing between a lock's acquire and the try would leave it held, refusing
+every later collective; the store right before the try leaves no such gap (``_at_once``)."""
 _NO_MEMFD = ("this session has no shared-memory collectives: the platform lacks memfd_create "
              "(see README, Platforms); move data through the controller with put/scatter/gather")
 
@@ -225,12 +224,10 @@ def allreduce(x: Any, op: str = "sum", *, group: bool = False, out: Any = None) 
     numpy's ``out=`` do: a loop of small allreduces then makes no array per call. It may be
     x itself. A wrong one raises ValueError once the collective is done (its contents are
     then unspecified, as they are after any error)."""
-    me, owner = _get_ident(), _inside[0]
-    if owner and owner != me:
+    if _inside[0]:
         _at_once("allreduce")
-    _inside[0] = me
+    _inside[0] = "allreduce"
     try:
-        _inside[1] = "allreduce"
         if (type(x) is np.ndarray and _on_shm[group] and _trace.events is None
                 and _running[0] == _begun[0]):
             return _shm.allreduce(x, op, group, out)  # type: ignore[union-attr]  # _backend's
@@ -240,73 +237,63 @@ def allreduce(x: Any, op: str = "sum", *, group: bool = False, out: Any = None) 
         result = _backend(group, x).allreduce(x, op, group)
         return result if out is None else _into(out, result)
     finally:
-        _inside[0] = 0
+        _inside[0] = ""
 
 
 def allgather(x: Any, *, group: bool = False) -> list[Any]:
     """Every worker's x, as a list in rank order, on every worker."""
-    me, owner = _get_ident(), _inside[0]
-    if owner and owner != me:
+    if _inside[0]:
         _at_once("allgather")
-    _inside[0] = me
+    _inside[0] = "allgather"
     try:
-        _inside[1] = "allgather"
         return list(_backend(group, x).allgather(x, group))
     finally:
-        _inside[0] = 0
+        _inside[0] = ""
 
 
 def broadcast(x: Any, src: int = 0, *, group: bool = False) -> Any:
     """Worker ``src``'s x on every worker (the others' x is ignored, and may be None)."""
-    me, owner = _get_ident(), _inside[0]
-    if owner and owner != me:
+    if _inside[0]:
         _at_once("broadcast")
-    _inside[0] = me
+    _inside[0] = "broadcast"
     try:
-        _inside[1] = "broadcast"
         return _backend(group, x).broadcast(x, src, group)
     finally:
-        _inside[0] = 0
+        _inside[0] = ""
 
 
 def scatter(xs: Sequence[Any] | None, src: int = 0, *, group: bool = False) -> Any:
     """Element r of worker ``src``'s list, on worker r (the others pass None)."""
-    me, owner = _get_ident(), _inside[0]
-    if owner and owner != me:
+    if _inside[0]:
         _at_once("scatter")
-    _inside[0] = me
+    _inside[0] = "scatter"
     try:
-        _inside[1] = "scatter"
         return _backend(group, *(xs or ())).scatter(xs, src, group)
     finally:
-        _inside[0] = 0
+        _inside[0] = ""
 
 
 def gather(x: Any, dst: int = 0, *, group: bool = False) -> list[Any] | None:
     """Every worker's x, as a list in rank order, on worker ``dst``; None on the others."""
-    me, owner = _get_ident(), _inside[0]
-    if owner and owner != me:
+    if _inside[0]:
         _at_once("gather")
-    _inside[0] = me
+    _inside[0] = "gather"
     try:
-        _inside[1] = "gather"
         return _backend(group, x).gather(x, dst, group)
     finally:
-        _inside[0] = 0
+        _inside[0] = ""
 
 
 def reduce_scatter(x: Any, op: str = "sum", *, group: bool = False) -> Any:
     """Share r (``np.array_split`` along axis 0) of the reduction, on worker r."""
-    me, owner = _get_ident(), _inside[0]
-    if owner and owner != me:
+    if _inside[0]:
         _at_once("reduce_scatter")
-    _inside[0] = me
+    _inside[0] = "reduce_scatter"
     try:
-        _inside[1] = "reduce_scatter"
         _refuse_masked(x, "reduce_scatter")
         return _backend(group, x).reduce_scatter(x, op, group)
     finally:
-        _inside[0] = 0
+        _inside[0] = ""
 
 
 def _at_once(name: str) -> None:
@@ -315,7 +302,7 @@ def _at_once(name: str) -> None:
     is chance), or write one message slot twice: wrong results with no error."""
     raise RuntimeError(
         f"a thread of this worker called {name} while another of its threads is inside "
-        f"{_inside[1]}: a worker's collectives (send and recv too) run one at a time, in the "
+        f"{_inside[0]}: a worker's collectives (send and recv too) run one at a time, in the "
         "same order on every worker; call them from one thread of the worker, or let a "
         "thread left inside one finish first"
     )
@@ -335,15 +322,13 @@ def _refuse_masked(x: Any, name: str) -> None:
 
 def barrier(*, group: bool = False) -> None:
     """Wait until every worker (of the group) got here."""
-    me, owner = _get_ident(), _inside[0]
-    if owner and owner != me:
+    if _inside[0]:
         _at_once("barrier")
-    _inside[0] = me
+    _inside[0] = "barrier"
     try:
-        _inside[1] = "barrier"
         _backend(group).barrier(group)
     finally:
-        _inside[0] = 0
+        _inside[0] = ""
 
 
 def send(x: Any, dst: int) -> None:
@@ -352,28 +337,24 @@ def send(x: Any, dst: int) -> None:
     of such waits, of recvs (each worker receiving first from the next), or of either with
     a collective (a worker in a recv from a peer that waits in a barrier for it), raises
     CollectiveError instead of hanging (shared-memory collectives)."""
-    me, owner = _get_ident(), _inside[0]
-    if owner and owner != me:
+    if _inside[0]:
         _at_once("send")
-    _inside[0] = me
+    _inside[0] = "send"
     try:
-        _inside[1] = "send"
         _backend(False, x).send(x, dst)
     finally:
-        _inside[0] = 0
+        _inside[0] = ""
 
 
 def recv(src: int) -> Any:
     """The next object worker ``src`` sent to this worker."""
-    me, owner = _get_ident(), _inside[0]
-    if owner and owner != me:
+    if _inside[0]:
         _at_once("recv")
-    _inside[0] = me
+    _inside[0] = "recv"
     try:
-        _inside[1] = "recv"
         return _backend(False).recv(src)
     finally:
-        _inside[0] = 0
+        _inside[0] = ""
 
 
 def send_to_next_group(x: Any) -> None:
