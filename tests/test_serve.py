@@ -780,22 +780,15 @@ def test_a_batcher_refuses_a_window_or_timeout_that_cannot_work(bad: dict[str, f
         Batcher(lambda: _SlowBackend(0.0), **args)
 
 
-class _GatedBackend:
+class _GatedBackend(_SlowBackend):
     """A model whose batches wait until the test opens ``gate``, in this process."""
 
     name = "gated"
-    broken = False
 
     def __init__(self, gate: threading.Event, hidden: int) -> None:
+        super().__init__(0.0)
         self.gate = gate
         self.hidden = hidden
-        self.pids: list[int] = []
-
-    def gone(self) -> bool:
-        return False
-
-    async def probe(self) -> None:
-        return None
 
     async def embed(self, texts: Sequence[str], tokens: Sequence[Sequence[int]]) -> np.ndarray:
         await asyncio.to_thread(self.gate.wait, 30)
