@@ -93,6 +93,15 @@ def test_a_mount_point_written_unnormalized_still_ends_the_walk(tmp_path: Path) 
     assert cgroup.quota(proc) == cgroup.Quota(1.0, str(top / "job"))
 
 
+def test_a_mount_point_with_a_space_is_read_decoded(tmp_path: Path) -> None:
+    """mountinfo writes a space in a path as \\040: taken as written, the path did not
+    exist, and the quota read as no limit."""
+    top = tmp_path / "c g"
+    v2_limit(top / "job", "50000 100000")
+    written = str(top).replace(" ", "\\040")
+    proc = fake_proc(tmp_path, "0::/job\n", [v2_mount(Path(written))])
+    assert cgroup.quota(proc) == cgroup.Quota(0.5, str(top / "job"))
+
 def test_nothing_to_read_is_no_limit(tmp_path: Path) -> None:
     assert cgroup.quota(str(tmp_path / "missing")) is None
     proc = fake_proc(tmp_path, "0::/\n", ["22 1 0:21 / /proc rw - proc proc rw"])

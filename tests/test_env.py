@@ -73,6 +73,16 @@ def test_cpu_affinity_true_pins_workers_within_the_allowed_cpus(make_session):
         assert set(cpus) <= allowed
 
 
+
+def test_cpu_affinity_true_with_inline_worker_0_pins_the_others(make_session):
+    """True named worker 0 too, which runs in the controller: the session was refused
+    ("cpu_affinity for rank 0 cannot be given"), though the user named no rank."""
+    mine = affinity()
+    sess = make_session(3, cpu_affinity=True, inline_worker0=True)
+    got = sess.run(affinity)
+    assert got[0] == mine and affinity() == mine  # the controller: untouched
+    assert all(len(cpus) == 1 and set(cpus) <= set(mine) for cpus in got[1:]), got
+
 def _threads_env() -> tuple[str | None, str | None]:
     return os.environ.get("OMP_NUM_THREADS"), os.environ.get("OPENBLAS_NUM_THREADS")
 
@@ -237,6 +247,41 @@ def test_a_closed_sessions_workers_are_no_longer_let_go(make_session, two_cpus):
     assert let_go not in crowd._on_crowd  # its pids may be another process's by now
 
 
+def pin_to(cpus: list[int]) -> list[int]:
+    os.sched_setaffinity(0, cpus)
+    return affinity()
+
+
+@needs_two_cpus
+def test_a_workers_own_cpus_stay_when_placement_lets_go(make_session, two_cpus,
+                                                         own_verdicts):
+    """A worker's own os.sched_setaffinity was overwritten at the crowded verdict (every
+    worker let go onto every CPU), and a lone worker's by its following the controller: the
+    user's choice was lost without a word. Placement now moves only what is still where it
+    put it."""
+    a, b = two_cpus
+    sess = make_session(3)
+    assert sess.run(affinity) == [[a], [b], [a]]
+    assert sess[2].run(pin_to, [b]) == [[b]]
+    crowd._crowded(time.perf_counter(), "a verdict the test gives")
+    crowd.forget()
+    assert sess.run(affinity) == [two_cpus, two_cpus, [b]]
+    sess.close()
+
+    lone = make_session(1)
+    assert lone.run(pin_to, [b]) == [[b]]
+    try:
+        crowd._crowded(time.perf_counter(), "a verdict the test gives")
+        os.sched_setaffinity(0, [a])  # the controller on a: the worker followed it there
+        crowd.look(time.perf_counter())
+        assert lone.run(affinity) == [[b]]
+    finally:
+        os.sched_setaffinity(0, two_cpus)
+        crowd.forget()
+    crowd.look(time.perf_counter())
+    assert lone.run(affinity) == [[b]]
+
+
 @needs_two_cpus
 def test_a_pid_that_changed_hands_keeps_its_cpus(two_cpus):
     """placement changes a worker's CPUs by pid, while its session is open, and a worker
@@ -247,9 +292,9 @@ def test_a_pid_that_changed_hands_keeps_its_cpus(two_cpus):
     try:
         start = _proctree.started(other.pid)
         assert start is not None
-        placement._set(other.pid, start + 1, [a])  # as if another process had its pid
-        assert sorted(os.sched_getaffinity(other.pid)) == two_cpus
-        placement._set(other.pid, start, [a])
+        placement._set(other.pid, start + 1, [a], expect=two_cpus)  # as if another
+        assert sorted(os.sched_getaffinity(other.pid)) == two_cpus  # process had its pid
+        placement._set(other.pid, start, [a], expect=two_cpus)
         assert sorted(os.sched_getaffinity(other.pid)) == [a]
     finally:
         other.kill()

@@ -347,3 +347,41 @@ def test_an_arena_that_cannot_map_its_file_closes_it(monkeypatch) -> None:
     with pytest.raises(KeyboardInterrupt):
         arena.Arena("unison-test-arena", 2)
     assert _fds() == before
+
+
+def module_file(name: str) -> str:
+    import importlib
+
+    return str(importlib.import_module(name).__file__)
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["own-interpreter", "forked"])
+def test_the_workers_sys_path_keeps_the_controllers_order(make_session, tmp_path,
+                                                           monkeypatch, n) -> None:
+    """A folder the controller appended (behind the stdlib) went in front of the stdlib on
+    the workers: a module of a stdlib name in it was another file there."""
+    (tmp_path / "colorsys.py").write_text("SHADOW = True\n")
+    monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path)])
+    sess = make_session(n)
+    assert sess.run(module_file, "colorsys") == [module_file("colorsys")] * n
+    assert not module_file("colorsys").startswith(str(tmp_path))
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_relay_thread_that_cannot_start_fails_the_start_cleanly(monkeypatch, n) -> None:
+    """Threads count against a limit on processes: where the output relay's could not
+    start, the start raised "cannot join thread before it is started" (the real error its
+    context), warned of a relay stuck in a handler, and left the workers' pipes, the wake
+    pipe and the selector open. (The leak check after each test counts them.)"""
+    import threading
+
+    start = threading.Thread.start
+
+    def refused(self: threading.Thread) -> None:
+        if self.name == "unison-output":
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        unison.Session(n)

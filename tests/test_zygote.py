@@ -3,6 +3,7 @@ their exit statuses, an environment per rank, and what happens when the zygote g
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -62,6 +63,57 @@ def test_a_variable_read_at_start_gives_the_workers_interpreters_of_their_own(
     assert sess.run(hash_randomization) == [1, 0]
     assert sess._res.launcher._zygote is None
 
+
+def local_time_zone() -> tuple[str | None, tuple[str, str]]:
+    import time as t
+
+    return os.environ.get("TZ"), t.tzname
+
+
+def test_a_time_zone_or_locale_per_rank_takes_in_a_forked_worker(make_session) -> None:
+    """TZ (and LC_*, LANG) are read by the C library once: a worker forked from the zygote
+    showed the rank's TZ in os.environ and kept the zygote's zone. They now get
+    interpreters of their own, as PYTHON* variables do."""
+    assert not zygote.usable({1: {"TZ": "XYZ-9"}})
+    assert not zygote.usable({1: {"LC_ALL": "C"}}) and not zygote.usable({1: {"LANG": "C"}})
+    sess = make_session(2, env={1: {"TZ": "XYZ-9"}})
+    assert sess.run(local_time_zone)[1] == ("XYZ-9", ("XYZ", "XYZ"))
+
+
+def test_a_start_timeout_past_the_zygotes_own_minute_is_kept(monkeypatch) -> None:
+    """The zygote's fork wait was the lesser of its own 60 s and the start deadline: a
+    longer start_timeout (a slow sitecustomize) was cut to 60 s, with a RuntimeError that
+    blamed limits on processes. (Here its minute is made 0.5 s, its start 2 s.)"""
+    monkeypatch.setattr(zygote, "_FORKING", 0.5)
+    monkeypatch.setattr(zygote, "_BOOTSTRAP", "import time; time.sleep(2)\n" + zygote._BOOTSTRAP)
+    with unison.Session(2, start_timeout=30) as sess:
+        assert sess.run(unison.rank) == [0, 1]
+
+
+def test_ctrl_c_while_close_waits_for_the_zygote_still_ends_it(monkeypatch) -> None:
+    """A KeyboardInterrupt in Zygote.end's wait (the zygote not scheduled: here stopped)
+    left its socket open and the zygote running, unreaped, until the session was
+    collected."""
+    ended = zygote.Zygote.end
+
+    def interrupted(self: zygote.Zygote) -> None:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        ended(self)
+
+    monkeypatch.setattr(zygote.Zygote, "end", interrupted)
+    before = open_fds()
+    sess = unison.Session(2)
+    pid = sess._res.launcher._zygote.popen.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sess.close()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert not psutil.pid_exists(pid), "the zygote is left (running, or unreaped)"
+    sockets = [target for _, target in open_fds() - before if target.startswith("socket:")]
+    assert sockets == [], sockets
 
 def exit_with(code: int) -> None:
     os._exit(code)
@@ -136,6 +188,8 @@ def test_a_zygote_that_dies_at_once_fails_the_start_and_leaves_nothing(monkeypat
     with pytest.raises(Exception, match="zygote ended") as info:
         unison.Session(2, start_timeout=30)
     assert "every worker" in str(info.value)
+    # how it ended (it said "ended, or did not answer within 60 s" and blamed limits)
+    assert "exited with code 3" in str(info.value), str(info.value)
 
 
 @pytest.mark.parametrize("how", ["zygote-ended", "start-timeout"])

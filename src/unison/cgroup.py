@@ -19,6 +19,7 @@ mount's root (a parent's limit binds its children). cgroup v2 (``cpu.max``) and 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -92,7 +93,9 @@ def _mount(line: str, memberships: list[str]
     dash = fields.index("-")
     if len(fields) < dash + 2 or len(fields) < 5:
         return None
-    fstype, root, point = fields[dash + 1], fields[3], fields[4]
+    # (the kernel writes a space, tab, line end or backslash in a path as \040, \011, \012
+    # or \134: undecoded, a mount point with a space was read as no quota)
+    fstype, root, point = fields[dash + 1], _unescape(fields[3]), _unescape(fields[4])
     options = fields[dash + 3].split(",") if len(fields) > dash + 3 else []
     read: Callable[[str], float | None]
     if fstype == "cgroup2":
@@ -148,3 +151,8 @@ def _read_v1(directory: str) -> float | None:
     if quota <= 0 or period <= 0:
         return None
     return quota / period
+
+
+def _unescape(path: str) -> str:
+    """A path of /proc/self/mountinfo, its octal escapes decoded."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), path)

@@ -67,7 +67,7 @@ def keep(pids: Sequence[int], starts: Sequence[int | None], plan: Mapping[int, l
     pids may be another's by then), or None where there is nothing to keep. A worker that
     has ended is left alone: its pid may be another program's already."""
     if plan:
-        let_go = let_go_when_crowded([(pids[r], starts[r]) for r in plan])
+        let_go = let_go_when_crowded([(pids[r], starts[r], plan[r]) for r in plan])
         return lambda: crowd.off_crowd(let_go)
     if len(pids) == 1 and children and not inline:
         follow = together_when_crowded(pids[0], starts[0])
@@ -81,19 +81,21 @@ def hold(cpus: Sequence[int]) -> None:
     verdict."""
     allowed = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, cpus)
-    crowd.on_crowd(lambda: _set(os.getpid(), None, allowed))
+    crowd.on_crowd(lambda: _set(os.getpid(), None, allowed, expect=cpus))
 
 
-def let_go_when_crowded(workers: Sequence[tuple[int, int | None]]) -> Callable[[], None]:
-    """In the controller, once the ``workers`` (pid, start time) are up: at its first
-    crowded verdict, let each of them use every CPU this process may use. Returns the
-    registration, for ``crowd.off_crowd`` at close (a closed session's pids may be
+def let_go_when_crowded(workers: Sequence[tuple[int, int | None, Sequence[int]]]
+                        ) -> Callable[[], None]:
+    """In the controller, once the ``workers`` (pid, start time, the CPUs it is held on)
+    are up: at its first crowded verdict, let each of them use every CPU this process may
+    use (each thread still on the CPUs it was held on: one the user moved stays). Returns
+    the registration, for ``crowd.off_crowd`` at close (a closed session's pids may be
     another's by then)."""
     allowed = sorted(os.sched_getaffinity(0))
 
     def let_go() -> None:
-        for pid, start in workers:
-            _set(pid, start, allowed)
+        for pid, start, held in workers:
+            _set(pid, start, allowed, expect=held)
 
     crowd.on_crowd(let_go)
     return let_go
@@ -109,14 +111,16 @@ def together_when_crowded(pid: int, start: int | None) -> Callable[[bool], None]
         return None
     owner = os.getpid()
     held: int | None = None  # the CPU the worker is held on, if it is
+    mine = True  # False once the user set the worker's CPUs: then they are the user's
 
     def follow(crowded: bool) -> None:
-        nonlocal held
-        if os.getpid() != owner:  # a forked child's copy: not its worker
+        nonlocal held, mine
+        if os.getpid() != owner or not mine:  # (a forked child's copy: not its worker)
             return
         cpu = last_cpu() if crowded else None
         if cpu != held:
-            _set(pid, start, allowed if cpu is None else [cpu])
+            mine = _set(pid, start, allowed if cpu is None else [cpu],
+                        expect=allowed if held is None else [held])
             held = cpu
 
     crowd.on_look(follow)
@@ -134,18 +138,25 @@ def last_cpu(pid: int | None = None) -> int | None:
         return None
 
 
-def _set(pid: int, start: int | None, cpus: Sequence[int]) -> None:
-    """Every thread of process ``pid`` (those there now) to ``cpus``, if it is still the one
-    that started at ``start`` (None: ourselves); one that is gone, or not ours to change,
-    is left."""
+def _set(pid: int, start: int | None, cpus: Sequence[int], *, expect: Sequence[int]) -> bool:
+    """Every thread of process ``pid`` (those there now) that is on ``expect`` (the CPUs
+    placement put it on) to ``cpus``, if the process is still the one that started at
+    ``start`` (None: ourselves); a thread elsewhere was moved by the user's code, whose
+    choice stands (before, placement overwrote it). Whether the process's main thread was
+    still placement's to move (a process that is gone, or not ours to change: False)."""
     if not _proctree.same(pid, start):
-        return
+        return False
     try:
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except OSError:
         tids = [pid]
+    want = set(expect)
+    main = False
     for tid in tids:
         try:
-            os.sched_setaffinity(tid, cpus)
+            if os.sched_getaffinity(tid) == want:
+                os.sched_setaffinity(tid, cpus)
+                main = main or tid == pid
         except OSError:
             pass
+    return main

@@ -926,9 +926,10 @@ def run(spec: WorkerSpec, chan: WorkerChannel | None = None) -> None:
     serve. What is launcher-specific (how the spec arrived, what ends us with the
     controller) is done before; main() is the local one, connect_main() the TCP one."""
     spec = _fds_up_high(spec)
-    for path in reversed(spec.sys_path):
-        if path not in sys.path:
-            sys.path.insert(0, path)
+    # the controller's path, in its order, then ours: an entry it appended stayed behind
+    # the stdlib and site-packages there, and was put before them here (each entry new to
+    # us went in front), so a module of its name was another file
+    sys.path[:] = [*spec.sys_path, *(p for p in sys.path if p not in spec.sys_path)]
     protocol.forget_deleted_class_attributes()
     if spec.cpus and spec.spread:
         placement.hold(spec.cpus)

@@ -337,15 +337,18 @@ class LocalLauncher(Launcher):
                     assert stream is not None
                     os.set_blocking(stream.fileno(), False)
                     selector.register(stream, selectors.EVENT_READ, (worker, is_err, []))
+            self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            selector.register(self._wake[0], selectors.EVENT_READ, None)
+            # kept once started: a thread that could not start (a limit on processes counts
+            # threads) is nothing to join, and the stop below closes what it would have read
+            relay = threading.Thread(target=self._relay_output, args=(selector,),
+                                     name="unison-output", daemon=True)
+            relay.start()
+            self._relay = relay
         except BaseException:
             self.stop(grace=0)
             raise
         self._watch = [w.pidfd for w in self.workers if w.pidfd is not None]
-        self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        selector.register(self._wake[0], selectors.EVENT_READ, None)
-        self._relay = threading.Thread(target=self._relay_output, args=(selector,),
-                                       name="unison-output", daemon=True)
-        self._relay.start()
 
     def watch_fds(self) -> list[int]:
         """The workers' pidfds (none where the platform has no pidfd_open), until stop()."""

@@ -50,8 +50,30 @@ _REPORT = struct.Struct("<qq")  # (pid, wait status) when a keeper ends
 _FORKING = 60.0
 """Seconds the controller waits for the zygote to fork every keeper (milliseconds, unless
 the machine is drowning)."""
-_AT_START = ("PYTHON", "LD_", "GLIBC_TUNABLES", "MALLOC_")
-"""Environment variables read when an interpreter starts: given per rank, they need one."""
+_AT_START = ("PYTHON", "LD_", "GLIBC_TUNABLES", "MALLOC_", "TZ", "LC_", "LANG")
+"""Environment variables read when an interpreter starts: given per rank, they need one
+(the time zone and the locale too: the C library reads them once, so a fork of the zygote
+kept the zygote's, whatever its os.environ said)."""
+
+def _zygote_failed(zygote: subprocess.Popen[bytes]) -> str:
+    """Why the zygote forked no more workers: how it ended, where it did (its exit status,
+    as a worker's death says it), or that it did not answer."""
+    try:
+        code: int | None = zygote.wait(1.0)
+    except subprocess.TimeoutExpired:
+        code = None
+    if code is None:
+        return (f"unison's zygote did not answer within {_FORKING:.0f} s before it forked "
+                "every worker: the machine may be drowning (memory, processes); its stderr, "
+                "above, may say more")
+    from unison.errors import describe_exitcode  # (the zygote imports none)
+
+    return (f"unison's zygote ended before it forked every worker: "
+            f"{describe_exitcode(code)}. Its stderr, above, may say why (an error in "
+            "sitecustomize, say); where it was killed, most often a limit on processes or "
+            "memory was reached (ulimit -u, a container's pids.max or memory limit): raise "
+            "it, or start fewer workers")
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 """The folder unison is imported from."""
@@ -208,9 +230,12 @@ class Zygote:
         try:
             self.popen.wait(1.0)
         except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
-        self.reports.close()
+            pass
+        finally:  # (also a Ctrl-C in the wait: it was left running, unreaped, its socket open)
+            if self.popen.returncode is None:
+                self.popen.kill()
+                self.popen.wait()
+            self.reports.close()
 
 
 def fork_workers(python: Sequence[str], ranks: Sequence[int], fds: Mapping[int, Sequence[int]],
@@ -254,24 +279,21 @@ def fork_workers(python: Sequence[str], ranks: Sequence[int], fds: Mapping[int, 
                 made.remove(fd)  # first: an interrupt between the two leaks it, where the
                 os.close(fd)  # other order had the cleanup below close its number again
         reports = _Reports(ours)
-        forking = time.monotonic() + _FORKING
-        until = forking if deadline is None else min(forking, deadline)
+        # the session's start deadline where it has one (its start_timeout may be longer
+        # than ours: a slow sitecustomize; before, ours cut it to 60 s and blamed limits)
+        until = time.monotonic() + _FORKING if deadline is None else deadline
         while len(forked) < len(plan):
             ours.settimeout(max(until - time.monotonic(), 0.001))
             try:
                 msg, got_fds, _, _ = socket.recv_fds(ours, 64, 1)
             except TimeoutError:
-                if until < forking:  # the session's start_timeout, not ours
+                if deadline is not None:  # the session's start_timeout
                     from unison.errors import start_timed_out  # (the zygote imports none)
 
                     raise TimeoutError(start_timed_out(list(ranks))) from None
                 msg = b""
             if not msg or not got_fds:
-                raise RuntimeError(
-                    f"unison's zygote ended, or did not answer within {_FORKING:.0f} s, "
-                    "before it forked every worker. Its stderr, above, may say why; most "
-                    "often a limit on processes or memory was reached (ulimit -u, a "
-                    "container's pids.max or memory limit): raise it, or start fewer workers")
+                raise RuntimeError(_zygote_failed(zygote))
             rank, pid = pickle.loads(msg)
             in_w, out_r, err_r = pipes[rank]
             for fd in (in_w, out_r, err_r):

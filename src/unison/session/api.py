@@ -226,9 +226,10 @@ class Session(View):
         channel: "auto" (shared memory where the platform has it, else pipes), "shm" or
             "pipe".
         env: {rank: {"NAME": "value"}}, environment variables set for those workers.
-        cpu_affinity: True pins worker r to one CPU, round robin; {rank: [cpus]} as given;
-            False never; None holds local workers one to a CPU only where the session's
-            processes outnumber the CPUs, until the machine looks crowded (unison.placement).
+        cpu_affinity: True pins worker r to one CPU, round robin (not worker 0 inline);
+            {rank: [cpus]} as given; False never; None holds local workers one to a CPU
+            only where the session's processes outnumber the CPUs, until the machine looks
+            crowded (unison.placement), and never moves a thread the user's code moved.
         collectives: "shm" (shared memory) or "torch" (torch.distributed: gloo, NCCL for
             CUDA tensors; across hosts, the only ones).
         start_timeout: seconds the workers may take to start (TimeoutError; what started

@@ -100,7 +100,8 @@ def cpu_plan(n: int, plan: bool | Mapping[int, Iterable[int]] | None, *,
     """Rank -> the CPUs it may use (a rank left out: all the controller may use). None, the
     default, is unison.placement's ``spread_plan``: local workers (``children``) held one
     to a CPU while calm, only where the session's processes outnumber the CPUs. True:
-    every worker pinned, round robin."""
+    every worker pinned, round robin (worker 0 ``inline`` is the controller: not it, whose
+    CPUs are the controller's to set; before, True with inline_worker0 was refused)."""
     if plan is None:
         return placement.spread_plan(n, children=children, inline=inline)
     if plan is False:
@@ -108,7 +109,7 @@ def cpu_plan(n: int, plan: bool | Mapping[int, Iterable[int]] | None, *,
     if not hasattr(os, "sched_getaffinity"):
         raise ValueError("cpu_affinity needs os.sched_getaffinity, which this platform lacks")
     if plan is True:
-        return placement.round_robin(range(n))
+        return placement.round_robin(range(1 if inline else 0, n))
     usable = sorted(os.sched_getaffinity(0))
     if not isinstance(plan, Mapping):
         raise TypeError("cpu_affinity must be True or map a rank to a list of CPU numbers")
