@@ -383,7 +383,7 @@ def test_an_inline_session_inside_a_worker_is_refused(make_session) -> None:
 
 @pytest.mark.parametrize("kw, match", [
     ({"env": {0: {"A": "1"}}}, "env\\[0\\]"),
-    ({"cpu_affinity": True}, "cpu_affinity"),
+    ({"cpu_affinity": {0: [sorted(os.sched_getaffinity(0))[0]]}}, "cpu_affinity"),
     ({"channel": "pipe"}, "shared-memory channel"),
     ({"collectives": "torch"}, "collectives='shm'"),
     ({"launcher": "connect"}, "local launcher"),
