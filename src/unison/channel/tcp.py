@@ -325,11 +325,11 @@ class TcpChannel(Channel):
     def _end_handshakes(self, before: float) -> None:
         """Shut down the connections whose handshake is due before ``before``: the reads
         of their handshake thread end at once."""
-        with self._lock:
-            late = [sock for sock, due in self._handshakes.items() if due <= before]
-        for sock in late:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+        with self._lock:  # (under it: a handshake that just passed has left the dict)
+            for sock, due in self._handshakes.items():
+                if due <= before:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
 
     def _admit(self, sock: socket.socket, addr: Any) -> None:
         """Handshake with one caller; a worker that passes joins, anything else is dropped."""
@@ -359,6 +359,8 @@ class TcpChannel(Channel):
                 conn.send_bytes(pickle.dumps(("welcome", incarnation, self._specs[rank], spin)))
             finally:
                 conn.close()
+            with self._lock:  # passed: no deadline for it any more
+                self._handshakes.pop(sock, None)
             if unix:
                 self._admit_local(rank, sock)
                 return
