@@ -101,6 +101,8 @@ _OFFER_S = 8.0
 it its part (the session listens before it has made its collectives: a second with torch's)."""
 _HANDSHAKE_S = 5.0
 """How long a peer has to pass the handshake before it is dropped."""
+_NOT_READY = (f"the session did not get ready for its workers within {_OFFER_S:g} s of this "
+              "one joining: start it again once the controller has printed its address")
 _LET_GO_S = 2.0
 """How long close() waits for a thread still reading the connections to let go of them
 (woken, it does at once)."""
@@ -429,9 +431,7 @@ class TcpChannel(Channel):
                 return -1, (f"rank {wanted} has joined already: start this worker with "
                             "another --rank, or without one (the first free rank)"), True
             if self._specs[wanted] is None:
-                return -1, (f"the session did not get ready for its workers within "
-                            f"{_OFFER_S:g} s of this one joining: start it again once the "
-                            "controller has printed its address"), False
+                return -1, _NOT_READY, False
             self._claimed.add(wanted)
             return wanted, "", True
         waiting = False
@@ -442,9 +442,7 @@ class TcpChannel(Channel):
                     return r, "", True
                 waiting = True
         if waiting:
-            return -1, (f"the session did not get ready for its workers within {_OFFER_S:g} "
-                        "s of this one joining: start it again once the controller has "
-                        "printed its address"), False
+            return -1, _NOT_READY, False
         return -1, (f"all {self.n} workers of the session have joined: this one is one "
                     "too many (open the session with more workers to use it)"), True
 

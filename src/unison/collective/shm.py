@@ -614,7 +614,7 @@ class ShmCollectives(CallScope, Collectives):
                 if status:  # (_allreduce_c, inlined)
                     self._c_rest(x, res, plan, status)
                 if op == "mean":
-                    res = _mean(res, len(plan[4]), dtype)
+                    res = _mean(res, len(plan[4]))
                 return res if out is None or res is out else into(out, res)  # (no call: hot)
         check_op(op)
         if type(x) is int or type(x) is bool:
@@ -685,9 +685,7 @@ class ShmCollectives(CallScope, Collectives):
                 self._allreduce_flat(flat_in[lo : lo + step], flat_out[lo : lo + step], ufunc,
                                      which, ranks, sig, desc)
         if op == "mean":
-            out = _mean(out, len(ranks), arr.dtype)
-            if back is not None:
-                out = out.astype(back)
+            out = _mean(out, len(ranks), back)
         return restore(out)
 
     def _allreduce_flat(self, a: np.ndarray, out: np.ndarray, ufunc: Callable[..., Any],
@@ -774,10 +772,7 @@ class ShmCollectives(CallScope, Collectives):
         if arr.nbytes > SLOT:
             full = self._allreduce(arr, "sum" if op == "mean" else op, group, desc, sig=sig)
             part = np.array_split(full, len(ranks))[ranks.index(self.rank)]
-            if op != "mean":
-                return restore(part.copy())
-            part = _mean(part, len(ranks), arr.dtype)
-            return restore(part if back is None else part.astype(back))
+            return restore(_mean(part, len(ranks), back) if op == "mean" else part.copy())
         gen = self._next(which, ranks, 1, desc)
         slots = self._publish(arr.reshape(-1), sig, which, ranks, gen, desc)
         first, last = _share(arr.shape[0], len(ranks), ranks.index(self.rank))
@@ -787,9 +782,7 @@ class ShmCollectives(CallScope, Collectives):
         _reduce_into(out.reshape(-1), [s[lo:hi] for s in slots], ufunc)
         self._finish(which, ranks, gen | 1, desc)
         if op == "mean":
-            out = _mean(out, len(ranks), arr.dtype)
-            if back is not None:
-                out = out.astype(back)
+            out = _mean(out, len(ranks), back)
         return restore(out)
 
     def _publish(self, a: np.ndarray, sig: int, which: int, ranks: tuple[int, ...], gen: int,
@@ -1322,11 +1315,12 @@ def _mean_input(arr: np.ndarray) -> tuple[np.ndarray, np.dtype[Any] | None]:
     return arr, None
 
 
-def _mean(total: np.ndarray, n: int, dtype: np.dtype[Any]) -> np.ndarray:
-    """The sum divided by n; integers were summed as float64 already, as numpy's mean does."""
+def _mean(total: np.ndarray, n: int, back: np.dtype[Any] | None = None) -> np.ndarray:
+    """The sum divided by n, as ``back`` where the sum was made in a wider dtype
+    (``_mean_input``: float16's in float32; integers' stay float64, as numpy's mean)."""
     out = np.empty_like(total)
     np.true_divide(total, n, out=out)  # out=: a 0-d input stays an array
-    return out
+    return out if back is None else out.astype(back)
 
 
 def _share(size: int, parts: int, k: int) -> tuple[int, int]:

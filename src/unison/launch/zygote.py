@@ -65,7 +65,7 @@ def _zygote_failed(zygote: subprocess.Popen[bytes]) -> str:
     if code is None:
         return (f"unison's zygote did not answer within {_FORKING:.0f} s before it forked "
                 "every worker: the machine may be drowning (memory, processes); its stderr, "
-                "above, may say more")
+                "above, may say more. Give it room, or start fewer workers")
     from unison.errors import describe_exitcode  # (the zygote imports none)
 
     return (f"unison's zygote ended before it forked every worker: "
