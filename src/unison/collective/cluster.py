@@ -25,6 +25,9 @@ across hosts.
                             every rank instead of reaching gloo, which would abort the
                             process, and a rank still in a call its peer left raises instead
                             of adding the peer's next call's values; then the torch op
+    the all_gather is waited for in slices of 0.1 s; between them, the peers' marks in the
+    store (the call each ended last, and how many arrivals it had posted) show a peer that
+    left the call without posting this one, and the waiter raises CollectiveError
 
 The decision is the session's, not each group's, because torch.distributed starts on every
 worker at once: were one group on shared memory and another on torch, the second would wait
@@ -35,7 +38,9 @@ controller, the one host every worker reaches.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import sys
 from collections.abc import Sized
 from typing import Any
 
@@ -45,6 +50,11 @@ from unison.collective.shm import LEFT_WHY, Layout, ShmCollectives
 from unison.collective.shm import create as create_segment
 from unison.collective.torch import TorchCollectives
 from unison.errors import CollectiveError
+
+_MARK = "unison/ended/"
+"""The store key, with a rank after it, where that rank says which call it ended last."""
+_SLICE = datetime.timedelta(seconds=0.1)
+"""How long an arrival waits in gloo between looks at the peers' marks."""
 
 
 class DistLocal(CallScope):
@@ -63,6 +73,18 @@ class DistLocal(CallScope):
         self.owner: ClusterCollectives | None = None
         self._early: dict[int, tuple[int, Any]] = {}
         """Per source, a message of a later call that a recv of an earlier one took."""
+        self._posted = [0, 0]
+        """Per scope (world, group), how many arrivals (all_gathers) this rank has posted:
+        the n-th of every rank's pair up in gloo, whichever call each was posted in."""
+        self._marked = [0, 0]
+        """``_posted`` as the store last heard it (``end``): a call that ran no arrival and
+        returned writes no mark, as a mark costs each call 30 us (the controller's store
+        thread wakes for it): a peer can wait only for a rank that posted fewer arrivals
+        than it, and a rank that raised marks."""
+        self._pending: dict[bool, tuple[Any, list[Any], int]] = {}
+        """Per scope, an arrival this rank posted and left unfinished (a peer had left the
+        call): (gloo's work, its outputs, its number), finished first at the next arrival,
+        where it pairs with the peers' next."""
 
     def begin(self, call_id: int, ranks: tuple[int, ...] | None) -> None:
         super().begin(call_id, ranks)
@@ -72,6 +94,11 @@ class DistLocal(CallScope):
     def end(self, call_id: int) -> None:
         if self.shm is not None:
             self.shm.end(call_id)
+        owner = self.owner
+        if owner is not None and owner._ready and not all(self.on_shm) and (
+                self._posted != self._marked or sys.exc_info()[0] is not None):
+            owner.mark(call_id, self._posted)  # it ran an arrival, or raised (the worker
+            self._marked = self._posted.copy()  # loop ends a failed call inside its except)
         self._call, self._call_ranks = 0, None
 
     def _shared(self, group: bool) -> ShmCollectives | None:
@@ -98,9 +125,8 @@ class DistLocal(CallScope):
         dist, pg = self._group(group)
         desc = descriptor(kind, op, root)
         mine = torch.tensor([desc, sig, self._call], dtype=torch.int64)
-        seen = [torch.empty_like(mine) for _ in ranks]
         while True:
-            dist.all_gather(seen, mine, group=pg)
+            seen = self._round(dist, pg, group, mine, ranks, desc)
             at = {r: int(t[2]) for r, t in zip(ranks, seen)}
             latest = max(at.values())
             if latest == self._call and min(at.values()) == latest:
@@ -117,6 +143,22 @@ class DistLocal(CallScope):
             raise CollectiveError(f"the workers called different collectives, or on data of "
                                   f"different shapes or types: {text}")
         return ranks
+
+    def _round(self, dist: Any, pg: Any, group: bool, mine: Any, ranks: tuple[int, ...],
+               desc: int) -> list[Any]:
+        """One all_gather of what each rank calls, waited for while watching that no peer
+        left the call without posting it: the one this rank left unfinished in an earlier
+        call if any (it pairs with the peers' next), else a new one."""
+        pending = self._pending.get(group)
+        if pending is None:
+            seen = [mine.new_empty(mine.shape) for _ in ranks]
+            work = dist.all_gather(seen, mine, group=pg, async_op=True)
+            self._posted[group] += 1
+            pending = self._pending[group] = (work, seen, self._posted[group])
+        assert self.owner is not None
+        self.owner.await_round(pending[0], ranks, group, pending[2], desc)
+        del self._pending[group]
+        return pending[1]
 
     def barrier(self, group: bool = False) -> None:
         self.arrive(group, "barrier")
@@ -171,6 +213,43 @@ class ClusterCollectives(TorchCollectives):
         super().__init__(local, store, timeout_s)  # type: ignore[arg-type]
         local.owner = self
         self.dist_local = local
+        self._store: Any = None
+
+    def mark(self, call_id: int, posted: list[int]) -> None:
+        """Tell the peers, through the store, that this rank ended a call, and how many
+        arrivals of each scope it had posted then (a set costs 2 us: the client does not
+        wait for an answer). Best effort: a store that is gone means the controller is."""
+        if self._store is None:  # torch.distributed was started by the user's code
+            return
+        with contextlib.suppress(RuntimeError):
+            self._store.set(f"{_MARK}{self.rank}", f"{call_id} {posted[0]} {posted[1]}")
+
+    def await_round(self, work: Any, ranks: tuple[int, ...], group: bool, number: int,
+                    desc: int) -> None:
+        """Wait for arrival ``number`` of a scope, in slices: between them, read the peers'
+        marks, and raise where one ended this call before it posted that arrival (it never
+        will in this call, so nobody's can finish). Before, the peers waited in gloo's C
+        call until the next call's collective or gloo's timeout (300 s)."""
+        call = self.dist_local._call
+        while True:
+            try:
+                work.wait(_SLICE)
+                return
+            except RuntimeError:
+                if work.is_completed():  # gloo's own failure (a peer died, its timeout)
+                    work.wait()
+                    return
+            if self._store is None:
+                continue
+            for j in ranks:
+                key = f"{_MARK}{j}"
+                if j == self.rank or not self._store.check([key]):
+                    continue
+                ended, *posted = (int(v) for v in self._store.get(key).split())
+                if ended >= call and posted[group] < number:
+                    raise CollectiveError(
+                        f"{describe(desc)} on worker {self.rank} gave up: worker {j} left the "
+                        f"call without joining it ({LEFT_WHY})", peer=j)
 
     def _dist(self) -> Any:
         import torch.distributed as dist
@@ -178,7 +257,7 @@ class ClusterCollectives(TorchCollectives):
         if not self._ready:
             if not dist.is_initialized():
                 host, _, port = self.address.rpartition(":")
-                store = dist.TCPStore(  # type: ignore[attr-defined]
+                store = self._store = dist.TCPStore(  # type: ignore[attr-defined]
                     host, int(port), self.n, False, timeout=datetime.timedelta(seconds=60))
                 dist.init_process_group("gloo", store=store, rank=self.rank,
                                         world_size=self.n, timeout=self.timeout)
