@@ -295,8 +295,10 @@ class Session(View):
         try:
             self._chan = self._res.chan
             self._pump = self._res.inline_worker0() if inline_worker0 else None
-            self._router = Router(num_workers, self._chan, self._errors, self, watched=False)
-            self._waits = Waits(self, self._chan, self._router)
+            owner = weakref.proxy(self)  # a strong one made a cycle: a dropped session
+            # stayed open, its workers running and its fds held, until the cycle collector ran
+            self._router = Router(num_workers, self._chan, self._errors, owner, watched=False)
+            self._waits = Waits(owner, self._chan, self._router)
             ready = Request(protocol.READY_REQ, num_workers)
             self._router.expect(ready, self.workers)
             self._closed = False
