@@ -524,6 +524,19 @@ def test_close_without_grace_says_that_errors_were_left_behind(make_session):
         sess.close(timeout=0)
 
 
+def test_close_says_errors_held_by_workers_that_went_busy(make_session, channel):
+    """The pipe channel knew a worker held an error only from reports it had read: one
+    waiting unread in the pipe (the worker reported it when idle, then took a long call)
+    was lost at close with no warning (an audit, issue 9, forty-seventh pass)."""
+    sess = make_session(2, channel=channel)
+    sess.call(fails_on, 1, "reported, then busy")
+    time.sleep(1.0)  # the call has failed and the idle worker reported it
+    sess.call(time.sleep, 30)
+    with pytest.warns(RuntimeWarning, match=r"worker\(s\) \[1\] held errors of calls nobody "
+                                            r"fetched"):
+        sess.close(timeout=0.2)
+
+
 def test_close_does_not_warn_about_errors_that_were_fetched(make_session, recwarn):
     sess = make_session(2)
     ref = sess.call(fails_on, 0, "seen")

@@ -534,6 +534,8 @@ class Session(View):
         # where the channel shows it, which workers hold errors nobody fetched: if they are
         # stopped before they hand them over, say so rather than lose them in silence
         try:
+            if self._chan.settles:  # (pipe, TCP: as of the last report read) the reports
+                self._chan.settled(ranks, 0.0)  # waiting unread, e.g. of workers gone busy
             holding = self._chan.holding(ranks)
         except (OSError, ValueError):  # the channel is closed already
             holding = []
