@@ -478,6 +478,27 @@ def test_a_value_that_cannot_be_unpickled_hides_no_other_ranks_error(sess, tmp_p
     assert sess.run(unison.rank) == [0, 1]
 
 
+class _ExitsWhenRebuilt:
+    """Rebuilt on the controller by sys.exit(0) where a worker other than 0 made it."""
+
+    def __reduce__(self):
+        return (sys.exit, (0,)) if unison.rank() == 1 else (int, (5,))
+
+
+def test_a_reply_whose_unpickling_raises_system_exit_is_that_ranks_error(sess):
+    """SystemExit (a BaseException) from rebuilding a reply went straight out of get,
+    gather and run: uncaught, the controller exited with status 0 and no word, and rank 0's
+    good value was lost (an audit, issue 9, forty-seventh pass). It is that rank's
+    TypeError now, as any reply that will not unpickle here."""
+    for fetch in (lambda: sess.call(_ExitsWhenRebuilt).gather(),
+                  lambda: sess.run(_ExitsWhenRebuilt)):
+        with pytest.raises(WorkerError, match=r"cannot be unpickled on the controller: "
+                                              r"SystemExit\(0\)") as info:
+            fetch()
+        assert sorted(info.value.errors) == [1]
+    assert sess.run(unison.rank) == [0, 1]
+
+
 def test_a_value_that_cannot_be_pickled_back_fails_at_get_saying_so(sess):
     ref = sess.call(threading.Lock)
     assert sess.sync() is None  # the call itself succeeded

@@ -270,7 +270,7 @@ class Router:
                         return None
                     value = array_value(value)
                 out.append(value)
-        except Exception as exc:
+        except BaseException as exc:
             if raised_by_a_signal(exc):  # a signal handler's: never swallowed
                 raise
             return None
@@ -296,7 +296,7 @@ class Router:
                 continue
             try:  # (not run's usual case: ``values`` reads that)
                 got_id, status, payload = read_reply(raw)
-            except Exception as exc:
+            except BaseException as exc:
                 if raised_by_a_signal(exc):  # a signal handler's, not the reply's fault
                     raise
                 err = _undecodable(r, exc)
@@ -575,7 +575,7 @@ class Router:
                 continue
             try:
                 got, _, payload = read_reply(raw)
-            except Exception as exc:  # (in whichever thread reads: the session closes)
+            except BaseException as exc:  # (in whichever thread reads: the session closes)
                 if raised_by_a_signal(exc):
                     raise
                 got = None
@@ -599,7 +599,7 @@ class Router:
             return
         try:
             got, status, payload = read_reply(raw)
-        except Exception as exc:
+        except BaseException as exc:
             if raised_by_a_signal(exc):  # a signal handler's: never swallowed
                 raise
             return  # a value that cannot be unpickled here carries no error
@@ -612,12 +612,15 @@ class Router:
             self._errors.add_all(rank, payload)
 
 
-def _undecodable(rank: int, exc: Exception) -> TypeError:
+def _undecodable(rank: int, exc: BaseException) -> TypeError:
     """Why a reply will not unpickle here (its type does not import, or its reducer
-    refuses), and what to do."""
+    refuses, or raises SystemExit, which must not end the controller), and what to do."""
+    said = protocol.safe_str(exc, True)
+    if not isinstance(exc, Exception):  # SystemExit's text is its bare code
+        said = f"{type(exc).__name__}({said})"
     return TypeError(
         f"the reply of worker {rank} cannot be unpickled on the controller: "
-        f"{protocol.safe_str(exc, True)}. Make its type importable here, or return plain data.")
+        f"{said}. Make its type importable here, or return plain data.")
 
 
 class OutOfStep(RuntimeError):
