@@ -263,7 +263,7 @@ def test_a_negative_timeout_is_a_value_error(sess):
 @pytest.mark.parametrize("variables", [
     {"A=B": "1"}, {"": "1"}, {"A\0": "1"}, {"A": "x\0y"},
     {"UNISON_LOG_LEVELS": "[1]"}, {"UNISON_LOG_LEVELS": '{"": "loud"}'},
-    {"UNISON_LOG_LEVELS": "garbage"},
+    {"UNISON_LOG_LEVELS": "garbage"}, {"UNISON_PURE": "maybe"},
 ])
 def test_env_variables_no_process_can_hold_are_refused_before_any_worker_starts(variables):
     # before, the worker died at start with a traceback (WorkerDied), or, for log levels

@@ -478,6 +478,16 @@ def test_a_value_that_cannot_be_unpickled_hides_no_other_ranks_error(sess, tmp_p
     assert sess.run(unison.rank) == [0, 1]
 
 
+def test_a_function_that_captures_the_session_says_so(sess):
+    """Pickle's own error named a '_thread.lock' inside the session, not the session (an
+    audit, issue 9, forty-seventh pass)."""
+    view = sess[0]
+    for fn in (lambda: sess.run(unison.rank), lambda: view.run(unison.rank)):
+        with pytest.raises(TypeError, match="cannot travel to the workers"):
+            sess.run(fn)
+    assert sess.run(unison.rank) == [0, 1]
+
+
 class _ExitsWhenRebuilt:
     """Rebuilt on the controller by sys.exit(0) where a worker other than 0 made it."""
 

@@ -190,6 +190,16 @@ class View:
     def __repr__(self) -> str:
         return f"<unison view of workers {list(self.workers)}>"
 
+    def __reduce__(self) -> Any:
+        """A session (or a view) captured by a worker's function: pickle's own error named
+        a lock inside it, not the session."""
+        raise TypeError(
+            f"{self!r} cannot travel to the workers (a function or argument of a call holds "
+            "it): a worker cannot drive the session. Inside worker code use unison.rank(), "
+            "the collectives and the Refs passed as arguments; put data on the workers with "
+            "sess.put or sess.scatter"
+        )
+
 
 class Session(View):
     """One controller driving ``num_workers`` worker processes in lockstep.

@@ -9,7 +9,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from unison import placement
+from unison import _native, placement
 from unison.debug import logs as _logs
 from unison.protocol import CONTAINERS, array_payload, is_plain
 
@@ -88,6 +88,11 @@ def _check_variable(key: object, name: str, value: str) -> None:
             f"env[{key!r}] has {name!r}: {value!r}, which no process can hold (a variable's "
             "name must be non-empty, without '=' or a NUL byte; its value without a NUL byte)"
         )
+    if name == "UNISON_PURE" and value.strip().lower() not in _native._YES + _native._NO:
+        raise ValueError(  # (the worker's _native.pure_asked would raise as it started)
+            f"env[{key!r}]: UNISON_PURE={value!r} is neither on ({', '.join(_native._YES)}) "
+            f"nor off ({', '.join(repr(v) for v in _native._NO)}): set it to 1 for pure "
+            "Python, or leave it out")
     if name == _logs.ENV:  # unison's own: a worker would ignore or trip over a bad one
         try:
             _logs.parse_levels(value)
