@@ -315,3 +315,68 @@ def test_empty_of_more_bytes_than_an_array_can_hold_says_so(sess, shape):
     with pytest.raises(ValueError, match="more than any array can"):
         sess.empty(shape)
     assert sess.empty(3).shape == (3,)
+
+
+# -- an audit of bad input (issue 9, forty-seventh pass) ---------------------------------------
+
+
+def test_numpy_integer_sizes_start_a_session(make_session):
+    """Every rank argument takes a numpy integer; the sizes said "must be an int, got
+    int64". A float or a bool is still refused."""
+    import numpy as np
+
+    sess = make_session(np.int64(2), num_groups=np.int32(1))
+    assert sess.run(unison.rank) == [0, 1] and type(sess.num_workers) is int
+    for bad in (2.0, True):
+        with pytest.raises(TypeError, match="num_workers must be an int"):
+            unison.Session(bad)
+
+
+def test_timeouts_that_take_no_none_do_not_offer_it(make_session):
+    """close and stacks said "must be a number of seconds or None, got NoneType"."""
+    sess = make_session(2)
+    for fn in (sess.stacks, sess.close):
+        with pytest.raises(TypeError, match=r"number of seconds, got NoneType"):
+            fn(timeout=None)
+    with pytest.raises(TypeError, match=r"number of seconds or None, got str"):
+        sess.sync(timeout="1")
+
+
+def test_a_shared_array_of_python_objects_says_why_not(make_session):
+    sess = make_session(2)
+    for dtype in (object, [("a", "f8"), ("b", "O")]):
+        with pytest.raises(TypeError, match="holds bytes, not Python objects"):
+            sess.empty(4, dtype)
+    assert sess.empty(4, "f8").shape == (4,)
+
+
+def test_a_connect_launcher_checks_its_port_and_bind_when_made():
+    """A port past 65535 raised OverflowError at the session's start; bind=5 a bare
+    TypeError there."""
+    from unison.launch.connect import ConnectLauncher
+
+    for port in (70000, -1, "80", True):
+        with pytest.raises(ValueError, match="port must be an int from 0"):
+            ConnectLauncher(port=port, secret=bytes(16))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="bind must be a host"):
+        ConnectLauncher(bind=5, secret=bytes(16))  # type: ignore[arg-type]
+
+
+def test_demo_workers_below_one_says_so():
+    from unison.demo.app import layout
+
+    for n in (0, -1):
+        with pytest.raises(ValueError, match="--workers must be at least 1"):
+            layout(n, None, 1)
+
+
+def test_a_worker_given_a_secret_that_is_not_hex_says_so():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, UNISON_SECRET="not-hex-at-all")
+    done = subprocess.run([sys.executable, "-m", "unison", "worker", "--connect",
+                           "127.0.0.1:9"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "not the hex of 16 bytes or more" in done.stderr

@@ -9,17 +9,20 @@ import time
 __all__ = ["deadline", "seconds"]
 
 
-def seconds(value: object, name: str) -> float:
+def seconds(value: object, name: str, none: bool = True) -> float:
     """A number of seconds, checked: a real number, not NaN, not negative (inf is allowed,
-    and so is an int past a float's range, such as 10**400: it is inf)."""
+    and so is an int past a float's range, such as 10**400: it is inf). ``none``: whether
+    the caller takes None (the message says so only then)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number of seconds or None, got {type(value).__name__}")
+        also = " or None" if none else ""
+        raise TypeError(f"{name} must be a number of seconds{also}, got {type(value).__name__}")
     try:
         seconds = float(value)
     except OverflowError:  # an int past a float's range: longer than any wait, as inf
         seconds = -math.inf if value < 0 else math.inf
     if math.isnan(seconds) or seconds < 0:
-        raise ValueError(f"{name} must be a number of seconds >= 0 or None, got {value!r}")
+        also = " or None" if none else ""
+        raise ValueError(f"{name} must be a number of seconds >= 0{also}, got {value!r}")
     return seconds
 
 

@@ -811,8 +811,11 @@ def connect_main(address: str, rank: int = -1, timeout: float = 60.0,
     except ValueError:
         secret = b""
     if len(secret) < 16:
+        wrong = "" if not secret_hex else (  # set, but not to a secret: say what is wrong
+            f" ({SECRET_VAR} holds {len(secret_hex)} characters that are not the hex of "
+            "16 bytes or more)")
         print(f"unison worker: set {SECRET_VAR} to the session's secret (hex, as the "
-              "controller printed it or gave its launcher)", file=sys.stderr)
+              f"controller printed it or gave its launcher){wrong}", file=sys.stderr)
         return 2
     try:
         sock, incarnation, init_blob, fds, spin = dial(address, secret, rank, timeout, unix)

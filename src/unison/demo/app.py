@@ -65,6 +65,8 @@ def layout(workers: int | None, tp: int | None, dp: int) -> tuple[int, int]:
     error that says which."""
     if dp < 1:
         raise ValueError(f"--dp must be at least 1, got {dp}")
+    if workers is not None and workers < 1:  # (said as a split into replicas before)
+        raise ValueError(f"--workers must be at least 1, got {workers}")
     if tp is None:
         total = 2 if workers is None else workers
         if total < dp or total % dp:

@@ -63,6 +63,11 @@ class ConnectLauncher(Launcher):
         secret = bytes(secret)
         if len(secret) < 16:
             raise ValueError("the secret must be at least 16 bytes")
+        if not isinstance(bind, str):  # (else a bare TypeError, or OverflowError for a
+            raise TypeError(f"bind must be a host or address as a str, not {bind!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(  # port, at the session's start, not here)
+                f"port must be an int from 0 (any free port) to 65535, not {port!r}")
         if advertise is None:
             advertise = socket.gethostname() if bind in ("0.0.0.0", "::", "") else bind
         self._network = Network(bind=bind, advertise=advertise, secret=secret, port=port)

@@ -256,7 +256,7 @@ class Session(View):
             call, as Disco does: one process fewer on the cores (the fastest round trip),
             for worker 0's failure isolation (unison.launch.inline says what it gives up)."""
         check_not_loading()  # a module that opens a session at import, in a worker
-        checks.check_sizes(num_workers, num_groups)
+        num_workers, num_groups = checks.check_sizes(num_workers, num_groups)
         if not isinstance(inline_worker0, bool):  # "no" would be true
             raise TypeError(f"inline_worker0 must be True or False, not {inline_worker0!r}")
         if inline_worker0:
@@ -440,6 +440,11 @@ class Session(View):
 
         self.check_open()
         dt = np.dtype(dtype)
+        if dt.hasobject:  # numpy's own error ("cannot create an OBJECT array from memory
+            raise TypeError(  # buffer") gave no way on
+                f"sess.empty(..., {dt}) cannot be: shared memory holds bytes, not Python "
+                "objects (each worker has its own). Use a numeric dtype, or send objects "
+                "with sess.put / sess.scatter")
         shape_t = checks.shape(shape)
         count = math.prod(shape_t)  # (exact: numpy's int64 product wraps, past 2**63)
         if count * dt.itemsize > sys.maxsize:
@@ -477,7 +482,7 @@ class Session(View):
         (shared memory; the pipe and TCP channels' last reports), one RuntimeWarning says
         so. A death closes the session too: survivors known to hold such errors get 0.5 s
         to hand them over first. Idempotent."""
-        grace = _seconds(timeout, "timeout")
+        grace = _seconds(timeout, "timeout", none=False)
         if grace == math.inf:
             raise ValueError("close(timeout=...) needs a finite number of seconds")
         grace = min(grace, _GRACE_MAX)
@@ -1527,7 +1532,7 @@ class Session(View):
 
     def _stacks(self, ranks: tuple[int, ...], timeout: float) -> _debug_stacks.Stacks:
         self.check_open()
-        secs = _seconds(timeout, "timeout")
+        secs = _seconds(timeout, "timeout", none=False)
         return _debug_stacks.collect({r: self._pids[r] for r in ranks}, min(secs, 3600.0))
 
     def _where_they_are(self, ranks: Sequence[int]) -> str:

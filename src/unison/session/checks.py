@@ -7,7 +7,7 @@ import itertools
 import operator
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, SupportsIndex
 
 from unison import _native, placement
 from unison.debug import logs as _logs
@@ -22,13 +22,18 @@ at start, so a mistyped size (10**10) filled its memory before any error. Far mo
 one controller can drive well (ten times a large node's cores)."""
 
 
-def check_sizes(num_workers: object, num_groups: object) -> None:
+def check_sizes(num_workers: object, num_groups: object) -> tuple[int, int]:
+    """(num_workers, num_groups) as ints: a numpy integer is taken, as every rank argument
+    takes one (a bool or a float is not)."""
+    sizes = []
     for name, v in (("num_workers", num_workers), ("num_groups", num_groups)):
-        if not isinstance(v, int) or isinstance(v, bool):
+        if isinstance(v, bool) or not isinstance(v, SupportsIndex):
             raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        v = operator.index(v)
         if v < 1:
             raise ValueError(f"{name} must be at least 1, got {v}")
-    assert isinstance(num_workers, int) and isinstance(num_groups, int)
+        sizes.append(v)
+    num_workers, num_groups = sizes
     if num_workers > MAX_WORKERS:
         raise ValueError(
             f"num_workers ({num_workers}) is above the {MAX_WORKERS} one session takes (its "
@@ -40,6 +45,7 @@ def check_sizes(num_workers: object, num_groups: object) -> None:
             f"num_workers ({num_workers}) must be divisible by num_groups ({num_groups}), "
             "so that every group has the same size"
         )
+    return num_workers, num_groups
 
 
 def as_rank(value: object, what: str) -> int:
