@@ -43,7 +43,7 @@ A CUDA tensor always goes through torch.distributed, which needs collectives="to
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -52,6 +52,7 @@ from unison import _native
 from unison import trace as _trace
 from unison.collective.base import Collectives
 from unison.collective.checks import into as _into
+from unison.collective.checks import scatter_values as _scatter_values
 from unison.collective.shm import ShmCollectives
 from unison.collective.torch import TorchCollectives
 from unison.errors import CollectiveError
@@ -193,6 +194,9 @@ class _Timed:
 
 
 def _choose(group: bool, *values: Any) -> Collectives:
+    if group is not False and group is not True:  # 2 or "yes" failed as an IndexError deep in
+        raise TypeError(f"group must be True (the worker's group) or False (every worker), "
+                        f"not {group!r}")
     if _running[0] != _begun[0]:
         _begin()
     cuda = False
@@ -228,8 +232,8 @@ def allreduce(x: Any, op: str = "sum", *, group: bool = False, out: Any = None) 
         _at_once("allreduce")
     _inside[0] = "allreduce"
     try:
-        if (type(x) is np.ndarray and _on_shm[group] and _trace.events is None
-                and _running[0] == _begun[0]):
+        if (type(x) is np.ndarray and (group is False or group is True) and _on_shm[group]
+                and _trace.events is None and _running[0] == _begun[0]):
             return _shm.allreduce(x, op, group, out)  # type: ignore[union-attr]  # _backend's
         _refuse_masked(x, "allreduce")
         if isinstance(x, int) and type(x) is not int and type(x) is not bool:
@@ -262,13 +266,16 @@ def broadcast(x: Any, src: int = 0, *, group: bool = False) -> Any:
         _inside[0] = ""
 
 
-def scatter(xs: Sequence[Any] | None, src: int = 0, *, group: bool = False) -> Any:
-    """Element r of worker ``src``'s list, on worker r (the others pass None)."""
+def scatter(xs: Iterable[Any] | None, src: int = 0, *, group: bool = False) -> Any:
+    """Element r of worker ``src``'s values (a list, a tuple, any iterable, or an array's
+    rows), on worker r (the others pass None). A dict, set or str is refused (TypeError)."""
     if _inside[0]:
         _at_once("scatter")
     _inside[0] = "scatter"
     try:
-        return _backend(group, *(xs or ())).scatter(xs, src, group)
+        # a list made once (a generator is read once; ``xs or ()`` failed on an array)
+        values = None if xs is None else _scatter_values(xs)
+        return _backend(group, *(() if values is None else values)).scatter(values, src, group)
     finally:
         _inside[0] = ""
 

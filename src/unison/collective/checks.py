@@ -1,7 +1,7 @@
 """The checks every collectives backend shares: argument validation, and the vocabulary in
 which ranks compare what they call.
 
-    user arguments --> check_op / member / check_peer / check_scatter_values   (ValueError)
+    user arguments --> check_op / member / check_peer / check_scatter_values (Value/TypeError)
     what a rank calls (kind, op, root) --> descriptor() --> one 64-bit word      \\ published in
     the data it passes (shape, dtype) --> shape_signature / array_signature      / shared memory
     peers' words differ --> describe(descriptor) names both calls in the CollectiveError
@@ -17,7 +17,7 @@ import functools
 import math
 import operator
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,7 @@ __all__ = [
     "descriptor",
     "member",
     "reduce_python",
+    "scatter_values",
     "shape_signature",
 ]
 
@@ -119,11 +120,31 @@ def check_peer(peer: Any, me: int, n: int, what: str) -> int:
     return i
 
 
-def check_scatter_values(xs: Sequence[Any] | None, size: int) -> Sequence[Any]:
-    """The source of a scatter passes one value per worker of the scope."""
-    if xs is None or len(xs) != size:
+def scatter_values(xs: Any) -> list[Any]:
+    """A scatter's values as a list, made once (a generator is read once), in rank order: a
+    dict would send its keys, a set its elements in no order, a str its characters, each
+    worker a wrong value with no error; they are refused. An array gives its rows (axis 0)."""
+    if type(xs) is list:
+        return xs
+    if isinstance(xs, (Mapping, set, frozenset, str, bytes, bytearray)):
+        raise TypeError(
+            f"scatter needs a list (or tuple, or array) of values, one per worker in rank "
+            f"order; got {type(xs).__name__}. To send the same value to every worker, use "
+            "broadcast().")
+    try:
+        return list(xs)
+    except TypeError:
+        raise TypeError(f"scatter needs a list of values, one per worker in rank order, "
+                        f"got {type(xs).__name__}") from None
+
+
+def check_scatter_values(xs: Any, size: int) -> list[Any]:
+    """The source of a scatter passes one value per worker of the scope (``scatter_values``),
+    checked before anything reaches a peer."""
+    values = None if xs is None else scatter_values(xs)
+    if values is None or len(values) != size:
         raise ValueError(f"scatter on the source needs one value per worker ({size})")
-    return xs
+    return values
 
 
 @functools.lru_cache(maxsize=256)

@@ -129,8 +129,12 @@ class TorchCollectives(Collectives):
         the collective it serves, for the mismatch check."""
         check_op(op)
         t = _tensor(x)
+        if kind == "reduce_scatter" and t.dim() == 0:  # (before the peers meet, as shm's)
+            raise ValueError("reduce_scatter needs an array with a first axis to split")
         scalar = type(x) is float or type(x) is complex  # a Python number back, as shm gives
         dist, pg, ranks = self._enter(group, kind, [t], op=op)
+        if op != "mean" and not t.is_cuda and str(t.dtype) in _NOT_GLOO:
+            return _reduce_gathered(dist, pg, len(ranks), t, op)
         out = t.clone()
         reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
                      "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
@@ -254,6 +258,35 @@ class TorchCollectives(Collectives):
         return self.local.recv(src)
 
 
+class NotATensorError(TypeError, CollectiveError):
+    """Input the torch backend takes no tensor from: a TypeError, as the shared-memory
+    backend gives for it, and still the CollectiveError it was before (code that caught
+    that goes on working)."""
+
+
+_NOT_GLOO = ("torch.int16", "torch.uint16", "torch.uint32", "torch.uint64")
+"""Dtypes gloo cannot reduce ("Invalid scalar type"), where numpy (and shm) can."""
+
+
+def _reduce_gathered(dist: Any, pg: Any, n: int, t: Any, op: str) -> Any:
+    """A reduction of a dtype gloo cannot reduce (``_NOT_GLOO``): every rank's bytes
+    gathered as uint8, then numpy's ufunc in rank order, the shared-memory backend's result
+    to the bit (gloo raised RuntimeError "Invalid scalar type"; int64 would not wrap as
+    uint16 does, nor hold a uint64)."""
+    import functools
+
+    import numpy as np
+    import torch
+
+    a = np.ascontiguousarray(t.detach().numpy())
+    mine = torch.from_numpy(a.reshape(-1).view(np.uint8))
+    parts = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(parts, mine, group=pg)
+    ufunc = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[op]
+    arrays = [p.numpy().view(a.dtype).reshape(a.shape) for p in parts]
+    return torch.from_numpy(np.asarray(functools.reduce(ufunc, arrays), dtype=a.dtype))
+
+
 def _kind(x: Any) -> str:
     """"array" for a numpy array, "scalar" for a numpy scalar, "python" for a Python number,
     else "" (numpy is imported wherever one exists)."""
@@ -286,9 +319,10 @@ def _like(x: Any, out: Any) -> Any:
 
 def _tensor(x: Any) -> Any:
     """``x`` as a tensor of its own precision: a tensor, a plain numpy array or scalar, or a
-    Python number. Anything else (a list, a tuple, a masked array) is refused: torch would
-    pick a dtype for it (float32 for floats, int64 wrapping past 2**63, bool summing as a
-    logical or), a wrong result with no error."""
+    Python number. Anything else (a list, a tuple, a masked array) is refused with a
+    TypeError, as the shared-memory backend's reductions refuse it: torch would pick a dtype
+    for it (float32 for floats, int64 wrapping past 2**63, bool summing as a logical or), a
+    wrong result with no error."""
     import torch
 
     if isinstance(x, torch.Tensor):
@@ -300,10 +334,10 @@ def _tensor(x: Any) -> Any:
                                                       or isinstance(x, np.generic))):
         try:
             return torch.as_tensor(x)
-        except Exception as exc:
-            raise CollectiveError(f"the torch backend cannot take this {type(x).__name__}: "
+        except Exception as exc:  # (an object array, say: a TypeError, as shm gives)
+            raise NotATensorError(f"the torch backend cannot take this {type(x).__name__}: "
                                   f"{exc}") from exc
-    raise CollectiveError(
+    raise NotATensorError(
         f"the torch backend takes tensors, numpy arrays or numbers, not {type(x).__name__}: "
         "make a tensor of the dtype you mean (torch.tensor(x, dtype=torch.float64)), where "
         "torch would pick one (float32 for Python floats)")

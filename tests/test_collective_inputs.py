@@ -1,0 +1,214 @@
+"""Bad input to the in-worker collectives (issue 9, forty-seventh pass: an audit of bad
+input): a TypeError or ValueError that says what was wrong, the same on either backend,
+never a wrong value on a peer, nor an error from deep inside (an IndexError, a KeyError,
+torch's RuntimeError)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import unison
+
+QUICK = 60.0
+
+
+def backend_session(shared: Any, backend: str) -> unison.Session:
+    """A shared session of 2 workers on ``backend`` ("torch": gloo, where torch is)."""
+    if backend == "torch":
+        pytest.importorskip("torch.distributed")
+        return shared(2, collectives="torch")
+    return shared(2)
+
+
+def outcome(fn: Any) -> tuple[str, Any]:
+    """("ok", the result) or (the exception's class name, its message)."""
+    try:
+        return "ok", fn()
+    except Exception as e:  # (the torch backend's TypeError is a CollectiveError too)
+        return ("TypeError" if isinstance(e, TypeError) else type(e).__name__), str(e)
+
+
+def scatter_from_0(make: Any, torch: bool) -> tuple[str, Any]:
+    def values() -> Any:
+        if not torch:
+            return make()
+        import torch as t
+
+        return make(t.tensor)
+    return outcome(lambda: unison.scatter(values() if unison.rank() == 0 else None, src=0))
+
+
+BAD = {
+    "dict": lambda T=int: {0: T(10), 1: T(20)},
+    "dict of str keys": lambda T=int: {"a": T(10), "b": T(20)},
+    "set": lambda T=int: {T(10), T(20)},
+    "frozenset": lambda T=int: frozenset({T(10), T(20)}),
+    "str": lambda T=int: "ab",
+    "bytes": lambda T=int: b"ab",
+}
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+@pytest.mark.parametrize("bad", list(BAD))
+def test_scatter_refuses_a_dict_set_or_str_before_a_peer_gets_anything(shared, backend, bad):
+    """A dict sent its keys (worker 1 got 1, not the value; on torch the source too), one of
+    str keys raised KeyError on the source after worker 1 had its value, a set went in no
+    order. Now the source raises TypeError before any value leaves it."""
+    sess = backend_session(shared, backend)
+    make = BAD[bad]
+    got = sess.run(scatter_from_0, make, backend == "torch", timeout=QUICK)
+    assert got[0][0] == "TypeError", got
+    assert "one per worker in rank order" in got[0][1]
+    assert got[1][0] == "CollectiveError", got  # never a value
+    assert sess.run(scatter_from_0, lambda T=int: [T(1), T(2)], backend == "torch",
+                    timeout=QUICK) == [("ok", 1), ("ok", 2)]  # still usable
+
+
+def scatter_iterable(kind: str) -> Any:
+    if unison.rank() != 0:
+        return unison.scatter(None)
+    if kind == "ndarray":
+        return unison.scatter(np.array([[1, 2], [3, 4]]))
+    if kind == "tensor":
+        import torch
+
+        return unison.scatter(torch.tensor([[1, 2], [3, 4]]))
+    if kind == "generator":
+        return unison.scatter(np.array([i, i + 1]) for i in (1, 3))
+    return unison.scatter((np.array([1, 2]), np.array([3, 4])))
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+@pytest.mark.parametrize("kind", ["ndarray", "tensor", "generator", "tuple"])
+def test_scatter_takes_an_array_a_tensor_or_a_generator(shared, backend, kind):
+    """``xs or ()`` took an array's truth value (ValueError: ambiguous), a tensor's
+    (RuntimeError), a generator's len (TypeError). Now each worker gets its row."""
+    if kind == "tensor":
+        pytest.importorskip("torch")
+    sess = backend_session(shared, backend)
+    got = sess.run(scatter_iterable, kind, timeout=QUICK)
+    assert [np.asarray(g).tolist() for g in got] == [[1, 2], [3, 4]]
+
+
+GROUP_CALLS = {
+    "allreduce array": lambda g: unison.allreduce(np.ones(2), group=g),
+    "allreduce int": lambda g: unison.allreduce(1, group=g),
+    "allgather": lambda g: unison.allgather(0, group=g),
+    "broadcast": lambda g: unison.broadcast(0, group=g),
+    "barrier": lambda g: unison.barrier(group=g),
+    "scatter": lambda g: unison.scatter([1, 2], group=g),
+    "gather": lambda g: unison.gather(0, group=g),
+    "reduce_scatter": lambda g: unison.reduce_scatter(np.ones(2), group=g),
+}
+
+
+def every_group_call(group: Any) -> dict[str, tuple[str, Any]]:
+    return {name: outcome(lambda call=call: call(group)) for name, call in GROUP_CALLS.items()}
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_a_group_that_is_not_a_bool_is_a_type_error(shared, backend):
+    """group=2 raised IndexError (an array's allreduce) or KeyError (the others), None a
+    TypeError about tuple indices, 1.0 worked in allgather and failed in allreduce."""
+    sess = backend_session(shared, backend)
+    for group in (2, "yes", None, 1.0, 1, 0, np.True_):
+        got = sess.run(every_group_call, group, timeout=QUICK)
+        for rank_got in got:
+            for name, (kind, text) in rank_got.items():
+                assert kind == "TypeError", (group, name, kind, text)
+                assert "group must be True" in text and repr(group) in text
+    assert sess.run(every_group_call, False, timeout=QUICK)[0]["allreduce int"] == ("ok", 2)
+
+
+def torch_misuse(which: str) -> tuple[str, Any]:
+    import torch
+
+    calls = {
+        "reduce_scatter 0-d tensor": lambda: unison.reduce_scatter(torch.tensor(1.0)),
+        "reduce_scatter 0-d array": lambda: unison.reduce_scatter(np.array(1.0)),
+        "allreduce list": lambda: unison.allreduce([1, 2]),
+        "allreduce object array": lambda: unison.allreduce(np.array([1, None])),
+    }
+    return outcome(calls[which])
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+@pytest.mark.parametrize(("which", "error"), [
+    ("reduce_scatter 0-d tensor", "ValueError"),
+    ("reduce_scatter 0-d array", "ValueError"),
+    ("allreduce list", "TypeError"),
+    ("allreduce object array", "TypeError"),
+])
+def test_bad_reduction_input_raises_the_same_error_on_either_backend(shared, backend, which,
+                                                                     error):
+    """The torch backend raised torch's RuntimeError (tensor_split of a 0-d tensor) or a
+    CollectiveError (a list) where the shared-memory backend raised ValueError/TypeError."""
+    pytest.importorskip("torch")
+    sess = backend_session(shared, backend)
+    got = sess.run(torch_misuse, which, timeout=QUICK)
+    assert [g[0] for g in got] == [error, error], got
+
+
+def torch_allgather_str() -> tuple[str, Any]:
+    return outcome(lambda: unison.allgather("x"))
+
+
+def test_the_torch_backend_refuses_a_non_tensor_with_a_type_error(shared):
+    sess = backend_session(shared, "torch")
+    got = sess.run(torch_allgather_str, timeout=QUICK)
+    assert [g[0] for g in got] == ["TypeError", "TypeError"], got
+
+
+def narrow_inputs(dtype: str) -> list[np.ndarray]:
+    """Rank 0's and rank 1's input: their sum wraps (as numpy's does), their product too."""
+    top = int(np.iinfo(dtype).max)
+    return [np.array([top - 5, 7, 3], dtype), np.array([6000, 9, 5], dtype)]
+
+
+def reduce_narrow(dtype: str, op: str, as_tensor: bool) -> Any:
+    x = narrow_inputs(dtype)[unison.rank()]
+    if as_tensor:
+        import torch
+
+        return unison.allreduce(torch.from_numpy(x), op).numpy()
+    return unison.allreduce(x, op), unison.reduce_scatter(x, op)
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+@pytest.mark.parametrize("dtype", ["uint16", "uint32", "uint64", "int16"])
+@pytest.mark.parametrize("op", ["sum", "prod", "min", "max", "mean"])
+def test_dtypes_gloo_cannot_reduce_reduce_as_numpy_does(shared, backend, dtype, op):
+    """gloo has no uint16, uint32, uint64 or int16: the torch backend raised its RuntimeError
+    "Invalid scalar type" where the shared-memory one reduced them. Now both give numpy's
+    result to the bit, wrapping as numpy wraps (a sum past the dtype's top)."""
+    sess = backend_session(shared, backend)
+    a, b = narrow_inputs(dtype)
+    with np.errstate(all="ignore"):
+        if op == "mean":
+            want = (a.astype(np.float64) + b) / 2
+        else:
+            want = {"sum": np.add, "prod": np.multiply, "min": np.minimum,
+                    "max": np.maximum}[op](a, b)
+    got = sess.run(reduce_narrow, dtype, op, False, timeout=QUICK)
+    for r, (full, share) in enumerate(got):
+        assert full.dtype == want.dtype and full.tobytes() == want.tobytes(), (full, want)
+        part = np.array_split(want, 2)[r]
+        assert share.dtype == part.dtype and share.tobytes() == part.tobytes(), (share, part)
+    if backend == "torch":
+        got = sess.run(reduce_narrow, dtype, op, True, timeout=QUICK)
+        assert all(g.tobytes() == want.tobytes() for g in got)
+
+
+def test_check_scatter_values_lists_an_iterable_once_and_refuses_unordered_ones():
+    from unison.collective import checks
+
+    assert checks.check_scatter_values((i for i in "ab"), 2) == ["a", "b"]
+    assert checks.check_scatter_values(np.arange(2), 2) == [0, 1]
+    for bad in ({0: 1, 1: 2}, {1, 2}, frozenset({1, 2}), "ab", b"ab", bytearray(b"ab")):
+        with pytest.raises(TypeError, match="one per worker in rank order"):
+            checks.check_scatter_values(bad, 2)
+    with pytest.raises(TypeError, match="one per worker in rank order, got int"):
+        checks.check_scatter_values(5, 2)
