@@ -18,6 +18,12 @@ import unison
 from unison import _native
 from unison.collective import shm
 
+C_HERE = shm._coll is not None
+C_HERE_WHY = ("UNISON_PURE is set" if _native.pure_asked() and _native.built("_coll")
+              else "the C steps are not built here, or are stale")
+"""For the cases that run the C steps in this process (the others start workers with their
+own UNISON_PURE, and ask only _native.built)."""
+
 UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
 N = 3
 SPECIAL = [0.0, -0.0, 1.5, -2.25, np.inf, -np.inf, np.nan, 3e38, -3e38, 1e-45, 7.0]
@@ -141,7 +147,7 @@ def test_a_mismatch_raises_on_every_rank(kind: str) -> None:
                         timeout=30) == [[3.0, 3.0]] * N  # still usable
 
 
-@pytest.mark.skipif(shm._coll is None, reason="the C steps did not build")
+@pytest.mark.skipif(not C_HERE, reason=C_HERE_WHY)
 def test_end_in_c_says_the_call_is_left_and_tidies_only_what_is_held() -> None:
     """Reducer.end, the worker loop's end after every call: the left word peers read, and
     the Python ``_tidy`` only while spills or pidfds are held (the same as shm.py's end)."""
@@ -214,7 +220,7 @@ def lone_worker(name: str, pure: bool) -> shm.ShmCollectives:
     return coll
 
 
-@pytest.mark.skipif(shm._coll is None, reason="the C steps did not build")
+@pytest.mark.skipif(not C_HERE, reason=C_HERE_WHY)
 def test_the_c_steps_take_each_generation_as_next_does() -> None:
     """Reducer.small takes a small allreduce's generation itself: the same bookkeeping as
     Python's _next, step by step, where something of this call or an earlier one is owed,
@@ -295,8 +301,8 @@ def test_a_call_past_its_collectives_per_scope_raises_instead_of_mixing_them(
     spilled into the call id: a fast rank counted a stale peer as arrived and reduced its
     previous data (no error), or saw a bogus "left the call". Now the last ones run right
     and the next raises on every rank, before it publishes anything."""
-    if pure is False and shm._coll is None:
-        pytest.skip("the C steps did not build")
+    if pure is False and not _native.built("_coll"):
+        pytest.skip("the C steps are not built here, or are stale")
     env = {r: {"UNISON_PURE": "1" if pure else ""} for r in range(2)}
     with unison.Session(2, env=env) as sess:
         for _ in range(2):  # an odd call id and an even one: they failed differently
@@ -314,8 +320,8 @@ def test_a_call_past_its_collectives_per_scope_raises_instead_of_mixing_them(
 def test_a_call_id_past_the_generation_word_raises(pure: bool) -> None:
     """Call ids take the word's top 38 bits: the last one still runs collectives, a later
     one raises (nothing published) rather than wrapping onto call 0's generations."""
-    if pure is False and shm._coll is None:
-        pytest.skip("the C steps did not build")
+    if pure is False and not C_HERE:
+        pytest.skip(C_HERE_WHY)
     coll = lone_worker("unison-test-call-limit", pure)
     x = np.arange(4.0)
     coll.begin(MAX_CALL - 1, None)

@@ -5,6 +5,7 @@ workers, and entries with buffers (which stay on the Python path)."""
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
 import re
@@ -65,7 +66,7 @@ def test_unison_pure_reads_on_and_off(monkeypatch: pytest.MonkeyPatch, value: st
     measure the C ring measured the fallback, and nothing said so."""
     monkeypatch.setenv("UNISON_PURE", value)
     assert _native.pure_asked() is pure
-    assert (_native.load("_ring") is None) is (pure or not _built())
+    assert (_native.load("_ring") is None) is (pure or not _native.built("_ring"))
 
 
 @pytest.mark.parametrize("value", ["2", "pure", "maybe"])
@@ -77,8 +78,8 @@ def test_unison_pure_of_another_value_raises_and_says_what_to_set(
 
 
 def test_unison_pure_0_runs_the_c_ring_in_a_fresh_process() -> None:
-    if not _built():
-        pytest.skip("the C ring is not built here")
+    if not _native.built("_ring"):
+        pytest.skip("the C ring is not built here, or is stale")
     env = {**os.environ, "UNISON_PURE": "0"}
     proc = subprocess.run(
         [sys.executable, "-c", "from unison.channel import shm; print(shm.NATIVE)"],
@@ -86,19 +87,11 @@ def test_unison_pure_0_runs_the_c_ring_in_a_fresh_process() -> None:
     assert proc.stdout.strip() == "True", proc.stderr
 
 
-def _built() -> bool:
-    try:
-        import unison._ring  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def test_the_c_ring_tells_an_ok_reply_by_the_protocols_code() -> None:
     """run's quick path (_ring.Sender.values) tells an OK reply from an error by
     protocol.OK, compiled into _ring.c: they must agree."""
-    if not shm.NATIVE:
-        pytest.skip("the C ring is not built here")
+    if not _native.built("_ring"):
+        pytest.skip("the C ring is not built here, or is stale")
     import unison._ring
     from unison import protocol
 
@@ -179,10 +172,10 @@ def test_a_workers_mark_on_the_board(native: bool, monkeypatch: pytest.MonkeyPat
     go of its memory even while a mark is held."""
     from unison import cancel
 
-    if native and cancel._ring is None:
-        pytest.skip("_ring is not built here")
-    if not native:
-        monkeypatch.setattr(cancel, "_ring", None)
+    if native and not _native.built("_ring"):
+        pytest.skip("_ring is not built here, or is stale")
+    monkeypatch.setattr(cancel, "_ring", importlib.import_module("unison._ring") if native
+                        else None)  # whatever UNISON_PURE says here
     board = cancel.Board(3)
     try:
         mark = board.mark(2)
@@ -205,9 +198,9 @@ def test_a_workers_mark_on_the_board(native: bool, monkeypatch: pytest.MonkeyPat
         assert mark.enter(7 + cancel.TABLE) is True and board.running(2) == 7 + cancel.TABLE
     finally:
         board.close()
-    if native:
-        with pytest.raises(ValueError, match="closed"):
-            mark.enter(1)
+    for use in (lambda: mark.enter(1), mark.leave):  # Python's as C's, not a memoryview's
+        with pytest.raises(ValueError, match=r"^the board is closed$"):
+            use()
 
 
 STALE = r"""
@@ -235,38 +228,137 @@ def test_a_module_built_from_another_source_is_refused_with_how_to_rebuild(
     with a warning that says how to rebuild, and the session runs on pure Python. A copy of
     the package with the built modules: as built, it runs in C; with the C files edited, in
     Python, right."""
-    if not _built() or _native.load("_coll") is None:
-        pytest.skip("the extensions are not built here")
-    root = Path(__file__).resolve().parent.parent / "src" / "unison"
-    shutil.copytree(root, tmp_path / "unison", ignore=shutil.ignore_patterns("__pycache__"))
+    if not (_native.built("_ring") and _native.built("_coll")):
+        pytest.skip("the extensions are not built here, or are stale")
+    copy_package(tmp_path)
     if edit:
         for name in ("_ring.c", "_coll.c"):
             with open(tmp_path / "unison" / name, "a") as f:
                 f.write("/* a change after the build */\n")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    env.pop("UNISON_PURE", None)
-    proc = subprocess.run([sys.executable, "-c", STALE], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=100)
-    said = proc.stdout + proc.stderr
-    assert proc.returncode == 0, said
-    assert f"from {tmp_path / 'unison'}" in proc.stdout, said  # the copy ran
+    said = run_copy(tmp_path, STALE)
     if not edit:
-        assert "native True True ok" in proc.stdout, said
+        assert "native True True ok" in said, said
         assert "RuntimeWarning" not in said, said
         return
-    assert "native False False ok" in proc.stdout, said
+    assert "native False False ok" in said, said
     for name in ("_ring", "_coll"):
         assert re.search(rf"RuntimeWarning: unison\.{name} .* was built from another "
                          rf"{name}\.c than the one beside it .* Rebuild it: `pip install "
                          r"-e \.`", said), said
+        # once a session: the workers, which load the same build, do not repeat it
+        assert said.count(f"RuntimeWarning: unison.{name} ") == 1, said
+
+
+def copy_package(to: Path) -> Path:
+    """A copy of the package, built modules included, under ``to``; its directory."""
+    root = Path(__file__).resolve().parent.parent / "src" / "unison"
+    shutil.copytree(root, to / "unison", ignore=shutil.ignore_patterns("__pycache__"))
+    return to / "unison"
+
+
+def run_copy(at: Path, script: str) -> str:
+    """Run ``script`` on the copy of the package at ``at`` (UNISON_PURE unset, no earlier
+    warning inherited); its output, checked to come from the copy."""
+    env = {**os.environ, "PYTHONPATH": str(at), "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("UNISON_PURE", None)
+    env.pop(_native.WARNED, None)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=at,
+                          capture_output=True, text=True, timeout=100)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said
+    assert f"from {at / 'unison'}" in proc.stdout, said
+    return said
+
+
+def test_the_c_ring_is_built_for_the_layout_of_shm_py() -> None:
+    """What _ring.c hard-codes of the channel's layout, exported by the module: a fresh build
+    agrees with shm.py (else the check below would refuse it)."""
+    if not _native.built("_ring"):
+        pytest.skip("the C ring is not built here, or is stale")
+    import unison._ring as ring
+
+    assert (ring.ENTRY, ring.DESC, ring.WRAP, ring.MAX_WORKERS, ring.FLAGS) == (
+        shm._ENTRY, shm._DESC, shm._WRAP, shm.MAX_WORKERS, 32)
+    assert shm._MORE == 1 << ring.FLAGS  # a reply head's first flag
+
+
+@pytest.mark.parametrize("edit", ["none", "layout"])
+def test_a_c_ring_for_another_layout_is_refused_where_no_c_file_lies_beside_it(
+        tmp_path: Path, edit: str) -> None:
+    """A wheel carries no _ring.c, so the digest check cannot tell a build made for another
+    layout than shm.py's: once it was trusted, C and Python then read entries of
+    different sizes (forty-seventh pass). The module's constants are compared with shm.py's
+    at import: a build that differs warns, naming the constant and how to rebuild, and the
+    session runs on pure Python, right."""
+    if not _native.built("_ring"):
+        pytest.skip("the C ring is not built here, or is stale")
+    pkg = copy_package(tmp_path)
+    for name in ("_ring.c", "_coll.c"):
+        (pkg / name).unlink()
+    if edit == "layout":
+        text = (pkg / "channel" / "shm.py").read_text()
+        assert "\n_ENTRY = 16 " in text
+        (pkg / "channel" / "shm.py").write_text(text.replace("\n_ENTRY = 16 ", "\n_ENTRY = 24 "))
+    said = run_copy(tmp_path, STALE)
+    if edit == "none":
+        assert "native True True ok" in said and "Warning" not in said, said
+        return
+    assert "native False True ok" in said, said
+    assert re.search(r"RuntimeWarning: unison\._ring .* was built for another layout than "
+                     r"the Python side's: its ENTRY is 16, the Python side's 24\. Rebuild "
+                     r"it: `pip install -e \.`", said), said
+    assert said.count("RuntimeWarning") == 1, said
+
+
+@pytest.mark.parametrize("so", ["foreign", "none"])
+def test_a_build_that_does_not_import_warns_and_no_build_is_silent(
+        tmp_path: Path, so: str) -> None:
+    """A _ring build that does not import (here another module's under its name, as a
+    mis-copied or half-upgraded install leaves it) once fell back to Python without a word;
+    now it warns with the import's error and how to rebuild. Only where no build lies there
+    at all (it did not compile) is the fallback silent."""
+    if not (_native.built("_ring") and _native.built("_coll")):
+        pytest.skip("the extensions are not built here, or are stale")
+    pkg = copy_package(tmp_path)
+    for built in pkg.glob("_ring.*.so"):
+        if so == "foreign":
+            shutil.copy(next(pkg.glob("_coll.*.so")), built)
+        else:
+            built.unlink()
+    said = run_copy(tmp_path, STALE)
+    assert "native False True ok" in said, said
+    if so == "none":
+        assert "Warning" not in said, said
+        return
+    assert re.search(r"RuntimeWarning: unison\._ring does not import \(.*PyInit__ring.*\), "
+                     r"although _ring\..*\.so lies in .* Rebuild it: `pip install -e \.`",
+                     said), said
+    assert said.count("RuntimeWarning") == 1, said  # the controller's: workers do not repeat
+
+
+def test_built_says_whether_a_fresh_build_imports_whatever_unison_pure_says(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """For tests that run the extensions in their own workers or children: UNISON_PURE=1 in
+    the test's process skips none of them (it once gave "not built" as their reason)."""
+    monkeypatch.setenv("UNISON_PURE", "1")
+    assert _native.load("_ring") is None
+    for name in ("_ring", "_coll"):
+        try:
+            module = importlib.import_module(f"unison.{name}")
+        except ImportError:
+            assert not _native.built(name)
+            continue
+        assert _native.built(name) is (_native._stale(module) == "")
+    assert not _native.built("_nothing_of_that_name")
 
 
 def test_each_built_module_records_the_digest_of_its_source() -> None:
     """The other half of the check above: a fresh build carries its file's digest, so a
     right build is never refused."""
     for name in ("_ring", "_coll"):
-        module = _native.load(name)
-        if module is None:
+        try:
+            module = importlib.import_module(f"unison.{name}")
+        except ImportError:
             pytest.skip("the extensions are not built here")
         source = Path(module.__file__).with_name(name + ".c")
         assert (module.SOURCE, name) == (_native.source_digest(source), name)

@@ -861,16 +861,13 @@ def describe_missing(child: dict[str, Any], target: str) -> str:
 # -- the tests ---------------------------------------------------------------------------------
 
 
-def _native_built() -> bool:
-    """Whether this process's channels take the C ring: built, and not turned off with
-    UNISON_PURE=1 (the C-ring cases then skip, as the other test files' do)."""
-    if _native.pure_asked():
-        return False
-    try:
-        import unison._ring  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _c_here() -> str:
+    """Why this process's channels do not take the C ring (built and fresh, and UNISON_PURE
+    not set), or "": for the cases that run it here. Those that start a child with their
+    own UNISON_PURE ask only _native.built("_ring")."""
+    if not _native.built("_ring"):
+        return "the C ring is not built here, or is stale"
+    return "UNISON_PURE is set" if _native.pure_asked() else ""
 
 
 @pytest.fixture(scope="module", params=["native", "pure"])
@@ -878,8 +875,8 @@ def child(request: pytest.FixtureRequest,
           tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One child per ring runs every target (it is reaped before this returns)."""
     ring: str = request.param
-    if ring == "native" and not _native_built():
-        pytest.skip("the C ring did not build here")
+    if ring == "native" and not _native.built("_ring"):
+        pytest.skip("the C ring is not built here, or is stale")
     out = tmp_path_factory.mktemp(f"ring-fuzz-{ring}")
     got = run_child(ring, out, 200.0, ["--examples", str(CI_EXAMPLES)])
     got["ring"] = ring
@@ -925,8 +922,8 @@ def test_a_plain_reply_in_one_step_keeps_its_place_at_the_rings_end_and_when_ful
     nothing and says so, and ``reply`` then sends it (a wrap marker, the reply arena).
     Python's is ``_put``'s, which wraps and waits for room itself: it refuses only a value
     for the arena. Every reply reads back in order either way."""
-    if not pure and not _native_built():
-        pytest.skip("the C ring did not build here")
+    if not pure and _c_here():
+        pytest.skip(_c_here())
     with _pair(reply_start=REPLY_RING - 40) as (chan, (w0, _)):
         if pure:
             w0._taker = None
@@ -1010,8 +1007,8 @@ print("native", shm.NATIVE)
 def test_a_worker_that_corrupts_its_reply_ring_is_reported_dead(ring: str) -> None:
     """Through a whole session: the controller neither crashes nor waits for the worker
     (which sleeps on): WorkerDied names it and says why, at once; the session closes."""
-    if ring == "native" and not _native_built():
-        pytest.skip("the C ring did not build here")
+    if ring == "native" and not _native.built("_ring"):
+        pytest.skip("the C ring is not built here, or is stale")
     env = {**os.environ, "UNISON_PURE": "1" if ring == "pure" else ""}
     proc = subprocess.run([sys.executable, "-c", SESSION_SCRIPT], env=env,
                           capture_output=True, text=True, timeout=100)

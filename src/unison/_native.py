@@ -11,7 +11,7 @@ import io
 import os
 import platform
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,21 +51,62 @@ def unordered_why(what: str) -> str:
             "so a reader could take data that is not all written yet")
 
 
-def load(name: str) -> Any:
-    """``unison.<name>`` (e.g. "_ring"), or None where it did not build, UNISON_PURE asks
-    for pure Python, or it was built from another source than the one beside it (a
-    warning says how to rebuild)."""
+def load(name: str, layout: Mapping[str, int] | None = None) -> Any:
+    """``unison.<name>`` (e.g. "_ring"), or None where UNISON_PURE asks for pure Python, it
+    was not built, or a build is there but unfit: it does not import, it was built from
+    another source than the one beside it, or its constants differ from ``layout`` (by
+    name: the caller's values of what the C code hard-codes). An unfit build warns, once,
+    saying how to rebuild: only where no build exists is the fallback silent."""
     if pure_asked():
         return None
     try:
         module = importlib.import_module(f"unison.{name}")
-    except ImportError:
+    except ImportError as exc:
+        builds = _builds(name)
+        if builds:
+            _warn_once(f"unison.{name} does not import ({exc}), although {', '.join(builds)} "
+                       f"lies in {Path(__file__).parent}. {_REBUILD}")
         return None
-    why = _stale(module)
+    why = _stale(module) or _mismatch(module, layout or {})
     if why:
         _warn_once(why)
         return None
     return module
+
+
+def built(name: str) -> bool:
+    """Whether ``unison.<name>`` imports and matches the C file beside it, whatever
+    UNISON_PURE says here: for tests whose own workers or children run it."""
+    try:
+        module = importlib.import_module(f"unison.{name}")
+    except ImportError:
+        return False
+    return not _stale(module)
+
+
+_REBUILD = ("Rebuild it: `pip install -e .` in the project (or `python setup.py build_ext "
+            "--inplace`). Until then unison uses pure Python: the same results, slower.")
+
+
+def _builds(name: str) -> list[str]:
+    """The files of this package that look like a build of ``name`` (for any Python)."""
+    here = Path(__file__).parent
+    return sorted(p.name for p in here.glob(f"{name}.*") if p.suffix in (".so", ".pyd"))
+
+
+def _mismatch(module: Any, layout: Mapping[str, int]) -> str:
+    """Why ``module``'s compiled constants are not ``layout``, or "". The C file's digest
+    is checked only where that file lies beside the module (_stale); a wheel, or a build
+    copied without it, is trusted there, and C reading another layout than Python's
+    writes would misread memory with no error."""
+    for key, want in layout.items():
+        had = getattr(module, key, None)
+        if had != want:
+            return (f"{module.__name__} ({Path(module.__file__).name}) was built for another "
+                    f"layout than the Python side's: its {key} is "
+                    f"{'missing' if had is None else had}, the Python side's {want}. "
+                    + _REBUILD)
+    return ""
 
 
 def source_digest(path: Path) -> str:
@@ -80,7 +121,8 @@ def _stale(module: Any) -> str:
     the built module, and a ``git pull`` changes the file but not the module: the Python
     side would then drive code of another version (a TypeError at a session's start at
     best, a misread layout at worst). A wheel carries the file it was built from, so the
-    two agree; where no file is beside the module, it is trusted."""
+    two agree; where no file is beside the module, only the layout check is left
+    (_mismatch)."""
     built = Path(module.__file__)
     source = built.with_name(module.__name__.rpartition(".")[2] + ".c")
     try:
@@ -92,14 +134,23 @@ def _stale(module: Any) -> str:
         return ""
     return (f"{module.__name__} ({built.name}) was built from another {source.name} than "
             f"the one beside it (built from {had or 'an unrecorded version'}, the file is "
-            f"now {digest}). Rebuild it: `pip install -e .` in the project (or `python "
-            "setup.py build_ext --inplace`). Until then unison uses pure Python: the same "
-            "results, slower.")
+            f"now {digest}). " + _REBUILD)
+
+
+WARNED = "UNISON_NATIVE_WARNED"
+"""The environment variable where a process lists the warnings above it gave (digests).
+Its workers inherit it and load the same build: they would repeat the controller's
+warning, once each; they say only one that differs (another build, another path)."""
 
 
 @functools.cache  # once a process, where three modules load the same extension
 def _warn_once(why: str) -> None:
+    key = hashlib.sha256(why.encode()).hexdigest()[:12]
+    said = os.environ.get(WARNED, "").split()
+    if key in said:
+        return
     warnings.warn(why, RuntimeWarning, stacklevel=3)
+    os.environ[WARNED] = " ".join([*said, key])
 
 
 def _locked_flush() -> Callable[[], None]:

@@ -43,6 +43,8 @@
 #define ENTRY 16
 #define DESC 24
 #define MAX_WORKERS 64
+#define FLAGS 32  /* a head's length lies below this bit, its flags from it up (a reply's:
+                     shm._MORE, _INDIRECT, _NDESC; a command's: its meta) */
 #define STATUS_OK 0  /* protocol.OK, as the module's OK: a test checks that they agree */
 #define STATUS_ARRAY 2  /* protocol.ARRAY, likewise: a small numpy value, made by array_value */
 
@@ -291,9 +293,9 @@ static int next_reply(Sender *self, int r, uint64_t *pos, uint64_t end, const ch
         entry = self->base + self->rbase[r];
     }
     uint64_t head = *(const uint64_t *)entry;
-    *n = head & 0xFFFFFFFFu;
+    *n = head & (((uint64_t)1 << FLAGS) - 1);
     *size = (8 + *n + 7) & ~(uint64_t)7;
-    if (head >> 32 || off + *size > self->rring || *size > end - *pos) return REPLY_OTHER;
+    if (head >> FLAGS || off + *size > self->rring || *size > end - *pos) return REPLY_OTHER;
     *data = entry + 8;
     return REPLY_PLAIN;
 }
@@ -559,7 +561,7 @@ static PyObject *Taker_take(Taker *self, PyObject *arg) {
             pos += self->ring - off;  /* the next lap */
             continue;
         }
-        uint64_t n = head & 0xFFFFFFFFu, meta = head >> 32;
+        uint64_t n = head & (((uint64_t)1 << FLAGS) - 1), meta = head >> FLAGS;
         uint64_t size = (ENTRY + 7 + n + DESC * (meta & 0xFFFF)) & ~(uint64_t)7;
         if (off + size > self->ring || size > end - pos)
             return Py_BuildValue("(OK)", Py_False, (unsigned long long)pos);
@@ -805,7 +807,15 @@ PyMODINIT_FUNC PyInit__ring(void) {
     Py_INCREF(&SenderType);
     Py_INCREF(&TakerType);
     Py_INCREF(&MarkType);
-    if (PyModule_AddIntConstant(m, "OK", STATUS_OK) < 0 ||
+    /* What this file hard-codes of shm.py's layout: _native.load compares them with shm.py's
+       once, at import, and refuses a build made for another (where no .c lies beside it to
+       tell a stale build, as in a wheel). */
+    if (PyModule_AddIntConstant(m, "ENTRY", ENTRY) < 0 ||
+        PyModule_AddIntConstant(m, "DESC", DESC) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_WORKERS", MAX_WORKERS) < 0 ||
+        PyModule_AddIntConstant(m, "FLAGS", FLAGS) < 0 ||
+        PyModule_AddObject(m, "WRAP", PyLong_FromUnsignedLongLong(WRAP)) < 0 ||
+        PyModule_AddIntConstant(m, "OK", STATUS_OK) < 0 ||
         PyModule_AddIntConstant(m, "ARRAY", STATUS_ARRAY) < 0 ||
         PyModule_AddStringConstant(m, "SOURCE", UNISON_SOURCE) < 0 ||
         PyModule_AddObject(m, "Sender", (PyObject *)&SenderType) < 0 ||

@@ -6,6 +6,11 @@ from typing import Any
 OK: int  # protocol.OK
 ARRAY: int  # protocol.ARRAY
 SOURCE: str  # the start of the C file's sha256 (setup.py)
+ENTRY: int  # shm._ENTRY
+DESC: int  # shm._DESC
+MAX_WORKERS: int  # shm.MAX_WORKERS
+FLAGS: int  # a head's first flag bit (shm._MORE's)
+WRAP: int  # shm._WRAP
 
 class Sender:
     def __init__(self, buffer: Any, cmd_base: int, ring_size: int, efds: Sequence[int],

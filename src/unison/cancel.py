@@ -264,7 +264,8 @@ class _Mark:
     """Mark in pure Python (no _ring): the same stores, the fence a lock."""
 
     def __init__(self, q: memoryview, running: int) -> None:
-        self._q, self._running = q, running
+        self._q: memoryview | _Closed = q
+        self._running = running
 
     def enter(self, call_id: int, /) -> bool:
         q = self._q
@@ -281,4 +282,18 @@ class _Mark:
         return call_id != 0 and q[call_id % TABLE] == call_id
 
     def close(self) -> None:
-        pass
+        self._q = _CLOSED
+
+
+class _Closed:
+    """A closed _Mark's words: a use after Board.close says what C's Mark says, not
+    "operation forbidden on released memoryview object" (and costs the open one nothing)."""
+
+    def __getitem__(self, index: int) -> int:
+        raise ValueError("the board is closed")
+
+    def __setitem__(self, index: int, value: int) -> None:
+        raise ValueError("the board is closed")
+
+
+_CLOSED = _Closed()

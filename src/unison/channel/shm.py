@@ -103,10 +103,6 @@ from unison.pacing import (
 )
 from unison.protocol import ARRAY, OK, array_value, dumps_plain, loads_plain
 
-_ring = _native.load("_ring")  # the C fast paths (unison/_ring.c), or None
-NATIVE = _ring is not None
-"""Whether the command ring's fast paths run in C here (else pure Python, same protocol)."""
-
 _clock, _yield = time.perf_counter, os.sched_yield
 
 MAX_WORKERS = 64
@@ -126,6 +122,14 @@ _CTL_DONE = _CTL_SLEEP + 1  # index of its flag "waiting for workers' progress"
 _CTL_ASYNC = _CTL_SLEEP + 2  # index of its flag "an event loop waits on the reply eventfd"
 _NO_VIEWS: list[memoryview] = []
 _DESC = 24
+
+# the C fast paths (unison/_ring.c), or None; a build for another layout than the one above
+# (what _ring.c hard-codes of it) warns and is refused, once, here
+_ring = _native.load("_ring", {
+    "ENTRY": _ENTRY, "DESC": _DESC, "WRAP": _WRAP, "MAX_WORKERS": MAX_WORKERS, "OK": OK,
+    "ARRAY": ARRAY, "FLAGS": _MORE.bit_length() - 1})  # FLAGS: a head's lowest flag bit
+NATIVE = _ring is not None
+"""Whether the command ring's fast paths run in C here (else pure Python, same protocol)."""
 
 _CMD = Ring(CMD_RING)
 _REPLY = Ring(REPLY_RING)
