@@ -380,3 +380,26 @@ def test_without_a_compiler_the_build_goes_on_and_builds_nothing(tmp_path: Path)
     said = (proc.stdout + proc.stderr).splitlines()
     for name in ("unison._ring", "unison._coll"):  # each tried, failed, and skipped
         assert any(name in line and "failed" in line for line in said), said
+
+
+def test_c_collective_steps_built_for_another_record_layout_warn_and_are_refused(monkeypatch):
+    """_coll's layout check returned None in silence, where _ring's now warns: a run meant
+    to measure the C steps measured the fallback with no word (issue 9, forty-seventh pass)."""
+    from types import SimpleNamespace
+
+    from unison.collective import shm as coll_shm
+
+    real = importlib.import_module("unison._coll") if _native.built("_coll") else None
+    fake = SimpleNamespace(__name__="unison._coll", __file__=str(Path(coll_shm.__file__)),
+                           RECORD=(0,) * 7, GENERATION=getattr(real, "GENERATION", None),
+                           SOURCE=getattr(real, "SOURCE", ""))
+    monkeypatch.setattr(_native, "pure_asked", lambda: False)
+    monkeypatch.setattr(_native, "_stale", lambda module: "")
+    load = importlib.import_module
+    monkeypatch.setattr(_native.importlib, "import_module",
+                        lambda name: fake if name == "unison._coll" else load(name))
+    monkeypatch.delenv(_native.WARNED, raising=False)
+    _native._warn_once.cache_clear()
+    with pytest.warns(RuntimeWarning, match=r"its RECORD is \(0, 0, 0, 0, 0, 0, 0\)"):
+        assert coll_shm._steps_in_c() is None
+    _native._warn_once.cache_clear()

@@ -51,7 +51,7 @@ def unordered_why(what: str) -> str:
             "so a reader could take data that is not all written yet")
 
 
-def load(name: str, layout: Mapping[str, int] | None = None) -> Any:
+def load(name: str, layout: Mapping[str, object] | None = None) -> Any:
     """``unison.<name>`` (e.g. "_ring"), or None where UNISON_PURE asks for pure Python, it
     was not built, or a build is there but unfit: it does not import, it was built from
     another source than the one beside it, or its constants differ from ``layout`` (by
@@ -94,7 +94,7 @@ def _builds(name: str) -> list[str]:
     return sorted(p.name for p in here.glob(f"{name}.*") if p.suffix in (".so", ".pyd"))
 
 
-def _mismatch(module: Any, layout: Mapping[str, int]) -> str:
+def _mismatch(module: Any, layout: Mapping[str, object]) -> str:
     """Why ``module``'s compiled constants are not ``layout``, or "". The C file's digest
     is checked only where that file lies beside the module (_stale); a wheel, or a build
     copied without it, is trusted there, and C reading another layout than Python's

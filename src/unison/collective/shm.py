@@ -173,13 +173,10 @@ def _plan(code: int, sig: int, desc: int, which: int, ranks: tuple[int, ...]) ->
 def _steps_in_c() -> Any:
     """The C steps of a small allreduce (unison/_coll.c), unless they did not build,
     UNISON_PURE=1 is set, or they were built for another record layout or generation word
-    (a stale build): then numpy and Python."""
-    native = _native.load("_coll")
-    if (native is None
-            or native.RECORD != (_GEN_W, _GEN_G, _LEFT, _PID, _NBYTES, _SIG, _DESC)
-            or getattr(native, "GENERATION", None) != (_CALL_SHIFT, _MAX_INDEX, _MAX_CALL)):
-        return None
-    return native
+    (a stale build, refused with a warning, as _ring's): then numpy and Python."""
+    return _native.load("_coll", {
+        "RECORD": (_GEN_W, _GEN_G, _LEFT, _PID, _NBYTES, _SIG, _DESC),
+        "GENERATION": (_CALL_SHIFT, _MAX_INDEX, _MAX_CALL)})
 
 
 _coll = _steps_in_c()
