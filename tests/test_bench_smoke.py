@@ -866,3 +866,15 @@ def test_close_time_prints_a_median_per_size() -> None:
     rows = [line for line in out.splitlines() if line.startswith("N=")]
     assert [row.split(":")[0] for row in rows] == ["N=1", "N=2"], out
     assert all(re.search(r"close [\d.]+ ms \(median of 1; ", row) for row in rows), out
+
+
+def test_tcp_collectives_times_a_call_an_allreduce_and_a_left_rank() -> None:
+    """benchmarks/tcp_collectives.py: three lines, the last the seconds a left rank's peers
+    took to raise (well under the call's timeout)."""
+    pytest.importorskip("torch")
+    out = _tool("tcp_collectives.py", "--calls", "20", "--reduces", "5")
+    assert re.search(r"^run\(noop\): median [\d.]+ us$", out, re.M), out
+    assert re.search(r"^allreduce of 4 floats: [\d.]+ us$", out, re.M), out
+    took = re.search(r"^a rank left before its collective: its peers raised in ([\d.]+) s$",
+                     out, re.M)
+    assert took is not None and float(took.group(1)) < 10, out

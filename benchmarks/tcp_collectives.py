@@ -1,0 +1,105 @@
+"""A session whose workers join over TCP with collectives="torch" (as on a cluster: gloo
+across hosts), on loopback: what a call, a small allreduce, and a rank that leaves a call
+before its collective cost.
+
+    python benchmarks/tcp_collectives.py [--workers 2] [--calls 3000] [--reduces 500]
+    PYTHONPATH=/tmp/wt/src python benchmarks/tcp_collectives.py ...   # another revision
+
+Workers are started by hand (``unison worker --connect``), as srun or ssh would, so the
+session's collectives go through torch.distributed, not shared memory. Prints the median of
+``sess.run(noop)`` in µs; the mean of ``--reduces`` allreduces of 4 floats inside one call
+(best of 3 calls) in µs; and how long a ``sess.run`` takes to raise where rank 1 raises
+before the allreduce its peers run (best of 3, s; before issue 9's forty-seventh pass, its
+peers waited until the call's timeout, here 30 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import unison
+from harness.report import header
+from unison.launch.connect import ConnectLauncher
+
+SECRET = bytes(range(32))
+
+
+def noop() -> None:
+    return None
+
+
+def reduces(count: int) -> float:
+    import torch
+
+    x = torch.ones(4)
+    start = time.perf_counter()
+    for _ in range(count):
+        unison.allreduce(x)
+    return (time.perf_counter() - start) / count * 1e6
+
+
+def leaves() -> float:
+    import torch
+
+    if unison.rank() == 1:
+        raise ValueError("left before its collective")
+    return float(unison.allreduce(torch.ones(1))[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--reduces", type=int, default=500)
+    args = parser.parse_args()
+    print(header(sys.argv[1:]))
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def announce(address: str, secret: bytes) -> None:
+        env = dict(os.environ, UNISON_SECRET=SECRET.hex())
+        procs.extend(subprocess.Popen([sys.executable, "-m", "unison", "worker", "--connect",
+                                       address], env=env) for _ in range(args.workers))
+
+    launcher = ConnectLauncher(secret=SECRET, announce=announce)
+    try:
+        with unison.Session(args.workers, launcher=launcher, collectives="torch",
+                            start_timeout=60) as sess:
+            for _ in range(300):
+                sess.run(noop)
+            times = []
+            for _ in range(args.calls):
+                start = time.perf_counter()
+                sess.run(noop)
+                times.append(time.perf_counter() - start)
+            print(f"run(noop): median {statistics.median(times) * 1e6:.1f} us")
+            best = min(min(sess.run(reduces, args.reduces)) for _ in range(3))
+            print(f"allreduce of 4 floats: {best:.1f} us")
+            raised = []
+            for _ in range(3):
+                start = time.perf_counter()
+                try:
+                    sess.run(leaves, timeout=30)
+                except unison.WorkerError:
+                    raised.append(time.perf_counter() - start)
+                except TimeoutError:  # (the peers still wait: the session is closed)
+                    raised.append(30.0)
+                    break
+                sess.run(noop)
+            print(f"a rank left before its collective: its peers raised in "
+                  f"{min(raised):.2f} s")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+if __name__ == "__main__":
+    main()
