@@ -286,7 +286,8 @@ def fork_workers(python: Sequence[str], ranks: Sequence[int], fds: Mapping[int, 
             ours.settimeout(max(until - time.monotonic(), 0.001))
             try:
                 msg, got_fds, _, _ = socket.recv_fds(ours, 64, 1)
-            except TimeoutError:
+                made += got_fds  # the keeper's pidfd, owned at once (a refusal below, or a
+            except TimeoutError:  # Ctrl-C, leaked it)
                 if deadline is not None:  # the session's start_timeout
                     from unison.errors import start_timed_out  # (the zygote imports none)
 
@@ -296,7 +297,7 @@ def fork_workers(python: Sequence[str], ranks: Sequence[int], fds: Mapping[int, 
                 raise RuntimeError(_zygote_failed(zygote))
             rank, pid = pickle.loads(msg)
             in_w, out_r, err_r = pipes[rank]
-            for fd in (in_w, out_r, err_r):
+            for fd in (in_w, out_r, err_r, got_fds[0]):
                 made.remove(fd)  # the file objects' below, which close them (as above)
             forked[rank] = Forked(pid, got_fds[0], os.fdopen(in_w, "wb"),
                                   os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"), reports)
