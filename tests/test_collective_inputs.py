@@ -212,3 +212,54 @@ def test_check_scatter_values_lists_an_iterable_once_and_refuses_unordered_ones(
             checks.check_scatter_values(bad, 2)
     with pytest.raises(TypeError, match="one per worker in rank order, got int"):
         checks.check_scatter_values(5, 2)
+
+
+def _moves(dtype: str, tensors: bool) -> list[Any]:
+    """Rank r's allgather, broadcast from 1, gather to 0 and scatter from 0 of arrays of
+    ``dtype`` (0-d, 1-d, 2-d), as numpy arrays (from tensors where ``tensors``)."""
+    import torch
+
+    r = unison.rank()
+
+    def value(shape: tuple[int, ...], k: int) -> Any:
+        a = (np.arange(int(np.prod(shape)), dtype=dtype) * (r + 1) + k).reshape(shape)
+        return torch.from_numpy(a) if tensors else a
+
+    def plain(v: Any) -> Any:
+        return [plain(x) for x in v] if isinstance(v, list) else (
+            None if v is None else np.asarray(v.numpy() if tensors else v))
+
+    out = []
+    for k, shape in enumerate([(), (5,), (2, 3)]):
+        out.append(plain(unison.allgather(value(shape, k))))
+        out.append(plain(unison.broadcast(value(shape, k) if r == 1 else None, src=1)))
+        out.append(plain(unison.gather(value(shape, k), dst=0)))
+        xs = [value(shape, k + q) for q in range(unison.world_size())] if r == 0 else None
+        out.append(plain(unison.scatter(xs, src=0)))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+@pytest.mark.parametrize("dtype", ["uint16", "uint32", "uint64", "int16", "complex64"])
+def test_dtypes_gloo_cannot_move_move_as_shared_memory_does(shared, backend, dtype):
+    """The torch backend's allgather, broadcast, gather and scatter of int16, uint16/32/64
+    (and gather of complex) raised gloo's RuntimeError "Invalid scalar type"; shared memory
+    moved them. They now go as their bytes, and come back as the dtype and shape sent."""
+    pytest.importorskip("torch")
+    sess = backend_session(shared, backend)
+    for tensors in (False, True):
+        got = sess.run(_moves, dtype, tensors, timeout=QUICK)
+        want = [[np.arange(int(np.prod(shape)), dtype=dtype).reshape(shape) * (q + 1) + k
+                 for q in range(2)] for k, shape in enumerate([(), (5,), (2, 3)])]
+        for r in range(2):
+            for k in range(3):
+                every, from_1, at_0, mine = got[r][4 * k: 4 * k + 4]
+                for a, b in zip(every, want[k]):
+                    assert a.dtype == dtype and a.shape == b.shape and (a == b).all()
+                assert from_1.dtype == dtype and (from_1 == want[k][1]).all()
+                if r == 0:
+                    assert all((a == b).all() for a, b in zip(at_0, want[k]))
+                else:
+                    assert at_0 is None
+                expect = want[k][0] - k + k + r  # the source's value(shape, k + r)
+                assert mine.dtype == dtype and (mine == expect).all(), (r, k, mine, expect)

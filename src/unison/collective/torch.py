@@ -179,9 +179,10 @@ class TorchCollectives(Collectives):
     def allgather(self, x: Any, group: bool) -> list[Any]:
         t = _tensor(x)
         dist, pg, ranks = self._enter(group, "allgather", [t])
-        out = [t.new_empty(t.shape) for _ in ranks]
-        dist.all_gather(out, t.contiguous(), group=pg)
-        return [_like(x, o) for o in out]
+        w = _wire(t)
+        out = [w.new_empty(w.shape) for _ in ranks]
+        dist.all_gather(out, w.contiguous(), group=pg)
+        return [_like(x, _unwire(o, t)) for o in out]
 
     def broadcast(self, x: Any, src: int, group: bool) -> Any:
         """The others' ``x`` is ignored and may be None (``sess.broadcast_from`` passes
@@ -205,7 +206,8 @@ class TorchCollectives(Collectives):
             out = torch.empty(shape, dtype=dtype, device=device)
         # no second meeting: the first checked the call, and the shape is the source's
         dist, pg = self._group(group, out.is_cuda)
-        dist.broadcast(out, src_rank, group=pg)
+        out = out.contiguous()
+        dist.broadcast(_wire(out), src_rank, group=pg)  # (its bytes: a view of out)
         return _as(like[3], out)  # the source's kind
 
     def scatter(self, xs: Sequence[Any] | None, src: int, group: bool) -> Any:
@@ -231,16 +233,18 @@ class TorchCollectives(Collectives):
 
         dist, pg, _ = self._enter(group, "scatter", [], root=src)
         out = torch.empty(like[0], dtype=like[1])
-        dist.scatter(out, mine if self.local.rank == src_rank else None, src=src_rank, group=pg)
+        sent = [_wire(v.contiguous()) for v in mine] if self.local.rank == src_rank else None
+        dist.scatter(_wire(out), sent, src=src_rank, group=pg)  # (bytes: views of out)
         return _as(like[2], out)  # the source's kind
 
     def gather(self, x: Any, dst: int, group: bool) -> list[Any] | None:
         t = _tensor(x)
         dst_rank = member(self.local.scope(group)[1], dst, group, "dst")
         dist, pg, ranks = self._enter(group, "gather", [t], root=dst)
-        out = [t.new_empty(t.shape) for _ in ranks] if self.local.rank == dst_rank else None
-        dist.gather(t.contiguous(), out, dst=dst_rank, group=pg)
-        return None if out is None else [_like(x, o) for o in out]
+        w = _wire(t.contiguous(), gather=True)
+        out = [w.new_empty(w.shape) for _ in ranks] if self.local.rank == dst_rank else None
+        dist.gather(w, out, dst=dst_rank, group=pg)
+        return None if out is None else [_like(x, _unwire(o, t)) for o in out]
 
     def begin(self, call_id: int, ranks: tuple[int, ...] | None) -> None:
         self.local.begin(call_id, ranks)
@@ -266,6 +270,24 @@ class NotATensorError(TypeError, CollectiveError):
 
 _NOT_GLOO = ("torch.int16", "torch.uint16", "torch.uint32", "torch.uint64")
 """Dtypes gloo cannot reduce ("Invalid scalar type"), where numpy (and shm) can."""
+
+
+def _wire(t: Any, gather: bool = False) -> Any:
+    """What gloo moves for ``t``: ``t`` itself, or, for a dtype gloo moves none of
+    (``_NOT_GLOO``; complex in a gather), its bytes (a view: ``t`` must be contiguous).
+    Before, these collectives raised gloo's RuntimeError "Invalid scalar type", where the
+    shared-memory backend moves them."""
+    if t.is_cuda or not (str(t.dtype) in _NOT_GLOO or (gather and t.is_complex())):
+        return t
+    import torch
+
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _unwire(got: Any, like: Any) -> Any:
+    """``got`` (what ``_wire`` of a tensor like ``like`` gave, received) as ``like``'s
+    dtype and shape."""
+    return got if got.dtype == like.dtype else got.view(like.dtype).reshape(like.shape)
 
 
 def _reduce_gathered(dist: Any, pg: Any, n: int, t: Any, op: str) -> Any:
