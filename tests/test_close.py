@@ -373,23 +373,34 @@ def test_the_last_reference_dropped_closes_the_session_at_once(inline):
             gc.enable()
 
 
-def test_a_session_in_a_cycle_of_the_users_closes_at_collection():
-    """A session the cycle collector finds (its owner in a cycle) closes cleanly: its
-    router's weak reference to it is cleared before its __del__ runs."""
+def test_a_session_in_a_cycle_of_the_users_closes_at_collection(tmp_path):
+    """A session the cycle collector finds (its owner in a cycle), traced, a call running:
+    it closes cleanly, and says why the trace lacks the workers' events (still in a call).
+    The collector clears weak references before __del__ runs, and the router's was the
+    session's: its looks at the workers failed on the dead proxy, and the trace's loss was
+    put down to "weakly-referenced object no longer exists" (a review of the forty-seventh
+    pass)."""
     class Box:
         pass
 
     box = Box()
-    box.me, box.sess = box, unison.Session(2)  # type: ignore[attr-defined]
+    box.me = box  # type: ignore[attr-defined]
+    box.sess = unison.Session(2, trace=tmp_path / "trace.json")  # type: ignore[attr-defined]
     pids = box.sess.run(os.getpid)  # type: ignore[attr-defined]
+    box.sess.call(time.sleep, 1.5)  # type: ignore[attr-defined]
     del box
     ignored: list[object] = []
     hook, sys.unraisablehook = sys.unraisablehook, ignored.append
     try:
-        gc.collect()
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            gc.collect()
     finally:
         sys.unraisablehook = hook
     assert ignored == []  # no "Exception ignored in __del__"
+    texts = [str(w.message) for w in said]
+    assert not any("weakly-referenced" in t for t in texts), texts
+    assert any("still in a call" in t for t in texts), texts
     assert wait_gone(pids, 3.0) == []
 
 

@@ -263,3 +263,34 @@ def test_dtypes_gloo_cannot_move_move_as_shared_memory_does(shared, backend, dty
                     assert at_0 is None
                 expect = want[k][0] - k + k + r  # the source's value(shape, k + r)
                 assert mine.dtype == dtype and (mine == expect).all(), (r, k, mine, expect)
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_a_non_tensor_error_reaches_the_controller_as_each_ranks_type_error(shared, backend):
+    """The torch backend's TypeError (a CollectiveError too) skipped CollectiveError's init,
+    so it had no ``.peer``: the controller's WorkerError raised AttributeError instead, and
+    a sync lost the errors (a review of the forty-seventh pass)."""
+    sess = backend_session(shared, backend)
+    with pytest.raises(unison.WorkerError) as info:
+        sess.run(lambda: unison.allreduce([1.0, 2.0]), timeout=QUICK)
+    assert sorted(info.value.errors) == [0, 1]
+    assert all(isinstance(e, TypeError) for e in info.value.errors.values())
+    sess.call(lambda: unison.allreduce([1.0, 2.0]))
+    with pytest.raises(unison.WorkerError):
+        sess.sync(timeout=QUICK)
+    assert sess.sync(timeout=QUICK) is None
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_a_0d_narrow_integer_reduces_to_a_0d_result(shared, backend):
+    """The torch backend's reduction of the dtypes gloo lacks gave a 0-d input back as shape
+    (1,): numpy's ascontiguousarray makes a 0-d array 1-d (a review of the forty-seventh
+    pass). A numpy scalar still comes back as a scalar, as on shared memory."""
+    sess = backend_session(shared, backend)
+
+    def zero_d():
+        r = unison.rank()
+        return [np.shape(unison.allreduce(v)) for v in (
+            np.array(r + 1, np.uint16), np.int16(r + 1))]
+
+    assert sess.run(zero_d, timeout=QUICK) == [[(), ()]] * 2

@@ -1049,3 +1049,22 @@ def test_bind_all_with_torch_collectives_starts(workers):
 
 def allreduce_ones() -> Any:
     return unison.allreduce(np.ones(2))
+
+
+def _fails_on_1() -> int:
+    if unison.rank() == 1:
+        raise ValueError("reported, then busy")
+    return 0
+
+
+def test_close_says_errors_held_by_tcp_workers_that_went_busy(tcp_session):
+    """As on the pipe channel (test_close.py): the report of an error nobody fetched, waiting
+    unread in the connection while its worker took a long call, is read at close, which
+    warns of it. Before (issue 9, forty-seventh pass), it was lost with no warning."""
+    sess = tcp_session(2)
+    sess.call(_fails_on_1)
+    time.sleep(1.0)  # the call has failed and the idle worker reported it
+    sess.call(time.sleep, 30)
+    with pytest.warns(RuntimeWarning, match=r"worker\(s\) \[1\] held errors of calls nobody "
+                                            r"fetched"):
+        sess.close(timeout=0.2)

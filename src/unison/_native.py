@@ -138,19 +138,27 @@ def _stale(module: Any) -> str:
 
 
 WARNED = "UNISON_NATIVE_WARNED"
-"""The environment variable where a process lists the warnings above it gave (digests).
-Its workers inherit it and load the same build: they would repeat the controller's
-warning, once each; they say only one that differs (another build, another path)."""
+"""The environment variable in which a local launcher hands its workers the warnings above
+that their controller gave (digests): they load the same build, and would repeat it, once
+each; a worker says only one that differs (another build, another path). Not in the
+controller's own os.environ: another program it starts must still say its own."""
+_said: list[str] = []
 
 
 @functools.cache  # once a process, where three modules load the same extension
 def _warn_once(why: str) -> None:
     key = hashlib.sha256(why.encode()).hexdigest()[:12]
-    said = os.environ.get(WARNED, "").split()
-    if key in said:
+    if key in os.environ.get(WARNED, "").split():
         return
     warnings.warn(why, RuntimeWarning, stacklevel=3)
-    os.environ[WARNED] = " ".join([*said, key])
+    _said.append(key)
+
+
+def warned_env() -> dict[str, str]:
+    """What a launcher adds to its workers' environment (``WARNED``): nothing where no
+    warning was given."""
+    keys = [*os.environ.get(WARNED, "").split(), *_said]
+    return {WARNED: " ".join(keys)} if keys else {}
 
 
 def _locked_flush() -> Callable[[], None]:

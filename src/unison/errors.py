@@ -164,6 +164,8 @@ class CollectiveError(UnisonError):
     peer failed in the same call, the WorkerError also shows the peer's own error, which is
     where the failure began."""
 
+    peer: int | None = None  # (a subclass that is also a TypeError runs TypeError's init)
+
     def __init__(self, message: str, *, peer: int | None = None):
         super().__init__(message)
         self.peer = peer

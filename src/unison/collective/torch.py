@@ -300,7 +300,7 @@ def _reduce_gathered(dist: Any, pg: Any, n: int, t: Any, op: str) -> Any:
     import numpy as np
     import torch
 
-    a = np.ascontiguousarray(t.detach().numpy())
+    a = np.array(t.detach().numpy(), order="C")  # (ascontiguousarray makes a 0-d one 1-d)
     mine = torch.from_numpy(a.reshape(-1).view(np.uint8))
     parts = [torch.empty_like(mine) for _ in range(n)]
     dist.all_gather(parts, mine, group=pg)

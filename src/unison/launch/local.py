@@ -46,7 +46,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
-from unison import _proctree
+from unison import _native, _proctree
 from unison._fdwait import readable
 from unison.debug import logs as _logs
 from unison.errors import note_warning
@@ -294,6 +294,7 @@ class LocalLauncher(Launcher):
             p for p in (zygote.ROOT, base_env.get("PYTHONPATH", "")) if p
         )
         base_env["PYTHONUNBUFFERED"] = "1"
+        base_env.update(_native.warned_env())  # a stale build's warning, said once
         # N workers each running a BLAS or OpenMP pool as wide as the machine would fight
         # over the cores (and their spinning threads over our waits): share them out, as
         # loky and torchrun do, unless the user chose already.

@@ -627,7 +627,16 @@ class Session(View):
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
-            self.close(timeout=1.0)
+            # the cycle collector clears weak references before it calls __del__: the router
+            # and the waits hold the session itself while it closes (a trace's events were
+            # lost, the router's looks at the workers failing on the dead proxy)
+            router, waits = self._router, self._waits
+            weak = router._owner, waits._owner
+            router._owner = waits._owner = self
+            try:
+                self.close(timeout=1.0)
+            finally:  # no cycle left: the session is freed as this returns
+                router._owner, waits._owner = weak
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
