@@ -1,7 +1,8 @@
 """One long input to the demo's tokenizer (what ``unison serve`` runs on each request's
 texts): its peak memory and time, in a fresh process per kind of text.
 
-    python benchmarks/long_input.py [--mb 8] [--kinds words punct one cjk hex cyrillic]
+    python benchmarks/long_input.py [--mb 8] [--kinds words punct one cjk hex cyrillic emoji
+                                           marks deseret]
     PYTHONPATH=/tmp/wt/src python benchmarks/long_input.py ...   # another revision's tree
 
 Before the forty-fifth pass of issue 9 the tokenizer took the whole text and then cut it
@@ -29,7 +30,10 @@ TEXTS = {
     # is dropped, a word of over 100 letters being one [UNK] however long)
     "cjk": "中文文本没有空格",  # no space, no ASCII mark
     "hex": "0123456789abcdef",  # one word, as "one"
-    "cyrillic": "слово",  # one word of letters beyond ASCII: tokenized whole
+    "cyrillic": "слово",  # one word of letters beyond ASCII (tokenized whole before the 46th)
+    "emoji": "\U0001f600",  # one word of emoji (since the forty-seventh pass, as "one")
+    "marks": "e\u0301",  # one word of letters with combining marks (the normalizer drops them)
+    "deseret": "\U00010400",  # one word of a script beyond the BMP
 }
 
 _CHILD = """

@@ -15,7 +15,6 @@ skip_without("demo")
 import itertools
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -172,6 +171,11 @@ def test_one_str_or_bytes_is_refused_not_embedded_per_character(folder: Path) ->
             with pytest.raises(TypeError, match=r"pass \[sentence\]"):
                 asyncio.run(enc.encode_async(bad))  # type: ignore[arg-type]
         assert enc.encode(["A man is eating food."]).embeddings.shape == (1, 384)
+        # a generator (read once): its length was asked after the tokenizer had read it
+        # (an audit, issue 9, forty-seventh pass)
+        rows = enc.encode(s for s in ["one", "two", "three"]).embeddings  # type: ignore[arg-type]
+        assert rows.shape == (3, 384)
+        np.testing.assert_array_equal(rows, enc.encode(["one", "two", "three"]).embeddings)
 
 
 def test_layout_flags() -> None:
@@ -250,13 +254,20 @@ def test_a_long_texts_tokens_come_from_its_start_alone(folder: Path, st_model: A
         "слово\u3000" * 100_000,  # an ideographic space
         "[MASK" + "q" * 3000 + "] r" * 3000,  # a run beside an added token's letters
         "Grüße" * 400_000 + "!" + " more" * 300,  # one word beyond ASCII: one [UNK] too
-        "ab" * 5000 + "\u0301" * 9000 + "cd" * 5000 + " x" * 300,  # marks break the run
+        "ab" * 5000 + "\u0301" * 9000 + "cd" * 5000 + " x" * 300,  # a run with its marks
+        "\U0001f600" * 200_000,  # emoji, letters with marks, a script beyond the BMP: one
+        "e\u0301" * 200_000 + " more" * 300,  # word each, shrunk since the forty-seventh
+        "\U00010400" * 200_000,  # pass (before, tokenized whole: 650 MB for 8 MB)
+        ("x" + "\u0301" * 50) * 5000,  # each letter under 50 marks
+        "\u0928\u092e\u0938\u094d\u0924\u0947" * 50_000,  # Devanagari without spaces
+        "\u0301" * 50_000 + "y" * 100 + "\u0301" * 50_000,  # too few letters: left whole
     ]
     ours = tok.encode(texts)
     theirs = st_model.tokenizer(texts, truncation=True, max_length=256)["input_ids"]
     assert ours == theirs
     assert max(seen[:2]) < 10_000, seen  # the two long ones: their start only
-    assert max(seen[-6:-1]) < 10_000, seen  # these too (before: the whole text, MBs each)
+    assert max(seen[-12:-7]) < 10_000, seen  # these too (before: the whole text, MBs each)
+    assert max(seen[-6:-1]) < 10_000, seen
 
 
 def test_a_cut_before_any_unicode_mark_keeps_the_ids(folder: Path, st_model: Any) -> None:
@@ -266,10 +277,10 @@ def test_a_cut_before_any_unicode_mark_keeps_the_ids(folder: Path, st_model: Any
     the last one kept. A cut before a character that the Rust library's tables join to a
     word would change that token. (A review found the first version of this test blind, its
     cuts far past token 254, and U+2B820-U+2B91F taken for ideographs.)"""
-    from unison.demo.tokenize import _unicode_classes
+    from unison.demo.tokenize import _unicode_marks
 
     tok = Tokenizer(folder, load_config(folder).max_seq_length)
-    marks = _unicode_classes()[0]
+    marks = _unicode_marks()
     assert len(marks) > 300 and "\u3001" in marks and "\u00a0" in marks
     ideographs = [chr(c) for c in (0x3400, 0x4DBF, 0x4E00, 0x9FFF, 0xF900, 0xFAFF, 0x20000,
                                    0x2A6DF, 0x2A700, 0x2B73F, 0x2B740, 0x2B81F, 0x2B920,
@@ -282,15 +293,16 @@ def test_a_cut_before_any_unicode_mark_keeps_the_ids(folder: Path, st_model: Any
                                                         max_length=256)["input_ids"], hex(ord(c))
 
 
-def test_every_cut_point_splits_and_every_run_letter_stays_whole(folder: Path) -> None:
+def test_every_cut_point_splits_and_every_run_character_stays_in_its_word(
+        folder: Path) -> None:
     """Every character a long text may be cut before, through the model's own normalizer
     and pre-tokenizer: a word ends there. Every character a long run's middle may be
-    dropped from: it stays in its word, and the normalizer keeps it."""
-    from unison.demo.tokenize import _unicode_classes
+    dropped from: it stays in its word (and counts toward an end's 64 only where the
+    normalizer keeps it)."""
+    from unison.demo.tokenize import _kind
 
     tok = Tokenizer(folder, load_config(folder).max_seq_length)
-    boundary, _ = tok._make_cuts()
-    letters = re.compile("[" + _unicode_classes()[1] + "]")
+    boundary = tok._make_cuts()
     norm, pre = tok._tok.normalizer, tok._tok.pre_tokenizer
 
     def words(c: str) -> list[str]:
@@ -301,10 +313,14 @@ def test_every_cut_point_splits_and_every_run_letter_stays_whole(folder: Path) -
                  if boundary.fullmatch(chr(cp))
                  and any("a" in w and "b" in w for w in words(chr(cp)))]
     assert not cut_joins, cut_joins
-    run_splits = [hex(cp) for cp in [*range(0x30, 0xD800), *range(0xE000, 0x10000)]
-                  if letters.fullmatch(chr(cp))
-                  and (len(words(chr(cp))) != 1 or not norm.normalize_str(chr(cp)))]
-    assert not run_splits, run_splits
+    kinds = {c: _kind(tok._tok, c) for c in "aZ09\u00e9\U0001f600\U00010400\u0430"
+             "\u0301\x0b\u200b .[]\u3001\u4e00\u00a0\t"}
+    assert [c for c, k in kinds.items() if k] == list("aZ09\u00e9\U0001f600\U00010400\u0430")
+    assert [c for c, k in kinds.items() if k is False] == list("\u0301\x0b\u200b")
+    text = "x" * 2000 + "\u0301" * 3 + "y" * 2000 + " z" + "[" * 2000
+    runs = tok._runs_in(text)
+    assert runs is not None and runs[1] == frozenset("xyz")
+    assert [m.span() for m in runs[0].finditer(text)] == [(0, 4003)]
 
 
 class _Spy:

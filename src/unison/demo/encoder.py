@@ -121,7 +121,7 @@ class ShardedEncoder:
         sentence. A batch is split over the replicas by tokens (tokenize.token_shares)."""
         t0 = time.perf_counter()
         tokens = self.tokenizer.encode(sentences)
-        out = np.zeros((len(sentences), self.cfg.hidden), dtype=np.float32)
+        out = np.zeros((len(tokens), self.cfg.hidden), dtype=np.float32)  # (a generator: read)
         result = Encoded(out)
         for batch in length_batches(tokens, batch_size):
             t = time.perf_counter()

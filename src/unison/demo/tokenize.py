@@ -9,6 +9,7 @@ computed.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import re
@@ -26,7 +27,7 @@ _BOUNDARIES = " \t\n\r" + string.punctuation
 ASCII punctuation mark (each a word of its own). Not any whitespace regex's: BERT's
 normalizer drops control characters (vertical tab, form feed, U+001C), which then join the
 words beside them. Less those inside an added token (the "]" of "[MASK]"), which is
-matched in the raw text first: a cut there would split it. Beyond ASCII: ``_unicode_classes``."""
+matched in the raw text first: a cut there would split it. Beyond ASCII: ``_unicode_marks``."""
 _CJK = ("\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002b73f"
         "\U0002b740-\U0002b81f\U0002b920-\U0002ceaf\U0002f800-\U0002fa1f")
 """The ranges BERT's normalizer sets apart with a space on each side (a word each), by code
@@ -34,10 +35,11 @@ point, assigned or not, as the tokenizers library's own table has them (its Exte
 starts at U+2B920: the 256 code points before it join the words beside them)."""
 _RUN = 1024
 _RUN_EDGE = 64
-"""A run of letters and digits (``_unicode_classes``) this long, or the ``2 * _RUN_EDGE``
-characters of its two ends, makes its word longer than any WordPiece word
-(``max_input_chars_per_word``, 100 here): that word is one [UNK] token, however long. An
-added token shorter than an edge cannot reach its middle."""
+"""A run of this many characters that stay in their word (``_solid``, each with the
+characters the normalizer drops after it), or the ``2 * _RUN_EDGE`` of its two ends, makes
+its word longer than any WordPiece word (``max_input_chars_per_word``, 100 here): that word
+is one [UNK] token, however long. An added token shorter than an edge cannot reach its
+middle."""
 
 
 class Tokenizer:
@@ -50,9 +52,13 @@ class Tokenizer:
         self._tok.enable_truncation(max_length=max_length, strategy="longest_first")
         self._tok.no_padding()  # padding is per batch, to its longest sentence (pad_batch)
         self.max_length = max_length
-        self._cuts: tuple[re.Pattern[str], re.Pattern[str] | None] | None = None
-        """Where a long text may be cut, and its runs that may lose their middles (None:
-        none may); made at the first long text (30 ms)."""
+        self._cuts: re.Pattern[str] | None = None
+        """Where a long text may be cut; made at the first long text (30 ms)."""
+        self._shrinks: bool | None = None  # whether runs may be shrunk (_runs_in)
+        self._kinds: dict[str, bool | None] = {}
+        """Each character met in a long text without a place to cut: True where it stays
+        in the word around it and the normalizer keeps it, False where the normalizer drops
+        it, None where it ends a word (``_kind``)."""
 
     def encode(self, sentences: Sequence[str]) -> list[list[int]]:
         """Each sentence's token ids, [CLS] ... [SEP]."""
@@ -66,68 +72,110 @@ class Tokenizer:
         before a space, a punctuation mark or a CJK ideograph (not inside an added token)
         ends on a whole word, so its tokens begin the text's; once they fill ``max_length``,
         the rest cannot change the result. Where the first look finds no such place, each
-        run of over 1,024 letters and digits (a hex dump) keeps its two ends alone: its
-        word is one [UNK] either way."""
+        run of over 1,024 characters that stay in one word (a hex dump, emoji, letters with
+        combining marks) keeps its two ends alone: its word is one [UNK] either way."""
         k = self.max_length * _CHARS_PER_TOKEN
         if len(text) <= k:
             return text
-        boundary, run = self._cuts or self._make_cuts()
+        boundary = self._cuts or self._make_cuts()
+        shrunk = False
         while len(text) > k:
             cut = 0
             for m in boundary.finditer(text, k - k // 4, k):
                 cut = m.start()
             if cut and len(self._tok.encode(text[:cut]).ids) >= self.max_length:
                 return text[:cut]
-            if run is not None:  # one word of megabytes, say (a hex dump): its ends will do
-                text, run = run.sub(_ends, text), None
-                continue
+            if not shrunk:  # one word of megabytes, say (a hex dump): its ends will do
+                shrunk = True
+                runs = self._runs_in(text)
+                if runs is not None:
+                    text = runs[0].sub(functools.partial(_ends, solid=runs[1]), text)
+                    continue
             k *= 4
         return text
 
-    def _make_cuts(self) -> tuple[re.Pattern[str], re.Pattern[str] | None]:
+    def _make_cuts(self) -> re.Pattern[str]:
         added = [t.content for t in self._tok.get_added_tokens_decoder().values()]
         inside = {c for t in added for c in t[1:]}
-        beyond, letters = _unicode_classes()
-        marks = "".join(c for c in _BOUNDARIES + beyond if c not in inside)
-        model = json.loads(self._tok.to_str())["model"]
-        longest = model.get("max_input_chars_per_word", 0) if model["type"] == "WordPiece" else 0
-        shrink = 0 < longest < 2 * _RUN_EDGE and all(len(t) < _RUN_EDGE for t in added)
-        self._cuts = (re.compile("[" + re.escape(marks) + _CJK + "]"),
-                      re.compile("[" + letters + "]{" + str(_RUN) + ",}") if shrink else None)
+        marks = "".join(c for c in _BOUNDARIES + _unicode_marks() if c not in inside)
+        self._cuts = re.compile("[" + re.escape(marks) + _CJK + "]")
         return self._cuts
 
+    def _runs_in(self, text: str) -> tuple[re.Pattern[str], frozenset[str]] | None:
+        """The runs of ``text`` that may lose their middles (characters that stay in one
+        word, ``_RUN`` or more), and the characters among them the normalizer keeps; None
+        where this tokenizer's runs may not be shrunk (no WordPiece model whose longest
+        word is under two edges, or an added token as long as one)."""
+        if self._shrinks is None:
+            added = [t.content for t in self._tok.get_added_tokens_decoder().values()]
+            model = json.loads(self._tok.to_str())["model"]
+            longest = (model.get("max_input_chars_per_word", 0) if model["type"] == "WordPiece"
+                       else 0)
+            self._shrinks = 0 < longest < 2 * _RUN_EDGE and all(len(t) < _RUN_EDGE
+                                                                 for t in added)
+        if not self._shrinks:
+            return None
+        kinds, chars = self._kinds, set(text)
+        for c in chars.difference(kinds):
+            kinds[c] = _kind(self._tok, c)
+        inside = sorted(c for c in chars if kinds[c] is not None)
+        if not inside:
+            return None
+        return (_class_run("".join(inside)),
+                frozenset(c for c in inside if kinds[c]))
 
-def _ends(run: re.Match[str]) -> str:
-    """A run of letters and digits' two ends."""
-    return run[0][:_RUN_EDGE] + run[0][-_RUN_EDGE:]
+
+@functools.lru_cache(maxsize=64)
+def _class_run(chars: str) -> re.Pattern[str]:
+    """``_RUN`` or more of ``chars``: one class repeated, not a group (whose every repeat
+    the regular expression engine would stack: 300 MB for 8 MB)."""
+    return re.compile("[" + "".join(map(re.escape, chars)) + "]{" + str(_RUN) + ",}")
 
 
-def _unicode_classes() -> tuple[str, str]:
-    """Two sets of characters, for a regular expression: those beyond ASCII in the Basic
-    Multilingual Plane that BERT's pre-tokenizer makes words of their own (punctuation) or
-    splits at (space separators); and the letters and digits, less CJK ideographs (a word
-    each), as ranges. Only characters of the same category in Unicode 3.2 and in this
-    Python's Unicode, so that the Rust library's older tables surely agree: one newly
-    assigned there is "other", dropped by its normalizer (a cut before it might split a
-    word, and a run of them may vanish)."""
+def _kind(tok: object, c: str) -> bool | None:
+    """True where ``c`` stays in the word around it and the normalizer keeps something of
+    it (a letter, a digit, an emoji, ...); False where the normalizer drops it (a combining
+    mark, a control); None where a word ends at it. Asked of the tokenizer's own normalizer
+    and pre-tokenizer, so no table of another Unicode version can differ: the first
+    version took letters and digits of the same category in Unicode 3.2 and now, and one
+    word of 8 MB of emoji, of letters with combining marks, or of a script beyond the BMP
+    was tokenized whole (650 MB, 2.8 s each: an audit, issue 9, forty-seventh pass)."""
+    normal = tok.normalizer.normalize_str(c)  # type: ignore[attr-defined]
+    if not normal:
+        return False
+    return len(tok.pre_tokenizer.pre_tokenize_str("a" + normal + "b")) == 1 or None  # type: ignore[attr-defined]
+
+
+def _ends(match: re.Match[str], solid: frozenset[str]) -> str:
+    """A run's two ends, each up to its ``_RUN_EDGE``-th character that stays (``solid``):
+    the word keeps more than 100 characters, and stays one word. The whole run where it
+    holds too few such characters (mostly combining marks)."""
+    run = match[0]
+    head, kept = 0, 0
+    while kept < _RUN_EDGE and head < len(run):
+        kept += run[head] in solid
+        head += 1
+    tail, kept = len(run), 0
+    while kept < _RUN_EDGE and tail > head:
+        tail -= 1
+        kept += run[tail] in solid
+    return run[:head] + run[tail:] if kept == _RUN_EDGE else run
+
+
+def _unicode_marks() -> str:
+    """The characters beyond ASCII in the Basic Multilingual Plane that BERT's
+    pre-tokenizer makes words of their own (punctuation) or splits at (space separators).
+    Only characters of the same category in Unicode 3.2 and in this Python's Unicode, so
+    that the Rust library's older tables surely agree: one newly assigned there is "other",
+    dropped by its normalizer (a cut before it might split a word)."""
     old = unicodedata.ucd_3_2_0
     marks = []
-    letters: list[list[int]] = []
-    for cp in range(0x30, 0x10000):
+    for cp in range(0x80, 0x10000):
         c = chr(cp)
         kind = unicodedata.category(c)
-        if old.category(c) != kind:
-            continue
-        if cp >= 0x80 and (kind[0] == "P" or kind == "Zs"):
+        if old.category(c) == kind and (kind[0] == "P" or kind == "Zs"):
             marks.append(c)
-        elif kind[0] in "LN" and not 0x3400 <= cp <= 0x9FFF and not 0xF900 <= cp <= 0xFAFF:
-            if letters and letters[-1][1] == cp - 1:
-                letters[-1][1] = cp
-            else:
-                letters.append([cp, cp])
-    ranges = "".join(re.escape(chr(a)) + ("-" + re.escape(chr(b)) if b > a else "")
-                     for a, b in letters)
-    return "".join(marks), ranges
+    return "".join(marks)
 
 
 def check_sentences(sentences: Sequence[str]) -> list[str]:
