@@ -21,7 +21,8 @@ class BuildExt(build_ext):
     against its source."""
 
     def run(self) -> None:
-        super().run()
+        self.force = True  # by mtime alone, a build/ folder left from an older _ring.c was
+        super().run()  # kept, and went into a wheel (its digest then refused it at import)
         if self.inplace:
             compileall.compile_dir(str(Path(__file__).resolve().parent / "src" / "unison"),
                                    quiet=1)

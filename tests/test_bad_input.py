@@ -380,3 +380,17 @@ def test_a_worker_given_a_secret_that_is_not_hex_says_so():
                            "127.0.0.1:9"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "not the hex of 16 bytes or more" in done.stderr
+
+
+def test_torch_collectives_without_torch_say_which_extra_before_any_worker_starts(monkeypatch):
+    """Without torch the session started, and its first collective raised a worker's
+    ModuleNotFoundError (an audit of the packaging, issue 9, forty-seventh pass)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch" else real(name, *a))
+    before = open_fds()
+    with pytest.raises(ImportError, match=r"pip install 'unison\[torch\]'"):
+        unison.Session(2, collectives="torch")
+    assert open_fds() == before

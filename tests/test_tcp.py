@@ -1068,3 +1068,38 @@ def test_close_says_errors_held_by_tcp_workers_that_went_busy(tcp_session):
     with pytest.warns(RuntimeWarning, match=r"worker\(s\) \[1\] held errors of calls nobody "
                                             r"fetched"):
         sess.close(timeout=0.2)
+
+
+def _late_rank_0_allreduce() -> float:
+    import torch
+
+    if unison.rank() == 0:
+        time.sleep(0.5)  # its peer waits past a slice, and reads the marks
+    return float(unison.allreduce(torch.ones(1))[0])
+
+
+def test_the_secret_never_crosses_and_the_store_listens_only_where_bound(tcp_session):
+    """An audit of the session's security (issue 9, forty-seventh pass) found the secret in
+    each worker's spec, sent in clear after the handshake (a capture of it joined the
+    session as a rank); the secret left in the workers' environment for their code and
+    children; the torch store listening on every interface with the controller bound to
+    loopback; and a stranger's write of a rank's mark there making its peer raise while it
+    went on into gloo. Now: none of these."""
+    psutil = pytest.importorskip("psutil")
+    torch_dist = pytest.importorskip("torch.distributed")
+    sess = tcp_session(2, collectives="torch")
+    chan = getattr(sess._chan, "tcp", sess._chan)
+    assert all(chan._specs)
+    for blob in chan._specs:  # what each worker is sent once it has proved itself
+        assert SECRET not in blob and SECRET.hex().encode() not in blob
+    assert sess.run(lambda: os.environ.get("UNISON_SECRET")) == [None, None]
+    listening = [c.laddr for c in psutil.Process().net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN]
+    assert listening and all(a.ip == "127.0.0.1" for a in listening), listening
+    port = sess._res._store.port
+    stranger = torch_dist.TCPStore("127.0.0.1", port, None, False)
+    for key in ("unison/ended/0", "unison//ended/0", "unison/ended/1"):  # guesses
+        stranger.set(key, "999999999 0 0")
+    assert sess.run(_late_rank_0_allreduce, timeout=30) == [2.0, 2.0]
+    said = repr(sess._res.launcher.network())  # a repr goes into logs
+    assert "secret" not in said and repr(SECRET)[2:12] not in said, said

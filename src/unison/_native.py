@@ -84,8 +84,10 @@ def built(name: str) -> bool:
     return not _stale(module)
 
 
-_REBUILD = ("Rebuild it: `pip install -e .` in the project (or `python setup.py build_ext "
-            "--inplace`). Until then unison uses pure Python: the same results, slower.")
+_REBUILD = ("Rebuild it: `pip install -e .` in a checkout (or `python setup.py build_ext "
+            "--inplace`); an installed copy, `pip install --force-reinstall --no-cache-dir "
+            "unison` (pip's cache may hold a build made without a compiler). Until then "
+            "unison uses pure Python: the same results, slower.")
 
 
 def _builds(name: str) -> list[str]:

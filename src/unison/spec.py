@@ -22,8 +22,9 @@ class WorkerSpec:
     rank: int
     world_size: int
     num_groups: int
-    channel: dict[str, Any]
-    """The channel's own spec for this worker (``channel.connect`` reads it)."""
+    channel: dict[str, Any] = field(repr=False)
+    """The channel's own spec for this worker (``channel.connect`` reads it). Not in the
+    repr: a TCP session's launcher copy holds the secret, and a repr goes into logs."""
     sys_path: list[str] = field(default_factory=list)
     """The controller's import path, so functions pickled by reference import here too."""
     cpus: list[int] | None = None

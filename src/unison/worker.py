@@ -805,7 +805,8 @@ def connect_main(address: str, rank: int = -1, timeout: float = 60.0,
     if nice is not None:
         set_niceness(nice)
 
-    secret_hex = os.environ.get(SECRET_VAR, "")
+    secret_hex = os.environ.pop(SECRET_VAR, "")  # not left to the user's code, nor to
+    # every process it starts
     try:
         secret = bytes.fromhex(secret_hex)
     except ValueError:

@@ -51,8 +51,11 @@ from unison.collective.shm import create as create_segment
 from unison.collective.torch import TorchCollectives
 from unison.errors import CollectiveError
 
-_MARK = "unison/ended/"
-"""The store key, with a rank after it, where that rank says which call it ended last."""
+_MARK = "unison/{token}/ended/{rank}"
+"""The store key where a rank says which call it ended last. The token is the session's,
+drawn by the controller and sent only over the authenticated channel: the store takes
+anyone's writes (torch's TCPStore has no secret), and a forged mark made a rank raise while
+its peers went on into gloo (an audit, issue 9, forty-seventh pass)."""
 _SLICE = datetime.timedelta(seconds=0.1)
 """How long an arrival waits in gloo between looks at the peers' marks."""
 
@@ -209,11 +212,12 @@ class DistLocal(CallScope):
 class ClusterCollectives(TorchCollectives):
     """The torch backend over a rendezvous store instead of a shared segment."""
 
-    def __init__(self, local: DistLocal, store: str, timeout_s: float) -> None:
+    def __init__(self, local: DistLocal, store: str, timeout_s: float, marks: str = "") -> None:
         super().__init__(local, store, timeout_s)  # type: ignore[arg-type]
         local.owner = self
         self.dist_local = local
         self._store: Any = None
+        self._marks = marks
 
     def mark(self, call_id: int, posted: list[int]) -> None:
         """Tell the peers, through the store, that this rank ended a call, and how many
@@ -222,7 +226,8 @@ class ClusterCollectives(TorchCollectives):
         if self._store is None:  # torch.distributed was started by the user's code
             return
         with contextlib.suppress(RuntimeError):
-            self._store.set(f"{_MARK}{self.rank}", f"{call_id} {posted[0]} {posted[1]}")
+            self._store.set(_MARK.format(token=self._marks, rank=self.rank),
+                            f"{call_id} {posted[0]} {posted[1]}")
 
     def await_round(self, work: Any, ranks: tuple[int, ...], group: bool, number: int,
                     desc: int) -> None:
@@ -242,7 +247,7 @@ class ClusterCollectives(TorchCollectives):
             if self._store is None:
                 continue
             for j in ranks:
-                key = f"{_MARK}{j}"
+                key = _MARK.format(token=self._marks, rank=j)
                 if j == self.rank or not self._store.check([key]):
                     continue
                 ended, *posted = (int(v) for v in self._store.get(key).split())
@@ -276,7 +281,8 @@ def setup(spec: dict[str, Any], rank: int, n: int, groups: int
     if store is None:
         return shm, None, on_shm
     local = DistLocal(rank, n, groups, shm, on_shm)
-    return shm, ClusterCollectives(local, store, spec.get("timeout", 300.0)), on_shm
+    return shm, ClusterCollectives(local, store, spec.get("timeout", 300.0),
+                                   spec.get("marks", "")), on_shm
 
 
 def _segment(spec: dict[str, Any], rank: int, n: int, groups: int) -> ShmCollectives:

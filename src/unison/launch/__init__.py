@@ -20,7 +20,7 @@ import os
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from unison.spec import WorkerSpec
 
@@ -53,7 +53,7 @@ class Network:
 
     bind: str
     advertise: str
-    secret: bytes
+    secret: bytes = field(repr=False)  # (a repr goes into logs)
     port: int = 0
 
 

@@ -40,7 +40,7 @@ try:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 except ImportError as exc:  # pragma: no cover - ray is an extra
     raise ImportError(
-        "Session(launcher='ray') needs Ray: pip install 'ray>=2.60' (the 'ray' extra)"
+        "Session(launcher='ray') needs Ray: pip install 'unison[ray]'"
     ) from exc
 
 from unison._fdwait import readable

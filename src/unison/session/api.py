@@ -18,6 +18,7 @@ import atexit
 import collections
 import contextlib
 import errno
+import importlib.util
 import itertools
 import math
 import os
@@ -263,6 +264,9 @@ class Session(View):
             checks.inline_worker0(num_workers, launcher, channel, collectives)
         if collectives not in ("shm", "torch"):
             raise ValueError(f"unknown collectives backend {collectives!r}: use 'shm' or 'torch'")
+        if collectives == "torch" and importlib.util.find_spec("torch") is None:
+            raise ImportError(  # (before, the first collective's ModuleNotFoundError)
+                "collectives='torch' needs torch: pip install 'unison[torch]'")
         start_deadline = _deadline(start_timeout, "start_timeout")
         _deadline(send_timeout, "send_timeout")
         if hang_timeout is not None and not _seconds(hang_timeout, "hang_timeout") > 0:

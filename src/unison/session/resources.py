@@ -19,6 +19,7 @@ import errno
 import os
 import pickle
 import secrets
+import socket
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -108,7 +109,8 @@ class Resources:
         if collectives == "torch":  # the rendezvous lives here, where every worker can reach
             self._store = _torch_store(network.bind)
             store = f"{network.advertise}:{self._store.port}"
-        base: dict[str, Any] = {"backend": "cluster", "store": store, "shared": shared}
+        base: dict[str, Any] = {"backend": "cluster", "store": store, "shared": shared,
+                                "marks": secrets.token_hex(16)}  # (cluster.py: _MARK)
         if shared is None:
             return [base] * n
         token = secrets.token_hex(8)  # the rendezvous names: known only to the workers
@@ -179,9 +181,14 @@ class Resources:
               deadline: float | None = None) -> None:
         """Start the workers (``deadline``: the session's start deadline, for the launcher)."""
         offer = getattr(self.chan, "offer", None)
-        if offer is not None:  # TCP: each worker gets its spec once it has proved itself
-            for spec in getattr(self, "_offers", None) or specs:
-                offer(spec.rank, pickle.dumps(spec, protocol=5), spec.fds)
+        if offer is not None:  # TCP: each worker gets its spec once it has proved itself,
+            for spec in getattr(self, "_offers", None) or specs:  # without the secret: the
+                # welcome crosses the network in clear (the launcher's copy keeps it, for
+                # the worker's command: an audit, issue 9, forty-seventh pass, caught it on
+                # the wire, and joined the session with it)
+                sent = {k: v for k, v in spec.channel.items() if k != "secret"}
+                offer(spec.rank, pickle.dumps(dataclasses.replace(spec, channel=sent),
+                                              protocol=5), spec.fds)
         self.launcher.start_deadline = deadline
         self.launcher.start(specs, env)
         self.chan.started(self.launcher.watch_fds())
@@ -315,7 +322,12 @@ def _free_address() -> str:
 
 def _torch_store(bind: str) -> Any:
     """torch.distributed's key-value store for the workers' rendezvous, served by the
-    controller (the one host every worker of a TCP session reaches)."""
+    controller (the one host every worker of a TCP session reaches), listening where the
+    session's channel listens. A TCPStore given a host listens on every interface whatever
+    the host (an audit, issue 9, forty-seventh pass: a stranger on the network could read
+    and write its keys with the controller bound to loopback); on a socket of ours
+    (``master_listen_fd``, libuv's server) it listens where we bound, and owns the socket
+    (it closes it as it ends)."""
     try:
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
     except ImportError as exc:
@@ -324,4 +336,13 @@ def _torch_store(bind: str) -> Any:
     # "" binds every interface for a socket, but the store's own client cannot resolve it
     # and retried for torch's 300 s (past the session's start_timeout)
     host = {"": "0.0.0.0"}.get(bind, bind)
-    return TCPStore(host, 0, None, True, wait_for_workers=False)
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.create_server((host, 0), family=family, backlog=128)
+    try:
+        store = TCPStore(host, sock.getsockname()[1], None, True, wait_for_workers=False,
+                         master_listen_fd=sock.fileno(), use_libuv=True)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's now
+    return store
