@@ -938,3 +938,39 @@ def test_a_stalled_upload_gets_408_within_the_body_timeout() -> None:
                 sock.sendall(b'"all-MiniLM-L6-v2", "input": "late"}' + b" " * 58)
             assert read_answer(sock) == "", "the connection stayed open after the 408"
         assert health_until(srv.url, lambda d: d["in_flight"] == 0)["status"] == "ok"
+
+
+@pytest.mark.timeout(60)
+def test_uploads_still_arriving_are_held_up_to_max_bodies_bytes() -> None:
+    """Many slow uploads, each under --max-body-mb, added up without a bound (300 held open
+    took 584 MB in an audit of security, issue 9, forty-seventh pass). Past
+    --max-bodies-mb of bodies still arriving, all requests together, a request gets 503;
+    the bytes are given back as each body is read, or its request ends."""
+    from unison.serve.app import create_app
+    from unison.serve.config import ServeConfig
+
+    gate = threading.Event()
+    gate.set()  # batches run at once
+    app = create_app(ServeConfig(tp=1, max_body_bytes=4096, max_bodies_bytes=6000,
+                                 body_timeout=5.0),
+                     load=lambda: _GatedBackend(gate, hidden=384))
+    head = (b"POST /v1/embeddings HTTP/1.1\r\nHost: app\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 4000\r\n\r\n")
+    with in_thread(app) as srv:
+        health_until(srv.url, lambda d: d["status"] == "ok")
+        host, port = srv.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as first, \
+                socket.create_connection((host, int(port))) as second:
+            first.sendall(head + b"x" * 3000)  # 3000 bytes held, the rest to come
+            health_until(srv.url, lambda d: d["in_flight"] == 1)
+            time.sleep(0.2)  # its chunk read
+            second.sendall(head + b"y" * 3500)  # 3000 + 3500 would pass 6000
+            second.settimeout(10)
+            answer = read_answer(second)
+            assert answer.startswith("HTTP/1.1 503 "), answer
+            assert "--max-bodies-mb" in answer and "server_busy" in answer, answer
+            first.close()  # its bytes given back
+        health_until(srv.url, lambda d: d["in_flight"] == 0)
+        reply = httpx.post(f"{srv.url}/v1/embeddings", json={"model": MODEL, "input": ["x"]},
+                           timeout=10)
+        assert reply.status_code == 200, reply.text

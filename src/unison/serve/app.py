@@ -95,13 +95,14 @@ def create_app(cfg: ServeConfig, load: Callable[[], Backend] | None = None) -> S
                                        prompt_tokens=prompt_tokens)
 
     in_flight = 0
+    held = _Held(cfg.max_bodies_bytes)
 
     async def embeddings(request: Request) -> Response:
         nonlocal in_flight
         in_flight += 1
         metrics.in_flight.set(in_flight)
         try:
-            body = await _read_body(request, cfg.max_body_bytes, cfg.body_timeout)
+            body = await _read_body(request, cfg.max_body_bytes, cfg.body_timeout, held)
             req = parse_request(body, max_inputs=cfg.max_inputs, dimensions=model_cfg.hidden)
             batcher.admit(len(req.inputs))  # before tokenizing: a 429 or 503 costs nothing
             tokens = await tokenize(req.inputs)
@@ -166,11 +167,22 @@ def create_app(cfg: ServeConfig, load: Callable[[], Backend] | None = None) -> S
     return app
 
 
-async def _read_body(request: Request, limit: int, seconds: float) -> bytes:
+class _Held:
+    """Bytes of request bodies held while they arrive, all requests together, and the most
+    the server may hold (ServeConfig.max_bodies_bytes)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.now = cap, 0
+
+
+async def _read_body(request: Request, limit: int, seconds: float,
+                     held: _Held | None = None) -> bytes:
     """The body, refused with 413 past ``limit`` bytes (by its Content-Length, or as it
-    streams in), so that no request can make the server hold more than that; and with 408
-    unless it has all come within ``seconds`` (uvicorn waits for a stalled upload for good,
-    holding its connection, its buffers and a place in /health's in_flight)."""
+    streams in), so that no request can make the server hold more than that; with 503
+    where the bodies arriving, all requests together, would pass ``held``'s cap (slow
+    uploads, each under the limit, added up without one); and with 408 unless it has all
+    come within ``seconds`` (uvicorn waits for a stalled upload for good, holding its
+    connection, its buffers and a place in /health's in_flight)."""
     length = request.headers.get("content-length")
     if length is not None:
         try:
@@ -183,8 +195,8 @@ async def _read_body(request: Request, limit: int, seconds: float) -> bytes:
     try:
         if sys.version_info >= (3, 11):  # a timer on this task: no task of its own
             async with asyncio.timeout(seconds):
-                return await _body(request, limit)
-        return await asyncio.wait_for(_body(request, limit), seconds)
+                return await _body(request, limit, held)
+        return await asyncio.wait_for(_body(request, limit, held), seconds)
     except asyncio.TimeoutError:  # (TimeoutError itself since 3.11)
         raise APIError(408, f"the request body did not all arrive within {seconds:g} s "
                             "(--body-timeout)", code="body_timeout", headers=_CLOSE) from None
@@ -195,7 +207,7 @@ _CLOSE = {"Connection": "close"}
 kept-alive connection, would be read as the next request (uvicorn's bare text 400)."""
 
 
-async def _body(request: Request, limit: int) -> bytes:
+async def _body(request: Request, limit: int, held: _Held | None) -> bytes:
     chunks: list[bytes] = []
     size = 0
     try:
@@ -204,9 +216,18 @@ async def _body(request: Request, limit: int) -> bytes:
             if size > limit:
                 raise APIError(413, f"the request body passed {limit} bytes (--max-body-mb)",
                                code="body_too_large", headers=_CLOSE)
+            if held is not None:
+                if held.now + len(chunk) > held.cap:
+                    raise APIError(503, f"the server holds {held.now} bytes of request "
+                                        "bodies still arriving, its most (--max-bodies-mb): "
+                                        "retry later", code="server_busy", headers=_CLOSE)
+                held.now += len(chunk)
             chunks.append(chunk)
     except ClientDisconnect:
         raise APIError(400, "the client went away before sending the whole body") from None
+    finally:
+        if held is not None:
+            held.now -= sum(map(len, chunks))
     return b"".join(chunks)
 
 

@@ -90,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 2**20,
                         help="largest request body; beyond, 413 (default "
                              f"{d.max_body_bytes / 2**20:g})")
+    parser.add_argument("--max-bodies-mb", type=float, default=d.max_bodies_bytes / 2**20,
+                        help="request bodies the server may hold while they arrive, all "
+                             "requests together; beyond, 503 (default "
+                             f"{d.max_bodies_bytes / 2**20:g})")
     parser.add_argument("--body-timeout", type=float, default=d.body_timeout,
                         help="seconds a request's body may take to arrive; beyond, 408 "
                              f"(default {d.body_timeout:g})")
@@ -101,11 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=("critical", "error", "warning", "info", "debug"))
 
 
-def _body_bytes(mb: float) -> int:
-    """--max-body-mb in bytes: ValueError naming the flag for NaN or inf (int() raised its
+def _body_bytes(mb: float, flag: str = "--max-body-mb") -> int:
+    """A flag's MiB in bytes: ValueError naming the flag for NaN or inf (int() raised its
     own OverflowError, a traceback)."""
     if not math.isfinite(mb):
-        raise ValueError(f"--max-body-mb must be a finite number, got {mb}")
+        raise ValueError(f"{flag} must be a finite number, got {mb}")
     return int(mb * 2**20)
 
 
@@ -148,6 +152,7 @@ def main(args: argparse.Namespace) -> int:
             device=args.device, max_batch=args.max_batch,
             batch_window_ms=args.batch_window_ms, max_queue=args.max_queue,
             max_inputs=args.max_inputs, max_body_bytes=_body_bytes(args.max_body_mb),
+            max_bodies_bytes=_body_bytes(args.max_bodies_mb, "--max-bodies-mb"),
             body_timeout=args.body_timeout,
             drain_seconds=args.drain_seconds, access_log=args.access_log)
         cfg.check()  # before check_tp, whose words are the Python API's ("tp", not "--tp")
