@@ -936,7 +936,11 @@ def test_a_stalled_upload_gets_408_within_the_body_timeout() -> None:
             assert "connection: close" in answer.lower(), answer
             with contextlib.suppress(OSError):
                 sock.sendall(b'"all-MiniLM-L6-v2", "input": "late"}' + b" " * 58)
-            assert read_answer(sock) == "", "the connection stayed open after the 408"
+            try:  # closed: EOF, or a reset where the late bytes reached the closed socket
+                rest = read_answer(sock)
+            except ConnectionResetError:
+                rest = ""
+            assert rest == "", "the connection stayed open after the 408"
         assert health_until(srv.url, lambda d: d["in_flight"] == 0)["status"] == "ok"
 
 
