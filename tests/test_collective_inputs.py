@@ -294,3 +294,16 @@ def test_a_0d_narrow_integer_reduces_to_a_0d_result(shared, backend):
             np.array(r + 1, np.uint16), np.int16(r + 1))]
 
     assert sess.run(zero_d, timeout=QUICK) == [[(), ()]] * 2
+
+
+def test_a_local_sessions_torch_store_listens_only_on_loopback(shared):
+    """A local session's torch rendezvous was a TCPStore made by ``init_method="tcp://"``,
+    which listens on every interface whatever its host (an audit of security, issue 9,
+    forty-seventh pass). Worker 0 now serves it on a socket bound to loopback."""
+    psutil = pytest.importorskip("psutil")
+    sess = backend_session(shared, "torch")
+    assert sess.run(lambda: float(unison.allreduce(np.ones(1))[0]), timeout=QUICK) == [2.0] * 2
+    pid = sess.run(__import__("os").getpid)[0]
+    listening = [c.laddr for c in psutil.Process(pid).net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN]
+    assert listening and all(a.ip == "127.0.0.1" for a in listening), listening

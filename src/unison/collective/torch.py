@@ -29,6 +29,7 @@ shared-memory backend's do.
 from __future__ import annotations
 
 import datetime
+import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -76,11 +77,30 @@ class TorchCollectives(Collectives):
 
         if not self._ready:
             if not dist.is_initialized():
-                dist.init_process_group("gloo", init_method=f"tcp://{self.address}",
+                dist.init_process_group("gloo", store=self._rendezvous(dist),
                                         rank=self.local.rank, world_size=self.local.n,
                                         timeout=self.timeout)
             self._ready = True
         return dist
+
+    def _rendezvous(self, dist: Any) -> Any:
+        """The store the workers meet at (``address``, loopback: a local session), served
+        by worker 0 on a socket of its own bound there. ``init_method="tcp://..."`` made a
+        TCPStore, which listens on every interface whatever its host: anyone on the
+        network could read and write gloo's rendezvous (an audit, issue 9, forty-seventh
+        pass)."""
+        host, _, port = self.address.rpartition(":")
+        if self.local.rank != 0:
+            return dist.TCPStore(host, int(port), self.local.n, False, timeout=self.timeout)
+        sock = socket.create_server((host, int(port)))
+        try:
+            store = dist.TCPStore(host, int(port), self.local.n, True, timeout=self.timeout,
+                                  master_listen_fd=sock.fileno(), use_libuv=True)
+        except BaseException:
+            sock.close()
+            raise
+        sock.detach()  # the store's now: it closes it as it ends
+        return store
 
     def _pg(self, dist: Any, backend: str, group: bool) -> Any:
         """The process group for a backend and scope, made on first use by every worker."""
