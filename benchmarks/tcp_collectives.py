@@ -7,10 +7,12 @@ before its collective cost.
 
 Workers are started by hand (``unison worker --connect``), as srun or ssh would, so the
 session's collectives go through torch.distributed, not shared memory. Prints the median of
-``sess.run(noop)`` in µs; the mean of ``--reduces`` allreduces of 4 floats inside one call
-(best of 3 calls) in µs; and how long a ``sess.run`` takes to raise where rank 1 raises
-before the allreduce its peers run (best of 3, s; before issue 9's forty-seventh pass, its
-peers waited until the call's timeout, here 30 s).
+``sess.run(noop)`` in µs; the median of a call that writes one key to a store the controller
+serves (a TCPStore, as the session's: what a rank's mark at a call's end costs, which is why
+a call that ran no collective writes none); the mean of ``--reduces`` allreduces of 4 floats
+inside one call (best of 3 calls) in µs; and how long a ``sess.run`` takes to raise where
+rank 1 raises before the allreduce its peers run (best of 3, s; before issue 9's
+forty-seventh pass, its peers waited until the call's timeout, here 30 s).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -34,6 +37,27 @@ SECRET = bytes(range(32))
 
 def noop() -> None:
     return None
+
+
+_CLIENT: list[Any] = []  # (this module's, in the worker: imported there by reference)
+
+
+def set_key(port: int) -> None:
+    """One write to the store the controller serves at ``port``, as a rank's mark."""
+    if not _CLIENT:
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+        _CLIENT.append(TCPStore("127.0.0.1", port, None, False))
+    _CLIENT[0].set(f"mark/{unison.rank()}", "1 0 0")
+
+
+def _median_us(call: Any, count: int) -> float:
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
 
 
 def reduces(count: int) -> float:
@@ -74,12 +98,15 @@ def main() -> None:
                             start_timeout=60) as sess:
             for _ in range(300):
                 sess.run(noop)
-            times = []
-            for _ in range(args.calls):
-                start = time.perf_counter()
-                sess.run(noop)
-                times.append(time.perf_counter() - start)
-            print(f"run(noop): median {statistics.median(times) * 1e6:.1f} us")
+            print(f"run(noop): median {_median_us(lambda: sess.run(noop), args.calls):.1f} us")
+            from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+            import tcp_collectives as me  # its set_key by reference: its client is kept
+
+            store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+            sess.run(me.set_key, store.port)
+            took = _median_us(lambda: sess.run(me.set_key, store.port), args.calls)
+            print(f"run(a call that writes one store key, as a mark): median {took:.1f} us")
             best = min(min(sess.run(reduces, args.reduces)) for _ in range(3))
             print(f"allreduce of 4 floats: {best:.1f} us")
             raised = []

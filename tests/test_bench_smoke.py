@@ -874,6 +874,8 @@ def test_tcp_collectives_times_a_call_an_allreduce_and_a_left_rank() -> None:
     pytest.importorskip("torch")
     out = _tool("tcp_collectives.py", "--calls", "20", "--reduces", "5")
     assert re.search(r"^run\(noop\): median [\d.]+ us$", out, re.M), out
+    assert re.search(r"^run\(a call that writes one store key, as a mark\): median [\d.]+ us$",
+                     out, re.M), out
     assert re.search(r"^allreduce of 4 floats: [\d.]+ us$", out, re.M), out
     took = re.search(r"^a rank left before its collective: its peers raised in ([\d.]+) s$",
                      out, re.M)

@@ -81,9 +81,9 @@ class DistLocal(CallScope):
         the n-th of every rank's pair up in gloo, whichever call each was posted in."""
         self._marked = [0, 0]
         """``_posted`` as the store last heard it (``end``): a call that ran no arrival and
-        returned writes no mark, as a mark costs each call 30 us (the controller's store
-        thread wakes for it): a peer can wait only for a rank that posted fewer arrivals
-        than it, and a rank that raised marks."""
+        returned writes no mark, as a mark costs a call 22-73 us (``mark``): a peer can
+        wait only for a rank that posted fewer arrivals than it, and a rank that raised
+        marks."""
         self._pending: dict[bool, tuple[Any, list[Any], int]] = {}
         """Per scope, an arrival this rank posted and left unfinished (a peer had left the
         call): (gloo's work, its outputs, its number), finished first at the next arrival,
@@ -222,8 +222,9 @@ class ClusterCollectives(TorchCollectives):
     def mark(self, call_id: int, posted: list[int]) -> None:
         """Tell the peers, through the store, that this rank ended a call, and how many
         arrivals of each scope it had posted then. The client waits for no answer, but the
-        store's thread in the controller wakes for each set (about 30 us a call on 2 cores:
-        so only where a peer may wait, ``DistLocal._marked``). Best effort: a store that is
+        store's thread in the controller wakes for each set: 22-73 us a call on 2 cores
+        (benchmarks/tcp_collectives.py), so only where a peer may wait
+        (``DistLocal._marked``). Best effort: a store that is
         gone means the controller is."""
         if self._store is None:  # torch.distributed was started by the user's code
             return

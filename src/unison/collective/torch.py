@@ -85,22 +85,13 @@ class TorchCollectives(Collectives):
 
     def _rendezvous(self, dist: Any) -> Any:
         """The store the workers meet at (``address``, loopback: a local session), served
-        by worker 0 on a socket of its own bound there. ``init_method="tcp://..."`` made a
-        TCPStore, which listens on every interface whatever its host: anyone on the
-        network could read and write gloo's rendezvous (an audit, issue 9, forty-seventh
-        pass)."""
+        by worker 0 (``serve_store``). ``init_method="tcp://..."`` made a TCPStore that
+        listened on every interface: anyone on the network could read and write gloo's
+        rendezvous (an audit, issue 9, forty-seventh pass)."""
         host, _, port = self.address.rpartition(":")
         if self.local.rank != 0:
             return dist.TCPStore(host, int(port), self.local.n, False, timeout=self.timeout)
-        sock = socket.create_server((host, int(port)))
-        try:
-            store = dist.TCPStore(host, int(port), self.local.n, True, timeout=self.timeout,
-                                  master_listen_fd=sock.fileno(), use_libuv=True)
-        except BaseException:
-            sock.close()
-            raise
-        sock.detach()  # the store's now: it closes it as it ends
-        return store
+        return serve_store(host, int(port), self.local.n, timeout=self.timeout)
 
     def _pg(self, dist: Any, backend: str, group: bool) -> Any:
         """The process group for a backend and scope, made on first use by every worker."""
@@ -282,6 +273,25 @@ class TorchCollectives(Collectives):
         return self.local.recv(src)
 
 
+def serve_store(host: str, port: int, world_size: int | None, **options: Any) -> Any:
+    """A torch TCPStore server listening on ``host`` alone (port 0: a free one). Given a
+    host, a TCPStore listens on every interface whatever it is; on a socket of ours
+    (``master_listen_fd``, libuv's server) it listens where we bound, and owns the socket
+    (it closes it as it ends)."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.create_server((host, port), family=family, backlog=128)
+    try:
+        store = TCPStore(host, sock.getsockname()[1], world_size, True,
+                         master_listen_fd=sock.fileno(), use_libuv=True, **options)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's now
+    return store
+
+
 class NotATensorError(TypeError, CollectiveError):
     """Input the torch backend takes no tensor from: a TypeError, as the shared-memory
     backend gives for it, and still the CollectiveError it was before (code that caught
@@ -320,13 +330,14 @@ def _reduce_gathered(dist: Any, pg: Any, n: int, t: Any, op: str) -> Any:
     import numpy as np
     import torch
 
-    a = np.array(t.detach().numpy(), order="C")  # (ascontiguousarray makes a 0-d one 1-d)
-    mine = torch.from_numpy(a.reshape(-1).view(np.uint8))
-    parts = [torch.empty_like(mine) for _ in range(n)]
+    from unison.collective.shm import _ufunc
+
+    mine = _wire(t)
+    parts = [mine.new_empty(mine.shape) for _ in range(n)]
     dist.all_gather(parts, mine, group=pg)
-    ufunc = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[op]
-    arrays = [p.numpy().view(a.dtype).reshape(a.shape) for p in parts]
-    return torch.from_numpy(np.asarray(functools.reduce(ufunc, arrays), dtype=a.dtype))
+    arrays = [_unwire(p, t).numpy() for p in parts]
+    return torch.from_numpy(np.asarray(functools.reduce(_ufunc(op), arrays),
+                                       dtype=arrays[0].dtype))
 
 
 def _kind(x: Any) -> str:

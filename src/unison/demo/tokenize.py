@@ -35,8 +35,8 @@ point, assigned or not, as the tokenizers library's own table has them (its Exte
 starts at U+2B920: the 256 code points before it join the words beside them)."""
 _RUN = 1024
 _RUN_EDGE = 64
-"""A run of this many characters that stay in their word (``_solid``, each with the
-characters the normalizer drops after it), or the ``2 * _RUN_EDGE`` of its two ends, makes
+"""A run of this many characters that stay in their word (``_kind``, with those the
+normalizer drops among them), or the ``2 * _RUN_EDGE`` of its two ends, makes
 its word longer than any WordPiece word (``max_input_chars_per_word``, 100 here): that word
 is one [UNK] token, however long. An added token shorter than an edge cannot reach its
 middle."""
@@ -52,6 +52,7 @@ class Tokenizer:
         self._tok.enable_truncation(max_length=max_length, strategy="longest_first")
         self._tok.no_padding()  # padding is per batch, to its longest sentence (pad_batch)
         self.max_length = max_length
+        self._added = [t.content for t in self._tok.get_added_tokens_decoder().values()]
         self._cuts: re.Pattern[str] | None = None
         """Where a long text may be cut; made at the first long text (30 ms)."""
         self._shrinks: bool | None = None  # whether runs may be shrunk (_runs_in)
@@ -95,8 +96,7 @@ class Tokenizer:
         return text
 
     def _make_cuts(self) -> re.Pattern[str]:
-        added = [t.content for t in self._tok.get_added_tokens_decoder().values()]
-        inside = {c for t in added for c in t[1:]}
+        inside = {c for t in self._added for c in t[1:]}
         marks = "".join(c for c in _BOUNDARIES + _unicode_marks() if c not in inside)
         self._cuts = re.compile("[" + re.escape(marks) + _CJK + "]")
         return self._cuts
@@ -107,12 +107,11 @@ class Tokenizer:
         where this tokenizer's runs may not be shrunk (no WordPiece model whose longest
         word is under two edges, or an added token as long as one)."""
         if self._shrinks is None:
-            added = [t.content for t in self._tok.get_added_tokens_decoder().values()]
             model = json.loads(self._tok.to_str())["model"]
             longest = (model.get("max_input_chars_per_word", 0) if model["type"] == "WordPiece"
                        else 0)
             self._shrinks = 0 < longest < 2 * _RUN_EDGE and all(len(t) < _RUN_EDGE
-                                                                 for t in added)
+                                                                 for t in self._added)
         if not self._shrinks:
             return None
         kinds, chars = self._kinds, set(text)

@@ -175,8 +175,7 @@ class _Held:
         self.cap, self.now = cap, 0
 
 
-async def _read_body(request: Request, limit: int, seconds: float,
-                     held: _Held | None = None) -> bytes:
+async def _read_body(request: Request, limit: int, seconds: float, held: _Held) -> bytes:
     """The body, refused with 413 past ``limit`` bytes (by its Content-Length, or as it
     streams in), so that no request can make the server hold more than that; with 503
     where the bodies arriving, all requests together, would pass ``held``'s cap (slow
@@ -207,7 +206,7 @@ _CLOSE = {"Connection": "close"}
 kept-alive connection, would be read as the next request (uvicorn's bare text 400)."""
 
 
-async def _body(request: Request, limit: int, held: _Held | None) -> bytes:
+async def _body(request: Request, limit: int, held: _Held) -> bytes:
     chunks: list[bytes] = []
     size = 0
     try:
@@ -216,18 +215,16 @@ async def _body(request: Request, limit: int, held: _Held | None) -> bytes:
             if size > limit:
                 raise APIError(413, f"the request body passed {limit} bytes (--max-body-mb)",
                                code="body_too_large", headers=_CLOSE)
-            if held is not None:
-                if held.now + len(chunk) > held.cap:
-                    raise APIError(503, f"the server holds {held.now} bytes of request "
-                                        "bodies still arriving, its most (--max-bodies-mb): "
-                                        "retry later", code="server_busy", headers=_CLOSE)
-                held.now += len(chunk)
+            if held.now + len(chunk) > held.cap:
+                raise APIError(503, f"the server holds {held.now} bytes of request bodies "
+                                    "still arriving, its most (--max-bodies-mb): retry later",
+                               code="server_busy", headers=_CLOSE)
+            held.now += len(chunk)
             chunks.append(chunk)
     except ClientDisconnect:
         raise APIError(400, "the client went away before sending the whole body") from None
     finally:
-        if held is not None:
-            held.now -= sum(map(len, chunks))
+        held.now -= sum(map(len, chunks))
     return b"".join(chunks)
 
 

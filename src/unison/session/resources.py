@@ -19,7 +19,6 @@ import errno
 import os
 import pickle
 import secrets
-import socket
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -323,26 +322,15 @@ def _free_address() -> str:
 def _torch_store(bind: str) -> Any:
     """torch.distributed's key-value store for the workers' rendezvous, served by the
     controller (the one host every worker of a TCP session reaches), listening where the
-    session's channel listens. A TCPStore given a host listens on every interface whatever
-    the host (an audit, issue 9, forty-seventh pass: a stranger on the network could read
-    and write its keys with the controller bound to loopback); on a socket of ours
-    (``master_listen_fd``, libuv's server) it listens where we bound, and owns the socket
-    (it closes it as it ends)."""
+    session's channel listens (``serve_store``: before, on every interface, with the
+    controller bound to loopback: an audit, issue 9, forty-seventh pass)."""
     try:
-        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+        import torch.distributed  # noqa: F401
+
+        from unison.collective.torch import serve_store
     except ImportError as exc:
         raise ImportError("collectives='torch' needs torch on the controller too: "
                           "pip install 'unison[torch]'") from exc
     # "" binds every interface for a socket, but the store's own client cannot resolve it
     # and retried for torch's 300 s (past the session's start_timeout)
-    host = {"": "0.0.0.0"}.get(bind, bind)
-    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
-    sock = socket.create_server((host, 0), family=family, backlog=128)
-    try:
-        store = TCPStore(host, sock.getsockname()[1], None, True, wait_for_workers=False,
-                         master_listen_fd=sock.fileno(), use_libuv=True)
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()  # the store's now
-    return store
+    return serve_store({"": "0.0.0.0"}.get(bind, bind), 0, None, wait_for_workers=False)
