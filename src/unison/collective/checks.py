@@ -37,6 +37,7 @@ __all__ = [
     "describe",
     "descriptor",
     "member",
+    "op_ufunc",
     "reduce_python",
     "scatter_values",
     "shape_signature",
@@ -145,6 +146,17 @@ def check_scatter_values(xs: Any, size: int) -> list[Any]:
     if values is None or len(values) != size:
         raise ValueError(f"scatter on the source needs one value per worker ({size})")
     return values
+
+
+_UFUNCS: dict[str, Any] = {
+    "sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "mean": np.add,
+}
+
+
+def op_ufunc(op: str) -> Any:
+    """The numpy ufunc that reduces by ``op`` (mean sums, then divides): the shared-memory
+    backend's, and the torch backend's for dtypes gloo lacks."""
+    return _UFUNCS[check_op(op)]
 
 
 @functools.lru_cache(maxsize=256)

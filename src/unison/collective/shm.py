@@ -96,6 +96,7 @@ from unison.collective.checks import (
     descriptor,
     into,
     member,
+    op_ufunc,
     reduce_python,
 )
 from unison.errors import CollectiveError
@@ -121,10 +122,6 @@ LEFT_WHY = "it raised, returned early, or ran a different collective"
 _SPIN = 1e-3
 _CHECK = 0.002  # while sleeping, re-check the peers this often (s)
 _LOOK = 0.05  # with watch_peers, look whether the awaited peers still live this often (s)
-
-_UFUNCS: dict[str, Callable[..., Any]] = {
-    "sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "mean": np.add,
-}
 
 # words of a worker's record
 _GEN_W, _GEN_G, _LEFT, _PID, _NBYTES, _SIG, _DESC = range(7)  # _DESC: 8 words, see _desc_at
@@ -653,7 +650,7 @@ class ShmCollectives(CallScope, Collectives):
         converted its input (reduce_scatter's mean)."""
         arr, restore = _as_array(x)
         _check_reducible(arr, "allreduce")
-        ufunc = _ufunc(op)
+        ufunc = op_ufunc(op)
         which, ranks = self.scope(group)
         if sig is None:  # (the input's, before a mean converts it: a peer's of another
             sig = array_signature(arr)  # dtype must not pass)
@@ -757,7 +754,7 @@ class ShmCollectives(CallScope, Collectives):
     def reduce_scatter(self, x: Any, op: str, group: bool) -> Any:
         arr, restore = _as_array(x)
         _check_reducible(arr, "reduce_scatter")
-        ufunc = _ufunc(op)
+        ufunc = op_ufunc(op)
         which, ranks = self.scope(group)
         desc = descriptor("reduce_scatter", op)
         sig = array_signature(arr)  # (the input's, as allreduce's)
@@ -1226,11 +1223,6 @@ class _Pacer(Pacer):
 def _named(what: str | int) -> str:
     """A collective's name for an error: as given, or named from its descriptor."""
     return what if isinstance(what, str) else describe(what)
-
-
-def _ufunc(op: str) -> Callable[..., Any]:
-    """The numpy ufunc that reduces by ``op`` (mean sums, then divides)."""
-    return _UFUNCS[check_op(op)]
 
 
 def _as_array(x: Any) -> tuple[np.ndarray, Callable[[np.ndarray], Any]]:

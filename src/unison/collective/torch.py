@@ -40,6 +40,7 @@ from unison.collective.checks import (
     check_op,
     check_scatter_values,
     member,
+    op_ufunc,
     reduce_python,
     shape_signature,
 )
@@ -330,13 +331,11 @@ def _reduce_gathered(dist: Any, pg: Any, n: int, t: Any, op: str) -> Any:
     import numpy as np
     import torch
 
-    from unison.collective.shm import _ufunc
-
     mine = _wire(t)
     parts = [mine.new_empty(mine.shape) for _ in range(n)]
     dist.all_gather(parts, mine, group=pg)
     arrays = [_unwire(p, t).numpy() for p in parts]
-    return torch.from_numpy(np.asarray(functools.reduce(_ufunc(op), arrays),
+    return torch.from_numpy(np.asarray(functools.reduce(op_ufunc(op), arrays),
                                        dtype=arrays[0].dtype))
 
 
