@@ -11,8 +11,9 @@ session's collectives go through torch.distributed, not shared memory. Prints th
 serves (a TCPStore, as the session's: what a rank's mark at a call's end costs, which is why
 a call that ran no collective writes none); the mean of ``--reduces`` allreduces of 4 floats
 inside one call (best of 3 calls) in µs; and how long a ``sess.run`` takes to raise where
-rank 1 raises before the allreduce its peers run (best of 3, s; before issue 9's
-forty-seventh pass, its peers waited until the call's timeout, here 30 s).
+rank 1 raises before the allreduce its peers run, then where it returns before it (the
+fastest and slowest of 3 tries, s; the call's timeout, 30 s, where the peers wait: before
+issue 9's forty-seventh pass for the first, before its forty-eighth for the second).
 """
 
 from __future__ import annotations
@@ -70,12 +71,30 @@ def reduces(count: int) -> float:
     return (time.perf_counter() - start) / count * 1e6
 
 
-def leaves() -> float:
+def leaves(how: str) -> float:
+    """Rank 1 leaves the call before the allreduce its peers run: it raises, or returns."""
     import torch
 
     if unison.rank() == 1:
-        raise ValueError("left before its collective")
+        if how == "raises":
+            raise ValueError("left before its collective")
+        return 0.0
     return float(unison.allreduce(torch.ones(1))[0])
+
+
+def left(sess: unison.Session, how: str) -> list[float]:
+    """How long ``run(leaves)`` takes to raise, 3 tries (30: it timed out, and no more)."""
+    raised = []
+    for _ in range(3):
+        start = time.perf_counter()
+        try:
+            sess.run(leaves, how, timeout=30)
+        except unison.WorkerError:
+            raised.append(time.perf_counter() - start)
+        except TimeoutError:  # (the peers still wait: the next run would too)
+            return [*raised, 30.0]
+        sess.run(noop)
+    return raised
 
 
 def main() -> None:
@@ -109,19 +128,10 @@ def main() -> None:
             print(f"run(a call that writes one store key, as a mark): median {took:.1f} us")
             best = min(min(sess.run(reduces, args.reduces)) for _ in range(3))
             print(f"allreduce of 4 floats: {best:.1f} us")
-            raised = []
-            for _ in range(3):
-                start = time.perf_counter()
-                try:
-                    sess.run(leaves, timeout=30)
-                except unison.WorkerError:
-                    raised.append(time.perf_counter() - start)
-                except TimeoutError:  # (the peers still wait: the session is closed)
-                    raised.append(30.0)
-                    break
-                sess.run(noop)
-            print(f"a rank left before its collective: its peers raised in "
-                  f"{min(raised):.2f} s")
+            for how in ("raises", "returns"):
+                took = left(sess, how)
+                print(f"a rank {how} before its collective: its peers raised in "
+                      f"{min(took):.2f}-{max(took):.2f} s ({len(took)} tries)")
     finally:
         for p in procs:
             p.kill()

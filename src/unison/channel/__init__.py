@@ -278,6 +278,13 @@ class WorkerChannel(ABC):
         ``tracks_progress``, it reads this instead of asking). Others need not hear it."""
         return None
 
+    def on_heartbeat(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` at each of the controller's heartbeats, between commands (the TCP
+        channel's, every tcp.HEARTBEAT_S while the worker waits): a cluster's collectives
+        then tell the peers which call this worker ended (unison.collective.cluster).
+        Others need not: no session of theirs has that backend."""
+        return None
+
     @abstractmethod
     def close(self) -> None: ...
 

@@ -1100,6 +1100,7 @@ class TcpWorkerChannel(WorkerChannel):
         """1 while this worker holds errors nobody fetched (``unreported``), else 0."""
         self._told = 0
         """The progress word the controller last got: commands run << 1 | holding."""
+        self._beat: Callable[[], None] | None = None
 
     def _wait_first(self) -> None:
         """Until the first command is in; then forget what the wait saw (pacing.crowd)."""
@@ -1126,7 +1127,9 @@ class TcpWorkerChannel(WorkerChannel):
                 if problem:
                     raise OSError(f"a malformed frame from the controller: {problem}")
                 if size or count:
-                    break  # else a heartbeat: nothing to run
+                    break
+                if self._beat is not None:  # a heartbeat: nothing to run
+                    self._beat()
             data = memoryview(self._read(size))
             bufs: list[Any] = []
             for _ in range(count):
@@ -1150,6 +1153,9 @@ class TcpWorkerChannel(WorkerChannel):
 
     def unreported(self, count: int) -> None:
         self._holding = 1 if count else 0  # told with the next reply or report
+
+    def on_heartbeat(self, fn: Callable[[], None]) -> None:
+        self._beat = fn
 
     def _one_frame(self) -> memoryview | None:
         """The fast path, nothing read ahead: one recv, and when it brought one whole call
