@@ -129,9 +129,9 @@ def main() -> None:
             best = min(min(sess.run(reduces, args.reduces)) for _ in range(3))
             print(f"allreduce of 4 floats: {best:.1f} us")
             for how in ("raises", "returns"):
-                took = left(sess, how)
+                tries = left(sess, how)
                 print(f"a rank {how} before its collective: its peers raised in "
-                      f"{min(took):.2f}-{max(took):.2f} s ({len(took)} tries)")
+                      f"{min(tries):.2f}-{max(tries):.2f} s ({len(tries)} tries)")
     finally:
         for p in procs:
             p.kill()
