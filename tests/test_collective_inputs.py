@@ -5,6 +5,8 @@ torch's RuntimeError)."""
 
 from __future__ import annotations
 
+import errno
+import socket
 from typing import Any
 
 import numpy as np
@@ -307,3 +309,21 @@ def test_a_local_sessions_torch_store_listens_only_on_loopback(shared):
     listening = [c.laddr for c in psutil.Process(pid).net_connections(kind="inet")
                  if c.status == psutil.CONN_LISTEN]
     assert listening and all(a.ip == "127.0.0.1" for a in listening), listening
+
+
+def test_a_local_sessions_torch_rendezvous_port_is_held_from_the_start(make_session):
+    """The controller found a free port for a local session's torch rendezvous and let it go;
+    worker 0 bound it again at the session's first call, so another process could take it
+    in between, and the first torch collective failed. The controller now binds it and
+    hands worker 0 the listening socket: the port is never free while the session lives."""
+    pytest.importorskip("torch.distributed")
+    sess = make_session(2, collectives="torch")
+    port = int(sess._res.coll_spec["torch_address"].rpartition(":")[2])
+    with socket.socket() as stranger, pytest.raises(OSError) as info:
+        stranger.bind(("127.0.0.1", port))
+    assert info.value.errno == errno.EADDRINUSE
+    assert sess.run(lambda: float(unison.allreduce(np.ones(1))[0]), timeout=QUICK) == [2.0] * 2
+    sess.close()
+    with socket.socket() as after:  # (SO_REUSEADDR: past the closed connections' TIME_WAIT)
+        after.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        after.bind(("127.0.0.1", port))  # nobody listens there any more

@@ -50,8 +50,9 @@ class WorkerSpec:
             if chan.get(key) is not None:
                 chan[key] = move[chan[key]]
         coll = None if self.collective is None else dict(self.collective)
-        if coll is not None and coll.get("fd") is not None:
-            coll["fd"] = move[coll["fd"]]
+        for key in ("fd", "store_fd"):
+            if coll is not None and coll.get(key) is not None:
+                coll[key] = move[coll[key]]
         cancel = move[self.cancel] if self.cancel >= 0 else -1
         return dataclasses.replace(self, channel=chan, collective=coll, cancel=cancel,
                                    fds=tuple(fds))

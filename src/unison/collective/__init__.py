@@ -109,7 +109,8 @@ def setup(spec: dict[str, Any] | None, rank: int, n: int, groups: int, running: 
     if spec.get("torch_address"):
         from unison.collective.torch import TorchCollectives
 
-        _torch = TorchCollectives(_shm, spec["torch_address"], spec.get("timeout", 300.0))
+        _torch = TorchCollectives(_shm, spec["torch_address"], spec.get("timeout", 300.0),
+                                  spec.get("store_fd", -1))
     on = spec.get("backend") != "torch" and ordered
     _on_shm = (on, on)
     if not ordered:

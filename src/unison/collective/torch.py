@@ -29,6 +29,7 @@ shared-memory backend's do.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -63,8 +64,12 @@ class TorchCollectives(Collectives):
     """One worker's torch.distributed backend; ``local`` supplies the barriers and the
     call context (scopes, peers)."""
 
-    def __init__(self, local: ShmCollectives, address: str, timeout_s: float) -> None:
+    def __init__(self, local: ShmCollectives, address: str, timeout_s: float,
+                 store_fd: int = -1) -> None:
         self.local = local
+        self.store_fd = store_fd
+        """Worker 0's: the socket listening at ``address``, which the controller bound
+        (a port found free and let go could be taken before worker 0 bound it again)."""
         self.held = local.held
         self.rank, self.n = local.rank, local.n
         self.groups, self.gsize = local.groups, local.gsize
@@ -86,13 +91,17 @@ class TorchCollectives(Collectives):
 
     def _rendezvous(self, dist: Any) -> Any:
         """The store the workers meet at (``address``, loopback: a local session), served
-        by worker 0 (``serve_store``). ``init_method="tcp://..."`` made a TCPStore that
-        listened on every interface: anyone on the network could read and write gloo's
-        rendezvous (an audit, issue 9, forty-seventh pass)."""
+        by worker 0 (``serve_store``) on the socket the controller bound (``store_fd``).
+        ``init_method="tcp://..."`` made a TCPStore that listened on every interface:
+        anyone on the network could read and write gloo's rendezvous (an audit, issue 9,
+        forty-seventh pass)."""
         host, _, port = self.address.rpartition(":")
         if self.local.rank != 0:
             return dist.TCPStore(host, int(port), self.local.n, False, timeout=self.timeout)
-        return serve_store(host, int(port), self.local.n, timeout=self.timeout)
+        # a copy for the store, which closes what it serves (a start that failed closed
+        # it): a second try must not serve a closed fd, or a number reused since
+        sock = None if self.store_fd < 0 else socket.socket(fileno=os.dup(self.store_fd))
+        return serve_store(host, int(port), self.local.n, sock, timeout=self.timeout)
 
     def _pg(self, dist: Any, backend: str, group: bool) -> Any:
         """The process group for a backend and scope, made on first use by every worker."""
@@ -274,15 +283,17 @@ class TorchCollectives(Collectives):
         return self.local.recv(src)
 
 
-def serve_store(host: str, port: int, world_size: int | None, **options: Any) -> Any:
-    """A torch TCPStore server listening on ``host`` alone (port 0: a free one). Given a
-    host, a TCPStore listens on every interface whatever it is; on a socket of ours
-    (``master_listen_fd``, libuv's server) it listens where we bound, and owns the socket
-    (it closes it as it ends)."""
+def serve_store(host: str, port: int, world_size: int | None,
+                sock: socket.socket | None = None, **options: Any) -> Any:
+    """A torch TCPStore server listening on ``host`` alone (port 0: a free one), or on
+    ``sock``, listening there already. Given a host, a TCPStore listens on every interface
+    whatever it is; on a socket of ours (``master_listen_fd``, libuv's server) it listens
+    where we bound, and owns the socket (it closes it as it ends)."""
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    sock = socket.create_server((host, port), family=family, backlog=128)
+    if sock is None:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.create_server((host, port), family=family, backlog=128)
     try:
         store = TCPStore(host, sock.getsockname()[1], world_size, True,
                          master_listen_fd=sock.fileno(), use_libuv=True, **options)

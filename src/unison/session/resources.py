@@ -19,6 +19,7 @@ import errno
 import os
 import pickle
 import secrets
+import socket
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -49,6 +50,10 @@ class Resources:
         self.coll_fd = -1
         self.board: Board | None = None
         self._store: Any = None
+        self._store_sock: socket.socket | None = None
+        """A local torch session's rendezvous socket, bound and listening here and served by
+        worker 0 (``store_fd``): a port found free and let go, then bound again by worker
+        0, could be taken by another process in between."""
         network = launcher.network()
         self.coll_spec: dict[str, Any] | None = None
         self._coll_specs: list[dict[str, Any]] = []  # per rank, where the workers join over TCP
@@ -81,15 +86,20 @@ class Resources:
         try:
             if hasattr(os, "memfd_create"):  # else no collectives: they say so when called
                 self.coll_fd, _ = collective_shm.create(name, num_workers, num_groups)
+                address = None
+                if collectives == "torch":
+                    self._store_sock = _loopback_listener()
+                    address = f"127.0.0.1:{self._store_sock.getsockname()[1]}"
                 self.coll_spec = {
-                    "fd": self.coll_fd, "backend": collectives,
-                    "torch_address": _free_address() if collectives == "torch" else None,
+                    "fd": self.coll_fd, "backend": collectives, "torch_address": address,
                 }
                 if _native.ordered_memory():  # else cancel says why (unordered_why)
                     self.board = Board(num_workers, name)
         except BaseException:
             if self.coll_fd >= 0:
                 os.close(self.coll_fd)
+            if self._store_sock is not None:
+                self._store_sock.close()
             self.chan.close()
             raise
 
@@ -166,6 +176,10 @@ class Resources:
                 continue
             if self.coll_fd >= 0:
                 fds = [*fds, self.coll_fd]
+            if rank == 0 and self._store_sock is not None:  # worker 0 serves the rendezvous
+                assert coll is not None
+                coll = {**coll, "store_fd": self._store_sock.fileno()}
+                fds = [*fds, self._store_sock.fileno()]
             board = -1 if self.board is None else self.board.fd
             if board >= 0:
                 fds = [*fds, board]
@@ -243,6 +257,8 @@ class Resources:
                 if self.board is not None:
                     self.board.close()
                 self._store = None  # its server thread ends with the object
+                if self._store_sock is not None:
+                    self._store_sock.close()
 
 
 def open_std_fds() -> None:
@@ -310,13 +326,11 @@ def _shared(hosts: list[str | None], size: int) -> str | None:
     return None
 
 
-def _free_address() -> str:
-    """A loopback address with a free port, for torch.distributed's rendezvous."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{sock.getsockname()[1]}"
+def _loopback_listener() -> socket.socket:
+    """A socket listening on loopback at a free port: a local session's torch rendezvous,
+    handed to worker 0 (``store_fd``)."""
+    return socket.create_server(("127.0.0.1", 0), backlog=128)  # (not inheritable: the
+    # launcher's pass_fds hands it to worker 0 alone)
 
 
 def _torch_store(bind: str) -> Any:
