@@ -385,3 +385,23 @@ def test_a_relay_thread_that_cannot_start_fails_the_start_cleanly(monkeypatch, n
     monkeypatch.setattr(threading.Thread, "start", refused)
     with pytest.raises(RuntimeError, match="can't start new thread"):
         unison.Session(n)
+
+
+def test_a_spec_past_the_pipes_size_to_a_slow_starting_worker_keeps_the_start_deadline(
+        monkeypatch) -> None:
+    """A worker's spec went to its stdin in one blocking write: past the pipe's 64 KiB (here
+    thousands of sys.path entries), to a worker whose interpreter start is slow (here 20 s,
+    a sitecustomize's sleep), it held the controller until the worker read, past
+    start_timeout (an audit of the local launcher, issue 9, forty-sixth pass). The write
+    now waits no later than the start deadline, and the start fails with TimeoutError."""
+    from unison.launch import local
+
+    monkeypatch.setattr(local, "_BOOTSTRAP", "import time; time.sleep(20)\n" + local._BOOTSTRAP)
+    monkeypatch.setattr(sys, "path", [*sys.path, *(f"/nonexistent/{i:05}" for i in range(8000))])
+    before = set(psutil.Process().children(recursive=True))
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="start_timeout"):
+        unison.Session(1, start_timeout=2)
+    assert time.monotonic() - start < 8
+    left = set(psutil.Process().children(recursive=True)) - before
+    assert not [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

@@ -330,10 +330,9 @@ class LocalLauncher(Launcher):
                     )))
             for worker, init in zip(self.workers, specs):
                 popen = worker.popen
-                blob = pickle.dumps(init, protocol=5)
                 assert popen.stdin is not None
-                popen.stdin.write(len(blob).to_bytes(8, "little") + blob)
-                popen.stdin.flush()
+                zygote.write_init(popen.stdin, pickle.dumps(init, protocol=5),
+                                  self.start_deadline, [init.rank])
                 for stream, is_err in ((popen.stdout, False), (popen.stderr, True)):
                     assert stream is not None
                     os.set_blocking(stream.fileno(), False)

@@ -29,6 +29,7 @@ parent, so a zygote that dies, or leaves, takes its keepers along.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import pickle
 import select
@@ -238,6 +239,31 @@ class Zygote:
             self.reports.close()
 
 
+def write_init(stream: IO[bytes], blob: bytes, deadline: float | None,
+               ranks: Sequence[int]) -> None:
+    """Write ``blob``, its length first, to a starting process's stdin, waiting for it to
+    read until ``deadline`` at most (the session's start deadline: then TimeoutError). A
+    blocking write of a blob over the pipe's 64 KiB (a spec of thousands of sys.path
+    entries) to a process whose start was slow (a sitecustomize that sleeps) held the
+    controller past start_timeout, and for good where it never read (an audit of the local
+    launcher, issue 9, forty-sixth pass)."""
+    fd = stream.fileno()  # (nothing was written through the stream's buffer)
+    os.set_blocking(fd, False)
+    view = memoryview(len(blob).to_bytes(8, "little") + blob)
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    while view:
+        try:
+            view = view[os.write(fd, view):]
+        except BlockingIOError:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                from unison.errors import start_timed_out  # (the zygote imports none)
+
+                raise TimeoutError(start_timed_out(list(ranks))) from None
+            poller.poll(None if left is None else max(1, math.ceil(left * 1000)))
+
+
 def fork_workers(python: Sequence[str], ranks: Sequence[int], fds: Mapping[int, Sequence[int]],
                  env: Mapping[str, str], rank_env: Mapping[int, Mapping[str, str]],
                  process_group: Mapping[str, Any], deadline: float | None = None,
@@ -270,9 +296,8 @@ def fork_workers(python: Sequence[str], ranks: Sequence[int], fds: Mapping[int, 
             stdin=subprocess.PIPE, pass_fds=sorted(set(keep)), env=dict(env),
             **process_group)
         assert zygote.stdin is not None
-        blob = pickle.dumps((theirs.fileno(), plan), protocol=5)
-        zygote.stdin.write(len(blob).to_bytes(8, "little") + blob)
-        zygote.stdin.flush()
+        write_init(zygote.stdin, pickle.dumps((theirs.fileno(), plan), protocol=5), deadline,
+                   ranks)
         theirs.close()
         for _, in_r, out_w, err_w, _, _ in plan:
             for fd in (in_r, out_w, err_w):
