@@ -34,6 +34,8 @@ TEXTS = {
     "emoji": "\U0001f600",  # one word of emoji (since the forty-seventh pass, as "one")
     "marks": "e\u0301",  # one word of letters with combining marks (the normalizer drops them)
     "deseret": "\U00010400",  # one word of a script beyond the BMP
+    "spaces": " ",  # no token at all (since the forty-eighth pass: the run's middle dropped)
+    "controls": "\x01",  # dropped by the normalizer: no token either (as "spaces")
 }
 
 _CHILD = """

@@ -299,7 +299,7 @@ def test_every_cut_point_splits_and_every_run_character_stays_in_its_word(
     and pre-tokenizer: a word ends there. Every character a long run's middle may be
     dropped from: it stays in its word (and counts toward an end's 64 only where the
     normalizer keeps it)."""
-    from unison.demo.tokenize import _kind
+    from unison.demo.tokenize import _APART, _DROPPED, _IN_WORD, _SPACE, _kind
 
     tok = Tokenizer(folder, load_config(folder).max_seq_length)
     boundary = tok._make_cuts()
@@ -314,13 +314,47 @@ def test_every_cut_point_splits_and_every_run_character_stays_in_its_word(
                  and any("a" in w and "b" in w for w in words(chr(cp)))]
     assert not cut_joins, cut_joins
     kinds = {c: _kind(tok._tok, c) for c in "aZ09\u00e9\U0001f600\U00010400\u0430"
-             "\u0301\x0b\u200b .[]\u3001\u4e00\u00a0\t"}
-    assert [c for c, k in kinds.items() if k] == list("aZ09\u00e9\U0001f600\U00010400\u0430")
-    assert [c for c, k in kinds.items() if k is False] == list("\u0301\x0b\u200b")
-    text = "x" * 2000 + "\u0301" * 3 + "y" * 2000 + " z" + "[" * 2000
-    runs = tok._runs_in(text)
-    assert runs is not None and runs[1] == frozenset("xyz")
-    assert [m.span() for m in runs[0].finditer(text)] == [(0, 4003)]
+             "\u0301\x0b\u200b .[]\u3001\u4e00\u00a0\t\n\u3000"}
+    by_kind = {k: "".join(c for c, got in kinds.items() if got == k) for k in range(4)}
+    assert by_kind == {_IN_WORD: "aZ09\u00e9\U0001f600\U00010400\u0430",
+                       _DROPPED: "\u0301\x0b\u200b", _SPACE: " \u00a0\t\n\u3000",
+                       _APART: ".[]\u3001\u4e00"}
+    text = "x" * 2000 + "\u0301" * 3 + "y" * 2000 + " z" + "[" * 2000 + " \x0b" * 600
+    (gaps, _), (words, _) = tok._runs_in(text)
+    assert [m.span() for m in gaps.finditer(text)] == [(6005, 7205)]
+    assert [m.span() for m in words.finditer(text)] == [(0, 4003)]
+
+
+def test_long_runs_that_make_no_token_keep_their_ids_and_are_not_tokenized_whole(
+        folder: Path, st_model: Any) -> None:
+    """Runs of spaces, of controls the normalizer drops, or of both, make no token: a text
+    of megabytes of them was tokenized whole (8 MB of spaces: 2.9 s and 450 MB; issue 9,
+    forty-eighth pass). Each such run now keeps its ends and one space of its middle, where
+    it has one: the same ids as sentence-transformers' tokenizer gives the whole text, the
+    words beside a run apart or joined as they were, an added token never made of pieces
+    a run held apart."""
+    tok = Tokenizer(folder, load_config(folder).max_seq_length)
+    seen: list[int] = []
+    real = tok._tok.encode_batch
+    tok._tok = _Spy(tok._tok, lambda texts: (seen.extend(map(len, texts)), real(texts))[1])
+    texts = [
+        " " * 3_000_000,
+        " " * 2_000_000 + "then some words" * 400,
+        "a" + "\x01" * 100_000 + "b" + " x" * 300,  # dropped: "ab", one word
+        "a" + "\x01" * 50_000 + " " + "\x01" * 50_000 + "b" + " x" * 300,  # apart
+        "a" + "\x01" * 50_000 + "\t" + "\x01" * 50_000 + "b" * 200 + " x" * 300,
+        "x" + "\t\n \x0b\u200b" * 100_000 + "y" + " z" * 300,
+        "\u3000" * 300_000 + "tail",  # an ideographic space
+        "[MA" + "\x0b" * 5000 + "SK] r" * 3000,  # the normalizer joins "[MASK]": no token
+        "[MASK]" + " " * 5000 + "[MASK] " * 300,
+        ("word" + " " * 2000) * 300,
+        "\x00" * 2_000_000,
+        "q" * 3000 + "\u200b" * 5000 + "r" * 3000 + " s" * 300,  # one word, then [UNK]
+    ]
+    ours = tok.encode(texts)
+    theirs = st_model.tokenizer(texts, truncation=True, max_length=256)["input_ids"]
+    assert ours == theirs
+    assert max(seen) < 50_000, seen  # (MBs each before)
 
 
 class _Spy:

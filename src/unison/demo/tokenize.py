@@ -15,7 +15,7 @@ import json
 import re
 import string
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +38,14 @@ _RUN_EDGE = 64
 """A run of this many characters that stay in their word (``_kind``, with those the
 normalizer drops among them), or the ``2 * _RUN_EDGE`` of its two ends, makes
 its word longer than any WordPiece word (``max_input_chars_per_word``, 100 here): that word
-is one [UNK] token, however long. An added token shorter than an edge cannot reach its
-middle."""
+is one [UNK] token, however long. A run of this many characters that make no token (spaces,
+and those the normalizer drops) gives the same tokens as its two ends with one space of its
+middle between them, where it has one. An added token shorter than an edge cannot reach
+a middle."""
+_DROPPED, _IN_WORD, _SPACE, _APART = range(4)
+"""What a character is to the tokenizer (``_kind``): dropped by its normalizer (a control,
+a combining mark); kept inside the word around it (a letter, a digit, an emoji); a space,
+which ends a word and makes no token; a word of its own (punctuation, a CJK ideograph)."""
 
 
 class Tokenizer:
@@ -56,10 +62,8 @@ class Tokenizer:
         self._cuts: re.Pattern[str] | None = None
         """Where a long text may be cut; made at the first long text (30 ms)."""
         self._shrinks: bool | None = None  # whether runs may be shrunk (_runs_in)
-        self._kinds: dict[str, bool | None] = {}
-        """Each character met in a long text without a place to cut: True where it stays
-        in the word around it and the normalizer keeps it, False where the normalizer drops
-        it, None where it ends a word (``_kind``)."""
+        self._kinds: dict[str, int] = {}
+        """Each character met in a long text whose start gave too few tokens (``_kind``)."""
 
     def encode(self, sentences: Sequence[str]) -> list[list[int]]:
         """Each sentence's token ids, [CLS] ... [SEP]."""
@@ -74,7 +78,9 @@ class Tokenizer:
         ends on a whole word, so its tokens begin the text's; once they fill ``max_length``,
         the rest cannot change the result. Where the first look finds no such place, each
         run of over 1,024 characters that stay in one word (a hex dump, emoji, letters with
-        combining marks) keeps its two ends alone: its word is one [UNK] either way."""
+        combining marks) keeps its two ends alone: its word is one [UNK] either way; and each
+        such run of characters that make no token (spaces, controls) keeps its ends and one
+        space of its middle."""
         k = self.max_length * _CHARS_PER_TOKEN
         if len(text) <= k:
             return text
@@ -88,9 +94,10 @@ class Tokenizer:
                 return text[:cut]
             if not shrunk:  # one word of megabytes, say (a hex dump): its ends will do
                 shrunk = True
-                runs = self._runs_in(text)
-                if runs is not None:
-                    text = runs[0].sub(functools.partial(_ends, solid=runs[1]), text)
+                steps = self._runs_in(text)
+                for run, shrink in steps:
+                    text = run.sub(shrink, text)
+                if steps:
                     continue
             k *= 4
         return text
@@ -101,48 +108,70 @@ class Tokenizer:
         self._cuts = re.compile("[" + re.escape(marks) + _CJK + "]")
         return self._cuts
 
-    def _runs_in(self, text: str) -> tuple[re.Pattern[str], frozenset[str]] | None:
-        """The runs of ``text`` that may lose their middles (characters that stay in one
-        word, ``_RUN`` or more), and the characters among them the normalizer keeps; None
-        where this tokenizer's runs may not be shrunk (no WordPiece model whose longest
-        word is under two edges, or an added token as long as one)."""
+    def _runs_in(self, text: str) -> list[tuple[re.Pattern[str], Callable[[re.Match[str]], str]]]:
+        """How the runs of ``text`` that may lose their middles (``_RUN`` or more) are
+        found and shrunk, in order: those of characters that make no token (``_gap``),
+        then those of characters that stay in one word (``_ends``). None where this
+        tokenizer's runs may not be shrunk (no WordPiece model whose longest word is under
+        two edges, or an added token as long as one, or one holding a space or a
+        character the normalizer drops)."""
+        kinds = self._kinds
         if self._shrinks is None:
             model = json.loads(self._tok.to_str())["model"]
             longest = (model.get("max_input_chars_per_word", 0) if model["type"] == "WordPiece"
                        else 0)
             self._shrinks = 0 < longest < 2 * _RUN_EDGE and all(len(t) < _RUN_EDGE
                                                                  for t in self._added)
+            for c in set("".join(self._added)):
+                kinds[c] = _kind(self._tok, c)
+                self._shrinks &= kinds[c] not in (_DROPPED, _SPACE)
         if not self._shrinks:
-            return None
-        kinds, chars = self._kinds, set(text)
+            return []
+        chars = set(text)
         for c in chars.difference(kinds):
             kinds[c] = _kind(self._tok, c)
-        inside = sorted(c for c in chars if kinds[c] is not None)
-        if not inside:
-            return None
-        return (_class_run("".join(inside)),
-                frozenset(c for c in inside if kinds[c]))
+        steps: list[tuple[re.Pattern[str], Callable[[re.Match[str]], str]]] = []
+        gaps = "".join(sorted(c for c in chars if kinds[c] in (_DROPPED, _SPACE)))
+        if gaps:
+            spaces = "".join(c for c in gaps if kinds[c] == _SPACE)
+            steps.append((_class_run(gaps), functools.partial(
+                _gap, spaces=_class_run(spaces, 1) if spaces else None)))
+        inside = "".join(sorted(c for c in chars if kinds[c] in (_DROPPED, _IN_WORD)))
+        if inside:
+            solid = frozenset(c for c in inside if kinds[c] == _IN_WORD)
+            steps.append((_class_run(inside), functools.partial(_ends, solid=solid)))
+        return steps
 
 
 @functools.lru_cache(maxsize=64)
-def _class_run(chars: str) -> re.Pattern[str]:
-    """``_RUN`` or more of ``chars``: one class repeated, not a group (whose every repeat
+def _class_run(chars: str, least: int = _RUN) -> re.Pattern[str]:
+    """``least`` or more of ``chars``: one class repeated, not a group (whose every repeat
     the regular expression engine would stack: 300 MB for 8 MB)."""
-    return re.compile("[" + "".join(map(re.escape, chars)) + "]{" + str(_RUN) + ",}")
+    return re.compile("[" + "".join(map(re.escape, chars)) + "]{" + str(least) + ",}")
 
 
-def _kind(tok: object, c: str) -> bool | None:
-    """True where ``c`` stays in the word around it and the normalizer keeps something of
-    it (a letter, a digit, an emoji, ...); False where the normalizer drops it (a combining
-    mark, a control); None where a word ends at it. Asked of the tokenizer's own normalizer
-    and pre-tokenizer, so no table of another Unicode version can differ: the first
-    version took letters and digits of the same category in Unicode 3.2 and now, and one
-    word of 8 MB of emoji, of letters with combining marks, or of a script beyond the BMP
-    was tokenized whole (650 MB, 2.8 s each: an audit, issue 9, forty-seventh pass)."""
+def _kind(tok: object, c: str) -> int:
+    """What ``c`` is to the tokenizer: ``_DROPPED``, ``_IN_WORD``, ``_SPACE`` or
+    ``_APART``. Asked of the tokenizer's own normalizer and pre-tokenizer, so no table of
+    another Unicode version can differ: the first version took letters and digits of the
+    same category in Unicode 3.2 and now, and one word of 8 MB of emoji, of letters with
+    combining marks, or of a script beyond the BMP was tokenized whole (650 MB, 2.8 s each:
+    an audit, issue 9, forty-seventh pass)."""
     normal = tok.normalizer.normalize_str(c)  # type: ignore[attr-defined]
     if not normal:
-        return False
-    return len(tok.pre_tokenizer.pre_tokenize_str("a" + normal + "b")) == 1 or None  # type: ignore[attr-defined]
+        return _DROPPED
+    words = [w for w, _ in tok.pre_tokenizer.pre_tokenize_str("a" + normal + "b")]  # type: ignore[attr-defined]
+    return _IN_WORD if len(words) == 1 else _SPACE if words == ["a", "b"] else _APART
+
+
+def _gap(match: re.Match[str], spaces: re.Pattern[str] | None) -> str:
+    """A run of characters that make no token: its two ends, with one space of its middle
+    between them where the middle has one (``spaces``), so the words beside it stay apart,
+    or joined, as they were. Before (issue 9, forty-eighth pass), 8 MB of spaces or of
+    controls were tokenized whole: 1.4-3.5 s and up to 450 MB for no token."""
+    run = match[0]
+    space = None if spaces is None else spaces.search(run, _RUN_EDGE, len(run) - _RUN_EDGE)
+    return run[:_RUN_EDGE] + ("" if space is None else space[0][0]) + run[-_RUN_EDGE:]
 
 
 def _ends(match: re.Match[str], solid: frozenset[str]) -> str:
