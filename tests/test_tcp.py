@@ -9,6 +9,7 @@ import gc
 import logging
 import os
 import random
+import re
 import select
 import signal
 import socket
@@ -18,6 +19,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -447,6 +449,23 @@ def test_a_port_in_use_leaves_no_fd_behind():
         taken.close()
     with pytest.raises(TypeError, match=r"bytes\.fromhex"):
         ConnectLauncher(secret=SECRET.hex())  # type: ignore[arg-type]
+
+
+def test_announce_prints_a_drawn_secret_and_never_the_users(monkeypatch, capsys):
+    """announce=True printed the worker's command with the secret in hex, the user's own
+    too (from secret= or UNISON_SECRET), which a job's log then kept (an audit of security,
+    issue 9, forty-seventh pass). Only a secret drawn here, which nobody else knows, is
+    printed now."""
+    spec = types.SimpleNamespace(channel={"address": "node:4242"})
+    monkeypatch.delenv("UNISON_SECRET", raising=False)
+    for launcher in (ConnectLauncher(secret=SECRET), ConnectLauncher()):
+        launcher.start([spec, spec], {})
+    monkeypatch.setenv("UNISON_SECRET", SECRET.hex())
+    ConnectLauncher().start([spec], {})
+    given, drawn, env = capsys.readouterr().err.strip().split("\nunison: ")
+    assert SECRET.hex() not in given + env and "UNISON_SECRET holding your secret" in env
+    assert given.endswith("unison worker --connect node:4242")
+    assert re.search(r"UNISON_SECRET=[0-9a-f]{64} unison worker --connect node:4242$", drawn)
 
 
 @pytest.mark.parametrize("value", ["zz", "abcd"])

@@ -48,13 +48,17 @@ class ConnectLauncher(Launcher):
     "0.0.0.0"); ``advertise`` the host name workers are told (default: ``bind``, or this
     host's name when binding to all); ``port`` 0 picks a free one; ``secret`` (bytes, at
     least 16) defaults to UNISON_SECRET from the environment, else a fresh random one.
-    ``announce``: True prints the command that starts a worker (secret included) once the
-    session listens; a callable is called then with the address (HOST:PORT) and the
-    secret, to start the workers itself (through ssh, say); False does nothing."""
+    ``announce``: True prints the command that starts a worker once the session listens
+    (with the secret where it was drawn here; yours is never printed); a callable is called
+    then with the address (HOST:PORT) and the secret, to start the workers itself (through
+    ssh, say); False does nothing."""
 
     def __init__(self, bind: str = "127.0.0.1", port: int = 0, secret: bytes | None = None,
                  advertise: str | None = None,
                  announce: bool | Callable[[str, bytes], None] = True) -> None:
+        self._drawn = secret is None and not os.environ.get(SECRET_VAR)
+        """Whether the secret is a fresh random one (announce prints it: nobody else knows
+        it), not the user's (never printed: a log would keep it)."""
         if secret is None:
             secret = _env_secret()
         if not isinstance(secret, (bytes, bytearray)):
@@ -86,9 +90,12 @@ class ConnectLauncher(Launcher):
         if callable(self._announce):
             self._announce(self.address, self._network.secret)
         elif self._announce:
-            print(f"unison: waiting for {len(specs)} workers; start each with\n"
-                  f"  {SECRET_VAR}={self._network.secret.hex()} unison worker --connect "
-                  f"{self.address}", file=sys.stderr, flush=True)
+            given = (f"with {SECRET_VAR} holding your secret in hex (not printed: a log would "
+                     "keep it), start each with\n  ")
+            drawn = f"start each with\n  {SECRET_VAR}={self._network.secret.hex()} "
+            print(f"unison: waiting for {len(specs)} workers; "
+                  f"{drawn if self._drawn else given}unison worker --connect {self.address}",
+                  file=sys.stderr, flush=True)
 
     def watch_fds(self) -> list[int]:
         return []
