@@ -319,6 +319,40 @@ def test_a_wrong_secret_and_garbage_never_reach_the_session(tcp_session, workers
     assert sess.run(lambda x: x * 2, 21) == [42, 42]
 
 
+def test_dropped_connections_are_logged_in_a_burst_then_counted(tcp_session, caplog,
+                                                                 monkeypatch):
+    """Each dropped connection was a warning: a scanner, or a stranger's loop, filled the
+    log (an audit of security, issue 9, forty-seventh pass). Ten are said at once, then one
+    every EVERY seconds, saying how many went unsaid."""
+    from unison.channel import tcp
+
+    monkeypatch.setattr(tcp._Drops, "EVERY", 3.0)
+    caplog.set_level(logging.WARNING, logger="unison.tcp")
+    places: list[str] = []
+    sess = tcp_session(1, before=places.append)
+    assert sess.run(unison.rank) == [0]
+
+    def said() -> int:
+        return caplog.text.count("dropped a connection")
+
+    for _ in range(40):
+        _connect_and(places[0], lambda s: s.sendall(b"\x00\x00"))
+    deadline = time.monotonic() + 20
+    while said() < 10 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # (the rest of the 40 handshakes end meanwhile, unsaid)
+    first = said()
+    assert 10 <= first <= 11, caplog.text  # (11: a slow machine's refill meanwhile)
+    time.sleep(3.0)
+    _connect_and(places[0], lambda s: s.sendall(b"\x00\x00"))
+    while said() == first and time.monotonic() < deadline:
+        time.sleep(0.05)
+    unsaid = [int(n) for n in re.findall(r"\(and (\d+) more since the last word\)",
+                                         caplog.text)]
+    assert said() == first + 1 and said() + sum(unsaid) == 41, caplog.text
+    assert sess.run(unison.rank) == [0]
+
+
 def _worker_socket() -> socket.socket:
     from unison.channel.tcp import TcpWorkerChannel
 

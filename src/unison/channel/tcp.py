@@ -185,6 +185,34 @@ class _Peer:
         return self.fd
 
 
+class _Drops:
+    """How many dropped connections are logged: ``BURST`` at once, then one every ``EVERY``
+    seconds, each saying how many went unsaid before it. One a connection made a scanner,
+    or a stranger's loop, fill a log (an audit of security, issue 9, forty-seventh pass)."""
+
+    BURST = 10
+    EVERY = 10.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # (each handshake has its thread)
+        self._tokens = float(self.BURST)
+        self._at = time.monotonic()
+        self._unsaid = 0
+
+    def say(self) -> int | None:
+        """None: say nothing of this one; else say it, and this many unsaid before it."""
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.BURST, self._tokens + (now - self._at) / self.EVERY)
+            self._at = now
+            if self._tokens < 1:
+                self._unsaid += 1
+                return None
+            self._tokens -= 1
+            more, self._unsaid = self._unsaid, 0
+            return more
+
+
 class TcpChannel(Channel):
     """The controller's end: a listener and one connection per worker."""
 
@@ -220,6 +248,7 @@ class TcpChannel(Channel):
         """Notified at each offer (and at close): a worker that joined before its part was
         offered waits for it (``_claim``)."""
         self._handshakes: dict[socket.socket, float] = {}
+        self._drops = _Drops()
         """Connections in their handshake, and when it must be done (the accept loop shuts
         down those past it, and close all): a read timeout alone let a peer that sends a
         byte every few seconds hold one for minutes."""
@@ -380,8 +409,11 @@ class TcpChannel(Channel):
             if rank >= 0:
                 with self._lock:
                     self._claimed.discard(rank)
-            log.warning("unison: dropped a connection from %s: %s: %s", addr,
-                        type(exc).__name__, exc or "the peer failed the handshake")
+            more = self._drops.say()
+            if more is not None:
+                log.warning("unison: dropped a connection from %s: %s: %s%s", addr,
+                            type(exc).__name__, exc or "the peer failed the handshake",
+                            f" (and {more} more since the last word)" if more else "")
             sock.close()
         finally:
             with self._lock:
