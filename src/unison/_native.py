@@ -58,20 +58,31 @@ def load(name: str, layout: Mapping[str, object] | None = None) -> Any:
     name: the caller's values of what the C code hard-codes). An unfit build warns, once,
     saying how to rebuild: only where no build exists is the fallback silent."""
     if pure_asked():
+        unused[name] = "as UNISON_PURE asks"
         return None
     try:
         module = importlib.import_module(f"unison.{name}")
     except ImportError as exc:
         builds = _builds(name)
         if builds:
-            _warn_once(f"unison.{name} does not import ({exc}), although {', '.join(builds)} "
-                       f"lies in {Path(__file__).parent}. {_REBUILD}")
+            why = (f"unison.{name} does not import ({exc}), although {', '.join(builds)} "
+                   f"lies in {Path(__file__).parent}. {_REBUILD}")
+            _warn_once(why)
+        unused[name] = why if builds else _NOT_BUILT
         return None
     why = _stale(module) or _mismatch(module, layout or {})
     if why:
         _warn_once(why)
+        unused[name] = why
         return None
-    return module
+    return module  # (a load without a layout never clears what one with it found)
+
+
+unused: dict[str, str] = {}
+"""Why a load of each extension here gave pure Python (``unison info``)."""
+_NOT_BUILT = ("it was not built (no C compiler when unison was installed?). Rebuild: `pip "
+              "install --force-reinstall --no-cache-dir unison`, or `pip install -e .` in a "
+              "checkout")
 
 
 def built(name: str) -> bool:

@@ -1,7 +1,8 @@
 """The ``unison`` command: ``unison demo`` runs the main job (a real model split across
 workers, unison/demo/); ``unison serve`` serves that model over HTTP (unison/serve/);
-``unison bench`` runs the benchmark of a source checkout (``benchmarks/run.py``, which is not
-part of the package)."""
+``unison info`` says what this install runs here (the C fast paths or pure Python); ``unison
+bench`` runs the benchmark of a source checkout (``benchmarks/run.py``, which is not part of
+the package)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--nice", type=int, default=None, metavar="N",
                         help="run at niceness N (default: as started); a launcher passes "
                              "its controller's, since Ray starts workers at 15")
+    sub.add_parser("info", help="what this install runs here: the C fast paths or pure "
+                                "Python, and why; the extras installed",
+                   description="Print unison's version, the machine, whether the C fast paths "
+                               "are in use (and why not), and the extras installed.")
     sub.add_parser("bench", add_help=False,
                    help="run benchmarks/run.py of a source checkout (its --help lists the flags)")
     args, rest = parser.parse_known_args(argv)
@@ -81,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return connect_main(args.connect, args.rank, args.timeout, args.die_with_parent,
                             args.unix, args.nice)
+    if args.command == "info":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        from unison.info import main as info_main
+
+        return info_main()
     script = bench_script()
     if script is None:
         print("unison bench: the benchmark is not installed with the package; it lives in "
