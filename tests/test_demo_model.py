@@ -236,10 +236,7 @@ def test_a_long_texts_tokens_come_from_its_start_alone(folder: Path, st_model: A
     or an ASCII punctuation mark, and already fills the 256, is tokenized now; the ids are
     those of the whole text, also where a cut elsewhere would change them (control
     characters the normalizer drops, combining marks, CJK, long runs without a space)."""
-    tok = Tokenizer(folder, load_config(folder).max_seq_length)
-    seen: list[int] = []
-    real = tok._tok.encode_batch
-    tok._tok = _Spy(tok._tok, lambda texts: (seen.extend(map(len, texts)), real(texts))[1])
+    tok, seen = _spied(folder)
     texts = [
         "sentence number 7 " * 12_000,
         "a." * 100_000,
@@ -333,10 +330,7 @@ def test_long_runs_that_make_no_token_keep_their_ids_and_are_not_tokenized_whole
     it has one: the same ids as sentence-transformers' tokenizer gives the whole text, the
     words beside a run apart or joined as they were, an added token never made of pieces
     a run held apart."""
-    tok = Tokenizer(folder, load_config(folder).max_seq_length)
-    seen: list[int] = []
-    real = tok._tok.encode_batch
-    tok._tok = _Spy(tok._tok, lambda texts: (seen.extend(map(len, texts)), real(texts))[1])
+    tok, seen = _spied(folder)
     texts = [
         " " * 3_000_000,
         " " * 2_000_000 + "then some words" * 400,
@@ -355,6 +349,16 @@ def test_long_runs_that_make_no_token_keep_their_ids_and_are_not_tokenized_whole
     theirs = st_model.tokenizer(texts, truncation=True, max_length=256)["input_ids"]
     assert ours == theirs
     assert max(seen) < 50_000, seen  # (MBs each before)
+
+
+def _spied(folder: Path) -> tuple[Tokenizer, list[int]]:
+    """The model's Tokenizer, and the lengths of the texts it hands the library, as it
+    does."""
+    tok = Tokenizer(folder, load_config(folder).max_seq_length)
+    seen: list[int] = []
+    real = tok._tok.encode_batch
+    tok._tok = _Spy(tok._tok, lambda texts: (seen.extend(map(len, texts)), real(texts))[1])
+    return tok, seen
 
 
 class _Spy:
