@@ -36,6 +36,7 @@ TEXTS = {
     "deseret": "\U00010400",  # one word of a script beyond the BMP
     "spaces": " ",  # no token at all (since the forty-eighth pass: the run's middle dropped)
     "controls": "\x01",  # dropped by the normalizer: no token either (as "spaces")
+    "near": "x" * 1023 + " ",  # words a letter short of a run: each scanned once (48th pass)
 }
 
 _CHILD = """

@@ -405,3 +405,25 @@ def test_a_spec_past_the_pipes_size_to_a_slow_starting_worker_keeps_the_start_de
     assert time.monotonic() - start < 8
     left = set(psutil.Process().children(recursive=True)) - before
     assert not [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_spec_written_under_a_far_deadline_goes_whole() -> None:
+    """A start_timeout of a month (finite) made the write's poll raise OverflowError: its
+    milliseconds overflowed a C int (a review, issue 9, forty-eighth pass)."""
+    import threading
+
+    r, w = os.pipe()
+    blob = os.urandom(300_000)  # past the pipe's 64 KiB: the write waits for the reader
+    got = bytearray()
+
+    def read() -> None:
+        time.sleep(0.3)
+        with os.fdopen(r, "rb") as stream:
+            got.extend(stream.read())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    with os.fdopen(w, "wb") as stream:
+        zygote.write_init(stream, blob, time.monotonic() + 3e6, [0])
+    reader.join(10)
+    assert bytes(got) == len(blob).to_bytes(8, "little") + blob

@@ -226,6 +226,38 @@ def test_collectives_in_a_mixed_session_go_through_torch():
         launcher.stop(0)
 
 
+def _returns_or_reduces(who: int) -> object:
+    import torch
+
+    if unison.rank() == who:
+        return "returned"
+    return float(unison.allreduce(torch.ones(1))[0])
+
+
+def test_a_rank_on_either_channel_that_ran_no_collective_fails_its_peer_at_once():
+    """A rank that returns from a call in which it ran no collective marks the call in the
+    store once it waits for its next command: on TCP at the controller's heartbeat; on
+    shared memory (a mixed session's workers beside the controller, as a Ray cluster's
+    driver node gives) its sleep gave no such moment, and its TCP peer waited until the
+    call's timeout (a review, issue 9, forty-eighth pass). Its sleep now wakes for it."""
+    pytest.importorskip("torch")
+    launcher = SpawnLauncher(local=[1])
+    sess = unison.Session(2, launcher=launcher, collectives="torch", start_timeout=60)
+    try:
+        assert sess.run(unison.rank) == [0, 1]
+        for who in (0, 1, 1, 0):  # on TCP, on shared memory
+            start = time.monotonic()
+            with pytest.raises(unison.WorkerError) as info:
+                sess.run(_returns_or_reduces, who, timeout=20)
+            assert time.monotonic() - start < 5
+            assert set(info.value.errors) == {1 - who}
+            assert "left the call without joining it" in str(info.value.errors[1 - who])
+        assert sess.run(_returns_or_reduces, -1, timeout=20) == [2.0, 2.0]
+    finally:
+        sess.close(timeout=3)
+        launcher.stop(0)
+
+
 def group_collectives() -> tuple[list[int], list[float], dict[str, int], int]:
     r, g = unison.rank(), unison.group()
     boxes = unison.allgather(Box(r), group=True)

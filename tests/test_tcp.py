@@ -351,6 +351,11 @@ def test_dropped_connections_are_logged_in_a_burst_then_counted(tcp_session, cap
                                          caplog.text)]
     assert said() == first + 1 and said() + sum(unsaid) == 41, caplog.text
     assert sess.run(unison.rank) == [0]
+    for _ in range(5):  # unsaid at the close: it says how many
+        _connect_and(places[0], lambda s: s.sendall(b"\x00\x00"))
+    time.sleep(0.5)
+    sess.close()
+    assert "dropped 5 more connections since the last word" in caplog.text, caplog.text
 
 
 def _worker_socket() -> socket.socket:

@@ -951,9 +951,9 @@ def run(spec: WorkerSpec, chan: WorkerChannel | None = None) -> None:
         signal.signal(SIGNAL, _on_cancel_signal)
     if chan is None:
         chan = connect(spec.channel)
-    beat = collective.heartbeat_hook()
-    if beat is not None:
-        chan.on_heartbeat(beat)
+    idle = collective.idle_hook()
+    if idle is not None:
+        chan.on_idle(idle)
     chan.reply(protocol.dumps((protocol.READY_REQ, OK, os.getpid())))
     try:
         serve(chan, coll, _board)

@@ -278,16 +278,21 @@ class WorkerChannel(ABC):
         ``tracks_progress``, it reads this instead of asking). Others need not hear it."""
         return None
 
-    def on_heartbeat(self, fn: Callable[[], None]) -> None:
-        """Call ``fn`` at each of the controller's heartbeats, between commands (the TCP
-        channel's, every tcp.HEARTBEAT_S while the worker waits): a cluster's collectives
-        then tell the peers which call this worker ended (unison.collective.cluster).
-        Others need not: no session of theirs has that backend."""
+    def on_idle(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` now and then while this worker waits for its next command, between
+        commands: at each of the controller's heartbeats on TCP (tcp.HEARTBEAT_S), each
+        ``IDLE_S`` of sleep on shared memory. A cluster's collectives then tell the peers
+        which call this worker ended (unison.collective.cluster). The pipe channel need
+        not: its sessions have no such backend."""
         return None
 
     @abstractmethod
     def close(self) -> None: ...
 
+
+IDLE_S = 0.25
+"""How often a worker waiting for its next command runs its ``on_idle`` hook at least (a
+TCP worker: at each of the controller's heartbeats, tcp.HEARTBEAT_S, this long)."""
 
 _IOV = 512
 """Buffers per writev/sendmsg call (IOV_MAX is 1024 on Linux)."""

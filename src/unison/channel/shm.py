@@ -82,6 +82,7 @@ from unison import _native
 from unison._fdwait import FdSet
 from unison._native import fence as _fence
 from unison.channel import (
+    IDLE_S,
     MAX_BUFFERS,
     Channel,
     Reply,
@@ -1006,10 +1007,19 @@ class ShmWorkerChannel(WorkerChannel):
         _fence()
         try:
             while q[0] == pos:
-                if self._sleep_set.readable(SLEEP):
+                if self._sleep_set.readable(self._nap):
                     _drain_eventfd(self._efd)
+                elif self._idle is not None:
+                    self._idle()
         finally:
             q[self._sleep_idx] = 0
+
+    _nap = SLEEP
+    """How long each of a waiting worker's sleeps lasts (``on_idle``: IDLE_S)."""
+    _idle: Callable[[], None] | None = None
+
+    def on_idle(self, fn: Callable[[], None]) -> None:
+        self._idle, self._nap = fn, IDLE_S
 
     oob_replies = True
 

@@ -212,6 +212,11 @@ class _Drops:
             more, self._unsaid = self._unsaid, 0
             return more
 
+    @property
+    def unsaid(self) -> int:
+        """How many were dropped since the last word (said at the channel's close)."""
+        return self._unsaid
+
 
 class TcpChannel(Channel):
     """The controller's end: a listener and one connection per worker."""
@@ -248,10 +253,10 @@ class TcpChannel(Channel):
         """Notified at each offer (and at close): a worker that joined before its part was
         offered waits for it (``_claim``)."""
         self._handshakes: dict[socket.socket, float] = {}
-        self._drops = _Drops()
         """Connections in their handshake, and when it must be done (the accept loop shuts
         down those past it, and close all): a read timeout alone let a peer that sends a
         byte every few seconds hold one for minutes."""
+        self._drops = _Drops()
         self._why: dict[int, str] = {}
         self._watch: list[int] = []
         self._closed = False
@@ -884,6 +889,9 @@ class TcpChannel(Channel):
         self._stop.set()
         if self._beater is not threading.current_thread():
             self._beater.join(timeout=2.0)
+        unsaid = self._drops.unsaid
+        if unsaid:
+            log.warning("unison: dropped %d more connections since the last word", unsaid)
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread's poll
         except OSError:
@@ -1132,7 +1140,7 @@ class TcpWorkerChannel(WorkerChannel):
         """1 while this worker holds errors nobody fetched (``unreported``), else 0."""
         self._told = 0
         """The progress word the controller last got: commands run << 1 | holding."""
-        self._beat: Callable[[], None] | None = None
+        self._idle: Callable[[], None] | None = None
 
     def _wait_first(self) -> None:
         """Until the first command is in; then forget what the wait saw (pacing.crowd)."""
@@ -1160,8 +1168,8 @@ class TcpWorkerChannel(WorkerChannel):
                     raise OSError(f"a malformed frame from the controller: {problem}")
                 if size or count:
                     break
-                if self._beat is not None:  # a heartbeat: nothing to run
-                    self._beat()
+                if self._idle is not None:  # a heartbeat: nothing to run
+                    self._idle()
             data = memoryview(self._read(size))
             bufs: list[Any] = []
             for _ in range(count):
@@ -1186,8 +1194,8 @@ class TcpWorkerChannel(WorkerChannel):
     def unreported(self, count: int) -> None:
         self._holding = 1 if count else 0  # told with the next reply or report
 
-    def on_heartbeat(self, fn: Callable[[], None]) -> None:
-        self._beat = fn
+    def on_idle(self, fn: Callable[[], None]) -> None:
+        self._idle = fn
 
     def _one_frame(self) -> memoryview | None:
         """The fast path, nothing read ahead: one recv, and when it brought one whole call

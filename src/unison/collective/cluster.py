@@ -28,8 +28,8 @@ across hosts.
     the all_gather is waited for in slices of 0.1 s; between them, the peers' marks in the
     store (the call each ended last, and how many arrivals it had posted) show a peer that
     left the call without posting this one, and the waiter raises CollectiveError; a rank
-    marks at the end of a call in which it raised or posted an arrival, else at the
-    controller's next heartbeat (channel.tcp.HEARTBEAT_S: a mark costs a call 22-73 us)
+    marks at the end of a call in which it raised or posted an arrival, else once it has
+    waited a while for its next command (channel.IDLE_S: a mark costs a call 22-73 us)
 
 The decision is the session's, not each group's, because torch.distributed starts on every
 worker at once: were one group on shared memory and another on torch, the second would wait
@@ -84,12 +84,11 @@ class DistLocal(CallScope):
         self._marked = [0, 0]
         """``_posted`` as the store last heard it (``end``): a call that ran no arrival and
         returned writes no mark at its end, as a mark costs a call 22-73 us (``mark``),
-        but at the next heartbeat (``heartbeat``): a peer can wait only for a rank that
-        posted fewer arrivals than it, and such a rank goes on to wait for its next
-        command."""
+        but once the worker waits for its next command (``idle``): a peer can wait only
+        for a rank that posted fewer arrivals than it, and such a rank goes on to wait."""
         self._unmarked = 0
         """A call that ended with no mark (it ran no arrival, and returned): marked at the
-        next heartbeat (``heartbeat``)."""
+        worker's next wait (``idle``)."""
         self._pending: dict[bool, tuple[Any, list[Any], int]] = {}
         """Per scope, an arrival this rank posted and left unfinished (a peer had left the
         call): (gloo's work, its outputs, its number), finished first at the next arrival,
@@ -107,17 +106,17 @@ class DistLocal(CallScope):
         if owner is not None and owner._ready and not all(self.on_shm):
             if self._posted != self._marked or sys.exc_info()[0] is not None:
                 self._mark(call_id)  # it ran an arrival, or raised (the worker loop ends a
-            else:  # failed call inside its except); else at the next heartbeat
+            else:  # failed call inside its except); else once the worker waits (idle)
                 self._unmarked = call_id
         self._call, self._call_ranks = 0, None
 
-    def heartbeat(self) -> None:
-        """The controller's heartbeat came, between commands (every 0.25 s while the
-        worker waits: channel.tcp.HEARTBEAT_S): mark the call this rank ended last, where
-        it ran no arrival and returned. Its peers may wait in that call's collective for
-        it; before, they waited for its next call with a collective, or the call's
-        timeout. At most one mark a heartbeat: a mark at every call's end costs each call
-        22-73 us."""
+    def idle(self) -> None:
+        """The worker has waited a while for its next command (its channel runs this every
+        channel.IDLE_S of a wait, at most: at the controller's heartbeats over TCP): mark
+        the call this rank ended last, where it ran no arrival and returned. Its peers may
+        wait in that call's collective for it; before, they waited for its next call with a
+        collective, or the call's timeout. At most one mark a wait's slice: a mark at
+        every call's end costs each call 22-73 us."""
         if self._unmarked:
             self._mark(self._unmarked)
 

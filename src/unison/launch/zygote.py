@@ -29,7 +29,6 @@ parent, so a zygote that dies, or leaves, takes its keepers along.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import pickle
 import select
@@ -261,7 +260,9 @@ def write_init(stream: IO[bytes], blob: bytes, deadline: float | None,
                 from unison.errors import start_timed_out  # (the zygote imports none)
 
                 raise TimeoutError(start_timed_out(list(ranks))) from None
-            poller.poll(None if left is None else max(1, math.ceil(left * 1000)))
+            from unison._fdwait import poll_ms  # (a month's start_timeout: a C int's
+
+            poller.poll(poll_ms(left))  # milliseconds overflowed)
 
 
 def fork_workers(python: Sequence[str], ranks: Sequence[int], fds: Mapping[int, Sequence[int]],
