@@ -56,13 +56,13 @@ def load(name: str, layout: Mapping[str, object] | None = None) -> Any:
     was not built, or a build is there but unfit: it does not import, it was built from
     another source than the one beside it, or its constants differ from ``layout`` (by
     name: the caller's values of what the C code hard-codes). An unfit build warns, once,
-    saying how to rebuild: only where no build exists is the fallback silent."""
+    saying how to rebuild; where no build exists the fallback is silent (``unison info``
+    says it: ``unused``)."""
     if pure_asked():
         unused[name] = "as UNISON_PURE asks"
         return None
-    try:
-        module = importlib.import_module(f"unison.{name}")
-    except ImportError as exc:
+    module, exc = _import(name)
+    if module is None:
         builds = _builds(name)
         if builds:
             why = (f"unison.{name} does not import ({exc}), although {', '.join(builds)} "
@@ -88,11 +88,16 @@ _NOT_BUILT = ("it was not built (no C compiler when unison was installed?). Rebu
 def built(name: str) -> bool:
     """Whether ``unison.<name>`` imports and matches the C file beside it, whatever
     UNISON_PURE says here: for tests whose own workers or children run it."""
+    module, _ = _import(name)
+    return module is not None and not _stale(module)
+
+
+def _import(name: str) -> tuple[Any, ImportError | None]:
+    """``unison.<name>``, or None and why not."""
     try:
-        module = importlib.import_module(f"unison.{name}")
-    except ImportError:
-        return False
-    return not _stale(module)
+        return importlib.import_module(f"unison.{name}"), None
+    except ImportError as exc:
+        return None, exc
 
 
 _REBUILD = ("Rebuild it: `pip install -e .` in a checkout (or `python setup.py build_ext "
