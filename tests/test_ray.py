@@ -329,6 +329,19 @@ def test_a_negative_or_infinite_resource_is_refused_before_ray_sees_it(bad: dict
         RayLauncher(**bad)
 
 
+@pytest.mark.parametrize(("bad", "error"), [(math.nan, ValueError), (-1, ValueError),
+                                            ("5", TypeError), (None, TypeError)])
+def test_a_placement_timeout_that_is_no_number_of_seconds_is_refused_when_made(
+        bad: Any, error: type) -> None:
+    """placement_timeout was never checked: nan, -1, "5" and None reached ray.wait (or a
+    bare comparison against the start deadline), whose errors named no parameter (an
+    audit of timeouts, issue 9, forty-eighth pass). inf is for ever, as in every timeout."""
+    with pytest.raises(error, match="placement_timeout must be a number of seconds"):
+        RayLauncher(placement_timeout=bad)
+    assert RayLauncher(placement_timeout=10**400).placement_timeout == math.inf
+    assert RayLauncher(placement_timeout=math.inf)._limit(math.inf) == (None, False)
+
+
 def test_numpy_amounts_are_taken_as_numbers() -> None:
     launcher = RayLauncher(num_cpus=np.int64(2), num_gpus=np.float32(0.5),
                            resources={"n1": np.int32(1)})

@@ -652,6 +652,7 @@ def test_sigterm_answers_what_the_drain_could_not_finish_with_503_json(tmp_path:
     # inf or NaN held a lone request until a full batch came (NaN: a timer out of order)
     (["--batch-window-ms", "inf"], "--batch-window-ms"),
     (["--batch-window-ms", "nan"], "--batch-window-ms"),
+    (["--batch-window-ms", "1e300"], "--batch-window-ms"),  # finite, and as long as inf
     (["--drain-seconds", "inf"], "--drain-seconds"),  # a traceback
     (["--drain-seconds", "-5"], "--drain-seconds"),  # a silent 1 s
     (["--max-body-mb", "inf"], "--max-body-mb"),  # a traceback

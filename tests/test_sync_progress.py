@@ -119,3 +119,16 @@ def test_threads_syncing_at_once_all_return(sess):
         t.join()
     assert len(done) == 4
     assert max(done) - start < 2.0  # one sleeps on the eventfd, the others nap: none is lost
+
+
+def test_a_sync_never_waits_for_a_sleeping_worker_that_was_sent_nothing(sess):
+    """A send wakes only the workers it is for: a worker asleep through a view's calls
+    stayed short of the ring's position until its sleep ended (up to a second), so a sync
+    of the session stalled, and ``sync(timeout=0.5)`` of it, or of a view of that worker
+    alone, raised TimeoutError for a worker sent nothing (an audit, issue 9, forty-eighth
+    pass, on the shm channel). A sync now wakes such a worker, which steps past them."""
+    for whom in (sess, sess[1:2], sess, sess[1:2]):
+        sess.sync()
+        time.sleep(0.2)  # both workers asleep
+        assert sess[0:1].run(unison.rank) == [0]
+        whom.sync(timeout=0.5)

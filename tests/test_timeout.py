@@ -373,3 +373,21 @@ def test_a_signal_handlers_bare_timeout_error_in_a_run_goes_on_as_it_is(sess):
         timer.join()
         signal.signal(signal.SIGUSR1, old)
     assert info.value.args == ()
+
+
+def test_session_timeouts_past_a_floats_range_or_of_any_real_kind_are_taken_as_checked(
+        make_session):
+    """The session checked send_timeout and hang_timeout, then kept the value given: with
+    ``send_timeout=10**400`` every call raised "int too large to convert to float", with
+    ``hang_timeout=10**400`` the start failed in the watchdog's arithmetic, a Fraction
+    made the HangError a TypeError of its message's format, and a start_timeout of 1e10 s
+    on 2 local workers overflowed the zygote's socket timeout (an audit of timeouts, issue
+    9, forty-eighth pass)."""
+    from fractions import Fraction
+
+    sess = make_session(2, send_timeout=10**400, hang_timeout=10**400, start_timeout=1e10)
+    assert sess.call(unison.rank).gather(timeout=30) == [0, 1]
+    assert sess.put(7).gather() == [7, 7]
+    hung = make_session(2, hang_timeout=Fraction(1, 2))
+    with pytest.raises(unison.HangError, match=r"no progress for 0\.5 s"):
+        hung.run(time.sleep, 30, timeout=20)

@@ -502,6 +502,7 @@ class ShmChannel(Channel):
             q[_CTL_DONE] = 1
             _fence()
             if not self._look(ranks, mark):
+                self._wake_behind(ranks, mark)
                 wait = max(0.0, timeout - (time.perf_counter() - start))
                 ready = self._done_set.readable(wait)
                 if self._done_efd in ready:
@@ -509,6 +510,18 @@ class ShmChannel(Channel):
         finally:
             q[_CTL_DONE] = 0
             self._done_lock.release()
+
+    def _wake_behind(self, ranks: Sequence[int], mark: int) -> None:
+        """Wake each worker of ``ranks`` that sleeps with its done position short of
+        ``mark``: a send wakes only the workers it is for, so one that slept through
+        commands for others (a view's calls) stayed behind them until its sleep's end (up
+        to SLEEP): a sync of the whole session then took up to a second, and
+        ``sync(timeout=0.2)`` raised TimeoutError for a worker sent nothing (an audit,
+        issue 9, forty-eighth pass). Woken, it steps past them, publishes, and sleeps."""
+        q, done, sleep_idx = self._q, self._done_idx, self._sleep_idx
+        for r in ranks:
+            if q[done[r]] < mark and q[sleep_idx[r]]:
+                os.eventfd_write(self._efd[r], 1)
 
     def unreported(self, ranks: Sequence[int]) -> bool:
         q, idx = self._q, self._unrep_idx

@@ -44,6 +44,7 @@ except ImportError as exc:  # pragma: no cover - ray is an extra
     ) from exc
 
 from unison._fdwait import readable
+from unison.deadline import seconds
 from unison.errors import start_timed_out
 from unison.launch import DeathReport, Launcher, Network, connect_command
 from unison.spec import WorkerSpec
@@ -241,7 +242,9 @@ class RayLauncher(Launcher):
         self.num_gpus = num_gpus
         self.resources = dict(resources or {})
         self.ray_init_kwargs = dict(ray_init_kwargs or {})
-        self.placement_timeout = placement_timeout
+        self.placement_timeout = seconds(placement_timeout, "placement_timeout", none=False)
+        """Checked when made (inf: for ever): nan, -1 or "5" reached ray.wait, whose errors
+        named no parameter (an audit of timeouts, issue 9, forty-eighth pass)."""
         self.group_strategy = group_strategy
         self.groups: list[Any] = []
         """The placement groups, one per unison group (or one for the whole session)."""
@@ -350,13 +353,14 @@ class RayLauncher(Launcher):
             )
         ray.get(ready)
 
-    def _limit(self, seconds: float) -> tuple[float, bool]:
-        """``seconds``, or what is left to the session's start deadline where that is less;
-        and whether the deadline is what cut it."""
+    def _limit(self, wait: float) -> tuple[float | None, bool]:
+        """``wait`` seconds (None: for ever, where it is inf), or what is left to the
+        session's start deadline where that is less; and whether the deadline is what cut
+        it."""
         if self.start_deadline is None:
-            return seconds, False
+            return (None if wait == math.inf else wait), False
         left = max(0.0, self.start_deadline - time.monotonic())
-        return min(seconds, left), left < seconds
+        return min(wait, left), left < wait
 
     def _start(self, specs: Sequence[WorkerSpec], env: Mapping[int, Mapping[str, str]]) -> None:
         n = len(specs)
@@ -389,7 +393,7 @@ class RayLauncher(Launcher):
                 raise TimeoutError(start_timed_out(list(range(n))) + " (their Ray actors "
                                    "were still starting)") from None
             raise TimeoutError(f"the session's Ray actors did not start their workers within "
-                               f"{limit:g} s") from None
+                               f"{limit or 0:g} s") from None
         for rank, result in enumerate(results):
             self.where[rank] = (str(result[0]), str(result[1]), int(result[2]))
         self._exit_of = {rank: actor.watch.remote() for rank, actor in enumerate(self.actors)}

@@ -309,11 +309,14 @@ def fork_workers(python: Sequence[str], ranks: Sequence[int], fds: Mapping[int, 
         # than ours: a slow sitecustomize; before, ours cut it to 60 s and blamed limits)
         until = time.monotonic() + _FORKING if deadline is None else deadline
         while len(forked) < len(plan):
-            ours.settimeout(max(until - time.monotonic(), 0.001))
+            # (a day at most: a start_timeout of 1e10 s overflowed the socket's timeout)
+            ours.settimeout(min(max(until - time.monotonic(), 0.001), 86400.0))
             try:
                 msg, got_fds, _, _ = socket.recv_fds(ours, 64, 1)
                 made += got_fds  # the keeper's pidfd, owned at once (a refusal below, or a
             except TimeoutError:  # Ctrl-C, leaked it)
+                if time.monotonic() < until:
+                    continue
                 if deadline is not None:  # the session's start_timeout
                     from unison.errors import start_timed_out  # (the zygote imports none)
 

@@ -53,8 +53,9 @@ class ServeConfig:
                              "largest request could never be read")
         # (NaN fails every comparison, so each bound is written as what must hold; inf would
         # hold a lone request until a full batch came, or never time a batch out)
-        if not 0 <= self.batch_window_ms < math.inf:
-            raise ValueError(f"--batch-window-ms must be a finite number >= 0, got "
+        if not 0 <= self.batch_window_ms <= 60_000:  # (1e300 held one as inf would)
+            raise ValueError(f"--batch-window-ms must be a number from 0 to 60000 (a lone "
+                             f"request waits that long for a batch), got "
                              f"{self.batch_window_ms}")
         if not 0 < self.batch_timeout < math.inf:
             raise ValueError(f"the batch timeout must be a finite number of seconds > 0, got "

@@ -268,8 +268,11 @@ class Session(View):
             raise ImportError(  # (before, the first collective's ModuleNotFoundError)
                 "collectives='torch' needs torch: pip install 'unison[torch]'")
         start_deadline = _deadline(start_timeout, "start_timeout")
-        _deadline(send_timeout, "send_timeout")
-        if hang_timeout is not None and not _seconds(hang_timeout, "hang_timeout") > 0:
+        # the checked floats from here on, not the values given: 10**400 is inf, and a
+        # Fraction formats as no float does (an audit of timeouts, issue 9, 48th pass)
+        send_s = None if send_timeout is None else _seconds(send_timeout, "send_timeout")
+        hang_s = None if hang_timeout is None else _seconds(hang_timeout, "hang_timeout")
+        if hang_s is not None and not hang_s > 0:
             raise ValueError(f"hang_timeout must be a number of seconds > 0, got {hang_timeout}")
         open_std_fds()  # before any fd of ours: none may take the number of a closed one
         the_launcher = create_launcher(launcher)
@@ -287,7 +290,7 @@ class Session(View):
         self._owner = os.getpid()
         self._stopping = False
         self._dead: BaseException | None = None
-        self._send_timeout = None if send_timeout == math.inf else send_timeout
+        self._send_timeout = None if send_s == math.inf else send_s
         self._tracer: Trace | None = None
         self._tracing = False  # the trace slot is claimed (set before _tracer, which the
         # hot paths test, is)
@@ -329,8 +332,8 @@ class Session(View):
                 self._placed = placement.keep(self._pids, self._starts, cpus,
                                               inline=inline_worker0,
                                               children=the_launcher.children)
-            if hang_timeout is not None and hang_timeout != math.inf:
-                self._router.hang = Watchdog(hang_timeout, self._pids, self._starts)
+            if hang_s is not None and hang_s != math.inf:
+                self._router.hang = Watchdog(hang_s, self._pids, self._starts)
                 if inline_worker0:
                     self._res.watch_hangs(self._router.hang)
             if collectives == "torch":  # on every worker, first (see start_torch)
