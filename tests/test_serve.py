@@ -692,6 +692,61 @@ class _SlowBackend:
         pass
 
 
+class _ChildBackend(_SlowBackend):
+    """A model whose one "worker" is a child process of this one."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+        self.child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        self.pids = [self.child.pid]
+
+    async def probe(self) -> None:
+        if self.child.poll() is not None:
+            raise RuntimeError(f"its worker ended ({self.child.returncode})")
+
+    def close(self) -> None:
+        self.child.kill()
+        self.child.wait()
+
+
+def test_a_death_between_requests_is_seen_at_once_without_polling(monkeypatch) -> None:
+    """The batcher looked at its workers every 0.2 s while idle (os.kill each), which with
+    uvicorn's own tick held an idle server at 0.42-0.46% of a core (an audit of idle CPU,
+    issue 9, forty-eighth pass). Each worker's pidfd now wakes it at the death; its look is
+    a fallback, here made an hour long: the restart still comes at once."""
+    from unison.serve import batcher as batching
+    from unison.serve.metrics import Metrics
+
+    monkeypatch.setattr(batching, "IDLE_LOOK", 3600.0)
+    made: list[_ChildBackend] = []
+
+    def load() -> _ChildBackend:
+        made.append(_ChildBackend())
+        return made[-1]
+
+    async def main() -> None:
+        batcher = batching.Batcher(load, hidden=4, max_batch=2, window=0.0, max_queue=10,
+                                   metrics=Metrics())
+        batcher.start()
+        try:
+            while batcher.state != "ok":
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # idle
+            made[0].child.kill()
+            deadline = time.monotonic() + 10
+            while batcher.restarts < 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert batcher.restarts == 1 and batcher.state == "ok" and len(made) == 2
+        finally:
+            await batcher.stop(timeout=1)
+
+    try:
+        asyncio.run(main())
+    finally:
+        for backend in made:
+            backend.close()
+
+
 def test_stop_answers_the_batch_in_flight_as_well_as_the_queue() -> None:
     """stop() cancels a batch past its timeout: the jobs it had taken off the queue were
     never answered (CancelledError passed the batch task's handler), so their handlers

@@ -97,6 +97,13 @@ class Channel(ABC):
     hold errors nobody fetched: then ``sync`` is a wait on ``progress``, with no message and
     no reply (else it sends SYNC and waits for the answers)."""
 
+    wakes_at_deaths = False
+    """Whether its waits wake at a joined worker's death whatever the launcher watches (TCP:
+    the connection closes, or the heartbeat goes unanswered; mixed: besides, the local
+    workers' pidfds): the session's waits then sleep a long slice, as they do where the
+    launcher gives pidfds, not a 50 ms one (a controller waiting on TCP workers used 0.77%
+    of a core: an audit of idle CPU, issue 9, forty-eighth pass)."""
+
     settles = False
     """Whether ``settled`` can tell, without a message, that workers ran everything sent
     and hold no error, where the channel does not track progress otherwise: the pipe and

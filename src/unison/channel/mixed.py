@@ -47,6 +47,8 @@ __all__ = ["MixedChannel"]
 class MixedChannel(Channel):
     """Shared memory for ``local`` ranks, TCP for the rest."""
 
+    wakes_at_deaths = True  # (Channel.wakes_at_deaths)
+
     arena = None  # sess.empty is refused: TCP workers would get copies (see the docstring)
 
     def __init__(self, num_workers: int, name: str, local: Sequence[int], bind: str,

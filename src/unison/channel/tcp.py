@@ -221,6 +221,8 @@ class _Drops:
 class TcpChannel(Channel):
     """The controller's end: a listener and one connection per worker."""
 
+    wakes_at_deaths = True  # (Channel.wakes_at_deaths)
+
     linger = 2.0
     """At close, how long to wait for the workers to hang up after we did (the session sets
     it from close()'s grace: 0 after a death)."""
