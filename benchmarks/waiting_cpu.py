@@ -5,18 +5,23 @@ spin again.
     python benchmarks/waiting_cpu.py [--seconds 6]
     PYTHONPATH=/tmp/wt/src python benchmarks/waiting_cpu.py ...   # another revision's tree
 
-Per case: a session of 2, one thread sends an 8 s call (mostly asleep, with a little CPU so
-that hang_timeout sees progress) and syncs; the waiting thread's CPU time and wake-ups are
-read from /proc/<pid>/task/<tid>/schedstat over ``--seconds``.
+Per case: a session of 2 (local workers with three hang_timeouts, then workers that join
+over TCP, which a launcher gives no pidfds for), one thread sends an 8 s call (mostly
+asleep, with a little CPU so that hang_timeout sees progress) and syncs; the waiting
+thread's CPU time and wake-ups are read from /proc/<pid>/task/<tid>/schedstat over
+``--seconds``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,13 +43,43 @@ def _schedstat(tid: int) -> tuple[int, int]:
     return on_cpu, runs
 
 
+@contextlib.contextmanager
+def _session(kind: str, hang: float | None) -> Iterator[unison.Session]:
+    """A session of 2: local workers, or workers started by hand that join over TCP
+    (``unison worker --connect``, as srun or a Ray actor would: no pidfds to watch)."""
+    if kind == "local":
+        with unison.Session(2, hang_timeout=hang) as sess:
+            yield sess
+        return
+    from unison.launch.connect import ConnectLauncher
+
+    secret = os.urandom(32)
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def announce(address: str, _: bytes) -> None:
+        env = dict(os.environ, UNISON_SECRET=secret.hex())
+        procs.extend(subprocess.Popen([sys.executable, "-m", "unison", "worker", "--connect",
+                                       address], env=env) for _ in range(2))
+
+    try:
+        with unison.Session(2, launcher=ConnectLauncher(secret=secret, announce=announce),
+                            start_timeout=60) as sess:
+            yield sess
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=6.0)
     args = parser.parse_args()
     print(header(sys.argv[1:]))
-    for hang in (None, 2.0, 0.4):
-        with unison.Session(2, hang_timeout=hang) as sess:
+    cases: list[tuple[str, float | None]] = [("local", None), ("local", 2.0), ("local", 0.4),
+                                              ("tcp", None)]
+    for kind, hang in cases:
+        with _session(kind, hang) as sess:
             sess.run(int, 1)
             tids: list[int] = []
 
@@ -63,7 +98,7 @@ def main() -> None:
             b = _schedstat(tids[0])
             runs = max(1, b[1] - a[1])
             share = (b[0] - a[0]) / 1e9 / took * 100
-            print(f"hang_timeout={hang!s:5} waiting thread: {share:.3f}% of a core, "
+            print(f"{kind:5} hang_timeout={hang!s:5} waiting thread: {share:.3f}% of a core, "
                   f"{(b[1] - a[1]) / took:.1f} wake-ups/s, "
                   f"{(b[0] - a[0]) / runs / 1e3:.0f} us each")
             thread.join()
