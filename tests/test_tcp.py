@@ -326,7 +326,7 @@ def test_dropped_connections_are_logged_in_a_burst_then_counted(tcp_session, cap
     every EVERY seconds, saying how many went unsaid."""
     from unison.channel import tcp
 
-    monkeypatch.setattr(tcp._Drops, "EVERY", 3.0)
+    monkeypatch.setattr(tcp._Drops, "EVERY", 2.0)
     caplog.set_level(logging.WARNING, logger="unison.tcp")
     places: list[str] = []
     sess = tcp_session(1, before=places.append)
@@ -343,7 +343,7 @@ def test_dropped_connections_are_logged_in_a_burst_then_counted(tcp_session, cap
     time.sleep(0.3)  # (the rest of the 40 handshakes end meanwhile, unsaid)
     first = said()
     assert 10 <= first <= 11, caplog.text  # (11: a slow machine's refill meanwhile)
-    time.sleep(3.0)
+    time.sleep(2.0)
     _connect_and(places[0], lambda s: s.sendall(b"\x00\x00"))
     while said() == first and time.monotonic() < deadline:
         time.sleep(0.05)
