@@ -52,11 +52,11 @@ from typing import Any
 import numpy as np
 
 from unison.demo import reference
-from unison.demo.app import cpu_model
 from unison.demo.config import load_config, model_dir
 from unison.demo.encoder import ShardedEncoder
 from unison.demo.sentences import CORPUS, QUERIES
 from unison.demo.tokenize import Tokenizer, length_batches, pad_batch
+from unison.info import cpu_model
 
 THROUGHPUT_SENTENCES = 256
 BATCH = 64

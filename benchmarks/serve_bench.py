@@ -41,8 +41,8 @@ from typing import Any
 
 import httpx
 
-from unison.demo.app import cpu_model
 from unison.demo.sentences import CORPUS, QUERIES
+from unison.info import cpu_model
 
 SYSTEMS: dict[str, list[str]] = {
     "unison-tp2": ["--backend", "unison", "--tp", "2", "--dp", "1"],

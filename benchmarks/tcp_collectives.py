@@ -19,9 +19,7 @@ issue 9's forty-seventh pass for the first, before its forty-eighth for the seco
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,10 +28,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import unison
+from harness.hand import hand_session
 from harness.report import header
-from unison.launch.connect import ConnectLauncher
-
-SECRET = bytes(range(32))
 
 
 def noop() -> None:
@@ -104,38 +100,24 @@ def main() -> None:
     parser.add_argument("--reduces", type=int, default=500)
     args = parser.parse_args()
     print(header(sys.argv[1:]))
-    procs: list[subprocess.Popen[bytes]] = []
+    with hand_session(args.workers, collectives="torch") as sess:
+        for _ in range(300):
+            sess.run(noop)
+        print(f"run(noop): median {_median_us(lambda: sess.run(noop), args.calls):.1f} us")
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-    def announce(address: str, secret: bytes) -> None:
-        env = dict(os.environ, UNISON_SECRET=SECRET.hex())
-        procs.extend(subprocess.Popen([sys.executable, "-m", "unison", "worker", "--connect",
-                                       address], env=env) for _ in range(args.workers))
+        import tcp_collectives as me  # its set_key by reference: its client is kept
 
-    launcher = ConnectLauncher(secret=SECRET, announce=announce)
-    try:
-        with unison.Session(args.workers, launcher=launcher, collectives="torch",
-                            start_timeout=60) as sess:
-            for _ in range(300):
-                sess.run(noop)
-            print(f"run(noop): median {_median_us(lambda: sess.run(noop), args.calls):.1f} us")
-            from torch.distributed import TCPStore  # type: ignore[attr-defined]
-
-            import tcp_collectives as me  # its set_key by reference: its client is kept
-
-            store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-            sess.run(me.set_key, store.port)
-            took = _median_us(lambda: sess.run(me.set_key, store.port), args.calls)
-            print(f"run(a call that writes one store key, as a mark): median {took:.1f} us")
-            best = min(min(sess.run(reduces, args.reduces)) for _ in range(3))
-            print(f"allreduce of 4 floats: {best:.1f} us")
-            for how in ("raises", "returns"):
-                tries = left(sess, how)
-                print(f"a rank {how} before its collective: its peers raised in "
-                      f"{min(tries):.2f}-{max(tries):.2f} s ({len(tries)} tries)")
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+        sess.run(me.set_key, store.port)
+        took = _median_us(lambda: sess.run(me.set_key, store.port), args.calls)
+        print(f"run(a call that writes one store key, as a mark): median {took:.1f} us")
+        best = min(min(sess.run(reduces, args.reduces)) for _ in range(3))
+        print(f"allreduce of 4 floats: {best:.1f} us")
+        for how in ("raises", "returns"):
+            tries = left(sess, how)
+            print(f"a rank {how} before its collective: its peers raised in "
+                  f"{min(tries):.2f}-{max(tries):.2f} s ({len(tries)} tries)")
 
 
 if __name__ == "__main__":

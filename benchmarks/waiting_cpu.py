@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import unison
+from harness.hand import hand_session
 from harness.report import header
 
 
@@ -51,25 +51,8 @@ def _session(kind: str, hang: float | None) -> Iterator[unison.Session]:
         with unison.Session(2, hang_timeout=hang) as sess:
             yield sess
         return
-    from unison.launch.connect import ConnectLauncher
-
-    secret = os.urandom(32)
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def announce(address: str, _: bytes) -> None:
-        env = dict(os.environ, UNISON_SECRET=secret.hex())
-        procs.extend(subprocess.Popen([sys.executable, "-m", "unison", "worker", "--connect",
-                                       address], env=env) for _ in range(2))
-
-    try:
-        with unison.Session(2, launcher=ConnectLauncher(secret=secret, announce=announce),
-                            start_timeout=60) as sess:
-            yield sess
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-
+    with hand_session(2) as sess:
+        yield sess
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

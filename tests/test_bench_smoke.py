@@ -882,3 +882,14 @@ def test_tcp_collectives_times_a_call_an_allreduce_and_a_left_rank() -> None:
         took = re.search(rf"^a rank {how} before its collective: its peers raised in "
                          r"([\d.]+)-([\d.]+) s \(3 tries\)$", out, re.M)
         assert took is not None and float(took.group(2)) < 10, out
+
+
+def test_idle_cpu_names_each_process_of_an_idle_session_and_its_busiest_thread() -> None:
+    """benchmarks/idle_cpu.py: a line per process (controller, 2 workers, and the keepers),
+    each with its share of a core, its wake-ups and its busiest thread."""
+    out = _tool("idle_cpu.py", "--seconds", "0.5", "--modes", "local", "tcp")
+    line = (r"^{mode} +{role} +pid \d+: [\d.]+% of a core, [\d.]+ wake-ups/s; busiest thread "
+            r"'[^']+' [\d.]+%$")
+    for mode in ("local", "tcp"):
+        assert len(re.findall(line.format(mode=mode, role="controller"), out, re.M)) == 1, out
+        assert len(re.findall(line.format(mode=mode, role="worker"), out, re.M)) == 2, out

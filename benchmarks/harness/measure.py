@@ -288,17 +288,24 @@ def time_pair(op_a: Callable[[], object], op_b: Callable[[], object], loop: Loop
     return a, b
 
 
-def _schedstat_cpu(pid: int) -> float:
-    """Seconds on a CPU of every thread of ``pid``, from /proc/PID/task/*/schedstat (ns)."""
-    total = 0
+def schedstat_tasks(pid: int) -> dict[int, tuple[int, int]]:
+    """Per thread of ``pid``: (ns on a CPU, times it was run), from
+    /proc/PID/task/*/schedstat."""
+    out = {}
     tasks = f"/proc/{pid}/task"
     for tid in os.listdir(tasks):
         try:
             with open(f"{tasks}/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
+                ns, _, runs = map(int, f.read().split()[:3])
         except FileNotFoundError:  # a thread that just ended
-            pass
-    return total / 1e9
+            continue
+        out[int(tid)] = (ns, runs)
+    return out
+
+
+def _schedstat_cpu(pid: int) -> float:
+    """Seconds on a CPU of every thread of ``pid``."""
+    return sum(ns for ns, _ in schedstat_tasks(pid).values()) / 1e9
 
 
 def measure_idle(system: System, plan: Plan) -> Cell:

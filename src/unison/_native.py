@@ -64,11 +64,14 @@ def load(name: str, layout: Mapping[str, object] | None = None) -> Any:
     module, exc = _import(name)
     if module is None:
         builds = _builds(name)
-        if builds:
-            why = (f"unison.{name} does not import ({exc}), although {', '.join(builds)} "
-                   f"lies in {Path(__file__).parent}. {_REBUILD}")
-            _warn_once(why)
-        unused[name] = why if builds else _NOT_BUILT
+        if not builds:
+            unused[name] = ("it was not built (no C compiler when unison was installed?). "
+                            + _REBUILD)
+            return None
+        why = (f"unison.{name} does not import ({exc}), although {', '.join(builds)} "
+               f"lies in {Path(__file__).parent}. {_REBUILD}")
+        _warn_once(why)
+        unused[name] = why
         return None
     why = _stale(module) or _mismatch(module, layout or {})
     if why:
@@ -80,9 +83,6 @@ def load(name: str, layout: Mapping[str, object] | None = None) -> Any:
 
 unused: dict[str, str] = {}
 """Why a load of each extension here gave pure Python (``unison info``)."""
-_NOT_BUILT = ("it was not built (no C compiler when unison was installed?). Rebuild: `pip "
-              "install --force-reinstall --no-cache-dir unison`, or `pip install -e .` in a "
-              "checkout")
 
 
 def built(name: str) -> bool:

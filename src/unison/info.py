@@ -23,7 +23,7 @@ def lines() -> list[str]:
 
     out = [f"unison {unison.__version__} ({os.path.dirname(unison.__file__)})",
            f"python {platform.python_version()} ({sys.executable})",
-           f"machine: {_cpu()}, {pacing.cores()} CPU(s) for this process, "
+           f"machine: {cpu_model()}, {pacing.cores()} CPU(s) for this process, "
            f"{platform.system()} {platform.release()} {platform.machine()}"]
     if not _native.ordered_memory():
         out.append("memory order: " + _native.unordered_why("shared memory"))
@@ -59,15 +59,17 @@ def _extras() -> dict[str, list[str]]:
     return out
 
 
-def _cpu() -> str:
+def cpu_model() -> str:
+    """The CPU's name from /proc/cpuinfo (or what platform knows): for this report, and the
+    demo's."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "unknown CPU"
+    return platform.processor() or platform.machine()
 
 
 def _version(dist: str) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import inspect
 import os
 import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,16 +49,10 @@ class UnisonSystem(System):
         import unison
 
         if self.channel == "tcp":
-            from unison.launch import SECRET_VAR
-            from unison.launch.connect import ConnectLauncher
+            from harness.hand import hand_started
 
-            def announce(address: str, secret: bytes) -> None:
-                env = {**os.environ, SECRET_VAR: secret.hex()}
-                self._procs += [subprocess.Popen(
-                    [sys.executable, "-m", "unison", "worker", "--connect", address], env=env)
-                    for _ in range(n)]
-
-            self._sess = unison.Session(n, launcher=ConnectLauncher(announce=announce))
+            launcher, self._procs = hand_started(n)
+            self._sess = unison.Session(n, launcher=launcher)
         elif self.inline:
             self._sess = unison.Session(n, inline_worker0=True)
         elif self.channel is None:

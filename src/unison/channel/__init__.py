@@ -101,8 +101,9 @@ class Channel(ABC):
     """Whether its waits wake at a joined worker's death whatever the launcher watches (TCP:
     the connection closes, or the heartbeat goes unanswered; mixed: besides, the local
     workers' pidfds): the session's waits then sleep a long slice, as they do where the
-    launcher gives pidfds, not a 50 ms one (a controller waiting on TCP workers used 0.77%
-    of a core: an audit of idle CPU, issue 9, forty-eighth pass)."""
+    launcher gives pidfds, not a 50 ms one (a controller waiting on TCP workers used 0.73%
+    of a core: python benchmarks/waiting_cpu.py; an audit of idle CPU, issue 9,
+    forty-eighth pass)."""
 
     settles = False
     """Whether ``settled`` can tell, without a message, that workers ran everything sent

@@ -69,7 +69,6 @@ _shm: ShmCollectives | None = None  # shared memory, where this worker has a seg
 _torch: Collectives | None = None  # torch.distributed, where the session set it up
 _on_shm = (False, False)  # (world, group): which scopes run on shared memory
 _why = ("", "")  # (world, group): why a scope has no backend, where it has none
-_idle: list[Callable[[], None] | None] = [None]  # idle_hook's
 _inside = [""]
 """The collective a thread of this worker is inside ("": none): set and cleared around each
 function below, written out (a decorator's frame, or even a thread id, would cost a small
@@ -101,7 +100,6 @@ def setup(spec: dict[str, Any] | None, rank: int, n: int, groups: int, running: 
         if not ordered:  # torch for every scope, where the session has it
             spec = {**spec, "shared": None}
         _shm, _torch, _on_shm = cluster.setup(spec, rank, n, groups)
-        _idle[0] = None if _torch is None else _torch.dist_local.idle
         _why = cluster.missing(spec.get("shared")) if ordered else _unordered()
         _top = _torch or _shm
         return _top
@@ -143,9 +141,9 @@ def start_torch() -> None:
 
 def idle_hook() -> Callable[[], None] | None:
     """What a worker runs now and then while it waits for its next command (its channel's
-    ``on_idle``): a cluster's mark of the call it ended
-    (cluster.DistLocal.idle)."""
-    return _idle[0]
+    ``on_idle``): a cluster's mark of the call it ended (cluster.DistLocal.idle)."""
+    local = getattr(_torch, "dist_local", None)  # (a ClusterCollectives' only)
+    return None if local is None else local.idle
 
 
 def teardown() -> None:
@@ -155,7 +153,7 @@ def teardown() -> None:
     if _shm is not None:
         _shm.release()
     _shm, _torch, _on_shm, _why = None, None, (False, False), ("", "")
-    _running, _top, _begun[0], _idle[0] = [0, None], None, 0, None
+    _running, _top, _begun[0] = [0, None], None, 0
 
 
 def _begin() -> None:

@@ -29,7 +29,8 @@ across hosts.
     store (the call each ended last, and how many arrivals it had posted) show a peer that
     left the call without posting this one, and the waiter raises CollectiveError; a rank
     marks at the end of a call in which it raised or posted an arrival, else once it has
-    waited a while for its next command (channel.IDLE_S: a mark costs a call 22-73 us)
+    waited a while for its next command (channel.IDLE_S: see ClusterCollectives.mark for
+    what a mark costs)
 
 The decision is the session's, not each group's, because torch.distributed starts on every
 worker at once: were one group on shared memory and another on torch, the second would wait
@@ -83,9 +84,9 @@ class DistLocal(CallScope):
         the n-th of every rank's pair up in gloo, whichever call each was posted in."""
         self._marked = [0, 0]
         """``_posted`` as the store last heard it (``end``): a call that ran no arrival and
-        returned writes no mark at its end, as a mark costs a call 22-73 us (``mark``),
-        but once the worker waits for its next command (``idle``): a peer can wait only
-        for a rank that posted fewer arrivals than it, and such a rank goes on to wait."""
+        returned writes no mark at its end, for what a mark costs (``mark``), but once the
+        worker waits for its next command (``idle``): a peer can wait only for a rank that
+        posted fewer arrivals than it, and such a rank goes on to wait."""
         self._unmarked = 0
         """A call that ended with no mark (it ran no arrival, and returned): marked at the
         worker's next wait (``idle``)."""
@@ -115,8 +116,8 @@ class DistLocal(CallScope):
         channel.IDLE_S of a wait, at most: at the controller's heartbeats over TCP): mark
         the call this rank ended last, where it ran no arrival and returned. Its peers may
         wait in that call's collective for it; before, they waited for its next call with a
-        collective, or the call's timeout. At most one mark a wait's slice: a mark at
-        every call's end costs each call 22-73 us."""
+        collective, or the call's timeout. At most one mark a wait's slice, not one at every
+        call's end (its cost: ``ClusterCollectives.mark``)."""
         if self._unmarked:
             self._mark(self._unmarked)
 

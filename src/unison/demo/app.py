@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ import numpy as np
 import unison
 from unison.demo.config import SetupError
 from unison.demo.sentences import CORPUS, QUERIES
+from unison.info import cpu_model
 
 CHECK_COSINE = 0.99999
 """--check passes when every sentence's cosine with sentence-transformers is at least this."""
@@ -102,18 +102,6 @@ class Speed:
             "batch_ms_median": statistics.median(b) * 1e3 if b else None,
             "batch_ms_max": b[-1] * 1e3 if b else None,
         }
-
-
-def cpu_model() -> str:
-    """The CPU's name from /proc/cpuinfo (or what platform knows), for the report."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def read_sentences(path: Path) -> list[str]:

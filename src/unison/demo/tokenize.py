@@ -111,10 +111,10 @@ class Tokenizer:
     def _runs_in(self, text: str) -> list[tuple[re.Pattern[str], Callable[[re.Match[str]], str]]]:
         """How the runs of ``text`` that may lose their middles (``_RUN`` or more) are
         found and shrunk, in order: those of characters that make no token (``_gap``),
-        then those of characters that stay in one word (``_ends``). None where this
-        tokenizer's runs may not be shrunk (no WordPiece model whose longest word is under
-        two edges, or an added token as long as one, or one holding a space or a
-        character the normalizer drops)."""
+        then those of characters that stay in one word (``_ends``). None (an empty list)
+        where this tokenizer's runs may not be shrunk (no WordPiece model whose longest
+        word is under two edges, or an added token as long as one, or one holding a space
+        or a character the normalizer drops)."""
         kinds = self._kinds
         if self._shrinks is None:
             model = json.loads(self._tok.to_str())["model"]
@@ -149,7 +149,8 @@ def _class_run(chars: str, least: int = _RUN) -> re.Pattern[str]:
     a group (whose every repeat the regular expression engine would stack: 300 MB for 8 MB),
     after a look behind that refuses to start inside a run (else a run a little shorter
     than ``least`` is scanned again from each of its characters: 8 MB of 1,023 letters and
-    a space took 3 s; a review, issue 9, forty-eighth pass)."""
+    a space took 3-4.3 s, python benchmarks/long_input.py --kinds near; a review, issue 9,
+    forty-eighth pass)."""
     one = "[" + "".join(map(re.escape, chars)) + "]"
     return re.compile(f"(?<!{one}){one}{{{least},}}")
 
@@ -172,7 +173,8 @@ def _gap(match: re.Match[str], spaces: re.Pattern[str] | None) -> str:
     """A run of characters that make no token: its two ends, with one space of its middle
     between them where the middle has one (``spaces``), so the words beside it stay apart,
     or joined, as they were. Before (issue 9, forty-eighth pass), 8 MB of spaces or of
-    controls were tokenized whole: 1.4-3.5 s and up to 450 MB for no token."""
+    controls were tokenized whole: 1.3-3.4 s and 347-498 MB for no token (python
+    benchmarks/long_input.py --kinds spaces controls)."""
     run = match[0]
     space = None if spaces is None else spaces.search(run, _RUN_EDGE, len(run) - _RUN_EDGE)
     return run[:_RUN_EDGE] + ("" if space is None else space[0][0]) + run[-_RUN_EDGE:]

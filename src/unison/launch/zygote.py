@@ -246,23 +246,21 @@ def write_init(stream: IO[bytes], blob: bytes, deadline: float | None,
     entries) to a process whose start was slow (a sitecustomize that sleeps) held the
     controller past start_timeout, and for good where it never read (an audit of the local
     launcher, issue 9, forty-sixth pass)."""
+    from unison._fdwait import poll_fds  # (the zygote itself imports none of unison)
+    from unison.errors import start_timed_out
+
     fd = stream.fileno()  # (nothing was written through the stream's buffer)
     os.set_blocking(fd, False)
     view = memoryview(len(blob).to_bytes(8, "little") + blob)
-    poller = select.poll()
-    poller.register(fd, select.POLLOUT)
     while view:
         try:
             view = view[os.write(fd, view):]
         except BlockingIOError:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                from unison.errors import start_timed_out  # (the zygote imports none)
-
                 raise TimeoutError(start_timed_out(list(ranks))) from None
-            from unison._fdwait import poll_ms  # (a month's start_timeout: a C int's
-
-            poller.poll(poll_ms(left))  # milliseconds overflowed)
+            poll_fds((), (fd,), left)  # (its milliseconds clamped: a month's deadline
+            # overflowed a C int)
 
 
 def fork_workers(python: Sequence[str], ranks: Sequence[int], fds: Mapping[int, Sequence[int]],

@@ -43,8 +43,9 @@ IDLE_LOOK = 1.0
 """Seconds between cheap looks (no message) at the workers while no batch is in flight, so
 that a death between requests turns health "degraded" then, not at the next request. Each
 worker's pidfd wakes the batcher at its death at once (``_watch``): the look is for where
-there is none. Every 0.2 s, with uvicorn's own tick, it held an idle server at 0.42-0.46% of
-a core (an audit of idle CPU, issue 9, forty-eighth pass)."""
+there is none. Every 0.2 s, with uvicorn's own tick, it held an idle server at 0.37-0.39% of
+a core, now 0.25-0.27% (python benchmarks/idle_cpu.py --modes serve; an audit of idle CPU,
+issue 9, forty-eighth pass)."""
 
 
 WAKE_CHUNK = 8

@@ -323,8 +323,6 @@ class Session(View):
                             start_deadline)
             self._router.set_watched(self._res.watched)
             self._router.wait(ready, start_deadline, "starting")
-            if self._chan.wakes_at_deaths:  # every worker joined: its connection tells
-                self._router.set_watched(True)  # (a Ray actor dead before it, the launcher)
             crowd.forget()  # the workers' start was no crowd of strangers
             self._pids = [pid for _, pid in self._router.decode(ready, self.workers)]
             # with the pids, their start times: a pid signalled later must still be ours

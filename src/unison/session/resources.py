@@ -208,8 +208,10 @@ class Resources:
 
     @property
     def watched(self) -> bool:
-        """Whether a death wakes a waiting recv at once (else waits poll)."""
-        return bool(self.launcher.watch_fds())
+        """Whether a death wakes a waiting recv at once (else waits poll every 50 ms): the
+        launcher's pidfds, or the channel's own wake (Channel.wakes_at_deaths; a worker that
+        dies before it joins is the launcher's to tell, at each half-second slice)."""
+        return bool(self.launcher.watch_fds()) or self.chan.wakes_at_deaths
 
     def ended(self) -> int | None:
         """A worker that has ended, as its launcher or (TCP) its connection tells."""
