@@ -132,3 +132,24 @@ def test_a_sync_never_waits_for_a_sleeping_worker_that_was_sent_nothing(sess):
         time.sleep(0.2)  # both workers asleep
         assert sess[0:1].run(unison.rank) == [0]
         whom.sync(timeout=0.5)
+
+
+def test_a_sync_with_no_time_counts_a_worker_asleep_through_others_calls_as_done(sess):
+    """``sync(timeout=0)`` right after a view's calls, the other worker still asleep short
+    of the ring's position: it returns, since nothing sent to that worker is left to run
+    (the channel reads the commands between it and the position). Before (issue 9,
+    forty-ninth pass), it raised TimeoutError naming the worker that was sent nothing.
+    A worker that has a command left is still not done."""
+    for _ in range(5):
+        sess.sync()
+        time.sleep(0.2)  # both workers asleep
+        assert sess[0:1].run(unison.rank) == [0]
+        sess[0:1].sync()  # worker 0 back in its loop (it replies before that)
+        sess.sync(timeout=0)
+        sess[1:2].sync(timeout=0)
+    sess.sync()
+    slow = sess[1:2].call(time.sleep, 0.5)
+    sess[0:1].call(unison.rank)
+    with pytest.raises(TimeoutError, match=r"worker\(s\) \[(0, )?1\]"):
+        sess.sync(timeout=0)
+    slow.get()

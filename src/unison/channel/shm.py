@@ -474,7 +474,7 @@ class ShmChannel(Channel):
             got = 0 if self._idle else spin(look, min(SPIN, timeout), self._busy, key, mark)
             if not got:
                 self._sleep_done(ranks, mark, timeout)
-                got = look(key, mark)
+                got = look(key, mark) or self._caught_up(ranks, mark)
             self._idle = not got
             return got
         except (ValueError, OSError):
@@ -510,6 +510,40 @@ class ShmChannel(Channel):
         finally:
             q[_CTL_DONE] = 0
             self._done_lock.release()
+
+    def _caught_up(self, ranks: Sequence[int], mark: int) -> int:
+        """_look, where a worker short of ``mark`` counts as done if it runs nothing and no
+        command between its position and ``mark`` is for it: one still asleep through a
+        view's calls at a wait's end. Before (issue 9, forty-ninth pass; left by the
+        forty-eighth), ``sync(timeout=0)`` named such a worker, sent nothing, as not
+        finished. The slow
+        path's last word only: the entries it reads are intact while the worker's read
+        position stays where it was (the writer never passes it), which it checks after."""
+        q, done, read, unrep = self._q, self._done_idx, self._cr_idx, self._unrep_idx
+        held = 1
+        for r in ranks:
+            pos = q[read[r]]
+            if q[done[r]] < mark and (q[done[r]] != pos or self._sent_to(r, pos, mark)
+                                      or q[read[r]] != pos):
+                return 0
+            if q[unrep[r]]:
+                held = 2
+        return held
+
+    def _sent_to(self, rank: int, pos: int, end: int) -> bool:
+        """Whether a command in the ring between positions ``pos`` and ``end`` is for
+        ``rank`` (a worker's walk, as ``take``'s, reading only the rank masks)."""
+        q, base, bit = self._q, self._cmd_base, 1 << rank
+        while pos < end:
+            i = (base + (pos & _CMD_MASK)) >> 3
+            head = q[i]
+            if head == _WRAP:
+                pos = _CMD.next_lap(pos)
+                continue
+            if q[i + 1] & bit:
+                return True
+            pos += _entry_size(head & 0xFFFFFFFF, head >> 32 & 0xFFFF)
+        return False
 
     def _wake_behind(self, ranks: Sequence[int], mark: int) -> None:
         """Wake each worker of ``ranks`` that sleeps with its done position short of
