@@ -117,6 +117,29 @@ def test_a_running_call_is_interrupted(sess, fn):
     assert sess.run(unison.rank) == [0, 1]
 
 
+def gives_up(reason):
+    raise unison.Cancelled(reason)
+
+
+def test_a_cancelled_the_function_raised_of_itself_is_an_error(sess):
+    """``unison.Cancelled`` raised by the function, with no ``ref.cancel()``, is an error like
+    any other: a WorkerError whose cause it is, reported at sync and once. Before (an
+    audit, issue 9, forty-ninth pass), ``run`` called it a ``ref.cancel()``, and after
+    ``call`` it was never reported at all."""
+    with pytest.raises(unison.WorkerError, match="input shard empty") as info:
+        sess.run(gives_up, "input shard empty")
+    assert not isinstance(info.value, unison.CancelledError)
+    assert isinstance(info.value.__cause__, unison.Cancelled)
+    sess.call(gives_up, "no data")
+    with pytest.raises(unison.WorkerError, match="no data") as info:
+        sess.sync()
+    assert sorted(info.value.errors) == [0, 1]
+    assert sess.sync() is None
+    ref = sess.call(gives_up, "mine")
+    with pytest.raises(unison.WorkerError, match="mine"):
+        ref.gather()
+
+
 def test_the_function_may_catch_cancelled_or_poll(sess):
     # the board says a worker entered the call a few steps before the function is inside
     # its try: a cancel landing there is the call's error, not the function's to catch (CI,

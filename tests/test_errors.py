@@ -509,6 +509,43 @@ def test_a_reply_whose_unpickling_raises_system_exit_is_that_ranks_error(sess):
     assert sess.run(unison.rank) == [0, 1]
 
 
+def _exits_off_a_worker(message):
+    """Rebuilds an _ExitsOffAWorker on a worker; exits (SystemExit) on the controller."""
+    try:
+        unison.rank()
+    except RuntimeError:
+        sys.exit(0)
+    return _ExitsOffAWorker(message)
+
+
+class _ExitsOffAWorker(Exception):
+    def __reduce__(self):
+        return (_exits_off_a_worker, (str(self),))
+
+
+def raise_exits_off_a_worker():
+    raise _ExitsOffAWorker(f"raised on {unison.rank()}")
+
+
+def test_an_exception_whose_rebuilding_raises_system_exit_is_a_remote_error(sess):
+    """A worker's exception whose rebuilding on the controller raised SystemExit let it out
+    of run and sync: the ranks' errors were lost, and an uncaught one ended the script with
+    status 0 and no word (an audit, issue 9, forty-ninth pass). It stands in as a
+    RemoteError now, as an exception whose class does not import here."""
+    with pytest.raises(WorkerError) as info:
+        sess.run(raise_exits_off_a_worker)
+    assert sorted(info.value.errors) == [0, 1]
+    cause = info.value.__cause__
+    assert type(cause) is unison.RemoteError
+    assert (cause.type_name, cause.message) == ("_ExitsOffAWorker", "raised on 0")
+    sess.call(raise_exits_off_a_worker)
+    with pytest.raises(WorkerError, match="raised on 0") as info:
+        sess.sync()
+    assert sorted(info.value.errors) == [0, 1]
+    assert sess.sync() is None
+    assert sess.run(unison.rank) == [0, 1]
+
+
 def test_a_value_that_cannot_be_pickled_back_fails_at_get_saying_so(sess):
     ref = sess.call(threading.Lock)
     assert sess.sync() is None  # the call itself succeeded

@@ -833,7 +833,7 @@ def _pack_error(exc: BaseException, where: str,
     for make in (dumps, _dumps_by_value, _dumps_rebuilt):
         try:
             candidate = make(exc)
-            if _loads_exception(candidate) is not None:
+            if _loads_exception(candidate, _beyond_error) is not None:
                 blob = candidate
                 break
         except BaseException as broken:  # a __reduce__ may raise anything, even SystemExit
@@ -867,26 +867,54 @@ def _interrupt(exc: BaseException, interrupts: bool) -> None:
         raise exc
 
 
-def unpack_error(error: tuple[Any, ...]) -> BaseException:
-    """The worker's exception, rebuilt; or the RemoteError standing in for it."""
+def unasked(error: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A packed ``unison.Cancelled`` that the function raised of itself, with no
+    ``ref.cancel()`` of its call behind it (a sixth field): the controller reports it as an
+    error, where an asked one is a CancelledError."""
+    return (*error[:5], True)
+
+
+def was_unasked(error: tuple[Any, ...]) -> bool:
+    return len(error) > 5 and error[5] is True
+
+
+def unpack_error(error: tuple[Any, ...],
+                 signalled: Callable[[BaseException], bool] = lambda exc: False,
+                 ) -> BaseException:
+    """The worker's exception, rebuilt; or the RemoteError standing in for it, also where
+    rebuilding it here raises anything, SystemExit too (a ``__reduce__`` that exits off a
+    worker). Before (an audit, issue 9, forty-ninth pass), such a SystemExit got out of
+    ``run`` and ``sync``, the rank's error was lost, and a script that did not catch it
+    ended with status 0 and no word. ``signalled`` tells an exception of the controller's
+    own (Ctrl-C, a signal handler's), which is raised on."""
     packed, type_name, message = error[0], error[1], error[2]
     stand_in: BaseException = RemoteError(type_name, message, error[3] if len(error) > 3 else "")
     if packed is not None:
         try:
             blob, stand_in = pickle.loads(packed)
-        except Exception:
+        except BaseException as exc:
+            if signalled(exc):
+                raise
             blob = None
         if blob is not None:
-            exc = _loads_exception(blob)
+            exc = _loads_exception(blob, signalled)
             if exc is not None:
                 return exc
     return stand_in
 
 
-def _loads_exception(blob: bytes) -> BaseException | None:
+def _beyond_error(exc: BaseException) -> bool:
+    """pack_error's check: what is not an Exception goes on to its own handler."""
+    return not isinstance(exc, Exception)
+
+
+def _loads_exception(blob: bytes, signalled: Callable[[BaseException], bool]
+                     ) -> BaseException | None:
     try:
         obj = pickle.loads(blob)
-    except Exception:
+    except BaseException as exc:
+        if signalled(exc):
+            raise
         return None
     return obj if isinstance(obj, BaseException) else None
 

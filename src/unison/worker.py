@@ -235,6 +235,13 @@ def cancelled() -> bool:
     return False
 
 
+def _asked(call: int) -> bool:
+    """Whether the controller cancelled ``call``: a Cancelled the function raised of itself
+    is an error like any other. Before (an audit, issue 9, forty-ninth pass), it was taken
+    for a ``ref.cancel()``: ``run`` said so, and after ``call`` it was never reported."""
+    return _board is not None and _board.is_cancelled(call)
+
+
 def _on_cancel_signal(signum: int, frame: object) -> None:
     """The controller cancelled a running call: raise Cancelled in it, at the next bytecode.
     Only while a function runs (``_current``), so the loop's own code is never hit; and
@@ -356,6 +363,9 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
             except BaseException as exc:  # SystemExit and friends from user code are errors too
                 try:  # (it cannot fail but by a Ctrl-C, worker 0 inline, as below)
                     err = protocol.pack_error(exc, _name(fn), interrupts)
+                    asked = isinstance(exc, Cancelled) and _asked(ref_id)
+                    if isinstance(exc, Cancelled) and not asked:
+                        err = protocol.unasked(err)
                 finally:
                     if end is not None:
                         end(ref_id)
@@ -365,7 +375,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                     chan.reply(dumps((req_id, ERR, err)))
                 else:
                     regs[ref_id] = Failed(err)
-                    if not isinstance(exc, Cancelled):  # asked for: nothing to report
+                    if not asked:  # a cancel asked for: nothing to report
                         unreported[ref_id] = err
                         chan.unreported(len(unreported))
                 continue

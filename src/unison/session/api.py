@@ -1658,8 +1658,9 @@ def _fn_name(fn: object) -> str:
 def _worker_error(errors: dict[int, tuple[Any, ...]]) -> WorkerError | CancelledError:
     ranks = sorted(errors)
     first = ranks[0]
-    excs = {r: protocol.unpack_error(errors[r]) for r in ranks}
-    if all(isinstance(e, Cancelled) for e in excs.values()):
+    excs = {r: protocol.unpack_error(errors[r], raised_by_a_signal) for r in ranks}
+    if all(isinstance(e, Cancelled) and not protocol.was_unasked(errors[r])
+           for r, e in excs.items()):
         return CancelledError(
             f"the call was cancelled (ref.cancel()) on workers {ranks}: {excs[first]}", ranks)
     text = f"worker {first} raised {_said(errors[first])}"
@@ -1679,7 +1680,7 @@ def _worker_error(errors: dict[int, tuple[Any, ...]]) -> WorkerError | Cancelled
 
 def _said(error: tuple[Any, ...]) -> str:
     """``Type: message (in where)`` of a packed worker error."""
-    _, type_name, message, _, where = error
+    _, type_name, message, _, where = error[:5]
     return f"{type_name}: {message}" + (f" (in {where})" if where else "")
 
 
