@@ -892,8 +892,8 @@ def unpack_error(error: tuple[Any, ...],
     if packed is not None:
         try:
             blob, stand_in = pickle.loads(packed)
-        except BaseException as exc:
-            if signalled(exc):
+        except BaseException as broken:
+            if signalled(broken):
                 raise
             blob = None
         if blob is not None:
@@ -912,8 +912,8 @@ def _loads_exception(blob: bytes, signalled: Callable[[BaseException], bool]
                      ) -> BaseException | None:
     try:
         obj = pickle.loads(blob)
-    except BaseException as exc:
-        if signalled(exc):
+    except BaseException as broken:
+        if signalled(broken):
             raise
         return None
     return obj if isinstance(obj, BaseException) else None
