@@ -666,6 +666,31 @@ def test_a_function_the_workers_cannot_load_fails_each_call_saying_why(
     assert sess.run(use, 3) == [3, 3]
 
 
+class RefusedOnWorkers:
+    """An object whose unpickling fails on a worker (its ``__setstate__`` raises there)."""
+
+    def __init__(self):
+        self.x = 1
+
+    def __setstate__(self, state):
+        raise RuntimeError(f"refused on worker {unison.rank()}")
+
+
+def test_a_function_whose_capture_fails_to_load_says_why_without_import_advice(sess):
+    """A script's function whose captured object will not unpickle on the workers: the
+    error gives that object's own error, and where the load failed, not the advice to
+    make a module importable. Before (an audit, issue 9, forty-ninth pass), it gave that
+    advice for any failure, and the original's type and frames were lost."""
+    held = RefusedOnWorkers()
+    with pytest.raises(WorkerError) as info:
+        sess.run(lambda: held.x)
+    text = str(info.value)
+    assert "could not be loaded on this worker: refused on worker 0 (RuntimeError" in text
+    assert "importable" not in text, text
+    assert "Where loading the function failed" in text and "__setstate__" in text, text
+    assert sess.run(use, 3) == [3, 3]
+
+
 def forge_the_reply() -> set[str]:
     """Worker code that meddles with unison's own channel: the reply this call sends
     carries another request's id. Its value is not plain (a set; a list of str is), so

@@ -151,14 +151,28 @@ class _Unloaded:
         return "a function this worker could not load"
 
     def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
-        why = str(self.error[2])
+        """Why, with the advice to make a module importable only where the load failed on
+        an import or a name; and where it failed (the load's traceback). Before (an audit,
+        issue 9, forty-ninth pass), a script's function whose captured object would not
+        unpickle here (a ``__setstate__`` that raised) got that advice, and lost the
+        original's type and frames."""
+        type_name, why, tb = str(self.error[1]), str(self.error[2]), str(self.error[3])
+        text = f"the function could not be loaded on this worker: {why}"
         if why.startswith(_SESSION_AT_IMPORT):  # importable: the import opened a session
-            raise RuntimeError(f"the function could not be loaded on this worker: {why}")
-        raise RuntimeError(
-            f"the function could not be loaded on this worker: {why}. Make its "
-            "module importable here (workers get the controller's sys.path and cwd), or "
-            "define it in the script that drives the session"
-        )
+            raise RuntimeError(text)
+        if type_name in _NOT_FOUND:
+            raise RuntimeError(
+                f"{text}. Make its module importable here (workers get the controller's "
+                "sys.path and cwd), or define it in the script that drives the session")
+        err = RuntimeError(f"{text} ({type_name} while unpickling it here; the load's "
+                           "traceback is below)")
+        err.add_note(f"\nWhere loading the function failed:\n{tb.rstrip()}")
+        raise err
+
+
+_NOT_FOUND = ("ModuleNotFoundError", "ImportError", "AttributeError")
+"""The errors of a load that found no module or no name: the function's module is not
+importable here as on the controller."""
 
 
 def lookup(ref_id: int) -> Any:
