@@ -55,7 +55,7 @@ from unison.channel import WorkerChannel, connect
 from unison.collective.base import Collectives
 from unison.debug import logs as _debug_logs
 from unison.debug import stacks as _debug_stacks
-from unison.errors import EXIT_CONTROLLER_GONE
+from unison.errors import EXIT_CONTROLLER_GONE, add_note
 from unison.protocol import (
     ARRAY,
     CALL,
@@ -164,9 +164,10 @@ class _Unloaded:
             raise RuntimeError(
                 f"{text}. Make its module importable here (workers get the controller's "
                 "sys.path and cwd), or define it in the script that drives the session")
-        err = RuntimeError(f"{text} ({type_name} while unpickling it here; the load's "
-                           "traceback is below)")
-        err.add_note(f"\nWhere loading the function failed:\n{tb.rstrip()}")
+        where = f"\nWhere loading the function failed:\n{tb.rstrip()}"
+        text += f" ({type_name} while unpickling it here; the load's traceback is below)"
+        err = RuntimeError(text)
+        add_note(err, where)  # in the remote traceback, out of the error's first line
         raise err
 
 
