@@ -114,3 +114,26 @@ def test_a_reply_the_controller_cannot_map_blames_the_controller_not_the_worker(
     text = str(info.value)
     assert "could not map its reply's shared memory" in text, text
     assert "break the format" not in text, text
+
+
+def _close_a_pipe_of_unisons(which: str) -> str:
+    """Worker code that closes the pipe channel's command pipe or reply pipe."""
+    import gc
+
+    from unison.channel.pipe import PipeWorkerChannel
+
+    chan = next(o for o in gc.get_objects() if isinstance(o, PipeWorkerChannel))
+    os.close(chan._cmd if which == "command" else chan._reply)
+    return "closed"
+
+
+@pytest.mark.parametrize("which", ["command", "reply"])
+def test_a_pipe_worker_whose_pipe_its_code_closed_dies_saying_so(make_session, which):
+    """Before (issue 9, forty-ninth pass; an audit of what worker code does), a pipe worker
+    whose code closed its command pipe exited 0 with no reason (its EBADF read as the
+    controller gone), and one that closed its reply pipe died of a bare EBADF."""
+    sess = make_session(2, channel="pipe")
+    with pytest.raises(WorkerDied, match=f"closed or replaced unison's descriptor "
+                                         f"[0-9]+ \\(the {which} pipe\\)"):
+        sess[1].run(_close_a_pipe_of_unisons, which)
+        sess.run(time.sleep, 0.1)

@@ -354,6 +354,15 @@ def write_frame(send: Callable[[list[memoryview]], int], frame: Sequence[Any], w
     return written
 
 
+def meddled(exc: OSError, fd: int, what: str) -> OSError:
+    """A worker's error for one of unison's descriptors that worker code closed or replaced
+    (``exc`` from using it): the worker ends, saying so, where it would pass for a lost
+    controller or a bare EBADF."""
+    return OSError(exc.errno, f"{exc.strerror}: worker code closed or replaced unison's "
+                   f"descriptor {fd} ({what}); leave alone the descriptors it did not open "
+                   "(no os.closerange or os.dup2 over them)")
+
+
 def own_error(exc: BaseException) -> bool:
     """Whether ``exc``, ending a send, is the channel's own say: its deadline's (SendTimeout,
     PartialSendError), or its stream's OSError (a death, for which the session closes).

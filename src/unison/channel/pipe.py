@@ -49,6 +49,7 @@ nothing written; only a frame larger than a pipe can hold may time out half writ
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -71,6 +72,7 @@ from unison.channel import (
     drain_fd,
     half_sent,
     held,
+    meddled,
     own_error,
     reported,
     write_frame,
@@ -651,7 +653,13 @@ class PipeWorkerChannel(WorkerChannel):
                 else:
                     for i, view in zip(by_ref, views):
                         bufs[i] = view
-        except (EOFError, OSError):
+        except EOFError:
+            return None
+        except OSError as exc:  # a closed fd of ours: worker code's doing, not the controller's
+            if exc.errno == errno.EBADF:
+                fd, what = ((self._cmd, "the command pipe") if _closed(self._cmd)
+                            else (self._reply, "the reply pipe"))
+                raise meddled(exc, fd, what) from None
             return None
         self._taken += 1
         return data, bufs
@@ -682,11 +690,16 @@ class PipeWorkerChannel(WorkerChannel):
             raise ValueError("the pipe channel pickles replies in band")
         self._told = progress = self._taken << 1 | self._holding
         head, fd = _REPLY.pack(len(data) | _TAG, progress), self._reply
-        if len(data) <= _ATOMIC:  # the usual: one write, whole (a blocking pipe takes it all)
-            os.write(fd, head + data)
-            return
-        write_frame(lambda parts: os.writev(fd, parts), [head, data],  # blocking: waits for
-                    "the controller's reply pipe", None, False, _idle, _idle)  # room itself
+        try:
+            if len(data) <= _ATOMIC:  # the usual: one write, whole (a blocking pipe takes it)
+                os.write(fd, head + data)
+                return
+            write_frame(lambda parts: os.writev(fd, parts), [head, data],  # blocking: waits
+                        "the controller's reply pipe", None, False, _idle, _idle)  # for room
+        except OSError as exc:
+            if exc.errno == errno.EBADF:
+                raise meddled(exc, fd, "the reply pipe") from None
+            raise
 
     def unreported(self, count: int) -> None:
         self._holding = 1 if count else 0  # told with the next reply or report
@@ -695,6 +708,14 @@ class PipeWorkerChannel(WorkerChannel):
         if self._reply >= 0:
             _close_fd(self._reply)
             self._reply = -1
+
+
+def _closed(fd: int) -> bool:
+    try:
+        fcntl.fcntl(fd, fcntl.F_GETFD)
+    except OSError:
+        return True
+    return False
 
 
 def _poll_of(fds: list[int]) -> select.poll:

@@ -88,6 +88,7 @@ from unison.channel import (
     Reply,
     SendTimeout,
     WorkerChannel,
+    meddled,
     too_many_buffers,
 )
 from unison.channel.arena import Arena, ArenaReader, Malformed, create_file, sealed_memfd
@@ -1249,10 +1250,7 @@ def _wake(fd: int) -> None:
     try:
         os.eventfd_write(fd, 1)
     except OSError as exc:
-        raise OSError(exc.errno, f"{exc.strerror}: worker code closed or replaced unison's "
-                      f"descriptor {fd} (an eventfd), so the controller cannot be woken; leave "
-                      "alone the descriptors it did not open (no os.closerange or os.dup2 "
-                      "over them)") from None
+        raise meddled(exc, fd, "an eventfd: the controller cannot be woken") from None
 
 
 def _drain_eventfd(fd: int) -> None:
