@@ -132,6 +132,30 @@ def test_workers_lead_their_own_process_groups_in_the_controllers_session(
             assert autogroup(pid) == autogroup()
 
 
+def _sigint_of_a_started_program() -> tuple[str, int]:
+    """Worker code: SIGINT's handling in a Python the worker starts, and the exit status
+    of a ``sleep`` it starts and then sends SIGINT."""
+    python = subprocess.run(
+        [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT))"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    sleeper = subprocess.Popen(["sleep", "30"])
+    time.sleep(0.1)
+    sleeper.send_signal(signal.SIGINT)
+    return python, sleeper.wait(timeout=10)
+
+
+@pytest.mark.parametrize("n", [1, 2])  # a worker started apart, and forked by the zygote
+def test_programs_a_worker_starts_take_sigint_as_usual(make_session, n):
+    """A worker ignores SIGINT (a KeyboardInterrupt in it is its code's own), but the
+    programs its code starts do not inherit that. Before (issue 9, forty-ninth pass; an
+    audit of what worker code does), they inherited SIG_IGN: a SIGINT could not stop them,
+    and a Python one never raised KeyboardInterrupt."""
+    sess = make_session(n)
+    assert sess.run(_sigint_of_a_started_program) == [
+        ("<built-in function default_int_handler>", -signal.SIGINT)] * n
+    assert sess.run(signal.raise_signal, signal.SIGINT) == [None] * n  # still nothing
+
+
 def test_a_killed_worker_is_seen_and_described(
         launched: tuple[Launcher, channels.Channel]) -> None:
     launcher, _ = launched

@@ -700,6 +700,14 @@ def _become_keeper(worker: int, controller: int, rank: int) -> NoReturn:
     _watch_lifeline(worker, controller, rank)
 
 
+def _no_interrupt(signum: int, frame: object) -> None:
+    """A worker's SIGINT: nothing. Not SIG_IGN, which the programs its code starts would
+    inherit through exec (one then could not be stopped by a SIGINT, and a Python one got
+    no KeyboardInterrupt; an audit, issue 9, forty-ninth pass), where a handler is reset to
+    the default there. Ignored all the same: a KeyboardInterrupt in a worker process is
+    its user code's own, an error (protocol.pack_error), never a signal landing in the loop."""
+
+
 def main(controller: int | None = None) -> None:
     """Entry point of a local worker process (LocalLauncher's bootstrap, never a user): read
     the spec from stdin, fork into keeper and worker, then run(spec) in the worker.
@@ -721,6 +729,7 @@ def main(controller: int | None = None) -> None:
         _become_keeper(child, controller, init.rank)
     # the worker: it dies with its keeper, and leaves the lifeline to it
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    signal.signal(signal.SIGINT, _no_interrupt)
     if os.getppid() != keeper:
         os._exit(EXIT_CONTROLLER_GONE)  # the keeper died before the line above
     devnull = os.open(os.devnull, os.O_RDONLY)
