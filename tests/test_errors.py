@@ -290,6 +290,34 @@ def test_an_exception_class_defined_in_a_scripts_main_round_trips(tmp_path):
     assert "caught True raised in a worker" in proc.stdout
 
 
+def test_a_script_class_method_passed_as_an_argument_names_its_file_and_line(tmp_path):
+    """A method of the script's class that reaches the workers in an argument (not through
+    the called function's globals): the remote traceback names the script's file and line.
+    Before (issue 9, forty-ninth pass; an audit of what workers raise), it said
+    File "<dynamic-code>" with no line."""
+    script = tmp_path / "script_with_a_model.py"
+    script.write_text(
+        "import unison\n"
+        "class Model:\n"
+        "    def forward(self, x):\n"
+        "        return 1 / x  # the failing line\n"
+        "def call_forward(m):\n"
+        "    return m.forward(0)\n"
+        "with unison.Session(2) as sess:\n"
+        "    try:\n"
+        "        sess.run(call_forward, Model())\n"
+        "    except unison.WorkerError as err:\n"
+        "        print(str(err).split('Remote traceback')[1])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True, text=True, timeout=60, env=dict(os.environ), cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f'File "{script}", line 4, in forward' in proc.stdout, proc.stdout
+    assert "the failing line" in proc.stdout and "dynamic-code" not in proc.stdout
+
+
 def test_an_exception_raised_by_a_lambda_names_it_and_its_line(sess):
     fn = lambda: 1 / 0
     with pytest.raises(WorkerError) as info:

@@ -612,7 +612,8 @@ def _tables(check: bool) -> tuple[_FirstTable, dict[type, Any]]:
     if tables is None:
         reducers = _reducers(check)
         first = _FirstTable(reducers, check)
-        table = {**made[0], **cloudpickle.Pickler._dispatch_table, **reducers}
+        table = {**made[0], **cloudpickle.Pickler._dispatch_table,
+                 types.CodeType: reduce_code, **reducers}
         tables = made[2][key] = first, table
     return tables
 
@@ -754,6 +755,15 @@ def loads(data: bytes | memoryview | Reply, buffers: list[Any] | None = None) ->
     if isinstance(data, tuple):
         data, buffers = data
     return pickle.loads(data, buffers=buffers)
+
+
+def reduce_code(code: types.CodeType) -> tuple[Any, ...]:
+    """cloudpickle's reduction of a code object, kept in its own file (cloudpickle writes
+    "<dynamic-code>"), so that tracebacks, stacks() and timeouts name the user's file: for
+    a function's (session.fncache) and for an argument's, a script class's method. Before
+    (an audit, issue 9, forty-ninth pass), an argument's showed "<dynamic-code>" and no line."""
+    make, args = cloudpickle.cloudpickle._code_reduce(code)
+    return code_in_file, (code.co_filename, make, args)
 
 
 def code_in_file(filename: str, make: Callable[..., types.CodeType],

@@ -33,7 +33,7 @@ from typing import Any
 
 import cloudpickle
 
-from unison.protocol import code_in_file, in_shared
+from unison.protocol import in_shared, reduce_code
 from unison.session.signals import raised_by_a_signal
 
 try:  # cloudpickle's own choice of by reference or by value (2.0 on): see _by_reference
@@ -244,8 +244,7 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is types.CodeType:
-            make, args = cloudpickle.cloudpickle._code_reduce(obj)
-            return code_in_file, (obj.co_filename, make, args)
+            return reduce_code(obj)
         if in_shared(obj):
             raise TypeError(
                 "a sess.empty() array must be passed as an argument: captured by the "
