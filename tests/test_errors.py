@@ -318,6 +318,21 @@ def test_a_script_class_method_passed_as_an_argument_names_its_file_and_line(tmp
     assert "the failing line" in proc.stdout and "dynamic-code" not in proc.stdout
 
 
+def raise_huge(chars):
+    raise ValueError("x" * chars)
+
+
+def test_an_error_of_a_huge_message_gives_a_short_worker_error(sess):
+    """A worker's exception of a 10 MB message: the WorkerError's message cuts each line at
+    1,000 characters, and its cause keeps the message whole. Before (issue 9, forty-ninth
+    pass; an audit of what workers raise), the WorkerError's message was 20 MB."""
+    with pytest.raises(WorkerError) as info:
+        sess.run(raise_huge, 10_000_000)
+    assert len(str(info.value)) < 20_000
+    assert "more characters)" in str(info.value)
+    assert str(info.value.__cause__) == "x" * 10_000_000
+
+
 def test_an_exception_raised_by_a_lambda_names_it_and_its_line(sess):
     fn = lambda: 1 / 0
     with pytest.raises(WorkerError) as info:

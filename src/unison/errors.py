@@ -129,6 +129,22 @@ class WorkerDied(UnisonError):
                              self.idle))
 
 
+MESSAGE_CHARS = 100_000
+"""WorkerError's message, at most: its tail (``.errors`` and ``__cause__`` keep it all)."""
+
+
+def shortened(text: str) -> str:
+    """``text`` with each line cut at MESSAGE_LINE_CHARS and, past MESSAGE_CHARS in all, its
+    tail alone: a worker's error of a 10 MB message made a WorkerError of 20 MB (its
+    message, then its traceback's last line; an audit, issue 9, forty-ninth pass)."""
+    if len(text) <= MESSAGE_LINE_CHARS:
+        return text
+    text = "\n".join(_cut(line) for line in text.split("\n"))
+    if len(text) > MESSAGE_CHARS:
+        text = f"... ({len(text) - MESSAGE_CHARS} characters cut)\n{text[-MESSAGE_CHARS:]}"
+    return text
+
+
 def _cut(line: str) -> str:
     if len(line) <= MESSAGE_LINE_CHARS:
         return line

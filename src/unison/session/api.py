@@ -48,6 +48,7 @@ from unison.errors import (
     WorkerDied,
     WorkerError,
     note_warning,
+    shortened,
 )
 from unison.launch import Launcher
 from unison.launch import create as create_launcher
@@ -1669,10 +1670,10 @@ def _worker_error(errors: dict[int, tuple[Any, ...]]) -> WorkerError | Cancelled
     began = _began(excs)
     if began != first:
         text += f". It began on worker {began}, which raised {_said(errors[began])}"
-    text += f"\n\nRemote traceback (worker {first}):\n{errors[first][3].rstrip()}"
+    text += f"\n\nRemote traceback (worker {first}):\n{shortened(errors[first][3].rstrip())}"
     if began != first:
         text += f"\n\nRemote traceback (worker {began}, where it began):\n" \
-                f"{errors[began][3].rstrip()}"
+                f"{shortened(errors[began][3].rstrip())}"
     err = WorkerError(text, first, excs)
     err.__cause__ = excs[first]
     return err
@@ -1681,7 +1682,7 @@ def _worker_error(errors: dict[int, tuple[Any, ...]]) -> WorkerError | Cancelled
 def _said(error: tuple[Any, ...]) -> str:
     """``Type: message (in where)`` of a packed worker error."""
     _, type_name, message, _, where = error[:5]
-    return f"{type_name}: {message}" + (f" (in {where})" if where else "")
+    return f"{type_name}: {shortened(message)}" + (f" (in {where})" if where else "")
 
 
 def _began(excs: dict[int, BaseException]) -> int:

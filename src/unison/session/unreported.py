@@ -15,7 +15,7 @@ import threading
 import warnings
 from typing import Any
 
-from unison.errors import note_warning
+from unison.errors import note_warning, shortened
 
 __all__ = ["UnreportedErrors", "warn_each"]
 
@@ -88,7 +88,8 @@ class UnreportedErrors:
             err = errors[ranks[0]]
             where = f" of {err[4]}" if len(err) > 4 and err[4] else ""
             said.append(
-                f"call #{ref_id}{where} raised {err[1]}: {err[2]} on worker(s) {ranks}, and "
+                f"call #{ref_id}{where} raised {err[1]}: {shortened(err[2])} on worker(s) "
+                f"{ranks}, and "
                 f"nobody fetched that error before {session} closed: get/gather its Ref "
                 "or call sess.sync() to see errors as they happen")
         return said
