@@ -327,3 +327,93 @@ def test_a_local_sessions_torch_rendezvous_port_is_held_from_the_start(make_sess
     with socket.socket() as after:  # (SO_REUSEADDR: past the closed connections' TIME_WAIT)
         after.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         after.bind(("127.0.0.1", port))  # nobody listens there any more
+
+
+def flagged_tensor(which: str) -> Any:
+    """A tensor with a view flag torch keeps apart from the memory: the negative bit
+    (``conj().imag`` of one element, or 0-d: contiguous) or the conjugate bit (``conj()``)."""
+    import torch
+
+    if which == "conj":
+        return torch.tensor([1 + 2j, 3 + 4j], dtype=torch.complex64).conj()
+    return torch.tensor([1 + 2j] if which == "neg" else 1 + 2j).conj().imag
+
+
+def move_flagged(which: str) -> dict[str, bool]:
+    import torch
+
+    t = flagged_tensor(which)
+    want = t.resolve_conj().resolve_neg().clone()
+    got = {
+        "scatter": unison.scatter([t, t] if unison.rank() == 0 else None, src=0),
+        "broadcast": unison.broadcast(t if unison.rank() == 0 else None, src=0),
+        "allgather": unison.allgather(t)[0],
+        "allreduce": unison.allreduce(t, "sum") / 2,
+    }
+    return {k: bool(torch.equal(v.resolve_conj().resolve_neg(), want)) for k, v in got.items()}
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+@pytest.mark.parametrize("which", ["neg", "neg0d", "conj"])
+def test_tensors_with_a_negative_or_conjugate_bit_move_as_their_values(shared, backend, which):
+    """A tensor whose negative or conjugate bit is set (``z.conj().imag``, ``z.conj()``):
+    torch keeps the sign or the conjugation apart from the memory, which gloo reads. Before
+    (issue 9, forty-ninth pass; an audit of data fidelity), the torch backend's scatter
+    sent the values unnegated (a wrong value, no error), a scatter of ``z.conj()`` hung its
+    receivers until gloo's timeout, and the shared-memory backend's allreduce raised
+    torch's "Can't call numpy()"."""
+    sess = backend_session(shared, backend)
+    assert sess.run(move_flagged, which, timeout=QUICK) == [
+        {"scatter": True, "broadcast": True, "allgather": True, "allreduce": True}] * 2
+
+
+def extremes_with_a_nan(op: str, where: int, dtype: str, as_tensor: bool) -> Any:
+    x = np.array([1.0, 2.0, 3.0], dtype) + unison.rank()
+    if unison.rank() == where:
+        x[0] = np.nan
+    if as_tensor:
+        import torch
+
+        return unison.allreduce(torch.from_numpy(x), op).numpy()
+    return unison.allreduce(x, op)
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+@pytest.mark.parametrize("op", ["min", "max"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_min_and_max_keep_a_nan_from_any_rank_as_numpy_does(shared, backend, op, dtype):
+    """Before (issue 9, forty-ninth pass; an audit of data fidelity), the torch backend's
+    min and max (gloo's, which compares and picks) lost a NaN on any rank but the first,
+    and its max could come out below the largest value ([1, 4, 5] where numpy gives
+    [nan, 4, 5]). Now both backends give numpy's result in rank order."""
+    sess = backend_session(shared, backend)
+    ufunc = np.minimum if op == "min" else np.maximum
+    for where in (0, 1):
+        inputs = [np.array([1.0, 2.0, 3.0], dtype) + r for r in range(2)]
+        inputs[where][0] = np.nan
+        want = ufunc(*inputs)
+        for as_tensor in ([False, True] if backend == "torch" else [False]):
+            for got in sess.run(extremes_with_a_nan, op, where, dtype, as_tensor,
+                                timeout=QUICK):
+                assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), got
+
+
+MEAN_INPUTS = [-180.0, -200.875, -162.0]
+"""Three ranks' values whose complex64 mean, divided in complex64, is 1 ulp off numpy's."""
+
+
+def complex_mean() -> Any:
+    return unison.allreduce(np.array([MEAN_INPUTS[unison.rank()] + 0j], np.complex64), "mean")
+
+
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_a_complex64_mean_is_numpys_to_the_bit(shared, backend):
+    """numpy's mean divides by an intp count (in complex128, rounded once); unison divided
+    in complex64: -180.95834 where numpy gives -180.95833 (an audit, issue 9, forty-ninth
+    pass)."""
+    if backend == "torch":
+        pytest.importorskip("torch.distributed")
+    sess = shared(3, collectives=backend)
+    want = np.mean(np.stack([np.array([v + 0j], np.complex64) for v in MEAN_INPUTS]), axis=0)
+    for got in sess.run(complex_mean, timeout=QUICK):
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), (got, want)

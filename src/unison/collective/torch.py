@@ -156,6 +156,8 @@ class TorchCollectives(Collectives):
         dist, pg, ranks = self._enter(group, kind, [t], op=op)
         if op != "mean" and not t.is_cuda and str(t.dtype) in _NOT_GLOO:
             return _reduce_gathered(dist, pg, len(ranks), t, op)
+        if op in ("min", "max") and not t.is_cuda and t.is_floating_point():
+            return _extreme_gathered(dist, pg, len(ranks), t, op)
         out = t.clone()
         reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
                      "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
@@ -172,8 +174,9 @@ class TorchCollectives(Collectives):
             back, out = out.dtype, out.float()  # summed in float32, as numpy's float16 mean
             # (summed in float16, two ranks' 60000 made inf)
         dist.all_reduce(out, op=reduce_op, group=pg)
-        if op == "mean":
-            out /= len(ranks)
+        if op == "mean":  # divided in double and rounded once, as numpy's mean (shm's _mean)
+            wide = torch.complex128 if out.is_complex() else torch.float64
+            out = (out.to(wide) / len(ranks)).to(out.dtype)
             if back is not None:
                 out = out.to(back)
         return out.item() if scalar else out
@@ -350,6 +353,20 @@ def _reduce_gathered(dist: Any, pg: Any, n: int, t: Any, op: str) -> Any:
                                        dtype=arrays[0].dtype))
 
 
+def _extreme_gathered(dist: Any, pg: Any, n: int, t: Any, op: str) -> Any:
+    """min or max of floats: every rank's tensor gathered, then torch's minimum or maximum
+    in rank order, which keep a NaN as numpy's (and the shared-memory backend's) do. Gloo's
+    compares and picks, so a NaN on any rank but the first was lost, and a max could come
+    out below the largest value (an audit, issue 9, forty-ninth pass)."""
+    import functools
+
+    import torch
+
+    parts = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(parts, t.contiguous(), group=pg)
+    return functools.reduce(torch.minimum if op == "min" else torch.maximum, parts)
+
+
 def _kind(x: Any) -> str:
     """"array" for a numpy array, "scalar" for a numpy scalar, "python" for a Python number,
     else "" (numpy is imported wherever one exists)."""
@@ -388,8 +405,9 @@ def _tensor(x: Any) -> Any:
     wrong result with no error."""
     import torch
 
-    if isinstance(x, torch.Tensor):
-        return x
+    if isinstance(x, torch.Tensor):  # its negative or conjugate bit applied: gloo reads
+        return x.resolve_conj().resolve_neg()  # the memory (a scatter sent the values
+        # unnegated, and one of z.conj() hung its receivers; an audit, issue 9, 49th pass)
     if type(x) is float or type(x) is complex:  # as double: torch's default is float32
         return torch.tensor(x, dtype=torch.float64 if type(x) is float else torch.complex128)
     np = sys.modules.get("numpy")
