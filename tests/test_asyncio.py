@@ -688,3 +688,35 @@ def test_an_await_timed_out_as_another_threads_run_delivers_its_last_reply(
     monkeypatch.undo()
     assert sess.run(unison.rank) == [0, 1]
     sess.sync()
+
+
+def busy(seconds: float) -> int:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    return unison.rank()
+
+
+@pytest.mark.parametrize("channel", ["shm", "pipe"])
+def test_replies_in_before_a_pause_past_the_deadline_are_returned(make_session, channel):
+    """The controller stopped (SIGSTOP: a debugger, a suspended machine) past an awaited
+    call's deadline, its replies in before it: the values, as a blocking wait's last look
+    gives them. Before (issue 9, forty-ninth pass; an audit of pauses), the loop ran
+    wait_for's timer before the replies' reader: TimeoutError "0 worker(s) [] had not
+    answered", and run_async's values were lost."""
+    import subprocess
+
+    sess = make_session(2, channel=channel)
+    me = os.getpid()
+
+    async def main() -> list[int]:
+        # stopped 0.3 s in for 2 s: the call (0.5 s) ends during it, the deadline (1.5 s) too
+        pauser = subprocess.Popen(
+            ["sh", "-c", f"sleep 0.3; kill -STOP {me}; sleep 2; kill -CONT {me}"],
+            start_new_session=True)
+        try:
+            return await sess.run_async(busy, 0.5, timeout=1.5)
+        finally:
+            pauser.wait()
+
+    assert asyncio.run(main()) == [0, 1]

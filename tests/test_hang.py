@@ -401,3 +401,21 @@ def test_without_hang_timeout_there_is_no_watchdog(make_session):
 def test_a_bad_hang_timeout_is_refused(bad):
     with pytest.raises(ValueError, match="hang_timeout"):
         unison.Session(1, hang_timeout=bad)
+
+
+def test_time_the_watchdog_did_not_watch_counts_toward_no_hang(make_session):
+    """Samples past their due (the controller stopped, or the whole session: SIGSTOP of its
+    group, a suspended machine) judge no CPU over the gap. Before (issue 9, forty-ninth
+    pass; an audit of pauses), a stop of about hang_timeout raised HangError for workers
+    busy all along (a longer one started afresh). A worker idle at every regular sample
+    after it is still found."""
+    sess = make_session(2, hang_timeout=2.0)
+    dog = sess._router.hang
+    ranks = [0, 1]  # idle workers: no CPU, as stopped ones
+    t0 = time.monotonic()
+    assert dog._sample("paused", ranks, t0) is None  # the wait's first sample
+    assert dog._sample("paused", ranks, t0 + 2.1) is None  # the next, after a 2.1 s stop
+    step = dog.interval
+    found = [k for k in range(1, 8)
+             if dog._sample("paused", ranks, t0 + 2.1 + k * step) is not None]
+    assert found and found[0] == round((2.0 - step) / step)  # hang_timeout of watched time

@@ -15,6 +15,7 @@ import termios
 import time
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 
 import unison
@@ -99,6 +100,22 @@ def test_a_pipe_frame_larger_than_the_pipe_may_fail_half_written_and_says_so(
     msg = pickle.dumps((NOP, None, b"x" * (8 << 20)))  # more than any pipe holds
     with stopped(sess), sess._send_lock, pytest.raises(PartialSendError):
         sess._chan.send(msg, sess.workers, deadline=time.monotonic() + 0.2)
+
+
+def test_a_pipe_frame_that_keeps_moving_never_times_out(
+    make_session: Callable[..., unison.Session],
+) -> None:
+    """The deadline of a send moves with each part the worker takes: a 256 MiB put that
+    streams for longer than ``send_timeout`` goes through. Before (issue 9, forty-ninth
+    pass; an audit of pauses), the session closed at the deadline, with the worker reading
+    at full speed (it first zeroed a buffer as large, 0.3 s, before reading any: now it
+    reads into mapped pages)."""
+    sess = make_session(1, channel="pipe", send_timeout=0.25)
+    big = np.ones(32 << 20)  # 256 MiB: longer than 0.25 s through a pipe here
+    for _ in range(2):
+        ref = sess.put(big)
+        assert sess.run(lambda x: float(x.sum()), ref) == [float(big.size)]
+        ref.free()
 
 
 class _Alarm(Exception):

@@ -30,6 +30,7 @@ controller's channel gave the launcher.
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 from abc import ABC, abstractmethod
@@ -306,19 +307,55 @@ _IOV = 512
 """Buffers per writev/sendmsg call (IOV_MAX is 1024 on Linux)."""
 
 
+class Stall:
+    """A send's deadline that moves with its progress, one per message: each part a worker
+    takes moves it to that moment plus the time the send was given. So a large message
+    that keeps moving never times out (a 1 GiB put with ``send_timeout=0.2`` closed the
+    session after 0.2 s while the worker read at full speed, as did a pause of the
+    controller mid-frame; an audit of pauses, issue 9, forty-ninth pass), and one that
+    stops moving for that long does."""
+
+    __slots__ = ("at", "span")
+
+    def __init__(self, deadline: float) -> None:
+        self.at = deadline
+        self.span = max(0.0, deadline - time.monotonic())
+
+    def moved(self) -> None:
+        self.at = max(self.at, time.monotonic() + self.span)
+
+
+def stall(deadline: float | None) -> Stall | None:
+    return None if deadline is None else Stall(deadline)
+
+
+_MAPPED_FROM = 1 << 20
+"""Buffers from this size are received into mapped pages (``receive_buffer``)."""
+
+
+def receive_buffer(n: int) -> bytearray | memoryview:
+    """A buffer to read ``n`` bytes of a stream into: a bytearray, or for a large one
+    anonymous mapped pages, which the kernel zeroes as the read reaches them. bytearray(n)
+    first writes n zeros: for 256 MiB, 0.3 s in which the stream was not read (a sender's
+    ``send_timeout`` then ran out), then the read's copy; mapped, the read alone, 0.4 s."""
+    if n < _MAPPED_FROM:
+        return bytearray(n)
+    return memoryview(mmap.mmap(-1, n))
+
+
 def write_frame(send: Callable[[list[memoryview]], int], frame: Sequence[Any], what: str,
-                deadline: float | None, written: bool, check_watch: Callable[[], object],
+                deadline: Stall | None, written: bool, check_watch: Callable[[], object],
                 wait: Callable[[float], object]) -> bool:
     """Write a whole frame to one worker through a stream: ``send`` (a non-blocking
     writev or sendmsg) writes what it can of the parts, or raises BlockingIOError. While
     the stream is full: ``check_watch()`` (raises on a death), then ``wait(seconds)`` for
     room. ``written``: whether another worker got this message already; past ``deadline``
-    that makes it a PartialSendError (the stream is out of step for good), else a
-    SendTimeout with nothing of it sent. Any other exception that ends it once something
-    of the message may have gone (KeyboardInterrupt, a signal handler's in the wait)
-    becomes a PartialSendError too, with it as its cause: passed on as it is, the caller
-    would take the stream for whole. Returns whether anything was written.
-    ``what`` names the stream in those errors ("worker 3's command pipe")."""
+    (which each part written moves: Stall) that makes it a PartialSendError (the stream is
+    out of step for good), else a SendTimeout with nothing of it sent. Any other exception
+    that ends it once something of the message may have gone (KeyboardInterrupt, a signal
+    handler's in the wait) becomes a PartialSendError too, with it as its cause: passed on
+    as it is, the caller would take the stream for whole. Returns whether anything was
+    written. ``what`` names the stream in those errors ("worker 3's command pipe")."""
     parts = [v for v in (memoryview(p).cast("B") for p in frame) if v.nbytes]
     sending = False  # a send whose count is not taken yet: it may have written
     try:
@@ -335,9 +372,11 @@ def write_frame(send: Callable[[list[memoryview]], int], frame: Sequence[Any], w
                     n -= parts.pop(0).nbytes
                 if n:
                     parts[0] = parts[0][n:]
+                if deadline is not None:
+                    deadline.moved()
                 continue
             check_watch()
-            left = None if deadline is None else deadline - time.monotonic()
+            left = None if deadline is None else deadline.at - time.monotonic()
             if left is not None and left <= 0:
                 if written:
                     raise PartialSendError(

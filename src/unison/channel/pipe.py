@@ -68,13 +68,16 @@ from unison.channel import (
     Channel,
     Reply,
     SendTimeout,
+    Stall,
     WorkerChannel,
     drain_fd,
     half_sent,
     held,
     meddled,
     own_error,
+    receive_buffer,
     reported,
+    stall,
     write_frame,
 )
 from unison.pacing import SPIN, Pacer, busy_budget, crowd, spin
@@ -152,7 +155,8 @@ class PipeChannel(Channel):
         self._begun = [bytearray() for _ in range(num_workers)]
         """Per worker, the bytes read of replies not yet whole: never waited for, as a worker
         stopped half-way through a reply is a hung worker, to be seen at the deadline."""
-        self._large: list[tuple[bytearray, memoryview, int] | None] = [None] * num_workers
+        self._large: list[tuple[bytearray | memoryview, memoryview, int] | None] = (
+            [None] * num_workers)
         """Per worker, a reply larger than the scratch buffer being read: (its body, the part
         still to read, its progress word)."""
         self._broken: dict[int, str] = {}
@@ -206,10 +210,10 @@ class PipeChannel(Channel):
         if refs:
             assert self.arena is not None  # only the arena's shared arrays give refs
             self.arena.count_sent(refs, ranks)
-        written, sent = False, self._sent
+        written, sent, moving = False, self._sent, stall(deadline)
         try:
             for r in ranks:
-                written = self._write(r, frame, deadline, written)
+                written = self._write(r, frame, moving, written)
                 sent[r] += 1
         except BaseException as exc:  # (a signal handler's between two workers: the first
             if written and not own_error(exc):  # got it all, the next nothing)
@@ -275,7 +279,7 @@ class PipeChannel(Channel):
             self._extra[rank] = 0  # it took every frame: those writes are gone
         return self._slots[rank] - _slots_used(queued, left + self._extra[rank])
 
-    def _write(self, rank: int, frame: list[Any], deadline: float | None,
+    def _write(self, rank: int, frame: list[Any], deadline: Stall | None,
                written: bool) -> bool:
         """Write the whole frame to ``rank``'s pipe, waiting (and watching deaths) while it
         is full. Returns True once anything was written."""
@@ -521,7 +525,7 @@ class PipeChannel(Channel):
                 end = at + _REPLY.size + size
                 if len(begun) < end:
                     if size > len(self._scratch):
-                        body = bytearray(size)
+                        body = receive_buffer(size)
                         have = len(begun) - at - _REPLY.size
                         body[:have] = mv[at + _REPLY.size :]
                         self._large[rank] = (body, memoryview(body)[have:], progress)
@@ -664,14 +668,14 @@ class PipeWorkerChannel(WorkerChannel):
         self._taken += 1
         return data, bufs
 
-    def _read(self, n: int) -> bytearray:
+    def _read(self, n: int) -> bytearray | memoryview:
         """Exactly ``n`` bytes: first those read ahead, then the pipe's."""
         have = self._have
         if len(have) >= n:
-            buf = have[:n]
+            ahead = have[:n]
             del have[:n]
-            return buf
-        buf = bytearray(n)
+            return ahead
+        buf = receive_buffer(n)
         view = memoryview(buf)
         got = len(have)
         view[:got] = have

@@ -71,13 +71,16 @@ from unison.channel import (
     PartialSendError,
     Reply,
     SendTimeout,
+    Stall,
     WorkerChannel,
     arena,
     drain_fd,
     half_sent,
     held,
     own_error,
+    receive_buffer,
     reported,
+    stall,
     write_frame,
 )
 from unison.pacing import SPIN, cores, crowd, spin
@@ -511,6 +514,7 @@ class TcpChannel(Channel):
         raws = [pb.raw() for pb in buffers]
         check_frame(data, raws)
         written = False  # once a worker has it, a timeout further on is a partial send
+        moving = stall(deadline)
         for r in ranks:
             peer = self._peers[r]
             if peer is None or not peer.open:
@@ -528,7 +532,7 @@ class TcpChannel(Channel):
                             n = 0
                         written = was or n > 0
                         if n < len(frame):  # the connection is full: wait for room
-                            written = self._write(peer, [memoryview(frame)[n:]], deadline,
+                            written = self._write(peer, [memoryview(frame)[n:]], moving,
                                                   written)
                         else:
                             written = True
@@ -537,7 +541,7 @@ class TcpChannel(Channel):
                     for raw in raws:
                         parts += [_BUF.pack(raw.nbytes), raw]
                     with peer.write_lock:
-                        written = self._write(peer, parts, deadline, written)
+                        written = self._write(peer, parts, moving, written)
             except BaseException as exc:
                 if not own_error(exc):  # (a signal handler's): once a worker got the message,
                     if written:  # or part of it, lockstep is gone
@@ -551,7 +555,7 @@ class TcpChannel(Channel):
             self._unread = 0
             self._drain()
 
-    def _write(self, peer: _Peer, frame: list[Any], deadline: float | None,
+    def _write(self, peer: _Peer, frame: list[Any], deadline: Stall | None,
                written: bool) -> bool:
         """Write a frame to ``peer`` (its write lock held), after the rest of a heartbeat
         begun (``owed``). While its connection is full, read what it sends: it may be
@@ -1215,7 +1219,7 @@ class TcpWorkerChannel(WorkerChannel):
         self._have += self._scratch_view[:k]
         return None
 
-    def _read(self, n: int) -> bytearray:
+    def _read(self, n: int) -> bytearray | memoryview:
         """Exactly ``n`` bytes: first what an earlier read brought ahead, then the socket's.
         A small remainder is read through the scratch buffer, taking what follows with it
         (a frame's head and body, and frames sent back to back, cost one recv); a large one
@@ -1223,12 +1227,12 @@ class TcpWorkerChannel(WorkerChannel):
         have, off = self._have, self._off
         if len(have) - off >= n:
             self._off = off = off + n
-            out = have[off - n : off]
+            ahead = have[off - n : off]
             if off == len(have):
                 have.clear()
                 self._off = 0
-            return out
-        out = bytearray(n)
+            return ahead
+        out = receive_buffer(n)
         view = memoryview(out)
         got = len(have) - off
         view[:got] = have[off:]

@@ -130,7 +130,11 @@ class Watchdog:
 
     def _sample(self, wait: object, ranks: list[int], now: float) -> str | None:
         """Update each rank's progress from /proc alone (no signal: a worker waiting in C
-        between samples is never interrupted); the report if the call is hung, else None."""
+        between samples is never interrupted); the report if the call is hung, else None.
+        Time between two samples past the next one's due counts toward no hang: a pause of
+        the whole session (SIGSTOP of its group, a suspended machine) of about hang_timeout
+        read as workers that used no CPU, where a longer one started afresh (an audit of
+        pauses, issue 9, forty-ninth pass: a HangError for workers busy all along)."""
         pids, local, stale = self._pids, self._local, 3 * self.interval + 1.0
         if len(self._ranks) > 4 * len(pids) + 16:  # forget the waits nobody samples now
             for key in [k for k, st in self._ranks.items() if now - st.sampled > stale]:
@@ -144,6 +148,9 @@ class Watchdog:
                 # a new wait, or nobody waited on it lately: start afresh
                 self._ranks[r, wait] = _Rank(now, cpu)
                 continue
+            gap = now - st.sampled
+            if gap > 2 * self.interval:  # unwatched (this process stopped or starved):
+                st.progress += gap - self.interval  # that time counts for nothing
             gone = (pids[r], local[r]) not in cpu  # (its death is for the wait to report)
             if gone or (not state.startswith(("T", "t"))
                         and _used(st.cpu, cpu) >= CPU_SHARE * (now - st.sampled)):

@@ -97,6 +97,13 @@ class Waits:
             else:
                 await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
+            # one last look, as a blocking wait's: after a pause (SIGSTOP, a suspended
+            # machine) the loop runs wait_for's timer before the reader of replies that
+            # came in time (before, an audit of pauses, issue 9, forty-ninth pass: a
+            # TimeoutError naming no worker, and run_async's values lost)
+            router.poll(clear=False)
+            if not req.remaining:
+                return
             ranks = router.pending(req)
             router.abandon(req)
             where = getattr(self._owner, "_where_they_are", None)  # their stacks: ~10 ms,

@@ -248,7 +248,9 @@ class Session(View):
             is stopped).
         send_timeout: how long ``call``, ``put`` and ``scatter`` may block when the workers
             fall behind and the command queue is full (TimeoutError; nothing of that
-            message was sent).
+            message was sent). A message that streams (a pipe or TCP worker taking a large
+            one part by part) waits that long for each part: one that stops moving half
+            sent closes the session.
         trace: a path: a timeline of every call from now until close(), written there in
             the Chrome/Perfetto trace format (see ``trace()``).
         hang_timeout: a wait whose workers make no progress (use no CPU, as /proc shows it

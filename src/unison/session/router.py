@@ -521,7 +521,25 @@ class Router:
         if req.remaining and self.hang is not None:
             self.hang.poll(req.req_id, lambda: self.pending(req), during)
         if req.remaining and deadline is not None and time.monotonic() >= deadline:
-            raise self._timeout_error(req, during)
+            self._last_look(req)
+            if req.remaining:
+                raise self._timeout_error(req, during)
+
+    def _last_look(self, req: Request) -> None:
+        """A follower's look past its deadline, as ``_pump``'s: read what is in if nobody
+        reads, else give the reader up to a slice while replies wait unread in the channel.
+        After a pause (SIGSTOP, a suspended machine) this thread and the reader wake
+        together, and the replies that came in time were not delivered yet: before (an
+        audit of pauses, issue 9, forty-ninth pass), TimeoutError named a worker that had
+        answered, and its value was dropped as late."""
+        self.poll(clear=False)
+        end = time.monotonic() + SLICE
+        with self._cv:
+            while req.remaining and not self.closed and self._chan.pending():
+                left = end - time.monotonic()
+                if left <= 0:
+                    return
+                self._cv.wait(left)
 
     def pending(self, req: Request) -> list[int]:
         """The ranks whose reply to ``req`` has not come yet."""
