@@ -419,3 +419,23 @@ def test_time_the_watchdog_did_not_watch_counts_toward_no_hang(make_session):
     found = [k for k in range(1, 8)
              if dog._sample("paused", ranks, t0 + 2.1 + k * step) is not None]
     assert found and found[0] == round((2.0 - step) / step)  # hang_timeout of watched time
+
+
+def test_a_follower_thread_finds_a_hang_about_hang_timeout_in(make_session):
+    """A thread that waits while another reads the channel (a follower) samples at the
+    watchdog's interval, so its samples are never taken for unwatched gaps. Before (the
+    review of issue 9's forty-ninth pass), it slept half a second between them: with
+    hang_timeout=0.4, each sample counted as a gap, and HangError came after 3 s."""
+    sess = make_session(2, hang_timeout=0.4)
+    busy = sess[0:1].call(spin, 4.0)
+    reader = threading.Thread(target=busy.get, kwargs={"timeout": 10})
+    reader.start()
+    try:
+        time.sleep(0.2)  # the reader is in
+        hung = sess[1:2].call(time.sleep, 4.0)  # no CPU: hung, by hang_timeout's measure
+        start = time.monotonic()
+        with pytest.raises(unison.HangError):
+            hung.get(timeout=8)
+        assert time.monotonic() - start < 1.8
+    finally:
+        reader.join(10)

@@ -625,3 +625,38 @@ def test_the_exit_does_not_wait_for_worker_0s_call_in_a_daemon_thread(controller
     assert proc.returncode == 0, err
     assert time.monotonic() - t0 < 10, err
     wait_dead(int(out.split()[0]), 2.0)
+
+
+def spin_for(seconds: float) -> int:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    return unison.rank()
+
+
+def test_a_cancel_landing_while_worker_0_runs_the_call_is_a_cancel(
+        inline: Callable[..., unison.Session]) -> None:
+    """A ``ref.cancel()`` from another thread while worker 0 (inline) runs the call: a
+    CancelledError, nothing left to report at sync. Before (the review of issue 9's
+    forty-ninth pass), worker 0's end of it was taken for a Cancelled its function raised
+    of itself (the check read a board only worker processes set): WorkerError."""
+    from unison.refs import Ref
+
+    sess = inline(2)
+    box: dict[str, unison.Ref] = {}
+    t = threading.Thread(target=lambda: box.setdefault("ref", sess.call(spin_for, 1.0)))
+    t.start()
+    board = sess._res.board
+    end = time.monotonic() + 5
+    while not board.running(1) and time.monotonic() < end:  # worker 1 inside the call
+        time.sleep(0.01)
+    ghost = Ref(sess, board.running(1), (0, 1))  # the Ref the thread gets only at the end
+    try:
+        ghost.cancel(timeout=3.0)
+    finally:
+        ghost._freed = True  # (the thread's own Ref frees it)
+        t.join()
+    with pytest.raises(unison.CancelledError):
+        box["ref"].gather()
+    assert sess.sync() is None
+    assert sess.run(unison.rank) == [0, 1]

@@ -118,6 +118,27 @@ def test_a_pipe_frame_that_keeps_moving_never_times_out(
         ref.free()
 
 
+def _a_forked_childs_write_seen(a: np.ndarray) -> float:
+    """Worker code: a child it forks writes into ``a``; what the worker then reads."""
+    pid = os.fork()
+    if pid == 0:
+        a[:] = 7.0
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return float(a[0])
+
+
+def test_a_buffer_a_pipe_worker_received_stays_its_own_across_a_fork(
+    make_session: Callable[..., unison.Session],
+) -> None:
+    """A large argument a pipe worker reads into mapped pages: a child its code forks gets
+    a copy, as of any other memory. Before (the review of issue 9's forty-ninth pass), the
+    pages were mapped shared, and the child's write changed the worker's array."""
+    sess = make_session(1, channel="pipe")
+    for n in (1000, 1 << 18):  # 8 KB and 2 MiB
+        assert sess.run(_a_forked_childs_write_seen, np.zeros(n)) == [0.0]
+
+
 class _Alarm(Exception):
     """A signal handler's exception: a time limit on a block of user code."""
 

@@ -250,11 +250,12 @@ def cancelled() -> bool:
     return False
 
 
-def _asked(call: int) -> bool:
-    """Whether the controller cancelled ``call``: a Cancelled the function raised of itself
-    is an error like any other. Before (an audit, issue 9, forty-ninth pass), it was taken
-    for a ``ref.cancel()``: ``run`` said so, and after ``call`` it was never reported."""
-    return _board is not None and _board.is_cancelled(call)
+def _asked(board: Board | None, call: int) -> bool:
+    """Whether the controller cancelled ``call`` (``board``: serve's, worker 0 inline's
+    too): a Cancelled the function raised of itself is an error like any other. Before (an
+    audit, issue 9, forty-ninth pass), it was taken for a ``ref.cancel()``: ``run`` said
+    so, and after ``call`` it was never reported."""
+    return board is not None and board.is_cancelled(call)
 
 
 def _on_cancel_signal(signum: int, frame: object) -> None:
@@ -378,7 +379,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
             except BaseException as exc:  # SystemExit and friends from user code are errors too
                 try:  # (it cannot fail but by a Ctrl-C, worker 0 inline, as below)
                     err = protocol.pack_error(exc, _name(fn), interrupts)
-                    asked = isinstance(exc, Cancelled) and _asked(ref_id)
+                    asked = isinstance(exc, Cancelled) and _asked(board, ref_id)
                     if isinstance(exc, Cancelled) and not asked:
                         err = protocol.unasked(err)
                 finally:

@@ -340,7 +340,8 @@ def receive_buffer(n: int) -> bytearray | memoryview:
     ``send_timeout`` then ran out), then the read's copy; mapped, the read alone, 0.4 s."""
     if n < _MAPPED_FROM:
         return bytearray(n)
-    return memoryview(mmap.mmap(-1, n))
+    # private: a child the worker's code forks gets a copy, as of a bytearray's pages
+    return memoryview(mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
 
 
 def write_frame(send: Callable[[list[memoryview]], int], frame: Sequence[Any], what: str,

@@ -72,6 +72,9 @@ class Watchdog:
         self.hang_timeout = hang_timeout
         self.interval = min(max(hang_timeout / 4, 0.01), 1.0)
         """Seconds between samples; a wait's slice should not be longer."""
+        self._unwatched = max(2 * self.interval, hang_timeout / 2)
+        """A gap between two samples past this was not watched: a sample merely late (a
+        loaded machine) still counts in full."""
         self._pids = pids
         self._local: dict[int, int] = {}
         """The ranks whose pid is proven to be that worker on this host: their start time."""
@@ -131,7 +134,7 @@ class Watchdog:
     def _sample(self, wait: object, ranks: list[int], now: float) -> str | None:
         """Update each rank's progress from /proc alone (no signal: a worker waiting in C
         between samples is never interrupted); the report if the call is hung, else None.
-        Time between two samples past the next one's due counts toward no hang: a pause of
+        Time between two samples past ``_unwatched`` counts toward no hang: a pause of
         the whole session (SIGSTOP of its group, a suspended machine) of about hang_timeout
         read as workers that used no CPU, where a longer one started afresh (an audit of
         pauses, issue 9, forty-ninth pass: a HangError for workers busy all along)."""
@@ -149,8 +152,8 @@ class Watchdog:
                 self._ranks[r, wait] = _Rank(now, cpu)
                 continue
             gap = now - st.sampled
-            if gap > 2 * self.interval:  # unwatched (this process stopped or starved):
-                st.progress += gap - self.interval  # that time counts for nothing
+            if gap > self._unwatched:  # (this process stopped or starved): that time
+                st.progress += gap - self.interval  # counts for nothing
             gone = (pids[r], local[r]) not in cpu  # (its death is for the wait to report)
             if gone or (not state.startswith(("T", "t"))
                         and _used(st.cpu, cpu) >= CPU_SHARE * (now - st.sampled)):

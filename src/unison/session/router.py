@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = ["WHOLE", "Reentered", "Request", "Router", "RouterOwner", "reentered"]
 
 SLICE = 0.5  # the longest single sleep of a wait, so close() and deadlines are noticed
+_LOOK_AGAIN = 0.01  # a follower's last look, past its deadline: how often it reads again
 WHOLE = 2
 """Request.abandoned for a SYNC: the reader keeps its answers' errors the moment the last
 one is in (Router.keep_answers), all ranks at once: a sync of another thread that ends
@@ -513,8 +514,9 @@ class Router:
             self._followers += 1
             try:
                 if req.remaining:
-                    left = SLICE if deadline is None else deadline - time.monotonic()
-                    self._cv.wait(max(0.0, min(SLICE, left)))
+                    most = SLICE if self.hang is None else min(SLICE, self.hang.interval)
+                    left = most if deadline is None else deadline - time.monotonic()
+                    self._cv.wait(max(0.0, min(most, left)))
             finally:
                 self._followers -= 1
         self._owner.check_open()
@@ -532,14 +534,21 @@ class Router:
         together, and the replies that came in time were not delivered yet: before (an
         audit of pauses, issue 9, forty-ninth pass), TimeoutError named a worker that had
         answered, and its value was dropped as late."""
-        self.poll(clear=False)
         end = time.monotonic() + SLICE
-        with self._cv:
-            while req.remaining and not self.closed and self._chan.pending():
-                left = end - time.monotonic()
-                if left <= 0:
-                    return
-                self._cv.wait(left)
+        while True:
+            self.poll(clear=False)  # (nothing where another thread reads: it delivers)
+            if not req.remaining or self.closed or not self._chan.pending():
+                return
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            with self._cv:  # counted, so the reader's delivery or its leaving wakes us
+                self._followers += 1
+                try:
+                    if req.remaining:
+                        self._cv.wait(min(left, _LOOK_AGAIN))
+                finally:
+                    self._followers -= 1
 
     def pending(self, req: Request) -> list[int]:
         """The ranks whose reply to ``req`` has not come yet."""
