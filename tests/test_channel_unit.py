@@ -637,7 +637,7 @@ def test_write_frame_makes_an_exception_that_ends_it_half_way_a_partial_send() -
     as its cause, so the session closes rather than go on out of step; with nothing
     written it goes on as it is; only the deadline with nothing written is SendTimeout. The
     pipe and TCP channels both write through write_frame."""
-    from unison.channel import PartialSendError, SendTimeout, write_frame
+    from unison.channel import PartialSendError, SendTimeout, stall, write_frame
 
     frame = [b"head", b"x" * 100]
     later = time.monotonic() + 60
@@ -645,7 +645,8 @@ def test_write_frame_makes_an_exception_that_ends_it_half_way_a_partial_send() -
     def write(send: Callable[[list[memoryview]], int], wait: Callable[..., object],
               written: bool = False, deadline: float | None = later,
               check: Callable[[], object] = lambda: None) -> bool:
-        return write_frame(send, frame, "worker 0's pipe", deadline, written, check, wait)
+        return write_frame(send, frame, "worker 0's pipe", stall(deadline), written, check,
+                           wait)
 
     for exc in (_Alarm("time limit"), TimeoutError("time limit"), KeyboardInterrupt()):
         with pytest.raises(PartialSendError, match="half sent to worker 0's pipe") as info:
@@ -669,6 +670,37 @@ def test_write_frame_makes_an_exception_that_ends_it_half_way_a_partial_send() -
     with pytest.raises(BrokenPipeError):  # the stream's own error: the session closes for it
         write(_takes(5), lambda _: None, check=_raises(death))
     assert write(_takes(50, 54), _raises(AssertionError("no wait")))  # whole
+
+
+def test_write_frame_times_out_only_a_stream_that_stops_moving() -> None:
+    """Each part written moves the deadline to then plus the time the send was given: a
+    frame taken a little at a time, with pauses shorter than that, goes whole however long
+    it takes in all (issue 9, forty-ninth pass); one whose stream stops for that long
+    fails half sent."""
+    from unison.channel import PartialSendError, stall, write_frame
+
+    frame = [b"x" * 100]
+    counts = [10] * 10
+    room = [True]
+
+    def send(parts: list[memoryview]) -> int:  # 10 bytes, then full until the next wait
+        if not (room[0] and counts and counts[0]):
+            raise BlockingIOError
+        room[0] = False
+        return counts.pop(0)
+
+    def wait(seconds: float) -> None:
+        time.sleep(min(seconds, 0.03))  # room comes after 30 ms each time: 0.3 s in all
+        room[0] = True
+
+    start = time.monotonic()
+    assert write_frame(send, frame, "worker 0's pipe", stall(start + 0.1), False,
+                       lambda: None, wait)
+    assert time.monotonic() - start > 0.2
+    counts[:] = [10, 0]  # 10 bytes, then nothing more
+    with pytest.raises(PartialSendError, match="deadline passed"):
+        write_frame(send, frame, "worker 0's pipe", stall(time.monotonic() + 0.1), False,
+                    lambda: None, wait)
 
 
 def test_an_exception_between_two_workers_pipe_writes_is_a_partial_send(
