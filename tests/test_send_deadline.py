@@ -135,7 +135,7 @@ def test_a_buffer_a_pipe_worker_received_stays_its_own_across_a_fork(
     a copy, as of any other memory. Before (the review of issue 9's forty-ninth pass), the
     pages were mapped shared, and the child's write changed the worker's array."""
     sess = make_session(1, channel="pipe")
-    for n in (1000, 1 << 18):  # 8 KB and 2 MiB
+    for n in (1000, 4 << 20):  # 8 KB and 32 MiB (read into mapped pages from 16 MiB)
         assert sess.run(_a_forked_childs_write_seen, np.zeros(n)) == [0.0]
 
 

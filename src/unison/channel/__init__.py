@@ -329,15 +329,20 @@ def stall(deadline: float | None) -> Stall | None:
     return None if deadline is None else Stall(deadline)
 
 
-_MAPPED_FROM = 1 << 20
-"""Buffers from this size are received into mapped pages (``receive_buffer``)."""
+_MAPPED_FROM = 16 << 20
+"""Buffers from this size are received into mapped pages (``receive_buffer``); below it,
+malloc's reused memory is as quick (a put of 1 MiB read 0.26-0.31 GB/s a worker through
+mapped pages against 0.33-0.36 through a bytearray, `python benchmarks/run.py --workers 2
+--only put --systems unison-pipe,unison-tcp`)."""
 
 
 def receive_buffer(n: int) -> bytearray | memoryview:
     """A buffer to read ``n`` bytes of a stream into: a bytearray, or for a large one
     anonymous mapped pages, which the kernel zeroes as the read reaches them. bytearray(n)
     first writes n zeros: for 256 MiB, 0.3 s in which the stream was not read (a sender's
-    ``send_timeout`` then ran out), then the read's copy; mapped, the read alone, 0.4 s."""
+    ``send_timeout`` then ran out), then the read's copy; mapped, the read alone, 0.4 s (a
+    put of 64 MiB: 0.22-0.30 GB/s a worker through a pipe before, 0.37-0.38 now; over TCP
+    0.33, now 0.41-0.46)."""
     if n < _MAPPED_FROM:
         return bytearray(n)
     # private: a child the worker's code forks gets a copy, as of a bytearray's pages
