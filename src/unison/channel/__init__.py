@@ -331,8 +331,8 @@ def stall(deadline: float | None) -> Stall | None:
 
 _MAPPED_FROM = 16 << 20
 """Buffers from this size are received into mapped pages (``receive_buffer``); below it,
-malloc's reused memory is as quick (a put of 1 MiB read 0.26-0.31 GB/s a worker through
-mapped pages against 0.33-0.36 through a bytearray, `python benchmarks/run.py --workers 2
+malloc's reused memory is quicker (a put of 1 MiB through a pipe read 0.26 GB/s a worker
+into mapped pages, 0.33-0.36 into a bytearray: `python benchmarks/run.py --workers 2
 --only put --systems unison-pipe,unison-tcp`)."""
 
 
