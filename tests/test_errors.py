@@ -268,6 +268,15 @@ def _interrupted(*args, **kwargs):
     raise KeyboardInterrupt
 
 
+def run_script(script) -> str:
+    """Run ``script`` as its own program (its classes and functions are ``__main__``'s, sent
+    by value), in its folder; what it printed, once it exited 0."""
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ), cwd=script.parent)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
 def test_an_exception_class_defined_in_a_scripts_main_round_trips(tmp_path):
     script = tmp_path / "script_with_its_own_error.py"
     script.write_text(
@@ -282,12 +291,7 @@ def test_an_exception_class_defined_in_a_scripts_main_round_trips(tmp_path):
         "    except unison.WorkerError as err:\n"
         "        print('caught', isinstance(err.__cause__, MyError), err.__cause__)\n"
     )
-    proc = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True, text=True, timeout=60, env=dict(os.environ), cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "caught True raised in a worker" in proc.stdout
+    assert "caught True raised in a worker" in run_script(script)
 
 
 def test_a_script_class_method_passed_as_an_argument_names_its_file_and_line(tmp_path):
@@ -309,13 +313,9 @@ def test_a_script_class_method_passed_as_an_argument_names_its_file_and_line(tmp
         "    except unison.WorkerError as err:\n"
         "        print(str(err).split('Remote traceback')[1])\n"
     )
-    proc = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True, text=True, timeout=60, env=dict(os.environ), cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert f'File "{script}", line 4, in forward' in proc.stdout, proc.stdout
-    assert "the failing line" in proc.stdout and "dynamic-code" not in proc.stdout
+    out = run_script(script)
+    assert f'File "{script}", line 4, in forward' in out, out
+    assert "the failing line" in out and "dynamic-code" not in out
 
 
 def raise_huge(chars):
