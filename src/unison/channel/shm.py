@@ -513,19 +513,19 @@ class ShmChannel(Channel):
             self._done_lock.release()
 
     def _caught_up(self, ranks: Sequence[int], mark: int) -> int:
-        """_look, where a worker short of ``mark`` counts as done if it runs nothing and no
-        command between its position and ``mark`` is for it: one still asleep through a
-        view's calls at a wait's end. Before (issue 9, forty-ninth pass; left by the
-        forty-eighth), ``sync(timeout=0)`` named such a worker, sent nothing, as not
-        finished. The slow
-        path's last word only: the entries it reads are intact while the worker's read
-        position stays where it was (the writer never passes it), which it checks after."""
-        q, done, read, unrep = self._q, self._done_idx, self._cr_idx, self._unrep_idx
+        """_look, where a worker short of ``mark`` counts as done if no command between its
+        done position and ``mark`` is for it: one asleep through a view's calls at a wait's
+        end, or just woken and stepping past them (it publishes its done position once it
+        runs out). Before (issue 9, forty-ninth pass; left by the forty-eighth),
+        ``sync(timeout=0)`` named such a worker, sent nothing, as not finished. The slow
+        path's last word only. The entries it reads are intact: no writer passes the
+        ring's limit, which, read after the walk, lies within a ring of the done position
+        (else the worker counts as not done, as before)."""
+        q, done, unrep, head = self._q, self._done_idx, self._unrep_idx, self._head
         held = 1
         for r in ranks:
-            pos = q[read[r]]
-            if q[done[r]] < mark and (q[done[r]] != pos or self._sent_to(r, pos, mark)
-                                      or q[read[r]] != pos):
+            at = q[done[r]]
+            if at < mark and (self._sent_to(r, at, mark) or head.limit > at + CMD_RING):
                 return 0
             if q[unrep[r]]:
                 held = 2
