@@ -4,9 +4,11 @@ in-memory channel: no worker processes, so each case runs in milliseconds."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -28,6 +30,12 @@ class MemoryChannel:
 
     def ack(self, rank: int) -> None:
         self._q.put((rank, b""))
+
+    def pending(self) -> bool:
+        return not self._q.empty()
+
+    def rearm_wake(self) -> None:
+        pass
 
     def end(self, rank: int) -> None:
         self._q.put((rank, None))
@@ -136,6 +144,70 @@ def test_a_follower_is_handed_its_reply_by_the_leader():
     t.join(10)
     assert done.is_set()
     assert router.decode(theirs, (1,)) == [(OK, "theirs")]
+
+
+def test_a_follower_past_its_deadline_takes_replies_that_came_in_time():
+    """After a pause the follower and the reader wake together, the reply already in: the
+    follower reads again while replies wait unread, for up to a slice, then gives up."""
+    router, chan, _, _ = make(1)
+    req = Request(7, 1, ref_id=70)
+    router.expect(req, (0,))
+    chan.reply(0, 7, OK, "in time")
+    router.recv_lock.acquire()  # the reader, woken but not yet reading
+    outcome: list[object] = []
+    t = threading.Thread(target=lambda: outcome.append(_waited(router, req)))
+    t.start()
+    time.sleep(0.1)  # the follower is in its last look: its deadline passed
+    router.recv_lock.release()  # the reader lets go with the reply unread, telling nobody
+    let_go = time.monotonic()
+    t.join(5)
+    assert outcome == [None]
+    assert time.monotonic() - let_go < 0.25  # it reads again soon, not after a slice
+    assert router.decode(req, (0,)) == [(OK, "in time")]
+
+    stuck = Request(8, 1, ref_id=80)  # a reply unread that nobody delivers: a slice, then the error
+    router.expect(stuck, (0,))
+    chan.reply(0, 8, OK, "held")
+    with _read_elsewhere(router):
+        start = time.monotonic()
+        assert isinstance(_waited(router, stuck), TimeoutError)
+        assert 0.4 < time.monotonic() - start < 2.0
+    router.poll(clear=False)  # (its reply, now late, is dropped)
+
+    late = Request(9, 1, ref_id=90)  # nothing in: the error at once
+    router.expect(late, (0,))
+    with _read_elsewhere(router):
+        start = time.monotonic()
+        assert isinstance(_waited(router, late), TimeoutError)
+        assert time.monotonic() - start < 0.3
+
+
+@contextlib.contextmanager
+def _read_elsewhere(router: Router) -> Iterator[None]:
+    """Another thread holds the router's read lock (a reader that does not deliver)."""
+    held, leave = threading.Event(), threading.Event()
+
+    def reader() -> None:
+        with router.recv_lock:
+            held.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    held.wait(5)
+    try:
+        yield
+    finally:
+        leave.set()
+        t.join(5)
+
+
+def _waited(router: Router, req: Request) -> BaseException | None:
+    try:
+        router.wait(req, time.monotonic() - 1, "waiting")
+    except TimeoutError as exc:
+        return exc
+    return None
 
 
 def test_a_timeout_abandons_the_request_and_a_late_error_is_kept():
