@@ -605,6 +605,23 @@ def test_a_value_that_cannot_be_pickled_back_fails_at_get_saying_so(sess):
     assert sess.run(unison.rank) == [0, 1]
 
 
+class RebuildsBadly:
+    """Pickles, and raises as the worker rebuilds it."""
+
+    def __reduce__(self):
+        return (raise_cannot_rebuild, ())
+
+
+def test_each_error_names_the_step_it_came_from(sess):
+    with pytest.raises(WorkerError, match=r"\(in use's arguments\)"):
+        sess.run(use, RebuildsBadly())
+    with pytest.raises(WorkerError, match=r"\(in Lock\)|\(in allocate_lock\)"):
+        sess.run(threading.Lock)  # its result would not pickle: the function's step
+    with pytest.raises(WorkerError, match=r"\(in get\)"):
+        sess.call(threading.Lock).get()  # a Ref's value would not: the get's
+    assert sess.run(use, 3) == [3, 3]
+
+
 # -- exceptions that plain pickle cannot rebuild ---------------------------------------------
 
 

@@ -306,6 +306,7 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
     enter, leave = (None, None) if mark is None else (mark.enter, mark.leave)
     args: Any  # a call's arguments, let go after it (see the call's finally)
     kwargs: Any
+    unpickling = False  # set where a call's pickled arguments failed to load (its error's label)
     while True:
         got = recv()
         if got is None:
@@ -361,6 +362,9 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                         _loading[0] = threading.get_ident()
                         try:
                             args, kwargs = loads(blob, bufs)
+                        except BaseException:
+                            unpickling = True
+                            raise
                         finally:
                             _loading[0] = 0
                         value = fn(*args, **kwargs)  # type: ignore[misc]
@@ -378,7 +382,9 @@ def serve(chan: WorkerChannel, coll: Collectives | None = None,
                     raise Cancelled(f"call #{ref_id} was cancelled by the controller while it ran")
             except BaseException as exc:  # SystemExit and friends from user code are errors too
                 try:  # (it cannot fail but by a Ctrl-C, worker 0 inline, as below)
-                    err = protocol.pack_error(exc, _name(fn), interrupts)
+                    where = f"{_name(fn)}'s arguments" if unpickling else _name(fn)
+                    unpickling = False
+                    err = protocol.pack_error(exc, where, interrupts)
                     asked = isinstance(exc, Cancelled) and _asked(board, ref_id)
                     if isinstance(exc, Cancelled) and not asked:
                         err = protocol.unasked(err)
@@ -519,7 +525,8 @@ def _reply_value(chan: WorkerChannel, req_id: int, obj: object, fn: object = Non
                         "gives a Ref to pass to later calls), or return a picklable value "
                         "that fits")
     err = TypeError(f"{what} ({type(obj).__qualname__}) {problem}. {advice}.")
-    chan.reply(protocol.dumps((req_id, ERR, protocol.pack_error(err, "get", _inline[0]))))
+    where = "get" if fn is None else _name(fn)
+    chan.reply(protocol.dumps((req_id, ERR, protocol.pack_error(err, where, _inline[0]))))
 
 
 def _name(fn: object) -> str:
