@@ -488,6 +488,12 @@ def test_a_value_that_cannot_be_unpickled_on_the_controller_fails_at_get_saying_
     assert sess.sync() is None  # the call itself succeeded
     with pytest.raises((WorkerError, TypeError), match=r"(?i)unpickl|cannot be"):
         ref.get()
+    with pytest.raises(WorkerError) as got:  # the controller's failure, titled as such
+        sess.run(make_worker_only_object, str(tmp_path), module)
+    text = str(got.value)
+    assert text.startswith("worker 0's reply could not be read: TypeError: "), text
+    assert "Traceback on the controller (worker 0's reply):" in text, text
+    assert "Remote traceback" not in text and "(in unpickling" not in text, text
     assert sess.run(unison.rank) == [0, 1]
     assert sess.sync() is None
 

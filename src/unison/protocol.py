@@ -81,6 +81,9 @@ OK, ERR, ARRAY = 0, 1, 2
 """A reply's status. ARRAY: OK, its value a small numpy array or scalar sent as
 ``array_payload`` makes it (read back here, in ``read_reply``, and in the router's decode)."""
 READY_REQ = -1  # the req_id of the hello a worker sends once its loop is up
+ON_CONTROLLER = "unpickling the reply on the controller"
+"""The ``where`` of a packed error made on the controller, for a reply that would not
+unpickle there: its traceback is the controller's, not the worker's."""
 
 _dump = pickle.dumps
 

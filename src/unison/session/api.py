@@ -1666,25 +1666,40 @@ def _worker_error(errors: dict[int, tuple[Any, ...]]) -> WorkerError | Cancelled
            for r, e in excs.items()):
         return CancelledError(
             f"the call was cancelled (ref.cancel()) on workers {ranks}: {excs[first]}", ranks)
-    text = f"worker {first} raised {_said(errors[first])}"
+    unread = "'s reply could not be read:"
+    text = f"worker {first}{_raised(errors[first], ' raised', unread)} {_said(errors[first])}"
     if len(ranks) > 1:
         text += f"; workers {ranks[1:]} failed too (see .errors)"
     began = _began(excs)
     if began != first:
-        text += f". It began on worker {began}, which raised {_said(errors[began])}"
-    text += f"\n\nRemote traceback (worker {first}):\n{shortened(errors[first][3].rstrip())}"
+        text += f". It began on worker {began}, " \
+                f"{_raised(errors[began], 'which raised', 'whose reply could not be read:')} " \
+                f"{_said(errors[began])}"
+    text += _traceback(errors[first], f"worker {first}")
     if began != first:
-        text += f"\n\nRemote traceback (worker {began}, where it began):\n" \
-                f"{shortened(errors[began][3].rstrip())}"
+        text += _traceback(errors[began], f"worker {began}, where it began")
     err = WorkerError(text, first, excs)
     err.__cause__ = excs[first]
     return err
 
 
+def _raised(error: tuple[Any, ...], raised: str, unread: str) -> str:
+    """``raised``, or ``unread`` for a reply that failed here (``protocol.ON_CONTROLLER``)."""
+    return unread if error[4] == protocol.ON_CONTROLLER else raised
+
+
+def _traceback(error: tuple[Any, ...], whose: str) -> str:
+    """A packed error's traceback, titled with where it ran: a worker, or the controller."""
+    title = (f"Traceback on the controller ({whose}'s reply)"
+             if error[4] == protocol.ON_CONTROLLER else f"Remote traceback ({whose})")
+    return f"\n\n{title}:\n{shortened(error[3].rstrip())}"
+
+
 def _said(error: tuple[Any, ...]) -> str:
     """``Type: message (in where)`` of a packed worker error."""
     _, type_name, message, _, where = error[:5]
-    return f"{type_name}: {shortened(message)}" + (f" (in {where})" if where else "")
+    return f"{type_name}: {shortened(message)}" + (
+        f" (in {where})" if where and where != protocol.ON_CONTROLLER else "")
 
 
 def _began(excs: dict[int, BaseException]) -> int:

@@ -305,7 +305,7 @@ class Router:
                     raise err from exc
                 err.__cause__ = exc  # its traceback says where unpickling failed
                 out.append((ERR, protocol.pack_error(  # (interrupts: here, Ctrl-C is ours)
-                    err, "unpickling the reply on the controller", interrupts=True)))
+                    err, protocol.ON_CONTROLLER, interrupts=True)))
                 continue
             if got_id != req.req_id:  # never hand a reply to the wrong call, even under -O
                 raise OutOfStep(
