@@ -970,7 +970,7 @@ def test_a_local_worker_joining_as_the_session_closes_gets_no_fd(tmp_path):
     file. Now the fds go under the lock close() takes, or not at all."""
     from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
-    from unison.channel.tcp import _HELLO, TcpChannel
+    from unison.channel.tcp import _HELLO, TcpChannel, build
 
     fd = -1
     chan = TcpChannel(1, "127.0.0.1", "127.0.0.1", SECRET, local=frozenset({0}))
@@ -993,7 +993,7 @@ def test_a_local_worker_joining_as_the_session_closes_gets_no_fd(tmp_path):
         os.close(opened)
         try:  # close() ends the handshakes in progress (since the forty-sixth pass of issue
             # 9): the hello or the welcome may fail; the fds must not come
-            conn.send_bytes(_HELLO.pack(0, os.getpid()) + b"host")
+            conn.send_bytes(_HELLO.pack(0, os.getpid()) + b"host\0" + build().encode())
             conn.recv_bytes()  # the welcome
             sock.settimeout(3.0)
             _, got, _, _ = socket.recv_fds(sock, 1, 4)
@@ -1007,6 +1007,33 @@ def test_a_local_worker_joining_as_the_session_closes_gets_no_fd(tmp_path):
         sock.close()
         if fd >= 0:
             os.close(fd)
+
+
+def test_a_worker_of_another_version_is_refused_saying_so(workers):
+    """A worker whose unison version (or Python's major.minor) is not the controller's could
+    read another version's messages wrong, or fail to load a function's bytecode. Before
+    (issue 9, fiftieth pass), the hello carried no version and such a worker joined; now
+    it is refused at its handshake, told why, and the start's timeout says it too."""
+    older = ("import sys, unison; unison.__version__ = '0.0.9'; from unison.cli import main; "
+             "sys.exit(main(sys.argv[1:]))")
+    started: list[subprocess.Popen[str]] = []
+
+    def announce(address: str, secret: bytes) -> None:
+        env = dict(os.environ, UNISON_SECRET=SECRET.hex())
+        started.append(subprocess.Popen(
+            [sys.executable, "-c", older, "worker", "--connect", address], env=env,
+            text=True, stderr=subprocess.PIPE))
+        workers.procs.extend(started)
+
+    launcher = ConnectLauncher(secret=SECRET, announce=announce)
+    with pytest.raises(TimeoutError) as got:
+        unison.Session(1, launcher=launcher, start_timeout=3)
+    says = "the worker runs unison 0.0.9 on "
+    assert f"The last worker that tried was refused: {says}" in str(got.value), got.value
+    assert "install the same unison version and Python" in str(got.value), got.value
+    assert started[0].wait(10) == 2
+    assert started[0].stderr is not None
+    assert says in started[0].stderr.read()
 
 
 @pytest.mark.parametrize("wanted", [-1, 1])

@@ -3,7 +3,7 @@
     controller                                         worker (``unison worker --connect``)
     listen(bind, port) <---- connect ------------------ socket
       accept thread: HMAC challenge both ways  <------> (multiprocessing.connection's)
-                     hello (rank wanted, pid, host) <-- then its WorkerSpec, its incarnation -->
+                hello (rank wanted, pid, host, build) <-- then its WorkerSpec, its incarnation -->
     send(msg) -> frame ----------------------------->  recv(): the worker loop reads it
     recv() <- frames (each names the incarnation) <--  reply(data)
 
@@ -58,6 +58,7 @@ import secrets
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -98,7 +99,8 @@ _BUF = struct.Struct("<Q")
 MAX_FRAME = 1 << 32
 """The largest payload or buffer a frame may carry (bytes); larger is malformed."""
 _MAX_BUFFERS = 1 << 16
-_HELLO = struct.Struct("<iq")  # rank wanted (-1: any), pid; then the host name
+_HELLO = struct.Struct("<iq")  # rank wanted (-1: any), pid; then the host name, a NUL
+# and the worker's build (``build``)
 _OFFER_S = 8.0
 """How long a worker that proved itself waits, in its handshake, for the session to offer
 it its part (the session listens before it has made its collectives: a second with torch's)."""
@@ -262,6 +264,9 @@ class TcpChannel(Channel):
         down those past it, and close all): a read timeout alone let a peer that sends a
         byte every few seconds hold one for minutes."""
         self._drops = _Drops()
+        self.refusal = ""
+        """Why the last worker that proved it holds the secret was refused ("" if none was):
+        the start's timeout says it."""
         self._why: dict[int, str] = {}
         self._watch: list[int] = []
         self._closed = False
@@ -384,16 +389,20 @@ class TcpChannel(Channel):
             try:
                 deliver_challenge(conn, self._secret)
                 answer_challenge(conn, self._secret)
-                hello = conn.recv_bytes(256)
+                hello = conn.recv_bytes(512)
                 if len(hello) < _HELLO.size:
                     raise ValueError("a short hello")
                 wanted, pid = _HELLO.unpack_from(hello)
-                host = bytes(hello[_HELLO.size:]).decode("utf-8", "replace")
-                with self._lock:  # a worker: it may wait for its part to be offered
-                    self._handshakes[sock] = time.monotonic() + _OFFER_S + _HANDSHAKE_S
-                rank, refusal = self._claim(wanted, unix)
+                named, _, built = bytes(hello[_HELLO.size:]).partition(b"\0")
+                host = named.decode("utf-8", "replace")
+                refusal = _other_build(built.decode("utf-8", "replace"))
+                if not refusal:
+                    with self._lock:  # a worker: it may wait for its part to be offered
+                        self._handshakes[sock] = time.monotonic() + _OFFER_S + _HANDSHAKE_S
+                    rank, refusal = self._claim(wanted, unix)
                 if refusal:
                     conn.send_bytes(pickle.dumps(("refused", refusal)))
+                    self.refusal = refusal
                     raise ValueError(refusal)
                 incarnation = secrets.randbits(63) | 1
                 spin = not (self._crowded and host == self._host)
@@ -982,6 +991,26 @@ def _ended(peer: _Peer) -> str:
     return peer.ended
 
 
+def build() -> str:
+    """What both ends of a connection must share: unison's version and the Python that runs
+    it (the functions cloudpickle sends by value carry that Python's bytecode)."""
+    from unison import __version__
+
+    return (f"unison {__version__} on {sys.implementation.name} "
+            f"{sys.version_info[0]}.{sys.version_info[1]}")
+
+
+def _other_build(theirs: str) -> str:
+    """Why a worker of build ``theirs`` cannot join this controller's session, "" if it can:
+    another version's messages could be read wrong, and a function's bytecode would not
+    load (a worker with no build in its hello runs an older unison)."""
+    ours = build()
+    if theirs == ours:
+        return ""
+    return (f"the worker runs {theirs or 'an older unison'}, the controller {ours}: install "
+            "the same unison version and Python (major.minor) on every host")
+
+
 def _check_head(magic: int, incarnation: int, size: int, count: int, expected: int) -> str:
     if magic != _MAGIC:
         return f"bad magic {magic:#x}"
@@ -1091,7 +1120,8 @@ def dial(address: str, secret: bytes, rank: int = -1, timeout: float = 60.0,
                 raise ConnectionError(_handshake_broke(address, exc)) from exc
             try:
                 conn.send_bytes(_HELLO.pack(rank, os.getpid())
-                                + socket.gethostname().encode()[:128])
+                                + socket.gethostname().encode()[:128].replace(b"\0", b"")
+                                + b"\0" + build().encode())
                 answer = pickle.loads(conn.recv_bytes(MAX_FRAME))  # (it proved itself)
             except (EOFError, OSError) as exc:
                 raise ConnectionError(_handshake_broke(address, exc)) from exc

@@ -579,6 +579,9 @@ class Router:
             text += (f" Worker(s) {never} never connected to {address}: start them with "
                      f"`unison worker --connect {address}` (UNISON_SECRET set to the session's "
                      "secret), and check that they can reach that address.")
+        refusal = getattr(self._chan, "refusal", "")
+        if never and refusal:
+            text += f" The last worker that tried was refused: {refusal}."
         return text
 
     # -- abandoned requests keep their errors ----------------------------------------------------
