@@ -5,6 +5,7 @@ loopback; the Ray launcher's tests (test_ray.py) run the same channel across Ray
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -1024,10 +1025,12 @@ def test_a_worker_of_another_version_is_refused_saying_so(workers):
             [sys.executable, "-c", older, "worker", "--connect", address], env=env,
             text=True, stderr=subprocess.PIPE))
         workers.procs.extend(started)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            started[0].wait(5)  # refused at once: within the start's time
 
     launcher = ConnectLauncher(secret=SECRET, announce=announce)
     with pytest.raises(TimeoutError) as got:
-        unison.Session(1, launcher=launcher, start_timeout=3)
+        unison.Session(1, launcher=launcher, start_timeout=6)
     says = "the worker runs unison 0.0.9 on "
     assert f"The last worker that tried was refused: {says}" in str(got.value), got.value
     assert "install the same unison version and Python" in str(got.value), got.value
