@@ -143,6 +143,10 @@ def test_a_sync_with_no_time_counts_a_worker_asleep_through_others_calls_as_done
     the first version of the fix still did where the sync's wake had that worker stepping
     past them (its done position is published once it runs out: CI, a slow host). A
     worker that has a command left is still not done."""
+    # Defined on every worker first: a view's first call of a function sends its DEFINE to
+    # all of them, and a worker asleep until that send woke it may still be running it at
+    # the sync below (rightly not done: a CI run on a slow host, the fiftieth pass)
+    assert sess.run(unison.rank) == [0, 1]
     for _ in range(5):
         sess.sync()
         time.sleep(0.2)  # both workers asleep
