@@ -1191,7 +1191,8 @@ def _deadlock(cycle: tuple[tuple[int, int, int, int], ...]) -> str:
         kinds.add(kind)
         if kind == _MEETING:
             said.append(f"worker {r} waits in {describe(desc)} "
-                        f"({'its group' if on else 'the world'}) for worker "
+                        f"({'its group, group=True' if on else 'the world, group=False'}) "
+                        f"for worker "
                         f"{cycle[(i + 1) % len(cycle)][0]}, which has not called it")
         elif kind == _SENDING:
             said.append(f"worker {r} waits to send to worker {on} ({RING} messages to it are "
