@@ -84,12 +84,21 @@ def test_eight_threads_doing_mixed_work_all_get_the_right_results(make_session):
     assert sess.run(unison.rank) == [0, 1]
 
 
-def test_a_long_wait_in_one_thread_does_not_block_short_calls_on_other_workers(make_session):
+@pytest.mark.parametrize("how", ["get", "run"])
+def test_a_long_wait_in_one_thread_does_not_block_short_calls_on_other_workers(make_session,
+                                                                               how):
+    """Nor does run's quick path on worker 0 (which, on shared memory, sleeps on past other
+    replies only where it waits for every worker's): a wait slice raised to 5 s makes a
+    short call's wait behind it take 5 s, past the long call's end."""
     sess = make_session(2)
+    sess._router.slice = 5.0
     done = {}
 
     def long_waiter():
-        assert sess[0].call(sleep_then, 1.5, "long").get() == "long"
+        if how == "get":
+            assert sess[0].call(sleep_then, 1.5, "long").get() == "long"
+        else:
+            assert sess[0].run(sleep_then, 1.5, "long") == ["long"]
         done["long"] = time.monotonic()
 
     def short_calls():
