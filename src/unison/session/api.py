@@ -1667,25 +1667,19 @@ def _worker_error(errors: dict[int, tuple[Any, ...]]) -> WorkerError | Cancelled
         return CancelledError(
             f"the call was cancelled (ref.cancel()) on workers {ranks}: {excs[first]}", ranks)
     unread = "'s reply could not be read:"
-    text = f"worker {first}{_raised(errors[first], ' raised', unread)} {_said(errors[first])}"
+    text = f"worker {first}{_said(errors[first], ' raised', unread)}"
     if len(ranks) > 1:
         text += f"; workers {ranks[1:]} failed too (see .errors)"
     began = _began(excs)
     if began != first:
         text += f". It began on worker {began}, " \
-                f"{_raised(errors[began], 'which raised', 'whose reply could not be read:')} " \
-                f"{_said(errors[began])}"
+                f"{_said(errors[began], 'which raised', 'whose reply could not be read:')}"
     text += _traceback(errors[first], f"worker {first}")
     if began != first:
         text += _traceback(errors[began], f"worker {began}, where it began")
     err = WorkerError(text, first, excs)
     err.__cause__ = excs[first]
     return err
-
-
-def _raised(error: tuple[Any, ...], raised: str, unread: str) -> str:
-    """``raised``, or ``unread`` for a reply that failed here (``protocol.ON_CONTROLLER``)."""
-    return unread if error[4] == protocol.ON_CONTROLLER else raised
 
 
 def _traceback(error: tuple[Any, ...], whose: str) -> str:
@@ -1695,11 +1689,14 @@ def _traceback(error: tuple[Any, ...], whose: str) -> str:
     return f"\n\n{title}:\n{shortened(error[3].rstrip())}"
 
 
-def _said(error: tuple[Any, ...]) -> str:
-    """``Type: message (in where)`` of a packed worker error."""
+def _said(error: tuple[Any, ...], raised: str, unread: str) -> str:
+    """``raised``, then ``Type: message (in where)`` of a packed worker error; ``unread``
+    first instead where the reply failed here, on the controller (protocol.ON_CONTROLLER)."""
     _, type_name, message, _, where = error[:5]
-    return f"{type_name}: {shortened(message)}" + (
-        f" (in {where})" if where and where != protocol.ON_CONTROLLER else "")
+    said = f"{type_name}: {shortened(message)}"
+    if where == protocol.ON_CONTROLLER:
+        return f"{unread} {said}"
+    return f"{raised} {said}" + (f" (in {where})" if where else "")
 
 
 def _began(excs: dict[int, BaseException]) -> int:
