@@ -320,6 +320,27 @@ def recorded(obj: Any, name: str) -> Iterator[list[tuple[tuple[Any, ...], Any]]]
             delattr(obj, name)
 
 
+@contextlib.contextmanager
+def held_elsewhere(lock: Any) -> Iterator[threading.Event]:
+    """Another thread holds ``lock`` from now until the block ends, or until the event it
+    yields is set (a reader that never delivers, say)."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(5), "the other thread never took the lock"
+    try:
+        yield release
+    finally:
+        release.set()
+        holder.join(5)
+
+
 def check_sync_reads_progress(sess: unison.Session, sent: Callable[[], list[int]] | None,
                               awaited: bool = False) -> None:
     """Where workers tell their progress without being asked (the pipe and TCP channels'

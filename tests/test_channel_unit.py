@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from support import join_tcp, raising_on_signal
+from support import held_elsewhere, join_tcp, raising_on_signal
 from unison import pacing, protocol
 from unison.channel import Channel, Reply
 from unison.channel import shm as shm_channel
@@ -1593,22 +1593,11 @@ def test_the_pure_look_takes_the_rx_lock_only_once_another_thread_may_read_the_r
 
     def look_while_held(req: int) -> float:
         workers[0].reply(_run_reply(req, req))
-        held, release = threading.Event(), threading.Event()
-
-        def hold() -> None:
-            with chan._rx_lock:
-                held.set()
-                release.wait(5)
-
-        holder = threading.Thread(target=hold)
-        holder.start()
-        held.wait(5)
-        threading.Timer(0.2, release.set).start()
-        start = time.monotonic()
-        assert chan.plain_values((0,), req, 1.0) == [req]
-        took = time.monotonic() - start
-        holder.join()
-        return took
+        with held_elsewhere(chan._rx_lock) as release:
+            threading.Timer(0.2, release.set).start()
+            start = time.monotonic()
+            assert chan.plain_values((0,), req, 1.0) == [req]
+            return time.monotonic() - start
 
     assert look_while_held(1) < 0.15
     assert chan.absorber() == chan.absorb

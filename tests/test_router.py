@@ -4,14 +4,13 @@ in-memory channel: no worker processes, so each case runs in milliseconds."""
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
+from support import held_elsewhere
 from unison import protocol
 from unison.protocol import ERR, OK
 from unison.session.router import OutOfStep, Request, Router
@@ -168,7 +167,7 @@ def test_a_follower_past_its_deadline_takes_replies_that_came_in_time():
     stuck = Request(8, 1, ref_id=80)  # a reply unread that nobody delivers: a slice, then the error
     router.expect(stuck, (0,))
     chan.reply(0, 8, OK, "held")
-    with _read_elsewhere(router):
+    with held_elsewhere(router.recv_lock):
         start = time.monotonic()
         assert isinstance(_waited(router, stuck), TimeoutError)
         assert 0.4 < time.monotonic() - start < 2.0
@@ -176,30 +175,10 @@ def test_a_follower_past_its_deadline_takes_replies_that_came_in_time():
 
     late = Request(9, 1, ref_id=90)  # nothing in: the error at once
     router.expect(late, (0,))
-    with _read_elsewhere(router):
+    with held_elsewhere(router.recv_lock):
         start = time.monotonic()
         assert isinstance(_waited(router, late), TimeoutError)
         assert time.monotonic() - start < 0.3
-
-
-@contextlib.contextmanager
-def _read_elsewhere(router: Router) -> Iterator[None]:
-    """Another thread holds the router's read lock (a reader that does not deliver)."""
-    held, leave = threading.Event(), threading.Event()
-
-    def reader() -> None:
-        with router.recv_lock:
-            held.set()
-            leave.wait(10)
-
-    t = threading.Thread(target=reader)
-    t.start()
-    held.wait(5)
-    try:
-        yield
-    finally:
-        leave.set()
-        t.join(5)
 
 
 def _waited(router: Router, req: Request) -> BaseException | None:
