@@ -893,3 +893,13 @@ def test_idle_cpu_names_each_process_of_an_idle_session_and_its_busiest_thread()
     for mode in ("local", "tcp"):
         assert len(re.findall(line.format(mode=mode, role="controller"), out, re.M)) == 1, out
         assert len(re.findall(line.format(mode=mode, role="worker"), out, re.M)) == 2, out
+
+
+def test_long_calls_counts_the_quick_path_of_calls_longer_than_its_spin() -> None:
+    """benchmarks/long_calls.py: a row per workload, each round of which (workers that end
+    apart too) takes run's quick path on shared memory."""
+    out = _tool("long_calls.py", "--rounds", "5")
+    rows = [line for line in out.splitlines() if "round - call" in line]
+    assert len(rows) == 4, out
+    for row in rows:
+        assert "quick   5/5," in row, out
