@@ -1190,9 +1190,8 @@ def _deadlock(cycle: tuple[tuple[int, int, int, int], ...]) -> str:
         on, kind = _waits_on(word)
         kinds.add(kind)
         if kind == _MEETING:
-            said.append(f"worker {r} waits in {describe(desc)} "
-                        f"({'its group, group=True' if on else 'the world, group=False'}) "
-                        f"for worker "
+            scope = "its group, group=True" if on else "the world, group=False"
+            said.append(f"worker {r} waits in {describe(desc)} ({scope}) for worker "
                         f"{cycle[(i + 1) % len(cycle)][0]}, which has not called it")
         elif kind == _SENDING:
             said.append(f"worker {r} waits to send to worker {on} ({RING} messages to it are "
